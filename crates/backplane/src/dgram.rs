@@ -1,0 +1,732 @@
+//! Datagram endpoints (the "UDP Direct" of the seed documents): kernel-bypass, lossless,
+//! in-order datagrams of up to 64 KiB between (node, port) addresses.
+//!
+//! One SPSC ring per (sender endpoint, receiver endpoint) pair, made on first send through the
+//! supervisor and then used without any system call: the sender copies (or fills in place) a
+//! record into the ring in the receiver's window; the receiver reads it in place and writes its
+//! consumer index back into the sender's window. Doorbells are rung only when the other side
+//! has armed them before sleeping, so a busy path makes no system calls and an idle one burns
+//! no CPU.
+//!
+//! Promises: delivery between two live endpoints is in order and loses nothing; a full ring
+//! blocks the sender or returns [`DgramError::WouldBlock`], as the caller chooses; data a send
+//! acknowledged stays readable by the receiver even if the sender dies; a peer that writes
+//! garbage gets its ring retired and counted in `dropped`, never a panic.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::fabric::ctl::{ErrorKind, Request, Response};
+use crate::fabric::{FabricError, Node};
+use crate::mem::Region;
+use crate::ring::{Consumer, Producer, RingError, RingMemory};
+use crate::sync::{fence, futex_wait, ring, AtomicU32, AtomicU64, Deadline, Ordering, SPIN_POLLS};
+use crate::wire::*;
+
+/// A datagram address: a node's slot and a port on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Addr {
+    /// Slot of the node.
+    pub node: u32,
+    /// Port on the node.
+    pub port: u32,
+}
+
+impl Addr {
+    /// `node:port`.
+    pub const fn new(node: u32, port: u32) -> Self {
+        Self { node, port }
+    }
+}
+
+impl fmt::Display for Addr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.node, self.port)
+    }
+}
+
+/// How long an operation may wait when the ring is full (send) or empty (receive).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// Return [`DgramError::WouldBlock`] at once.
+    Never,
+    /// Wait as long as it takes.
+    Forever,
+    /// Wait up to this long, then return [`DgramError::TimedOut`].
+    For(Duration),
+}
+
+/// What went wrong with a datagram operation.
+#[derive(Debug, thiserror::Error)]
+pub enum DgramError {
+    /// Occurs when the ring is full (send) or empty (receive) and the caller chose not to wait.
+    #[error("operation would block")]
+    WouldBlock,
+    /// Occurs when a timed wait expires.
+    #[error("timed out")]
+    TimedOut,
+    /// Occurs when a payload exceeds 64 KiB.
+    #[error("datagram of {0} bytes exceeds the {MAX_DGRAM}-byte maximum")]
+    TooBig(usize),
+    /// Occurs when the receive buffer cannot hold the next datagram (it stays queued).
+    #[error("receive buffer of {have} bytes is too small for a {need}-byte datagram")]
+    BufferTooSmall {
+        /// Buffer size.
+        have: usize,
+        /// Datagram size.
+        need: usize,
+    },
+    /// Occurs when the destination's node is not READY.
+    #[error("node {0} is down")]
+    NodeDown(u32),
+    /// Occurs when this endpoint's own node went DOWN or restarted, or the endpoint was closed.
+    #[error("endpoint {0} is closed (its node went down or restarted); bind a new one")]
+    Closed(Addr),
+    /// Occurs when nothing is bound at the destination, or the receiver closed.
+    #[error("no endpoint is listening at {0}")]
+    Unreachable(Addr),
+    /// Occurs when a peer corrupted a shared ring; the ring is retired and counted as a drop.
+    #[error("ring with {addr} was corrupted by the peer ({what}) and has been retired")]
+    Corrupt {
+        /// The peer.
+        addr: Addr,
+        /// What was wrong.
+        what: &'static str,
+    },
+    /// Occurs when the control plane fails.
+    #[error(transparent)]
+    Fabric(#[from] FabricError),
+}
+
+/// Per-endpoint counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EndpointStats {
+    /// Datagrams sent.
+    pub sent: u64,
+    /// Payload bytes sent.
+    pub sent_bytes: u64,
+    /// Datagrams received.
+    pub received: u64,
+    /// Payload bytes received.
+    pub received_bytes: u64,
+    /// Datagrams dropped: refused (no receiver), lost to a corrupted ring.
+    pub dropped: u64,
+}
+
+/// A ring as seen from one side: the data area in the receiver's window, the credit line in
+/// the sender's. Pointers are resolved once (after bounds checks) so the hot path does no
+/// lookups.
+struct ShmRing {
+    _ring_win: Arc<Region>,
+    _credit_win: Arc<Region>,
+    tail: *const AtomicU64,
+    head: *const AtomicU64,
+    data: *mut u8,
+    data_len: u64,
+}
+
+impl ShmRing {
+    fn new(
+        ring_win: Arc<Region>,
+        ring_off: u64,
+        data_len: u32,
+        credit_win: Arc<Region>,
+        credit_off: u64,
+    ) -> Result<Self, FabricError> {
+        ring_win.check(ring_off, RingRepr::footprint(data_len), 64)?;
+        credit_win.check(credit_off, CREDIT_LEN, 64)?;
+        let tail: *const AtomicU64 = ring_win.u64_at(ring_off + RING_TAIL_OFF as u64)?;
+        let head: *const AtomicU64 = credit_win.u64_at(credit_off + CREDIT_HEAD_OFF as u64)?;
+        let data = ring_win.ptr_at(ring_off + RING_DATA_OFF, data_len.into())?;
+        Ok(Self {
+            _ring_win: ring_win,
+            _credit_win: credit_win,
+            tail,
+            head,
+            data,
+            data_len: data_len.into(),
+        })
+    }
+
+    /// The payload bytes at `[pos, pos+len)` of the data area.
+    ///
+    /// # Safety
+    /// `pos + len <= data_len` (guaranteed by the ring protocol's validation) and the caller
+    /// owns that range under the protocol (reserved by the producer or peeked by the consumer).
+    unsafe fn slice_mut(&self, pos: u64, len: usize) -> &mut [u8] {
+        // SAFETY: per the contract, the range is inside the data area, which is inside a mapping
+        // kept alive by `_ring_win`; the protocol gives this side exclusive use of the range
+        // until commit/release. A hostile peer may still write these bytes: that can change the
+        // data we see, not the memory we touch.
+        unsafe { std::slice::from_raw_parts_mut(self.data.add(pos as usize), len) }
+    }
+}
+
+impl RingMemory for ShmRing {
+    fn data_len(&self) -> u64 {
+        self.data_len
+    }
+    fn load_tail(&self) -> u64 {
+        // SAFETY: `tail` points into the live mapping held by `_ring_win` (checked in `new`).
+        unsafe { &*self.tail }.load(Ordering::Acquire)
+    }
+    fn store_tail(&self, v: u64) {
+        // SAFETY: as in `load_tail`.
+        unsafe { &*self.tail }.store(v, Ordering::Release)
+    }
+    fn load_head(&self) -> u64 {
+        // SAFETY: `head` points into the live mapping held by `_credit_win` (checked in `new`).
+        unsafe { &*self.head }.load(Ordering::Acquire)
+    }
+    fn store_head(&self, v: u64) {
+        // SAFETY: as in `load_head`.
+        unsafe { &*self.head }.store(v, Ordering::Release)
+    }
+    fn write(&self, pos: u64, src: &[u8]) {
+        if pos + src.len() as u64 > self.data_len {
+            return; // unreachable: the protocol validated the range
+        }
+        // SAFETY: range checked just above; `src` is caller memory, distinct from the mapping.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.data.add(pos as usize), src.len()) }
+    }
+    fn read(&self, pos: u64, dst: &mut [u8]) {
+        if pos + dst.len() as u64 > self.data_len {
+            dst.fill(0);
+            return; // unreachable: the protocol validated the range
+        }
+        // SAFETY: range checked just above; `dst` is caller memory, distinct from the mapping.
+        unsafe { std::ptr::copy_nonoverlapping(self.data.add(pos as usize), dst.as_mut_ptr(), dst.len()) }
+    }
+}
+
+struct TxConn {
+    dst: Addr,
+    mem: ShmRing,
+    producer: Producer,
+    cookie: u32,
+    peer_closed: *const AtomicU32,
+    cookie_word: *const AtomicU32,
+    credit_seq: *const AtomicU32,
+    credit_armed: *const AtomicU32,
+    dst_armed: *const AtomicU32,
+    dst_doorbell: *const AtomicU32,
+}
+
+struct RxRing {
+    src: Addr,
+    ring_off: u64,
+    mem: ShmRing,
+    consumer: Consumer,
+    sender_closed: *const AtomicU32,
+    credit_seq: *const AtomicU32,
+    credit_armed: *const AtomicU32,
+}
+
+/// A datagram endpoint bound to (node, port). Owned by one thread at a time (`Send`, not
+/// `Sync`); several endpoints, in one process or many, may live on the same node.
+pub struct Endpoint {
+    node: Node,
+    addr: Addr,
+    window: Arc<Region>,
+    record_off: u64,
+    doorbell: *const AtomicU32,
+    armed: *const AtomicU32,
+    closed: *const AtomicU32,
+    ring_seq: *const AtomicU32,
+    counters: *const AtomicU64,
+    stats: EndpointStats,
+    tx: Vec<TxConn>,
+    last_tx: usize,
+    rx: Vec<RxRing>,
+    rx_seq_seen: u32,
+    rx_next: usize,
+}
+
+// SAFETY: every raw pointer in an Endpoint points into a mapping that the Endpoint keeps alive
+// through an `Arc<Region>`; moving the Endpoint to another thread moves that ownership with it.
+unsafe impl Send for Endpoint {}
+
+impl fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Endpoint").field("addr", &self.addr).finish()
+    }
+}
+
+/// Derefs a pointer resolved (bounds-checked) from a region the holder keeps alive.
+macro_rules! shm {
+    ($p:expr) => {{
+        // SAFETY: pointers in Endpoint/TxConn/RxRing were produced by `Region::u32_at`/`u64_at`
+        // (bounds- and alignment-checked) on regions kept alive by the same struct.
+        unsafe { &*$p }
+    }};
+}
+
+impl Node {
+    /// Binds a datagram endpoint to `port` on this node (0 picks a free port ≥ 49152).
+    pub fn bind(&self, port: u32) -> Result<Endpoint, DgramError> {
+        self.check_current()?;
+        let (resp, _) = self.fabric.call(&Request::Bind {
+            slot: self.slot,
+            port,
+        })?;
+        let Response::Bound {
+            port, record_off, ..
+        } = resp
+        else {
+            return Err(FabricError::Protocol(format!("{resp:?}")).into());
+        };
+        let w = self.window.clone();
+        let mut h = [0u8; 64];
+        w.read(record_off, &mut h).map_err(FabricError::from)?;
+        EndpointRepr::parse(&EndpointHeader::new_checked(&h[..]).map_err(FabricError::from)?)
+            .map_err(FabricError::from)?;
+        let at32 = |o: usize| -> Result<*const AtomicU32, DgramError> {
+            Ok(w.u32_at(record_off + o as u64).map_err(FabricError::from)?)
+        };
+        let ep = Endpoint {
+            node: self.clone(),
+            addr: Addr::new(self.slot, port),
+            doorbell: at32(EP_DOORBELL_OFF)?,
+            armed: at32(EP_ARMED_OFF)?,
+            closed: at32(EP_CLOSED_OFF)?,
+            ring_seq: at32(EP_RING_SEQ_OFF)?,
+            counters: {
+                w.check(record_off + EP_COUNTERS_OFF as u64, 40, 8)
+                    .map_err(FabricError::from)?;
+                w.u64_at(record_off + EP_COUNTERS_OFF as u64)
+                    .map_err(FabricError::from)?
+            },
+            window: w,
+            record_off,
+            stats: EndpointStats::default(),
+            tx: Vec::new(),
+            last_tx: 0,
+            rx: Vec::new(),
+            rx_seq_seen: u32::MAX,
+            rx_next: 0,
+        };
+        Ok(ep)
+    }
+}
+
+impl Endpoint {
+    /// This endpoint's address.
+    pub fn local_addr(&self) -> Addr {
+        self.addr
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> EndpointStats {
+        self.stats
+    }
+
+    fn publish_stats(&self) {
+        let s = [
+            self.stats.sent,
+            self.stats.sent_bytes,
+            self.stats.received,
+            self.stats.received_bytes,
+            self.stats.dropped,
+        ];
+        for (i, v) in s.iter().enumerate() {
+            // SAFETY: `counters` was checked to have 5 u64 slots (40 bytes) at bind; the region
+            // is kept alive by `self.window`.
+            unsafe { &*self.counters.add(i) }.store(*v, Ordering::Relaxed);
+        }
+    }
+
+    fn check_open(&self) -> Result<(), DgramError> {
+        if shm!(self.closed).load(Ordering::Acquire) != 0 {
+            return Err(DgramError::Closed(self.addr));
+        }
+        Ok(())
+    }
+
+    fn peer_state(&self, dst: Addr) -> DgramError {
+        match self.node.fabric.node_info(dst.node) {
+            Ok(i) if i.state == NodeState::Ready => DgramError::Unreachable(dst),
+            Ok(_) => DgramError::NodeDown(dst.node),
+            Err(e) => e.into(),
+        }
+    }
+
+    fn connect(&mut self, dst: Addr) -> Result<usize, DgramError> {
+        let fabric = self.node.fabric.clone();
+        fabric.check_slot(dst.node)?;
+        let resp = fabric.call(&Request::Connect {
+            src_slot: self.addr.node,
+            src_port: self.addr.port,
+            dst_slot: dst.node,
+            dst_port: dst.port,
+        });
+        let resp = match resp {
+            Ok((r, _)) => r,
+            Err(FabricError::Refused { kind, .. }) => {
+                self.stats.dropped += 1;
+                self.publish_stats();
+                return Err(match kind {
+                    ErrorKind::NodeDown => {
+                        if !fabric.node_info(self.addr.node).is_ok_and(|i| i.state == NodeState::Ready) {
+                            DgramError::Closed(self.addr)
+                        } else {
+                            DgramError::NodeDown(dst.node)
+                        }
+                    }
+                    ErrorKind::Invalid => DgramError::Closed(self.addr),
+                    _ => DgramError::Unreachable(dst),
+                });
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let Response::Connected {
+            ring_off,
+            credit_off,
+            dst_record_off,
+            ..
+        } = resp
+        else {
+            return Err(FabricError::Protocol(format!("{resp:?}")).into());
+        };
+        let dst_win = fabric.window(dst.node)?;
+        let me = self.window.clone();
+        let mem = ShmRing::new(dst_win.clone(), ring_off, DEFAULT_RING_DATA, me.clone(), credit_off)?;
+        let f = FabricError::from;
+        let conn = TxConn {
+            dst,
+            cookie: me
+                .u32_at(credit_off + CREDIT_COOKIE_OFF as u64)
+                .map_err(f)?
+                .load(Ordering::Acquire),
+            peer_closed: me.u32_at(credit_off + CREDIT_PEER_CLOSED_OFF as u64).map_err(f)?,
+            cookie_word: me.u32_at(credit_off + CREDIT_COOKIE_OFF as u64).map_err(f)?,
+            credit_seq: me.u32_at(credit_off + CREDIT_SEQ_OFF as u64).map_err(f)?,
+            credit_armed: me.u32_at(credit_off + CREDIT_ARMED_OFF as u64).map_err(f)?,
+            dst_armed: dst_win.u32_at(dst_record_off + EP_ARMED_OFF as u64).map_err(f)?,
+            dst_doorbell: dst_win
+                .u32_at(dst_record_off + EP_DOORBELL_OFF as u64)
+                .map_err(f)?,
+            producer: Producer::new(),
+            mem,
+        };
+        // The supervisor hands back an existing ring only if this endpoint fed it before and
+        // then dropped it (after a corruption): its sequence state is lost, so refuse it.
+        if conn.mem.load_tail() != 0 {
+            return Err(DgramError::Corrupt {
+                addr: dst,
+                what: "ring was retired after an earlier error; bind a new endpoint",
+            });
+        }
+        self.tx.push(conn);
+        Ok(self.tx.len() - 1)
+    }
+
+    fn tx_index(&mut self, dst: Addr) -> Result<usize, DgramError> {
+        if self.tx.get(self.last_tx).is_some_and(|c| c.dst == dst) {
+            return Ok(self.last_tx);
+        }
+        let i = match self.tx.iter().position(|c| c.dst == dst) {
+            Some(i) => i,
+            None => self.connect(dst)?,
+        };
+        self.last_tx = i;
+        Ok(i)
+    }
+
+    fn drop_conn(&mut self, i: usize) {
+        self.tx.swap_remove(i);
+        self.last_tx = 0;
+    }
+
+    /// Sends `data` to `dst`, waiting for room as `wait` says.
+    pub fn send(&mut self, dst: Addr, data: &[u8], wait: Wait) -> Result<(), DgramError> {
+        self.send_with(dst, data.len(), wait, |buf| buf.copy_from_slice(data))
+    }
+
+    /// Sends `data` to `dst`, blocking while the receiver's ring is full.
+    pub fn send_to(&mut self, dst: Addr, data: &[u8]) -> Result<(), DgramError> {
+        self.send(dst, data, Wait::Forever)
+    }
+
+    /// Sends `data` to `dst`, or returns [`DgramError::WouldBlock`] if the ring is full.
+    pub fn try_send_to(&mut self, dst: Addr, data: &[u8]) -> Result<(), DgramError> {
+        self.send(dst, data, Wait::Never)
+    }
+
+    /// Zero-copy send: `fill` writes the `len`-byte payload straight into the receiver's ring.
+    pub fn send_with(
+        &mut self,
+        dst: Addr,
+        len: usize,
+        wait: Wait,
+        fill: impl FnOnce(&mut [u8]),
+    ) -> Result<(), DgramError> {
+        if len > MAX_DGRAM {
+            return Err(DgramError::TooBig(len));
+        }
+        self.check_open()?;
+        let i = self.tx_index(dst)?;
+        let deadline = deadline_of(wait);
+        let mut spins = 0u32;
+        loop {
+            let c = &mut self.tx[i];
+            if shm!(c.peer_closed).load(Ordering::Acquire) != 0
+                || shm!(c.cookie_word).load(Ordering::Acquire) != c.cookie
+            {
+                self.drop_conn(i);
+                self.check_open()?;
+                return Err(self.peer_state(dst));
+            }
+            match c.producer.reserve(&c.mem, len) {
+                Ok(r) => {
+                    // SAFETY: the reservation is inside the data area and ours until commit.
+                    fill(unsafe { c.mem.slice_mut(r.pos, len) });
+                    c.producer.commit(&c.mem, r);
+                    // SYNC POINT doorbell-arm (sender): tail published before we read `armed`.
+                    fence(Ordering::SeqCst);
+                    if shm!(c.dst_armed).load(Ordering::Relaxed) != 0 {
+                        ring(shm!(c.dst_doorbell));
+                    }
+                    self.stats.sent += 1;
+                    self.stats.sent_bytes += len as u64;
+                    self.publish_stats();
+                    return Ok(());
+                }
+                Err(RingError::Full) => {}
+                Err(RingError::TooBig(n)) => return Err(DgramError::TooBig(n)),
+                Err(RingError::Corrupt(what)) => {
+                    self.drop_conn(i);
+                    self.stats.dropped += 1;
+                    self.publish_stats();
+                    return Err(DgramError::Corrupt { addr: dst, what });
+                }
+            }
+            // Ring full: spin a little, then sleep on the credit doorbell.
+            match wait {
+                Wait::Never => return Err(DgramError::WouldBlock),
+                _ if deadline.expired() => return Err(DgramError::TimedOut),
+                _ => {}
+            }
+            spins += 1;
+            if spins < SPIN_POLLS {
+                std::hint::spin_loop();
+                continue;
+            }
+            let c = &mut self.tx[i];
+            let seq = shm!(c.credit_seq);
+            let s = seq.load(Ordering::Acquire);
+            shm!(c.credit_armed).store(1, Ordering::Relaxed);
+            // SYNC POINT credit-arm (sender): armed before we re-check the consumer index.
+            fence(Ordering::SeqCst);
+            let room = c.producer.has_room(&c.mem, len).unwrap_or(true);
+            if !room && shm!(c.peer_closed).load(Ordering::Acquire) == 0 {
+                futex_wait(seq, s, cap(deadline.remaining()));
+            }
+            shm!(c.credit_armed).store(0, Ordering::Relaxed);
+            self.check_open()?;
+        }
+    }
+
+    fn refresh_rx(&mut self) -> Result<(), DgramError> {
+        let w = self.window.clone();
+        let rec = self.record_off;
+        let f = FabricError::from;
+        let seq = shm!(self.ring_seq).load(Ordering::Acquire);
+        if seq == self.rx_seq_seen {
+            return Ok(());
+        }
+        self.rx_seq_seen = seq;
+        // SYNC POINT ring-list (acquire): listed rings have initialised headers.
+        let count = w
+            .u32_at(rec + EP_RING_COUNT_OFF as u64)
+            .map_err(f)?
+            .load(Ordering::Acquire)
+            .min(ENDPOINT_MAX_RINGS);
+        let mut listed = Vec::with_capacity(count as usize);
+        for i in 0..count {
+            let off = w
+                .u64_at(rec + EP_RING_LIST_OFF as u64 + 8 * u64::from(i))
+                .map_err(f)?
+                .load(Ordering::Acquire);
+            if off != 0 {
+                listed.push(off);
+            }
+        }
+        self.rx.retain(|r| listed.contains(&r.ring_off));
+        for off in listed {
+            if self.rx.iter().any(|r| r.ring_off == off) {
+                continue;
+            }
+            match self.open_rx(off) {
+                Ok(r) => self.rx.push(r),
+                Err(_) => {
+                    self.stats.dropped += 1;
+                    self.publish_stats();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn open_rx(&self, ring_off: u64) -> Result<RxRing, FabricError> {
+        let w = &self.window;
+        let mut h = [0u8; 64];
+        w.read(ring_off, &mut h)?;
+        let r = RingRepr::parse(&RingHeader::new_checked(&h[..])?)?;
+        let src_win = self.node.fabric.window(r.src_slot)?;
+        let mem = ShmRing::new(w.clone(), ring_off, r.data_len, src_win.clone(), r.credit_off)?;
+        Ok(RxRing {
+            src: Addr::new(r.src_slot, r.src_port),
+            ring_off,
+            mem,
+            consumer: Consumer::new(),
+            sender_closed: w.u32_at(ring_off + RING_SENDER_CLOSED_OFF as u64)?,
+            credit_seq: src_win.u32_at(r.credit_off + CREDIT_SEQ_OFF as u64)?,
+            credit_armed: src_win.u32_at(r.credit_off + CREDIT_ARMED_OFF as u64)?,
+        })
+    }
+
+    /// Zero-copy receive: calls `read` with the sender's address and the payload in place in
+    /// the ring. The datagram is consumed only if `read` returns `Ok`.
+    pub fn recv_with<R>(
+        &mut self,
+        wait: Wait,
+        mut read: impl FnMut(Addr, &[u8]) -> Result<R, DgramError>,
+    ) -> Result<R, DgramError> {
+        let deadline = deadline_of(wait);
+        let mut spins = 0u32;
+        loop {
+            self.check_open()?;
+            self.refresh_rx()?;
+            let n = self.rx.len();
+            let mut retire = None;
+            for k in 0..n {
+                let i = (self.rx_next + k) % n;
+                let r = &mut self.rx[i];
+                match r.consumer.peek(&r.mem) {
+                    Ok(Some(rec)) => {
+                        // SAFETY: peek validated the record lies inside the data area; it is
+                        // ours to read until release.
+                        let payload = unsafe { r.mem.slice_mut(rec.pos, rec.len) };
+                        let out = read(r.src, payload)?;
+                        r.consumer.release(&r.mem, rec);
+                        // SYNC POINT credit-arm (receiver): head published before we read `armed`.
+                        fence(Ordering::SeqCst);
+                        if shm!(r.credit_armed).load(Ordering::Relaxed) != 0 {
+                            ring(shm!(r.credit_seq));
+                        }
+                        self.rx_next = i + 1;
+                        self.stats.received += 1;
+                        self.stats.received_bytes += rec.len as u64;
+                        self.publish_stats();
+                        return Ok(out);
+                    }
+                    Ok(None) => {
+                        if shm!(r.sender_closed).load(Ordering::Acquire) != 0 {
+                            // Re-check after seeing the flag: records published before it count.
+                            if let Ok(None) = r.consumer.peek(&r.mem) {
+                                retire = Some((i, false));
+                                break;
+                            }
+                        }
+                    }
+                    Err(RingError::Corrupt(_)) | Err(_) => {
+                        retire = Some((i, true));
+                        break;
+                    }
+                }
+            }
+            if let Some((i, corrupt)) = retire {
+                let r = self.rx.swap_remove(i);
+                if corrupt {
+                    self.stats.dropped += 1;
+                    self.publish_stats();
+                }
+                // Best effort: the supervisor reclaims the ring once its sender is gone.
+                let _ = self.node.fabric.call(&Request::RingDrained {
+                    slot: self.addr.node,
+                    ring_off: r.ring_off,
+                });
+                continue;
+            }
+            match wait {
+                Wait::Never => return Err(DgramError::WouldBlock),
+                _ if deadline.expired() => return Err(DgramError::TimedOut),
+                _ => {}
+            }
+            spins += 1;
+            if spins < SPIN_POLLS {
+                std::hint::spin_loop();
+                continue;
+            }
+            let bell = shm!(self.doorbell);
+            let s = bell.load(Ordering::Acquire);
+            shm!(self.armed).store(1, Ordering::Relaxed);
+            // SYNC POINT doorbell-arm (receiver): armed before we re-check every ring.
+            fence(Ordering::SeqCst);
+            let pending = self.rx.iter().any(|r| r.mem.load_tail() != r.consumer.head())
+                || shm!(self.ring_seq).load(Ordering::Acquire) != self.rx_seq_seen
+                || shm!(self.closed).load(Ordering::Acquire) != 0;
+            if !pending {
+                futex_wait(bell, s, cap(deadline.remaining()));
+            }
+            shm!(self.armed).store(0, Ordering::Relaxed);
+            spins = SPIN_POLLS / 2;
+        }
+    }
+
+    /// Receives one datagram into `buf`, waiting as `wait` says; returns its length and sender.
+    pub fn recv(&mut self, buf: &mut [u8], wait: Wait) -> Result<(usize, Addr), DgramError> {
+        self.recv_with(wait, |src, payload| {
+            let have = buf.len();
+            let dst = buf.get_mut(..payload.len()).ok_or(DgramError::BufferTooSmall {
+                have,
+                need: payload.len(),
+            })?;
+            dst.copy_from_slice(payload);
+            Ok((payload.len(), src))
+        })
+    }
+
+    /// Receives one datagram into `buf`, blocking until one arrives.
+    pub fn recv_from(&mut self, buf: &mut [u8]) -> Result<(usize, Addr), DgramError> {
+        self.recv(buf, Wait::Forever)
+    }
+
+    /// Receives one datagram if one is queued, else [`DgramError::WouldBlock`].
+    pub fn try_recv_from(&mut self, buf: &mut [u8]) -> Result<(usize, Addr), DgramError> {
+        self.recv(buf, Wait::Never)
+    }
+
+    /// Receives one datagram, waiting at most `timeout`.
+    pub fn recv_from_timeout(
+        &mut self,
+        buf: &mut [u8],
+        timeout: Duration,
+    ) -> Result<(usize, Addr), DgramError> {
+        self.recv(buf, Wait::For(timeout))
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        let _ = self.node.fabric.call(&Request::Unbind {
+            slot: self.addr.node,
+            port: self.addr.port,
+        });
+    }
+}
+
+fn deadline_of(wait: Wait) -> Deadline {
+    match wait {
+        Wait::For(d) => Deadline::after(Some(d)),
+        _ => Deadline::after(None),
+    }
+}
+
+/// Sleeps are capped so that a lost wake-up (a peer that died between publishing and ringing)
+/// costs at most this much latency, never a hang.
+fn cap(remaining: Option<Duration>) -> Option<Duration> {
+    const MAX_SLEEP: Duration = Duration::from_millis(100);
+    Some(remaining.map_or(MAX_SLEEP, |r| r.min(MAX_SLEEP)))
+}

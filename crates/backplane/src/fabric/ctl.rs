@@ -1,0 +1,313 @@
+//! The control protocol between processes and the supervisor: JSON messages over a Unix
+//! `SOCK_SEQPACKET` socket (one message per packet), with window file descriptors passed as
+//! `SCM_RIGHTS`. Control traffic only: the data path never touches the socket.
+//!
+//! Every connection starts with `Hello` carrying [`PROTOCOL_VERSION`]; a mismatch is refused.
+//! The connection lives as long as the client process: when it closes (exit, crash, SIGKILL),
+//! the supervisor releases everything the client held.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use rustix::net::{
+    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::wire::{DownReason, NodeState};
+
+/// Version of the control protocol.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Largest control message.
+pub const MAX_MSG: usize = 256 * 1024;
+
+/// A request from a process to the supervisor.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// First message on every connection. Reply: `Welcome` + control region fd.
+    Hello {
+        /// [`PROTOCOL_VERSION`].
+        version: u32,
+        /// Caller's pid.
+        pid: u32,
+        /// Set by a node agent taking its slot.
+        agent_slot: Option<u32>,
+    },
+    /// The agent finished initialising its window.
+    AgentReady {
+        /// Slot.
+        slot: u32,
+    },
+    /// Map a node's window. Reply: `Granted` + window fd.
+    Grant {
+        /// Slot.
+        slot: u32,
+    },
+    /// Bind an endpoint; port 0 picks a free one. Reply: `Bound`.
+    Bind {
+        /// Slot.
+        slot: u32,
+        /// Port (0: any).
+        port: u32,
+    },
+    /// Close an endpoint.
+    Unbind {
+        /// Slot.
+        slot: u32,
+        /// Port.
+        port: u32,
+    },
+    /// Make a ring from (src_slot, src_port) to (dst_slot, dst_port). Reply: `Connected`.
+    Connect {
+        /// Sender slot.
+        src_slot: u32,
+        /// Sender port.
+        src_port: u32,
+        /// Receiver slot.
+        dst_slot: u32,
+        /// Receiver port.
+        dst_port: u32,
+    },
+    /// A receiver finished draining a ring whose sender is gone: its memory can be reclaimed.
+    RingDrained {
+        /// Receiver slot.
+        slot: u32,
+        /// Ring offset in the receiver's window.
+        ring_off: u64,
+    },
+    /// Fabric report. Reply: `Status`.
+    Status,
+    /// Stop the fabric. Reply: `Ok`, then the supervisor exits.
+    Shutdown,
+}
+
+/// Error classes the supervisor reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// A slot, port or offset outside what exists.
+    NotFound,
+    /// A port already bound.
+    InUse,
+    /// A node not READY.
+    NodeDown,
+    /// No room left in a window.
+    NoSpace,
+    /// A malformed or unexpected request.
+    Invalid,
+}
+
+/// The supervisor's reply.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Response {
+    /// Request done.
+    Ok,
+    /// Reply to `Hello`.
+    Welcome {
+        /// Fabric name.
+        name: String,
+        /// Node count.
+        nodes: u32,
+        /// Window size.
+        window_size: u64,
+    },
+    /// Reply to `Grant`.
+    Granted {
+        /// Slot.
+        slot: u32,
+        /// Generation of the window's node.
+        generation: u32,
+    },
+    /// Reply to `Bind`.
+    Bound {
+        /// Port bound.
+        port: u32,
+        /// Offset of the endpoint record in the node's window.
+        record_off: u64,
+        /// Node generation.
+        generation: u32,
+    },
+    /// Reply to `Connect`.
+    Connected {
+        /// Ring offset in the receiver's window.
+        ring_off: u64,
+        /// Credit line offset in the sender's window.
+        credit_off: u64,
+        /// Receiver's endpoint record offset in its window.
+        dst_record_off: u64,
+        /// Receiver node generation.
+        dst_generation: u32,
+    },
+    /// Reply to `Status`.
+    Status(StatusReport),
+    /// The request failed.
+    Error {
+        /// Class.
+        kind: ErrorKind,
+        /// One-line explanation.
+        message: String,
+    },
+}
+
+/// Version of the `status --json` document.
+pub const STATUS_VERSION: u32 = 1;
+
+/// `backplane status --json`, version [`STATUS_VERSION`]. Documented in the README.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StatusReport {
+    /// Document version.
+    pub version: u32,
+    /// Fabric name.
+    pub fabric: String,
+    /// Node count.
+    pub nodes: u32,
+    /// Window size per node, bytes.
+    pub window_size: u64,
+    /// Supervisor pid.
+    pub supervisor_pid: u32,
+    /// Seconds since `up`.
+    pub uptime_s: f64,
+    /// One row per slot, slot order.
+    pub slots: Vec<SlotStatus>,
+}
+
+/// One slot in [`StatusReport`].
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SlotStatus {
+    /// Slot (1-based).
+    pub slot: u32,
+    /// Life-cycle state.
+    pub state: NodeState,
+    /// Why the node is DOWN (`none` otherwise).
+    pub down_reason: DownReason,
+    /// Incarnation.
+    pub generation: u32,
+    /// Agent pid (0 when none).
+    pub pid: u32,
+    /// Fabric address of the window (each slot has a 4 GiB aperture).
+    pub window_base: u64,
+    /// Window size, bytes.
+    pub window_size: u64,
+    /// Fabric address of the doorbell register.
+    pub doorbell: u64,
+    /// Seconds in the current state.
+    pub uptime_s: f64,
+    /// Bound endpoints.
+    pub endpoints: u32,
+    /// Datagrams sent.
+    pub tx_msgs: u64,
+    /// Payload bytes sent.
+    pub tx_bytes: u64,
+    /// Datagrams received.
+    pub rx_msgs: u64,
+    /// Payload bytes received.
+    pub rx_bytes: u64,
+    /// Datagrams dropped (refused, corrupt, undeliverable).
+    pub drops: u64,
+}
+
+/// Sends one message with optional fds.
+pub fn send<T: Serialize>(sock: BorrowedFd<'_>, msg: &T, fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
+    let bytes = serde_json::to_vec(msg).map_err(std::io::Error::other)?;
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut anc = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !anc.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(std::io::Error::other("too many fds in one control message"));
+    }
+    sendmsg(sock, &[IoSlice::new(&bytes)], &mut anc, SendFlags::NOSIGNAL)?;
+    Ok(())
+}
+
+/// Receives one message and the fds attached to it. `Ok(None)` on orderly EOF.
+pub fn recv<T: for<'de> Deserialize<'de>>(
+    sock: BorrowedFd<'_>,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<Option<(T, Vec<OwnedFd>)>> {
+    buf.resize(MAX_MSG, 0);
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut anc = RecvAncillaryBuffer::new(&mut space);
+    let n = loop {
+        match recvmsg(
+            sock,
+            &mut [IoSliceMut::new(buf)],
+            &mut anc,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            Ok(r) => break r.bytes,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let mut fds = Vec::new();
+    for m in anc.drain() {
+        if let RecvAncillaryMessage::ScmRights(r) = m {
+            fds.extend(r);
+        }
+    }
+    if n == 0 {
+        return Ok(None);
+    }
+    let msg = serde_json::from_slice(&buf[..n])
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    Ok(Some((msg, fds)))
+}
+
+/// A blocking request/response round trip on a client socket.
+pub fn call(sock: &impl AsFd, req: &Request) -> std::io::Result<(Response, Vec<OwnedFd>)> {
+    send(sock.as_fd(), req, &[])?;
+    let mut buf = Vec::new();
+    recv(sock.as_fd(), &mut buf)?.ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            "the fabric supervisor closed the connection",
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustix::net::{socketpair, AddressFamily, SocketFlags, SocketType};
+
+    #[test]
+    fn control_messages_cross_a_socket_with_their_fds() {
+        let (a, b) = socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        let r = crate::mem::Region::create("bp-ctl-test", 4096).unwrap();
+        r.write(0, b"hi").unwrap();
+        send(a.as_fd(), &Request::Grant { slot: 3 }, &[r.fd()]).unwrap();
+        let mut buf = Vec::new();
+        let (req, fds): (Request, _) = recv(b.as_fd(), &mut buf).unwrap().unwrap();
+        assert!(matches!(req, Request::Grant { slot: 3 }));
+        assert_eq!(fds.len(), 1);
+        let m = crate::mem::Region::map(fds.into_iter().next().unwrap(), false).unwrap();
+        let mut got = [0u8; 2];
+        m.read(0, &mut got).unwrap();
+        assert_eq!(&got, b"hi");
+    }
+
+    #[test]
+    fn garbage_on_the_control_socket_is_an_error_not_a_panic() {
+        let (a, b) = socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
+        rustix::io::write(&a, b"{not json").unwrap();
+        let mut buf = Vec::new();
+        assert!(recv::<Request>(b.as_fd(), &mut buf).is_err());
+        drop(a);
+        assert!(recv::<Request>(b.as_fd(), &mut buf).unwrap().is_none());
+    }
+}

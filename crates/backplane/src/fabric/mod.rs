@@ -1,0 +1,492 @@
+//! The control plane: where fabrics live on disk, attaching to one, the node table, node
+//! handles (doorbells, scratchpads), and the supervisor that keeps a fabric.
+//!
+//! A fabric named F owns one private directory (see [`fabric_dir`]) holding its control socket
+//! and lock file; its memory is memfds that exist only while some process holds them, so a
+//! crash can leave at most that directory behind, which the next `up` or `down` removes.
+
+pub mod alloc;
+pub mod ctl;
+pub mod life;
+pub mod supervisor;
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::mem::{MemError, Region};
+use crate::sync::{fence, futex_wait, AtomicU32, Ordering};
+use crate::wire::{
+    self, FabricHeader, FabricHeaderRepr, LayoutError, NodeEntry, NodeEntryRepr, NodeState,
+    NODE_TABLE_OFF, SCRATCHPADS,
+};
+use ctl::{ErrorKind, Request, Response, StatusReport};
+
+/// Control socket file name inside the fabric directory.
+pub const SOCKET_FILE: &str = "ctl.sock";
+/// Supervisor lock file name (held with `flock` for the supervisor's life).
+pub const LOCK_FILE: &str = "supervisor.lock";
+/// Supervisor log file name.
+pub const LOG_FILE: &str = "supervisor.log";
+/// Default fabric name.
+pub const DEFAULT_NAME: &str = "default";
+
+/// Where fabric directories live: `$BACKPLANE_RUN_DIR`, else `/run/backplane` for root, else
+/// `$XDG_RUNTIME_DIR/backplane`, else `/tmp/backplane-$UID`.
+pub fn run_root() -> PathBuf {
+    if let Some(d) = std::env::var_os("BACKPLANE_RUN_DIR") {
+        return PathBuf::from(d);
+    }
+    let uid = rustix::process::geteuid();
+    if uid.is_root() {
+        return PathBuf::from("/run/backplane");
+    }
+    if let Some(x) = std::env::var_os("XDG_RUNTIME_DIR") {
+        return PathBuf::from(x).join("backplane");
+    }
+    PathBuf::from(format!("/tmp/backplane-{}", uid.as_raw()))
+}
+
+/// The private directory of fabric `name`.
+pub fn fabric_dir(name: &str) -> PathBuf {
+    run_root().join(name)
+}
+
+/// Checks a fabric name: 1–32 characters from `[A-Za-z0-9_-]`, not starting with `-`.
+pub fn validate_name(name: &str) -> Result<(), FabricError> {
+    let ok = !name.is_empty()
+        && name.len() <= 32
+        && !name.starts_with('-')
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(FabricError::BadName(name.to_owned()))
+    }
+}
+
+/// What went wrong talking to a fabric.
+#[derive(Debug, thiserror::Error)]
+pub enum FabricError {
+    /// Occurs when a fabric name has characters outside `[A-Za-z0-9_-]` or is too long.
+    #[error("invalid fabric name '{0}': use 1-32 letters, digits, '-' or '_'")]
+    BadName(String),
+    /// Occurs when no supervisor answers for the named fabric.
+    #[error("no fabric named '{0}' is running (start it with `backplane up --name {0}`)")]
+    NotRunning(String),
+    /// Occurs when a slot number is outside 1..=nodes.
+    #[error("node {slot} does not exist: fabric '{fabric}' has nodes 1..={nodes}")]
+    NoSuchNode {
+        /// Fabric name.
+        fabric: String,
+        /// Requested slot.
+        slot: u32,
+        /// Node count.
+        nodes: u32,
+    },
+    /// Occurs when a node is not READY.
+    #[error("node {slot} is {state}, not READY")]
+    NodeNotReady {
+        /// Slot.
+        slot: u32,
+        /// Its state.
+        state: NodeState,
+    },
+    /// Occurs when the supervisor refuses a request.
+    #[error("{message}")]
+    Refused {
+        /// Error class.
+        kind: ErrorKind,
+        /// The supervisor's explanation.
+        message: String,
+    },
+    /// Occurs when the supervisor answers something unexpected.
+    #[error("unexpected reply from the fabric supervisor: {0}")]
+    Protocol(String),
+    /// Occurs when the control socket fails (the supervisor died or was stopped).
+    #[error("lost contact with the fabric supervisor: {0}")]
+    Io(#[from] std::io::Error),
+    /// Occurs when shared memory cannot be mapped.
+    #[error(transparent)]
+    Mem(#[from] MemError),
+    /// Occurs when a shared layout fails validation.
+    #[error("shared memory of the fabric is corrupted: {0}")]
+    Layout(#[from] LayoutError),
+}
+
+/// A process's connection to a running fabric. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Fabric {
+    pub(crate) inner: Arc<FabricInner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct FabricInner {
+    pub(crate) name: String,
+    pub(crate) nodes: u32,
+    pub(crate) window_size: u64,
+    sock: Mutex<OwnedFd>,
+    control: Region,
+    windows: Mutex<HashMap<u32, Arc<Region>>>,
+}
+
+impl Fabric {
+    /// Attaches to the running fabric `name`.
+    pub fn attach(name: &str) -> Result<Self, FabricError> {
+        Self::connect(name, None)
+    }
+
+    /// Attaches as the agent of `slot` (used by the supervisor's node agents).
+    pub fn attach_agent(name: &str, slot: u32) -> Result<Self, FabricError> {
+        Self::connect(name, Some(slot))
+    }
+
+    fn connect(name: &str, agent_slot: Option<u32>) -> Result<Self, FabricError> {
+        use rustix::net::{connect, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+        validate_name(name)?;
+        let path = fabric_dir(name).join(SOCKET_FILE);
+        let not_running = || FabricError::NotRunning(name.to_owned());
+        let addr = SocketAddrUnix::new(&path).map_err(|_| not_running())?;
+        let sock = socket_with(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(std::io::Error::from)?;
+        connect(&sock, &addr).map_err(|_| not_running())?;
+        let hello = Request::Hello {
+            version: ctl::PROTOCOL_VERSION,
+            pid: std::process::id(),
+            agent_slot,
+        };
+        let (resp, fds) = ctl::call(&sock, &hello).map_err(|_| not_running())?;
+        let (nodes, window_size) = match resp {
+            Response::Welcome {
+                nodes, window_size, ..
+            } => (nodes, window_size),
+            Response::Error { kind, message } => return Err(FabricError::Refused { kind, message }),
+            other => return Err(FabricError::Protocol(format!("{other:?}"))),
+        };
+        let fd = fds
+            .into_iter()
+            .next()
+            .ok_or_else(|| FabricError::Protocol("welcome without control region".into()))?;
+        let control = Region::map(fd, false)?;
+        let mut hdr = vec![0u8; NODE_TABLE_OFF];
+        control.read(0, &mut hdr)?;
+        let repr = FabricHeaderRepr::parse(&FabricHeader::new_checked(&hdr[..])?)?;
+        if repr.nodes != nodes
+            || repr.window_size != window_size
+            || control.len() < wire::control_region_size(nodes)
+        {
+            return Err(FabricError::Protocol("control region disagrees with welcome".into()));
+        }
+        Ok(Self {
+            inner: Arc::new(FabricInner {
+                name: name.to_owned(),
+                nodes,
+                window_size,
+                sock: Mutex::new(sock),
+                control,
+                windows: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// Fabric name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Number of slots.
+    pub fn nodes(&self) -> u32 {
+        self.inner.nodes
+    }
+
+    /// Window size per node.
+    pub fn window_size(&self) -> u64 {
+        self.inner.window_size
+    }
+
+    pub(crate) fn check_slot(&self, slot: u32) -> Result<(), FabricError> {
+        if slot == 0 || slot > self.inner.nodes {
+            return Err(FabricError::NoSuchNode {
+                fabric: self.inner.name.clone(),
+                slot,
+                nodes: self.inner.nodes,
+            });
+        }
+        Ok(())
+    }
+
+    /// Reads slot `slot`'s node table entry (seqlock-consistent).
+    pub fn node_info(&self, slot: u32) -> Result<NodeEntryRepr, FabricError> {
+        self.check_slot(slot)?;
+        let off = (NODE_TABLE_OFF + (slot as usize - 1) * NodeEntry::<&[u8]>::LEN) as u64;
+        let seq = self.inner.control.u32_at(off + wire::NODE_SEQ_OFF as u64)?;
+        let mut buf = [0u8; 64];
+        for _ in 0..10_000 {
+            // SYNC POINT node-seqlock (acquire): an even, unchanged seq brackets a whole entry.
+            let s1 = seq.load(Ordering::Acquire);
+            if s1 % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.inner.control.read(off, &mut buf)?;
+            fence(Ordering::Acquire);
+            if seq.load(Ordering::Relaxed) == s1 {
+                let e = NodeEntryRepr::parse(&NodeEntry::new_checked(&buf[..])?)?;
+                if e.slot != slot {
+                    return Err(LayoutError::BadField {
+                        field: "slot",
+                        value: e.slot.into(),
+                    }
+                    .into());
+                }
+                return Ok(e);
+            }
+        }
+        Err(FabricError::Protocol("node table entry never stabilised".into()))
+    }
+
+    /// The fabric epoch: bumped (and futex-woken) on every node state change.
+    pub fn epoch(&self) -> &AtomicU32 {
+        self.inner
+            .control
+            .u32_at(wire::FABRIC_EPOCH_OFF as u64)
+            .expect("control region size checked at attach")
+    }
+
+    /// Waits until the epoch moves away from `seen` or `timeout` passes.
+    pub fn wait_epoch(&self, seen: u32, timeout: Duration) {
+        futex_wait(self.epoch(), seen, Some(timeout));
+    }
+
+    /// Joins node `slot` as one of its processes. The node must be READY.
+    pub fn node(&self, slot: u32) -> Result<Node, FabricError> {
+        let info = self.node_info(slot)?;
+        if info.state != NodeState::Ready {
+            return Err(FabricError::NodeNotReady {
+                slot,
+                state: info.state,
+            });
+        }
+        let window = self.window(slot)?;
+        Ok(Node {
+            fabric: self.clone(),
+            slot,
+            generation: info.generation,
+            window,
+        })
+    }
+
+    /// The fabric report (what `backplane status` shows).
+    pub fn status(&self) -> Result<StatusReport, FabricError> {
+        match self.call(&Request::Status)?.0 {
+            Response::Status(s) => Ok(s),
+            other => Err(FabricError::Protocol(format!("{other:?}"))),
+        }
+    }
+
+    /// Asks the supervisor to stop the fabric.
+    pub fn shutdown(&self) -> Result<(), FabricError> {
+        self.call(&Request::Shutdown).map(|_| ())
+    }
+
+    /// One request/response with the supervisor; supervisor errors become `Refused`.
+    pub(crate) fn call(&self, req: &Request) -> Result<(Response, Vec<OwnedFd>), FabricError> {
+        let sock = self.inner.sock.lock().unwrap_or_else(|p| p.into_inner());
+        let (resp, fds) = ctl::call(&sock.as_fd(), req)?;
+        if let Response::Error { kind, message } = resp {
+            return Err(FabricError::Refused { kind, message });
+        }
+        Ok((resp, fds))
+    }
+
+    /// The window of `slot`, mapped read-write (granted once per process, then cached).
+    pub(crate) fn window(&self, slot: u32) -> Result<Arc<Region>, FabricError> {
+        self.check_slot(slot)?;
+        if let Some(w) = self.inner.windows.lock().unwrap_or_else(|p| p.into_inner()).get(&slot) {
+            return Ok(w.clone());
+        }
+        let (resp, fds) = self.call(&Request::Grant { slot })?;
+        if !matches!(resp, Response::Granted { .. }) {
+            return Err(FabricError::Protocol(format!("{resp:?}")));
+        }
+        let fd = fds
+            .into_iter()
+            .next()
+            .ok_or_else(|| FabricError::Protocol("grant without a window".into()))?;
+        let region = Region::map(fd, true)?;
+        if region.len() as u64 != self.inner.window_size {
+            return Err(FabricError::Protocol("granted window has the wrong size".into()));
+        }
+        let region = Arc::new(region);
+        self.inner
+            .windows
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(slot, region.clone());
+        Ok(region)
+    }
+
+    /// Tells the supervisor this agent's window is initialised.
+    pub fn agent_ready(&self, slot: u32) -> Result<(), FabricError> {
+        self.call(&Request::AgentReady { slot }).map(|_| ())
+    }
+
+    /// The agent's own window (agents only).
+    pub fn agent_window(&self, slot: u32) -> Result<Arc<Region>, FabricError> {
+        self.window(slot)
+    }
+
+    /// True if the supervisor closed our control connection (it exited).
+    pub fn supervisor_gone(&self, timeout: Duration) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let sock = self.inner.sock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut fds = [PollFd::new(&*sock, PollFlags::IN)];
+        let ts = Timespec::try_from(timeout).unwrap_or(Timespec { tv_sec: 1, tv_nsec: 0 });
+        match poll(&mut fds, Some(&ts)) {
+            Ok(0) => false,
+            Ok(_) => {
+                let r = fds[0].revents();
+                r.intersects(PollFlags::HUP | PollFlags::ERR)
+                    || (r.contains(PollFlags::IN)
+                        && rustix::net::recv(&*sock, &mut [0u8; 1], rustix::net::RecvFlags::PEEK)
+                            .map(|(n, _)| n == 0)
+                            .unwrap_or(true))
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+/// A process's membership of one node: its window, doorbells and scratchpads, and the place
+/// endpoints are bound.
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub(crate) fabric: Fabric,
+    pub(crate) slot: u32,
+    pub(crate) generation: u32,
+    pub(crate) window: Arc<Region>,
+}
+
+impl Node {
+    /// Slot number.
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    /// Generation this handle belongs to.
+    pub fn generation(&self) -> u32 {
+        self.generation
+    }
+
+    /// The fabric.
+    pub fn fabric(&self) -> &Fabric {
+        &self.fabric
+    }
+
+    /// Ok if the node is still READY in the generation this handle joined.
+    pub fn check_current(&self) -> Result<(), FabricError> {
+        let info = self.fabric.node_info(self.slot)?;
+        if info.state != NodeState::Ready || info.generation != self.generation {
+            return Err(FabricError::NodeNotReady {
+                slot: self.slot,
+                state: if info.state == NodeState::Ready {
+                    NodeState::Down
+                } else {
+                    info.state
+                },
+            });
+        }
+        Ok(())
+    }
+
+    /// Rings doorbell bits on node `peer` (a write into the peer's doorbell register).
+    pub fn ring_doorbell(&self, peer: u32, bits: u64) -> Result<(), FabricError> {
+        let w = self.fabric.window(peer)?;
+        w.u64_at(wire::WIN_DOORBELL_BITS_OFF as u64)?
+            .fetch_or(bits, Ordering::AcqRel);
+        // SYNC POINT doorbell-arm (ring side): bits set before we look at the armed flag.
+        fence(Ordering::SeqCst);
+        if w.u32_at(wire::WIN_DOORBELL_ARMED_OFF as u64)?.load(Ordering::Relaxed) != 0 {
+            crate::sync::ring(w.u32_at(wire::WIN_DOORBELL_SEQ_OFF as u64)?);
+        }
+        Ok(())
+    }
+
+    /// Takes (and clears) the doorbell bits rung on this node, waiting up to `timeout` for at
+    /// least one. Returns 0 on timeout.
+    pub fn wait_doorbell(&self, timeout: Option<Duration>) -> Result<u64, FabricError> {
+        let w = &self.window;
+        let bits = w.u64_at(wire::WIN_DOORBELL_BITS_OFF as u64)?;
+        let seq = w.u32_at(wire::WIN_DOORBELL_SEQ_OFF as u64)?;
+        let armed = w.u32_at(wire::WIN_DOORBELL_ARMED_OFF as u64)?;
+        let deadline = crate::sync::Deadline::after(timeout);
+        loop {
+            let b = bits.swap(0, Ordering::AcqRel);
+            if b != 0 {
+                return Ok(b);
+            }
+            if deadline.expired() {
+                return Ok(0);
+            }
+            let s = seq.load(Ordering::Acquire);
+            armed.store(1, Ordering::Relaxed);
+            // SYNC POINT doorbell-arm (wait side): armed before we re-check the bits.
+            fence(Ordering::SeqCst);
+            if bits.load(Ordering::Relaxed) == 0 {
+                futex_wait(seq, s, deadline.remaining().or(Some(Duration::from_millis(100))));
+            }
+            armed.store(0, Ordering::Relaxed);
+            self.check_current()?;
+        }
+    }
+
+    /// Writes scratchpad register `idx` of node `peer`.
+    pub fn write_scratchpad(&self, peer: u32, idx: usize, value: u32) -> Result<(), FabricError> {
+        let w = self.fabric.window(peer)?;
+        w.u32_at(scratch_off(idx)?)?.store(value, Ordering::Release);
+        Ok(())
+    }
+
+    /// Reads this node's scratchpad register `idx`.
+    pub fn read_scratchpad(&self, idx: usize) -> Result<u32, FabricError> {
+        Ok(self.window.u32_at(scratch_off(idx)?)?.load(Ordering::Acquire))
+    }
+}
+
+fn scratch_off(idx: usize) -> Result<u64, FabricError> {
+    if idx >= SCRATCHPADS {
+        return Err(FabricError::Refused {
+            kind: ErrorKind::NotFound,
+            message: format!("scratchpad {idx} does not exist (0..{SCRATCHPADS})"),
+        });
+    }
+    Ok((wire::WIN_SCRATCH_OFF + idx * 4) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fabric_names_are_checked() {
+        assert!(validate_name("radar-1_x").is_ok());
+        for bad in ["", "-x", "a/b", "a b", &"x".repeat(33), ".."] {
+            assert!(validate_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn attaching_to_a_missing_fabric_says_how_to_start_it() {
+        let e = Fabric::attach("no-such-fabric-xyz").unwrap_err();
+        assert!(e.to_string().contains("backplane up --name no-such-fabric-xyz"), "{e}");
+    }
+}

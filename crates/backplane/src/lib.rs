@@ -1,0 +1,32 @@
+//! backplane: a software switch fabric for multi-node embedded computing, on one Linux host.
+//!
+//! Layers, lowest first (dependencies point down only):
+//! - [`wire`]: every layout in shared memory (Packet/Repr, validated parsing);
+//! - [`sync`]: atomics (swappable for loom), futex doorbells, spin-then-sleep;
+//! - [`mem`]: memfd-backed shared regions with bounds-checked access;
+//! - [`ring`]: the SPSC ring protocol over a window;
+//! - [`fabric`]: control plane — supervisor, node table, node life cycle, attach;
+//! - [`dgram`]: kernel-bypass datagram endpoints.
+//!
+//! ```no_run
+//! use backplane::{fabric::Fabric, dgram::Addr};
+//! let fabric = Fabric::attach("default")?;
+//! let mut rx = fabric.node(2)?.bind(7000)?;
+//! let mut tx = fabric.node(1)?.bind(0)?;
+//! tx.send_to(Addr::new(2, 7000), b"ping")?;
+//! let mut buf = [0u8; 64];
+//! let (n, from) = rx.recv_from(&mut buf)?;
+//! assert_eq!(&buf[..n], b"ping");
+//! # let _ = from;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub mod wire;
+pub mod sync;
+pub mod ring;
+#[cfg(not(loom))]
+pub mod mem;
+#[cfg(not(loom))]
+pub mod fabric;
+#[cfg(not(loom))]
+pub mod dgram;

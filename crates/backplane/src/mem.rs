@@ -1,0 +1,231 @@
+//! Windows and regions: memfd-backed shared mappings, passed between processes as file
+//! descriptors, mapped read-write or read-only.
+//!
+//! A [`Region`] is the only way the rest of the crate touches shared memory. Every accessor
+//! checks bounds (and alignment for atomics) against the mapped length, so an offset read from a
+//! peer can at worst produce an error, never an out-of-bounds access.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+
+use crate::sync::{AtomicU32, AtomicU64};
+
+/// What went wrong creating or using a region.
+#[derive(Debug, thiserror::Error)]
+pub enum MemError {
+    /// Occurs when memfd_create, ftruncate or fstat fails.
+    #[error("cannot create shared memory '{name}': {source}")]
+    Create {
+        /// memfd name.
+        name: String,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// Occurs when mmap fails (too large for the address space or memory limits).
+    #[error("cannot map {len} bytes of shared memory: {source}")]
+    Map {
+        /// Requested length.
+        len: usize,
+        /// OS error.
+        source: std::io::Error,
+    },
+    /// Occurs when an access falls outside the region or is misaligned.
+    #[error("access at offset {off} length {len} is outside the {size}-byte region or misaligned")]
+    OutOfBounds {
+        /// Offset of the access.
+        off: u64,
+        /// Length of the access.
+        len: u64,
+        /// Size of the region.
+        size: u64,
+    },
+}
+
+/// A shared memory mapping.
+#[derive(Debug)]
+pub struct Region {
+    ptr: NonNull<u8>,
+    len: usize,
+    writable: bool,
+    fd: OwnedFd,
+}
+
+// SAFETY: the mapping is plain shared memory; every access goes through atomics or explicit
+// copies whose ordering is established by the ring protocol, so sharing the handle between
+// threads adds no hazard that sharing between processes does not already have.
+unsafe impl Send for Region {}
+// SAFETY: see `Send` above.
+unsafe impl Sync for Region {}
+
+impl Region {
+    /// Creates a zero-filled memfd of `len` bytes (sealed against shrinking) and maps it
+    /// read-write.
+    pub fn create(name: &str, len: usize) -> Result<Self, MemError> {
+        use rustix::fs::{fcntl_add_seals, ftruncate, memfd_create, MemfdFlags, SealFlags};
+        let err = |e: rustix::io::Errno| MemError::Create {
+            name: name.to_owned(),
+            source: e.into(),
+        };
+        let fd = memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).map_err(err)?;
+        ftruncate(&fd, len as u64).map_err(err)?;
+        fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).map_err(err)?;
+        Self::map(fd, true)
+    }
+
+    /// Maps a region received from another process. Its length is the file's size.
+    pub fn map(fd: OwnedFd, writable: bool) -> Result<Self, MemError> {
+        use rustix::mm::{mmap, MapFlags, ProtFlags};
+        let len = rustix::fs::fstat(&fd)
+            .map_err(|e| MemError::Create {
+                name: "received fd".into(),
+                source: e.into(),
+            })?
+            .st_size as usize;
+        if len == 0 {
+            return Err(MemError::Map {
+                len,
+                source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            });
+        }
+        let prot = if writable {
+            ProtFlags::READ | ProtFlags::WRITE
+        } else {
+            ProtFlags::READ
+        };
+        // SAFETY: we map a fresh range chosen by the kernel (null hint), so no existing Rust
+        // object is aliased; the mapping stays valid until `Drop` unmaps it.
+        let ptr = unsafe { mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, &fd, 0) }
+            .map_err(|e| MemError::Map {
+                len,
+                source: e.into(),
+            })?;
+        Ok(Self {
+            ptr: NonNull::new(ptr.cast()).expect("mmap never returns null on success"),
+            len,
+            writable,
+            fd,
+        })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: regions are never empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// True if mapped read-write.
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
+
+    /// The backing file descriptor (for passing to peers).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Checks that `[off, off+len)` is inside the region and `off` is `align`-aligned.
+    pub fn check(&self, off: u64, len: u64, align: u64) -> Result<usize, MemError> {
+        let oob = || MemError::OutOfBounds {
+            off,
+            len,
+            size: self.len as u64,
+        };
+        let end = off.checked_add(len).ok_or_else(oob)?;
+        if end > self.len as u64 || off % align != 0 {
+            return Err(oob());
+        }
+        Ok(off as usize)
+    }
+
+    /// The u32 atomic at `off`.
+    pub fn u32_at(&self, off: u64) -> Result<&AtomicU32, MemError> {
+        let o = self.check(off, 4, 4)?;
+        // SAFETY: `check` proved [o, o+4) is inside the live mapping and 4-aligned; AtomicU32
+        // has the size and alignment of u32 and every access to shared words is atomic.
+        Ok(unsafe { &*(self.ptr.as_ptr().add(o) as *const AtomicU32) })
+    }
+
+    /// The u64 atomic at `off`.
+    pub fn u64_at(&self, off: u64) -> Result<&AtomicU64, MemError> {
+        let o = self.check(off, 8, 8)?;
+        // SAFETY: as in `u32_at`, with 8 bytes and 8-alignment.
+        Ok(unsafe { &*(self.ptr.as_ptr().add(o) as *const AtomicU64) })
+    }
+
+    /// Copies `dst.len()` bytes starting at `off` out of the region.
+    pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), MemError> {
+        let o = self.check(off, dst.len() as u64, 1)?;
+        // SAFETY: the source range is inside the mapping (checked); `dst` is a distinct local
+        // buffer. Concurrent writes by a peer can only change the bytes copied, which callers
+        // validate after the copy.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(o), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into the region at `off`.
+    pub fn write(&self, off: u64, src: &[u8]) -> Result<(), MemError> {
+        let o = self.check(off, src.len() as u64, 1)?;
+        assert!(self.writable, "write to a read-only region");
+        // SAFETY: the destination range is inside a writable mapping (checked); `src` is a
+        // distinct buffer, so the ranges do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(o), src.len()) };
+        Ok(())
+    }
+
+    /// Fills `[off, off+len)` with zeros.
+    pub fn zero(&self, off: u64, len: u64) -> Result<(), MemError> {
+        let o = self.check(off, len, 1)?;
+        assert!(self.writable, "write to a read-only region");
+        // SAFETY: the range is inside a writable mapping (checked).
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(o), 0, len as usize) };
+        Ok(())
+    }
+
+    /// Raw pointer to `off` after a bounds check, for zero-copy slices handed to callers.
+    pub fn ptr_at(&self, off: u64, len: u64) -> Result<*mut u8, MemError> {
+        let o = self.check(off, len, 1)?;
+        // SAFETY: `o` is inside the mapping (checked), so the offset pointer stays in bounds.
+        Ok(unsafe { self.ptr.as_ptr().add(o) })
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` describe exactly the mapping made in `map`; no reference derived
+        // from it outlives `self` (all accessors borrow `self`).
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_rejects_out_of_bounds_and_misaligned_access() {
+        let r = Region::create("bp-test", 4096).unwrap();
+        assert!(r.u64_at(4088).is_ok());
+        assert!(r.u64_at(4092).is_err());
+        assert!(r.u64_at(4).is_err());
+        assert!(r.u32_at(u64::MAX - 1).is_err());
+        let mut b = [0u8; 16];
+        assert!(r.read(4090, &mut b).is_err());
+        assert!(r.write(u64::MAX, &b).is_err());
+    }
+
+    #[test]
+    fn region_shared_through_fd_sees_the_same_bytes() {
+        let a = Region::create("bp-test", 8192).unwrap();
+        let fd = a.fd().try_clone_to_owned().unwrap();
+        let b = Region::map(fd, false).unwrap();
+        a.write(100, b"fabric").unwrap();
+        let mut got = [0u8; 6];
+        b.read(100, &mut got).unwrap();
+        assert_eq!(&got, b"fabric");
+        assert!(!b.writable());
+    }
+}

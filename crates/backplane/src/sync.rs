@@ -1,0 +1,87 @@
+//! Synchronisation primitives shared across processes: the atomics (one module, swapped for
+//! loom's under `--cfg loom`), futex wait/wake on shared memory, and spin-then-sleep waiting.
+//!
+//! Futexes here are *shared* (no `FUTEX_PRIVATE_FLAG`): the words live in `MAP_SHARED` memfd
+//! mappings and are waited on from several processes.
+
+#[cfg(loom)]
+pub use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+#[cfg(not(loom))]
+pub use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+
+use std::time::{Duration, Instant};
+
+/// How many polls a waiter spins before it arms its doorbell and sleeps. About 20–50 µs on
+/// current CPUs: long enough to catch a ping-pong reply, short enough that idle costs nothing.
+pub const SPIN_POLLS: u32 = 4000;
+
+/// Sleeps until `word` no longer holds `expected`, someone wakes it, or `timeout` passes.
+/// Spurious returns are allowed; callers re-check their condition.
+#[cfg(not(loom))]
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
+    let ts = timeout.map(|d| libc::timespec {
+        tv_sec: d.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: d.subsec_nanos() as libc::c_long,
+    });
+    let ts_ptr = ts
+        .as_ref()
+        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
+    // SAFETY: `word` is a valid, aligned u32 for the duration of the call; FUTEX_WAIT only reads
+    // it; `ts_ptr` is null or points to a live timespec. Errors (EAGAIN, EINTR, ETIMEDOUT) are
+    // all "go and re-check", so the return value is deliberately ignored.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            ts_ptr,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Wakes every waiter sleeping on `word`.
+#[cfg(not(loom))]
+pub fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` is a valid, aligned u32; FUTEX_WAKE does not access memory beyond it.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Rings a doorbell: bumps its futex word and wakes sleepers.
+#[cfg(not(loom))]
+pub fn ring(word: &AtomicU32) {
+    word.fetch_add(1, Ordering::Release);
+    futex_wake(word);
+}
+
+/// A deadline helper: `None` means wait forever.
+#[derive(Debug, Clone, Copy)]
+pub struct Deadline(Option<Instant>);
+
+impl Deadline {
+    /// A deadline `timeout` from now, or never.
+    pub fn after(timeout: Option<Duration>) -> Self {
+        Self(timeout.map(|t| Instant::now() + t))
+    }
+    /// Time left; `Some(ZERO)` once passed, `None` for "forever".
+    pub fn remaining(&self) -> Option<Duration> {
+        self.0
+            .map(|d| d.saturating_duration_since(Instant::now()))
+    }
+    /// True once the deadline has passed.
+    pub fn expired(&self) -> bool {
+        matches!(self.remaining(), Some(d) if d.is_zero())
+    }
+}
