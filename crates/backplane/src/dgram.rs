@@ -188,7 +188,9 @@ impl RingMemory for ShmRing {
             return; // unreachable: the protocol validated the range
         }
         // SAFETY: range checked just above; `src` is caller memory, distinct from the mapping.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.data.add(pos as usize), src.len()) }
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data.add(pos as usize), src.len())
+        }
     }
     fn read(&self, pos: u64, dst: &mut [u8]) {
         if pos + dst.len() as u64 > self.data_len {
@@ -196,7 +198,9 @@ impl RingMemory for ShmRing {
             return; // unreachable: the protocol validated the range
         }
         // SAFETY: range checked just above; `dst` is caller memory, distinct from the mapping.
-        unsafe { std::ptr::copy_nonoverlapping(self.data.add(pos as usize), dst.as_mut_ptr(), dst.len()) }
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data.add(pos as usize), dst.as_mut_ptr(), dst.len())
+        }
     }
 }
 
@@ -249,7 +253,9 @@ unsafe impl Send for Endpoint {}
 
 impl fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Endpoint").field("addr", &self.addr).finish()
+        f.debug_struct("Endpoint")
+            .field("addr", &self.addr)
+            .finish()
     }
 }
 
@@ -367,7 +373,10 @@ impl Endpoint {
                 self.publish_stats();
                 return Err(match kind {
                     ErrorKind::NodeDown => {
-                        if !fabric.node_info(self.addr.node).is_ok_and(|i| i.state == NodeState::Ready) {
+                        if !fabric
+                            .node_info(self.addr.node)
+                            .is_ok_and(|i| i.state == NodeState::Ready)
+                        {
                             DgramError::Closed(self.addr)
                         } else {
                             DgramError::NodeDown(dst.node)
@@ -390,7 +399,13 @@ impl Endpoint {
         };
         let dst_win = fabric.window(dst.node)?;
         let me = self.window.clone();
-        let mem = ShmRing::new(dst_win.clone(), ring_off, DEFAULT_RING_DATA, me.clone(), credit_off)?;
+        let mem = ShmRing::new(
+            dst_win.clone(),
+            ring_off,
+            DEFAULT_RING_DATA,
+            me.clone(),
+            credit_off,
+        )?;
         let f = FabricError::from;
         let conn = TxConn {
             dst,
@@ -398,11 +413,17 @@ impl Endpoint {
                 .u32_at(credit_off + CREDIT_COOKIE_OFF as u64)
                 .map_err(f)?
                 .load(Ordering::Acquire),
-            peer_closed: me.u32_at(credit_off + CREDIT_PEER_CLOSED_OFF as u64).map_err(f)?,
-            cookie_word: me.u32_at(credit_off + CREDIT_COOKIE_OFF as u64).map_err(f)?,
+            peer_closed: me
+                .u32_at(credit_off + CREDIT_PEER_CLOSED_OFF as u64)
+                .map_err(f)?,
+            cookie_word: me
+                .u32_at(credit_off + CREDIT_COOKIE_OFF as u64)
+                .map_err(f)?,
             credit_seq: me.u32_at(credit_off + CREDIT_SEQ_OFF as u64).map_err(f)?,
             credit_armed: me.u32_at(credit_off + CREDIT_ARMED_OFF as u64).map_err(f)?,
-            dst_armed: dst_win.u32_at(dst_record_off + EP_ARMED_OFF as u64).map_err(f)?,
+            dst_armed: dst_win
+                .u32_at(dst_record_off + EP_ARMED_OFF as u64)
+                .map_err(f)?,
             dst_doorbell: dst_win
                 .u32_at(dst_record_off + EP_DOORBELL_OFF as u64)
                 .map_err(f)?,
@@ -574,7 +595,13 @@ impl Endpoint {
         w.read(ring_off, &mut h)?;
         let r = RingRepr::parse(&RingHeader::new_checked(&h[..])?)?;
         let src_win = self.node.fabric.window(r.src_slot)?;
-        let mem = ShmRing::new(w.clone(), ring_off, r.data_len, src_win.clone(), r.credit_off)?;
+        let mem = ShmRing::new(
+            w.clone(),
+            ring_off,
+            r.data_len,
+            src_win.clone(),
+            r.credit_off,
+        )?;
         Ok(RxRing {
             src: Addr::new(r.src_slot, r.src_port),
             ring_off,
@@ -664,7 +691,10 @@ impl Endpoint {
             shm!(self.armed).store(1, Ordering::Relaxed);
             // SYNC POINT doorbell-arm (receiver): armed before we re-check every ring.
             fence(Ordering::SeqCst);
-            let pending = self.rx.iter().any(|r| r.mem.load_tail() != r.consumer.head())
+            let pending = self
+                .rx
+                .iter()
+                .any(|r| r.mem.load_tail() != r.consumer.head())
                 || shm!(self.ring_seq).load(Ordering::Acquire) != self.rx_seq_seen
                 || shm!(self.closed).load(Ordering::Acquire) != 0;
             if !pending {
@@ -679,10 +709,12 @@ impl Endpoint {
     pub fn recv(&mut self, buf: &mut [u8], wait: Wait) -> Result<(usize, Addr), DgramError> {
         self.recv_with(wait, |src, payload| {
             let have = buf.len();
-            let dst = buf.get_mut(..payload.len()).ok_or(DgramError::BufferTooSmall {
-                have,
-                need: payload.len(),
-            })?;
+            let dst = buf
+                .get_mut(..payload.len())
+                .ok_or(DgramError::BufferTooSmall {
+                    have,
+                    need: payload.len(),
+                })?;
             dst.copy_from_slice(payload);
             Ok((payload.len(), src))
         })

@@ -21,12 +21,12 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-pub mod wire;
-pub mod sync;
-pub mod ring;
 #[cfg(not(loom))]
-pub mod mem;
+pub mod dgram;
 #[cfg(not(loom))]
 pub mod fabric;
 #[cfg(not(loom))]
-pub mod dgram;
+pub mod mem;
+pub mod ring;
+pub mod sync;
+pub mod wire;

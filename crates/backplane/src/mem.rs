@@ -66,7 +66,8 @@ impl Region {
             name: name.to_owned(),
             source: e.into(),
         };
-        let fd = memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).map_err(err)?;
+        let fd =
+            memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).map_err(err)?;
         ftruncate(&fd, len as u64).map_err(err)?;
         fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).map_err(err)?;
         Self::map(fd, true)
@@ -162,7 +163,9 @@ impl Region {
         // SAFETY: the source range is inside the mapping (checked); `dst` is a distinct local
         // buffer. Concurrent writes by a peer can only change the bytes copied, which callers
         // validate after the copy.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(o), dst.as_mut_ptr(), dst.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(o), dst.as_mut_ptr(), dst.len())
+        };
         Ok(())
     }
 

@@ -423,9 +423,15 @@ mod tests {
     fn ring_rejects_producer_index_past_the_ring() {
         let ring = LocalRing::new(LEN);
         ring.store_tail(LEN as u64 + 64);
-        assert!(matches!(Consumer::new().peek(&ring), Err(RingError::Corrupt(_))));
+        assert!(matches!(
+            Consumer::new().peek(&ring),
+            Err(RingError::Corrupt(_))
+        ));
         ring.store_tail(65);
-        assert!(matches!(Consumer::new().peek(&ring), Err(RingError::Corrupt(_))));
+        assert!(matches!(
+            Consumer::new().peek(&ring),
+            Err(RingError::Corrupt(_))
+        ));
     }
 
     #[test]
@@ -434,7 +440,10 @@ mod tests {
         let mut p = Producer::new();
         p.push(&ring, &[1; 10]).unwrap();
         ring.data_mut()[0..4].copy_from_slice(&5000u32.to_le_bytes());
-        assert!(matches!(Consumer::new().peek(&ring), Err(RingError::Corrupt(_))));
+        assert!(matches!(
+            Consumer::new().peek(&ring),
+            Err(RingError::Corrupt(_))
+        ));
     }
 
     #[test]

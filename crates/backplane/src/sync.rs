@@ -77,8 +77,7 @@ impl Deadline {
     }
     /// Time left; `Some(ZERO)` once passed, `None` for "forever".
     pub fn remaining(&self) -> Option<Duration> {
-        self.0
-            .map(|d| d.saturating_duration_since(Instant::now()))
+        self.0.map(|d| d.saturating_duration_since(Instant::now()))
     }
     /// True once the deadline has passed.
     pub fn expired(&self) -> bool {

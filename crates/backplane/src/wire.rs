@@ -38,7 +38,10 @@ pub const fn window_base(slot: u32) -> u64 {
     (slot as u64) << 32
 }
 
-const _: () = assert!(cfg!(target_endian = "little"), "backplane layouts are little-endian");
+const _: () = assert!(
+    cfg!(target_endian = "little"),
+    "backplane layouts are little-endian"
+);
 
 /// Why a layout was rejected.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -879,7 +882,8 @@ mod tests {
         };
         let mut buf = vec![0u8; NODE_TABLE_OFF];
         repr.emit(&mut FabricHeader::new_unchecked(&mut buf[..]));
-        let parsed = FabricHeaderRepr::parse(&FabricHeader::new_checked(&buf[..]).unwrap()).unwrap();
+        let parsed =
+            FabricHeaderRepr::parse(&FabricHeader::new_checked(&buf[..]).unwrap()).unwrap();
         assert_eq!(parsed, repr);
     }
 
@@ -907,11 +911,20 @@ mod tests {
         assert_eq!(parse(&b), Err(LayoutError::NotInitialized));
         let mut b = good.clone();
         b[16..20].copy_from_slice(&0u32.to_le_bytes());
-        assert!(matches!(parse(&b), Err(LayoutError::BadField { field: "nodes", .. })));
+        assert!(matches!(
+            parse(&b),
+            Err(LayoutError::BadField { field: "nodes", .. })
+        ));
         let mut b = good.clone();
         b[16..20].copy_from_slice(&(MAX_NODES + 1).to_le_bytes());
-        assert!(matches!(parse(&b), Err(LayoutError::BadField { field: "nodes", .. })));
-        assert!(matches!(parse(&good[..10]), Err(LayoutError::Truncated { .. })));
+        assert!(matches!(
+            parse(&b),
+            Err(LayoutError::BadField { field: "nodes", .. })
+        ));
+        assert!(matches!(
+            parse(&good[..10]),
+            Err(LayoutError::Truncated { .. })
+        ));
     }
 
     #[test]

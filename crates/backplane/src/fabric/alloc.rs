@@ -122,7 +122,10 @@ mod tests {
         assert!(a.alloc(64, 64, t0).is_none());
         a.free(x, 4096, t0);
         a.free(y, 4096, t0);
-        assert!(a.alloc(64, 64, t0).is_none(), "quarantined memory must not be reused");
+        assert!(
+            a.alloc(64, 64, t0).is_none(),
+            "quarantined memory must not be reused"
+        );
         let later = t0 + QUARANTINE;
         assert_eq!(a.alloc(8192, 64, later), Some(0), "neighbours merge back");
     }

@@ -211,7 +211,11 @@ pub struct SlotStatus {
 }
 
 /// Sends one message with optional fds.
-pub fn send<T: Serialize>(sock: BorrowedFd<'_>, msg: &T, fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
+pub fn send<T: Serialize>(
+    sock: BorrowedFd<'_>,
+    msg: &T,
+    fds: &[BorrowedFd<'_>],
+) -> std::io::Result<()> {
     let bytes = serde_json::to_vec(msg).map_err(std::io::Error::other)?;
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
     let mut anc = SendAncillaryBuffer::new(&mut space);

@@ -71,7 +71,9 @@ impl NodeLife {
         self.restart_at = None;
         self.beat_at = now;
         match self.state {
-            NodeState::Empty | NodeState::Down => Some(self.to(NodeState::Booting, DownReason::None)),
+            NodeState::Empty | NodeState::Down => {
+                Some(self.to(NodeState::Booting, DownReason::None))
+            }
             _ => None,
         }
     }
@@ -91,7 +93,9 @@ impl NodeLife {
     pub fn exited(&mut self, now: Instant, restart_delay: Option<Duration>) -> Option<Transition> {
         self.restart_at = restart_delay.map(|d| now + d);
         match self.state {
-            NodeState::Booting | NodeState::Ready => Some(self.to(NodeState::Down, DownReason::Exited)),
+            NodeState::Booting | NodeState::Ready => {
+                Some(self.to(NodeState::Down, DownReason::Exited))
+            }
             NodeState::Down => None,
             NodeState::Empty => None,
         }
@@ -169,7 +173,9 @@ mod tests {
         let stall = t + Duration::from_millis(200) + HEARTBEAT_TIMEOUT;
         let d = n.tick(stall, 11, true);
         assert_eq!(d[0].reason, DownReason::Hung);
-        assert!(n.tick(stall + Duration::from_millis(50), 11, true).is_empty());
+        assert!(n
+            .tick(stall + Duration::from_millis(50), 11, true)
+            .is_empty());
         let back = n.tick(stall + Duration::from_millis(100), 12, true);
         assert_eq!(back.last().unwrap().state, NodeState::Ready);
         assert_eq!(back.last().unwrap().generation, 2);

@@ -146,7 +146,9 @@ impl Fabric {
     }
 
     fn connect(name: &str, agent_slot: Option<u32>) -> Result<Self, FabricError> {
-        use rustix::net::{connect, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+        use rustix::net::{
+            connect, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType,
+        };
         validate_name(name)?;
         let path = fabric_dir(name).join(SOCKET_FILE);
         let not_running = || FabricError::NotRunning(name.to_owned());
@@ -169,7 +171,9 @@ impl Fabric {
             Response::Welcome {
                 nodes, window_size, ..
             } => (nodes, window_size),
-            Response::Error { kind, message } => return Err(FabricError::Refused { kind, message }),
+            Response::Error { kind, message } => {
+                return Err(FabricError::Refused { kind, message })
+            }
             other => return Err(FabricError::Protocol(format!("{other:?}"))),
         };
         let fd = fds
@@ -184,7 +188,9 @@ impl Fabric {
             || repr.window_size != window_size
             || control.len() < wire::control_region_size(nodes)
         {
-            return Err(FabricError::Protocol("control region disagrees with welcome".into()));
+            return Err(FabricError::Protocol(
+                "control region disagrees with welcome".into(),
+            ));
         }
         Ok(Self {
             inner: Arc::new(FabricInner {
@@ -251,7 +257,9 @@ impl Fabric {
                 return Ok(e);
             }
         }
-        Err(FabricError::Protocol("node table entry never stabilised".into()))
+        Err(FabricError::Protocol(
+            "node table entry never stabilised".into(),
+        ))
     }
 
     /// The fabric epoch: bumped (and futex-woken) on every node state change.
@@ -311,7 +319,13 @@ impl Fabric {
     /// The window of `slot`, mapped read-write (granted once per process, then cached).
     pub(crate) fn window(&self, slot: u32) -> Result<Arc<Region>, FabricError> {
         self.check_slot(slot)?;
-        if let Some(w) = self.inner.windows.lock().unwrap_or_else(|p| p.into_inner()).get(&slot) {
+        if let Some(w) = self
+            .inner
+            .windows
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&slot)
+        {
             return Ok(w.clone());
         }
         let (resp, fds) = self.call(&Request::Grant { slot })?;
@@ -324,7 +338,9 @@ impl Fabric {
             .ok_or_else(|| FabricError::Protocol("grant without a window".into()))?;
         let region = Region::map(fd, true)?;
         if region.len() as u64 != self.inner.window_size {
-            return Err(FabricError::Protocol("granted window has the wrong size".into()));
+            return Err(FabricError::Protocol(
+                "granted window has the wrong size".into(),
+            ));
         }
         let region = Arc::new(region);
         self.inner
@@ -350,7 +366,10 @@ impl Fabric {
         use rustix::event::{poll, PollFd, PollFlags, Timespec};
         let sock = self.inner.sock.lock().unwrap_or_else(|p| p.into_inner());
         let mut fds = [PollFd::new(&*sock, PollFlags::IN)];
-        let ts = Timespec::try_from(timeout).unwrap_or(Timespec { tv_sec: 1, tv_nsec: 0 });
+        let ts = Timespec::try_from(timeout).unwrap_or(Timespec {
+            tv_sec: 1,
+            tv_nsec: 0,
+        });
         match poll(&mut fds, Some(&ts)) {
             Ok(0) => false,
             Ok(_) => {
@@ -415,7 +434,10 @@ impl Node {
             .fetch_or(bits, Ordering::AcqRel);
         // SYNC POINT doorbell-arm (ring side): bits set before we look at the armed flag.
         fence(Ordering::SeqCst);
-        if w.u32_at(wire::WIN_DOORBELL_ARMED_OFF as u64)?.load(Ordering::Relaxed) != 0 {
+        if w.u32_at(wire::WIN_DOORBELL_ARMED_OFF as u64)?
+            .load(Ordering::Relaxed)
+            != 0
+        {
             crate::sync::ring(w.u32_at(wire::WIN_DOORBELL_SEQ_OFF as u64)?);
         }
         Ok(())
@@ -442,7 +464,11 @@ impl Node {
             // SYNC POINT doorbell-arm (wait side): armed before we re-check the bits.
             fence(Ordering::SeqCst);
             if bits.load(Ordering::Relaxed) == 0 {
-                futex_wait(seq, s, deadline.remaining().or(Some(Duration::from_millis(100))));
+                futex_wait(
+                    seq,
+                    s,
+                    deadline.remaining().or(Some(Duration::from_millis(100))),
+                );
             }
             armed.store(0, Ordering::Relaxed);
             self.check_current()?;
@@ -458,7 +484,10 @@ impl Node {
 
     /// Reads this node's scratchpad register `idx`.
     pub fn read_scratchpad(&self, idx: usize) -> Result<u32, FabricError> {
-        Ok(self.window.u32_at(scratch_off(idx)?)?.load(Ordering::Acquire))
+        Ok(self
+            .window
+            .u32_at(scratch_off(idx)?)?
+            .load(Ordering::Acquire))
     }
 }
 
@@ -487,6 +516,10 @@ mod tests {
     #[test]
     fn attaching_to_a_missing_fabric_says_how_to_start_it() {
         let e = Fabric::attach("no-such-fabric-xyz").unwrap_err();
-        assert!(e.to_string().contains("backplane up --name no-such-fabric-xyz"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("backplane up --name no-such-fabric-xyz"),
+            "{e}"
+        );
     }
 }

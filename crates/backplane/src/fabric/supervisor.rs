@@ -266,7 +266,12 @@ fn install_signal_handlers() {
 
 /// Runs a supervisor until the fabric is shut down. `ready` gets one line when every node is
 /// READY ("ready") or boot failed ("error: ..."), then is closed.
-pub fn run(cfg: Config, lock: FabricLock, ready: Option<File>, log: File) -> Result<(), StartError> {
+pub fn run(
+    cfg: Config,
+    lock: FabricLock,
+    ready: Option<File>,
+    log: File,
+) -> Result<(), StartError> {
     install_signal_handlers();
     let mut ready = ready;
     let result = run_inner(cfg, &lock, &mut ready, log);
@@ -294,8 +299,11 @@ fn run_inner(
     .map_err(|e| StartError::Boot(e.to_string()))?;
     let mut windows = Vec::new();
     for slot in 1..=cfg.nodes {
-        let w = Region::create(&format!("bp-{}-win{slot}", cfg.name), cfg.window_size as usize)
-            .map_err(|e| StartError::Boot(e.to_string()))?;
+        let w = Region::create(
+            &format!("bp-{}-win{slot}", cfg.name),
+            cfg.window_size as usize,
+        )
+        .map_err(|e| StartError::Boot(e.to_string()))?;
         windows.push(Arc::new(w));
     }
     let mut hdr = vec![0u8; NODE_TABLE_OFF];
@@ -377,7 +385,9 @@ fn run_inner(
 }
 
 fn bind_listener(path: &Path) -> Result<OwnedFd, StartError> {
-    use rustix::net::{bind, listen, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    use rustix::net::{
+        bind, listen, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType,
+    };
     let sock = socket_with(
         AddressFamily::UNIX,
         SocketType::SEQPACKET,
@@ -395,15 +405,23 @@ fn bind_listener(path: &Path) -> Result<OwnedFd, StartError> {
 fn publish(region: &Region, off: u64, bytes: &[u8], init_off: usize) {
     let mut body = bytes.to_vec();
     body[init_off..init_off + 4].fill(0);
-    region.write(off, &body).expect("supervisor-computed offset");
-    let mark = region.u32_at(off + init_off as u64).expect("aligned marker");
+    region
+        .write(off, &body)
+        .expect("supervisor-computed offset");
+    let mark = region
+        .u32_at(off + init_off as u64)
+        .expect("aligned marker");
     // SYNC POINT header-init (release): the header is complete before the marker is seen.
     mark.store(INIT_MARK, Ordering::Release);
 }
 
 impl Sup {
     fn say(&mut self, msg: &str) {
-        let _ = writeln!(self.log, "[{:.3}] {msg}", self.created.elapsed().as_secs_f64());
+        let _ = writeln!(
+            self.log,
+            "[{:.3}] {msg}",
+            self.created.elapsed().as_secs_f64()
+        );
     }
 
     fn win(&self, slot: u32) -> &Region {
@@ -433,7 +451,9 @@ impl Sup {
                 Ok(())
             });
         }
-        let child = cmd.spawn().map_err(os(format!("cannot start the agent of node {slot}")))?;
+        let child = cmd
+            .spawn()
+            .map_err(os(format!("cannot start the agent of node {slot}")))?;
         let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("child pid > 0");
         let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
             .map_err(|e| os("pidfd_open")(e.into()))?;
@@ -473,7 +493,9 @@ impl Sup {
         // SYNC POINT node-seqlock (release): odd seq, body, even seq.
         seq.store(s.wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
-        self.control.write(off + 4, &b[4..]).expect("entry in region");
+        self.control
+            .write(off + 4, &b[4..])
+            .expect("entry in region");
         seq.store(s.wrapping_add(2), Ordering::Release);
         let epoch = self.control.u32_at(FABRIC_EPOCH_OFF as u64).expect("epoch");
         sync::ring(epoch);
@@ -503,9 +525,14 @@ impl Sup {
 
     fn init_window(&mut self, slot: u32, generation: u32) {
         let w = self.windows[slot as usize - 1].clone();
-        w.u32_at(WIN_INIT_OFF as u64).expect("hdr").store(0, Ordering::Release);
-        w.zero(WIN_DOORBELL_BITS_OFF as u64, (4096 - WIN_DOORBELL_BITS_OFF) as u64)
-            .expect("hdr");
+        w.u32_at(WIN_INIT_OFF as u64)
+            .expect("hdr")
+            .store(0, Ordering::Release);
+        w.zero(
+            WIN_DOORBELL_BITS_OFF as u64,
+            (4096 - WIN_DOORBELL_BITS_OFF) as u64,
+        )
+        .expect("hdr");
         let mut h = [0u8; 64];
         WindowHeaderRepr {
             slot,
@@ -517,7 +544,12 @@ impl Sup {
     }
 
     fn node_down(&mut self, slot: u32) {
-        let eps: Vec<(u32, u32)> = self.endpoints.keys().filter(|k| k.0 == slot).copied().collect();
+        let eps: Vec<(u32, u32)> = self
+            .endpoints
+            .keys()
+            .filter(|k| k.0 == slot)
+            .copied()
+            .collect();
         for key in eps {
             self.close_endpoint(key);
         }
@@ -530,7 +562,9 @@ impl Sup {
     /// Closes an endpoint: receivers' rings are torn down (their senders see peer-closed),
     /// senders' rings are marked sender-closed and left for their receivers to drain.
     fn close_endpoint(&mut self, key: (u32, u32)) {
-        let Some(ep) = self.endpoints.remove(&key) else { return };
+        let Some(ep) = self.endpoints.remove(&key) else {
+            return;
+        };
         let now = Instant::now();
         let w = self.windows[key.0 as usize - 1].clone();
         let rec = ep.record_off;
@@ -563,7 +597,11 @@ impl Sup {
                 if let Some(src) = self.endpoints.get_mut(&r.src) {
                     src.rings_out.retain(|&x| x != id);
                 }
-                self.allocs[key.0 as usize - 1].free(r.ring_off, RingRepr::footprint(DEFAULT_RING_DATA), now);
+                self.allocs[key.0 as usize - 1].free(
+                    r.ring_off,
+                    RingRepr::footprint(DEFAULT_RING_DATA),
+                    now,
+                );
                 self.allocs[r.src.0 as usize - 1].free(r.credit_off, CREDIT_LEN, now);
             }
         }
@@ -641,7 +679,10 @@ impl Sup {
             if !ready_flags[1 + client_ids.len() + i].is_empty() {
                 if let Some(mut a) = self.agents[slot as usize - 1].take() {
                     let status = a.child.wait().ok();
-                    self.say(&format!("node {slot}: agent {} exited ({status:?})", a.child.id()));
+                    self.say(&format!(
+                        "node {slot}: agent {} exited ({status:?})",
+                        a.child.id()
+                    ));
                 }
                 let delay = if booted { self.cfg.restart_delay } else { None };
                 let t = self.life[slot as usize - 1].exited(now, delay);
@@ -649,7 +690,8 @@ impl Sup {
             }
         }
         if ready_flags[0].contains(PollFlags::IN) {
-            if let Ok(sock) = rustix::net::accept_with(listener, rustix::net::SocketFlags::CLOEXEC) {
+            if let Ok(sock) = rustix::net::accept_with(listener, rustix::net::SocketFlags::CLOEXEC)
+            {
                 let id = self.next_client;
                 self.next_client += 1;
                 self.clients.insert(
@@ -700,7 +742,9 @@ impl Sup {
     }
 
     fn drop_client(&mut self, id: u64) {
-        let Some(c) = self.clients.get(&id) else { return };
+        let Some(c) = self.clients.get(&id) else {
+            return;
+        };
         let eps = c.endpoints.clone();
         for key in eps {
             self.close_endpoint(key);
@@ -709,7 +753,9 @@ impl Sup {
     }
 
     fn reply(&mut self, id: u64, resp: &Response, fds: &[std::os::fd::BorrowedFd<'_>]) {
-        let Some(c) = self.clients.get(&id) else { return };
+        let Some(c) = self.clients.get(&id) else {
+            return;
+        };
         let r = ctl::send(c.sock.as_fd(), resp, fds);
         if r.is_err() {
             self.drop_client(id);
@@ -736,13 +782,20 @@ impl Sup {
         }
         let st = self.life[slot as usize - 1].state();
         if st != NodeState::Ready {
-            return Err((ErrorKind::NodeDown, format!("node {slot} is {st}, not READY")));
+            return Err((
+                ErrorKind::NodeDown,
+                format!("node {slot} is {st}, not READY"),
+            ));
         }
         Ok(())
     }
 
     #[allow(clippy::type_complexity)]
-    fn serve(&mut self, id: u64, req: Request) -> Result<(Response, Option<Arc<Region>>), (ErrorKind, String)> {
+    fn serve(
+        &mut self,
+        id: u64,
+        req: Request,
+    ) -> Result<(Response, Option<Arc<Region>>), (ErrorKind, String)> {
         let invalid = |m: &str| (ErrorKind::Invalid, m.to_owned());
         let hello_done = self.clients.get(&id).is_some_and(|c| c.pid != 0);
         match req {
@@ -759,7 +812,9 @@ impl Sup {
                 }
                 if let Some(slot) = agent_slot {
                     if slot == 0 || slot > self.cfg.nodes || self.agent_pid(slot) != pid {
-                        return Err(invalid("agent hello from a process that is not the node's agent"));
+                        return Err(invalid(
+                            "agent hello from a process that is not the node's agent",
+                        ));
                     }
                 }
                 if let Some(c) = self.clients.get_mut(&id) {
@@ -768,7 +823,10 @@ impl Sup {
                 }
                 let control = Arc::new(
                     Region::map(
-                        self.control.fd().try_clone_to_owned().map_err(|e| invalid(&e.to_string()))?,
+                        self.control
+                            .fd()
+                            .try_clone_to_owned()
+                            .map_err(|e| invalid(&e.to_string()))?,
                         false,
                     )
                     .map_err(|e| invalid(&e.to_string()))?,
@@ -811,7 +869,11 @@ impl Sup {
             }
             Request::Bind { slot, port } => self.bind(id, slot, port).map(|r| (r, None)),
             Request::Unbind { slot, port } => {
-                if self.endpoints.get(&(slot, port)).is_some_and(|e| e.client == id) {
+                if self
+                    .endpoints
+                    .get(&(slot, port))
+                    .is_some_and(|e| e.client == id)
+                {
                     self.close_endpoint((slot, port));
                 }
                 Ok((Response::Ok, None))
@@ -870,7 +932,8 @@ impl Sup {
         let generation = self.life[slot as usize - 1].generation();
         let pid = self.clients.get(&id).map_or(0, |c| c.pid);
         let w = self.windows[slot as usize - 1].clone();
-        w.zero(rec, ENDPOINT_LEN).expect("allocated inside the window");
+        w.zero(rec, ENDPOINT_LEN)
+            .expect("allocated inside the window");
         let mut h = [0u8; 64];
         EndpointRepr {
             slot,
@@ -950,7 +1013,10 @@ impl Sup {
         if list_index >= ENDPOINT_MAX_RINGS {
             return Err((
                 ErrorKind::NoSpace,
-                format!("port {} on node {} already hears {ENDPOINT_MAX_RINGS} senders", dst.1, dst.0),
+                format!(
+                    "port {} on node {} already hears {ENDPOINT_MAX_RINGS} senders",
+                    dst.1, dst.0
+                ),
             ));
         }
         let now = Instant::now();
@@ -964,7 +1030,11 @@ impl Sup {
             .alloc(RingRepr::footprint(DEFAULT_RING_DATA), 4096, now)
             .ok_or_else(|| no_room(dst.0))?;
         let Some(credit_off) = self.allocs[src.0 as usize - 1].alloc(CREDIT_LEN, 64, now) else {
-            self.allocs[dst.0 as usize - 1].free(ring_off, RingRepr::footprint(DEFAULT_RING_DATA), now);
+            self.allocs[dst.0 as usize - 1].free(
+                ring_off,
+                RingRepr::footprint(DEFAULT_RING_DATA),
+                now,
+            );
             return Err(no_room(src.0));
         };
         let ring_id = self.next_ring;
@@ -1052,7 +1122,11 @@ impl Sup {
                 .u32_at(rec + EP_RING_SEQ_OFF as u64)
                 .map(|a| a.fetch_add(1, Ordering::Release));
         }
-        self.allocs[slot as usize - 1].free(r.ring_off, RingRepr::footprint(DEFAULT_RING_DATA), now);
+        self.allocs[slot as usize - 1].free(
+            r.ring_off,
+            RingRepr::footprint(DEFAULT_RING_DATA),
+            now,
+        );
         self.allocs[r.src.0 as usize - 1].free(r.credit_off, CREDIT_LEN, now);
     }
 
@@ -1116,4 +1190,3 @@ impl Sup {
             .unwrap_or(DownReason::None)
     }
 }
-

@@ -1,0 +1,77 @@
+//! `backplane status`: one row per slot, in the spirit of the `vxfabric` table.
+
+use backplane::fabric::ctl::StatusReport;
+use backplane::fabric::Fabric;
+
+use super::{human_size, NameArg};
+
+/// Arguments of `status`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    name: NameArg,
+    /// Print the versioned JSON document instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let report = Fabric::attach(&a.name.name)?.status()?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", render(&report));
+    }
+    Ok(())
+}
+
+/// The human table.
+pub fn render(r: &StatusReport) -> String {
+    let mut out = format!(
+        "fabric '{}': {} nodes, {} windows, up {:.1}s, supervisor pid {}\n",
+        r.fabric,
+        r.nodes,
+        human_size(r.window_size),
+        r.uptime_s,
+        r.supervisor_pid
+    );
+    out += &format!(
+        "{:>4} {:<8} {:>3} {:>7} {:<26} {:<13} {:>9} {:>3} {:>10} {:>12} {:>10} {:>12} {:>6}\n",
+        "SLOT",
+        "STATE",
+        "GEN",
+        "PID",
+        "WINDOW(SIZE)",
+        "DOORBELL",
+        "UPTIME",
+        "EPS",
+        "TX-MSGS",
+        "TX-BYTES",
+        "RX-MSGS",
+        "RX-BYTES",
+        "DROPS"
+    );
+    for s in &r.slots {
+        let state = match s.down_reason {
+            backplane::wire::DownReason::Hung => "DOWN(h)".to_string(),
+            _ => s.state.to_string(),
+        };
+        out += &format!(
+            "{:>4} {:<8} {:>3} {:>7} {:<26} {:<13} {:>8.1}s {:>3} {:>10} {:>12} {:>10} {:>12} {:>6}\n",
+            s.slot,
+            state,
+            s.generation,
+            s.pid,
+            format!("{:#011x}({:#x})", s.window_base, s.window_size),
+            format!("{:#x}", s.doorbell),
+            s.uptime_s,
+            s.endpoints,
+            s.tx_msgs,
+            s.tx_bytes,
+            s.rx_msgs,
+            s.rx_bytes,
+            s.drops
+        );
+    }
+    out
+}

@@ -1,0 +1,51 @@
+//! `backplane supervisor` (internal): the process that keeps a fabric.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::FromRawFd;
+
+use backplane::fabric::{supervisor, LOG_FILE};
+
+use super::NameArg;
+
+/// Arguments of the supervisor.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    name: NameArg,
+    #[arg(long)]
+    nodes: u32,
+    #[arg(long)]
+    window_size: u64,
+    #[arg(long, default_value_t = 1000)]
+    restart_delay_ms: u64,
+    /// File descriptor that receives "ready" or "error: ...".
+    #[arg(long)]
+    ready_fd: Option<i32>,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let mut ready = a.ready_fd.map(|fd| {
+        // SAFETY: `up` passes us the write end of a pipe as this fd; we own it from here on.
+        let f = unsafe { File::from_raw_fd(fd) };
+        // SAFETY: FD_CLOEXEC keeps the pipe out of the agents we spawn.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+        f
+    });
+    let cfg = super::up::config(&a.name.name, a.nodes, a.window_size, a.restart_delay_ms)?;
+    let lock = match supervisor::lock_fabric(&cfg.name) {
+        Ok(l) => l,
+        Err(e) => {
+            if let Some(r) = ready.as_mut() {
+                let _ = writeln!(r, "error: {e}");
+            }
+            return Err(e.into());
+        }
+    };
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(backplane::fabric::fabric_dir(&cfg.name).join(LOG_FILE))?;
+    supervisor::run(cfg, lock, ready, log)?;
+    Ok(())
+}
