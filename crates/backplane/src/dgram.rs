@@ -154,6 +154,9 @@ impl ShmRing {
     /// # Safety
     /// `pos + len <= data_len` (guaranteed by the ring protocol's validation) and the caller
     /// owns that range under the protocol (reserved by the producer or peeked by the consumer).
+    // The bytes are shared memory reached through a raw pointer, not data owned by `&self`;
+    // exclusivity comes from the ring protocol, which is what the `# Safety` contract states.
+    #[allow(clippy::mut_from_ref)]
     unsafe fn slice_mut(&self, pos: u64, len: usize) -> &mut [u8] {
         // SAFETY: per the contract, the range is inside the data area, which is inside a mapping
         // kept alive by `_ring_win`; the protocol gives this side exclusive use of the range
@@ -669,8 +672,8 @@ impl Endpoint {
                     self.stats.dropped += 1;
                     self.publish_stats();
                 }
-                // Best effort: the supervisor reclaims the ring once its sender is gone.
-                let _ = self.node.fabric.call(&Request::RingDrained {
+                // Best effort: the supervisor tears the ring down; a live sender reconnects.
+                let _ = self.node.fabric.call(&Request::RetireRing {
                     slot: self.addr.node,
                     ring_off: r.ring_off,
                 });

@@ -136,7 +136,7 @@ impl Region {
             size: self.len as u64,
         };
         let end = off.checked_add(len).ok_or_else(oob)?;
-        if end > self.len as u64 || off % align != 0 {
+        if end > self.len as u64 || !off.is_multiple_of(align) {
             return Err(oob());
         }
         Ok(off as usize)

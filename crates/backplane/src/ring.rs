@@ -116,7 +116,7 @@ impl Producer {
     fn refresh_head(&mut self, mem: &impl RingMemory) -> Result<(), RingError> {
         // SYNC POINT ring-release (acquire): the consumer is done with everything before head.
         let head = mem.load_head();
-        if head < self.head_cache || head > self.tail || head % RECORD_ALIGN != 0 {
+        if head < self.head_cache || head > self.tail || !head.is_multiple_of(RECORD_ALIGN) {
             return Err(RingError::Corrupt("consumer index out of range"));
         }
         self.head_cache = head;
@@ -222,7 +222,10 @@ impl Consumer {
         if self.head == self.tail_cache {
             // SYNC POINT ring-publish (acquire): records before tail are complete.
             let tail = mem.load_tail();
-            if tail < self.tail_cache || tail - self.head > data_len || tail % RECORD_ALIGN != 0 {
+            if tail < self.tail_cache
+                || tail - self.head > data_len
+                || !tail.is_multiple_of(RECORD_ALIGN)
+            {
                 return Err(RingError::Corrupt("producer index out of range"));
             }
             self.tail_cache = tail;
@@ -571,19 +574,22 @@ mod loom_tests {
         })
     }
 
-    /// Data ring smaller than the default so that records wrap and the producer meets a full
-    /// ring; `MAX_DGRAM` bounds do not matter for the protocol, only footprints do.
+    /// A 256-byte data area and payloads of 40, 100 and 100 bytes (footprints 64, 128, 128):
+    /// the third record does not fit before the end, so the producer must wait for the
+    /// consumer (ring full), write a PAD record and wrap to offset 0. Loom explores every
+    /// interleaving and fails on any data access not ordered by the tail/head pairs.
     #[test]
-    fn loom_ring_producer_consumer_deliver_in_order_with_wrap_and_full() {
+    fn loom_ring_producer_consumer_deliver_in_order_with_pad_wrap_and_full() {
+        const LENS: [usize; 3] = [40, 100, 100];
         loom::model(|| {
-            let r = ring(192);
+            let r = ring(256);
             let rp = r.clone();
             let producer = loom::thread::spawn(move || {
                 let mut p = Producer::new();
-                for i in 0u8..3 {
-                    let payload = [i; 40];
+                for (i, &len) in LENS.iter().enumerate() {
+                    let payload = [i as u8 + 1; 100];
                     loop {
-                        match p.push(&*rp, &payload) {
+                        match p.push(&*rp, &payload[..len]) {
                             Ok(()) => break,
                             Err(RingError::Full) => loom::thread::yield_now(),
                             Err(e) => panic!("{e}"),
@@ -592,13 +598,13 @@ mod loom_tests {
                 }
             });
             let mut c = Consumer::new();
-            let mut got = 0u8;
-            let mut buf = [0u8; 64];
-            while got < 3 {
+            let mut got = 0usize;
+            let mut buf = [0u8; 128];
+            while got < LENS.len() {
                 match c.pop(&*r, &mut buf).unwrap() {
                     Some(n) => {
-                        assert_eq!(n, 40);
-                        assert!(buf[..n].iter().all(|&b| b == got));
+                        assert_eq!(n, LENS[got]);
+                        assert!(buf[..n].iter().all(|&b| b == got as u8 + 1));
                         got += 1;
                     }
                     None => loom::thread::yield_now(),

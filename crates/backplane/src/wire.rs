@@ -735,7 +735,7 @@ impl RingRepr {
             });
         }
         let credit_off = rd_u64(b, ring_field::CREDIT_OFF);
-        if credit_off % CACHE_LINE as u64 != 0 || credit_off < WINDOW_HEAP_OFF {
+        if !credit_off.is_multiple_of(CACHE_LINE as u64) || credit_off < WINDOW_HEAP_OFF {
             return Err(LayoutError::BadField {
                 field: "credit_off",
                 value: credit_off,
@@ -856,14 +856,14 @@ impl RecordRepr {
 }
 
 const _: () = {
-    assert!(EP_RING_LIST_OFF % CACHE_LINE == 0);
+    assert!(EP_RING_LIST_OFF.is_multiple_of(CACHE_LINE));
     assert!(EP_DOORBELL_OFF / CACHE_LINE != EP_ARMED_OFF / CACHE_LINE);
     assert!(RING_TAIL_OFF / CACHE_LINE != RING_SENDER_CLOSED_OFF / CACHE_LINE);
     assert!(CREDIT_HEAD_OFF / CACHE_LINE != CREDIT_ARMED_OFF / CACHE_LINE);
     assert!(WIN_DOORBELL_SEQ_OFF / CACHE_LINE != WIN_DOORBELL_ARMED_OFF / CACHE_LINE);
     assert!(WIN_SCRATCH_OFF + SCRATCHPADS * 4 <= 4096);
     assert!(FABRIC_EPOCH_OFF + 4 <= NODE_TABLE_OFF);
-    assert!(RING_DATA_OFF % RECORD_ALIGN == 0);
+    assert!(RING_DATA_OFF.is_multiple_of(RECORD_ALIGN));
     assert!(ENDPOINT_MAX_RINGS >= 256);
 };
 
@@ -880,7 +880,7 @@ mod tests {
             supervisor_pid: 77,
             name: "radar".into(),
         };
-        let mut buf = vec![0u8; NODE_TABLE_OFF];
+        let mut buf = [0u8; NODE_TABLE_OFF];
         repr.emit(&mut FabricHeader::new_unchecked(&mut buf[..]));
         let parsed =
             FabricHeaderRepr::parse(&FabricHeader::new_checked(&buf[..]).unwrap()).unwrap();

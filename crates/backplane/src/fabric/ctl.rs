@@ -71,8 +71,9 @@ pub enum Request {
         /// Receiver port.
         dst_port: u32,
     },
-    /// A receiver finished draining a ring whose sender is gone: its memory can be reclaimed.
-    RingDrained {
+    /// A receiver is done with a ring (drained after its sender left, or corrupted): tear it
+    /// down and reclaim its memory.
+    RetireRing {
         /// Receiver slot.
         slot: u32,
         /// Ring offset in the receiver's window.

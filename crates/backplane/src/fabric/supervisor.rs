@@ -113,7 +113,8 @@ pub fn check_config(c: &Config) -> Result<(), StartError> {
     if c.nodes == 0 || c.nodes > MAX_NODES {
         return Err(StartError::BadNodeCount(c.nodes));
     }
-    if c.window_size < MIN_WINDOW || c.window_size > 64 << 30 || c.window_size % 4096 != 0 {
+    if c.window_size < MIN_WINDOW || c.window_size > 64 << 30 || !c.window_size.is_multiple_of(4096)
+    {
         return Err(StartError::BadWindowSize(c.window_size));
     }
     let need = c.nodes as u64 * c.window_size;
@@ -886,8 +887,8 @@ impl Sup {
             } => self
                 .connect(id, (src_slot, src_port), (dst_slot, dst_port))
                 .map(|r| (r, None)),
-            Request::RingDrained { slot, ring_off } => {
-                self.ring_drained(id, slot, ring_off);
+            Request::RetireRing { slot, ring_off } => {
+                self.retire_ring(id, slot, ring_off);
                 Ok((Response::Ok, None))
             }
             Request::Status => Ok((Response::Status(self.status()), None)),
@@ -1095,22 +1096,37 @@ impl Sup {
         })
     }
 
-    fn ring_drained(&mut self, id: u64, slot: u32, ring_off: u64) {
-        let Some((&rid, r)) = self
+    /// The receiver is done with a ring: drained after its sender left, or found corrupted.
+    /// Either way it is torn down; a sender still attached sees peer-closed on its next send
+    /// and reconnects with a fresh ring.
+    fn retire_ring(&mut self, id: u64, slot: u32, ring_off: u64) {
+        let Some(rid) = self
             .rings
             .iter()
             .find(|(_, r)| r.dst.0 == slot && r.ring_off == ring_off)
+            .map(|(&rid, _)| rid)
         else {
             return;
         };
-        let owner_ok = self.endpoints.get(&r.dst).is_some_and(|e| e.client == id);
-        let sender_gone = !self.endpoints.contains_key(&r.src)
-            || !self.endpoints[&r.src].rings_out.contains(&rid);
-        if !owner_ok || !sender_gone {
-            return;
+        if !self
+            .endpoints
+            .get(&self.rings[&rid].dst)
+            .is_some_and(|e| e.client == id)
+        {
+            return; // only the receiver may retire its rings
         }
         let r = self.rings.remove(&rid).expect("found above");
         let now = Instant::now();
+        let src_w = self.windows[r.src.0 as usize - 1].clone();
+        if let Ok(c) = src_w.u32_at(r.credit_off + CREDIT_PEER_CLOSED_OFF as u64) {
+            c.store(1, Ordering::Release);
+        }
+        if let Ok(s) = src_w.u32_at(r.credit_off + CREDIT_SEQ_OFF as u64) {
+            sync::ring(s);
+        }
+        if let Some(e) = self.endpoints.get_mut(&r.src) {
+            e.rings_out.retain(|&x| x != rid);
+        }
         let w = self.windows[slot as usize - 1].clone();
         if let Some(e) = self.endpoints.get_mut(&r.dst) {
             e.rings_in.retain(|&x| x != rid);

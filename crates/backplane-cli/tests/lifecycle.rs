@@ -1,0 +1,171 @@
+//! `up` / `status` / `down` through the real binary: what users see, and what is left behind.
+
+mod common;
+use common::*;
+
+#[test]
+fn up_status_down_leaves_nothing_behind() {
+    let fab = Fab::up("lifecycle_basic", 4, &[]);
+    let s = fab.status();
+    assert_eq!(s["version"], 1);
+    assert_eq!(s["nodes"], 4);
+    assert_eq!(s["window_size"], 8 << 20);
+    let slots = s["slots"].as_array().unwrap();
+    assert_eq!(slots.len(), 4);
+    for (i, slot) in slots.iter().enumerate() {
+        assert_eq!(slot["slot"], i as u64 + 1);
+        assert_eq!(slot["state"], "READY");
+        assert_eq!(slot["generation"], 1);
+        assert!(slot["pid"].as_u64().unwrap() > 0);
+        assert_eq!(slot["window_base"], ((i as u64) + 1) << 32);
+        assert_eq!(slot["drops"], 0);
+    }
+    let table = bp(&["status", "--name", &fab.name]);
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("SLOT STATE"), "{text}");
+    assert_eq!(text.matches("READY").count(), 4, "{text}");
+    assert!(
+        !leftovers(&fab.name).is_empty(),
+        "a running fabric is visible"
+    );
+
+    let out = bp(&["down", "--name", &fab.name]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(leftovers(&fab.name), Vec::<String>::new());
+    let after = bp(&["status", "--name", &fab.name]);
+    assert_eq!(after.status.code(), Some(1));
+    let err = stderr(&after);
+    assert!(err.starts_with("backplane: no fabric named"), "{err}");
+    assert_eq!(err.lines().count(), 1);
+}
+
+#[test]
+fn sixty_four_nodes_come_up_ready() {
+    let fab = Fab::up("lifecycle_64", 64, &["--window-size", "4M"]);
+    let s = fab.status();
+    let slots = s["slots"].as_array().unwrap();
+    assert_eq!(slots.len(), 64);
+    assert!(slots.iter().all(|x| x["state"] == "READY"));
+    let name = fab.name.clone();
+    drop(fab);
+    assert_eq!(leftovers(&name), Vec::<String>::new());
+}
+
+#[test]
+fn several_fabrics_coexist_and_a_second_up_of_one_name_fails() {
+    let a = Fab::up("coexist_a", 2, &[]);
+    let b = Fab::up("coexist_b", 3, &[]);
+    assert_eq!(a.status()["nodes"], 2);
+    assert_eq!(b.status()["nodes"], 3);
+    let again = bp(&[
+        "up",
+        "--name",
+        &a.name,
+        "--nodes",
+        "2",
+        "--window-size",
+        "8M",
+    ]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        stderr(&again).contains("already running"),
+        "{}",
+        stderr(&again)
+    );
+    assert_eq!(
+        a.status()["slots"][0]["state"],
+        "READY",
+        "the running fabric is untouched"
+    );
+}
+
+#[test]
+fn a_crashed_supervisor_is_cleaned_up_by_down_and_by_up() {
+    for next in ["down", "up"] {
+        let fab = Fab::up(&format!("crash_{next}"), 2, &[]);
+        let pid = fab.supervisor_pid();
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(pid).unwrap(),
+            rustix::process::Signal::KILL,
+        )
+        .unwrap();
+        // Agents die with their supervisor (PR_SET_PDEATHSIG); only the directory stays.
+        let gone = wait_for(std::time::Duration::from_secs(10), || {
+            let l = leftovers(&fab.name);
+            l.iter().all(|x| x.starts_with("directory")).then_some(())
+        });
+        assert!(gone.is_some(), "{:?}", leftovers(&fab.name));
+        if next == "down" {
+            let out = bp(&["down", "--name", &fab.name]);
+            assert!(out.status.success(), "{}", stderr(&out));
+            assert!(String::from_utf8_lossy(&out.stdout).contains("crashed supervisor"));
+        } else {
+            let out = bp(&[
+                "up",
+                "--name",
+                &fab.name,
+                "--nodes",
+                "2",
+                "--window-size",
+                "8M",
+            ]);
+            assert!(out.status.success(), "{}", stderr(&out));
+            assert_eq!(fab.status()["slots"][1]["state"], "READY");
+            let out = bp(&["down", "--name", &fab.name]);
+            assert!(out.status.success(), "{}", stderr(&out));
+        }
+        assert_eq!(leftovers(&fab.name), Vec::<String>::new());
+    }
+}
+
+#[test]
+fn bad_input_gets_one_line_errors_and_leaves_nothing() {
+    let n = name("badinput");
+    let cases: &[(&[&str], i32, &str)] = &[
+        (&["up", "--name", &n, "--nodes", "0"], 1, "out of range"),
+        (
+            &["up", "--name", &n, "--nodes", "100000"],
+            1,
+            "out of range",
+        ),
+        (
+            &["up", "--name", &n, "--window-size", "12Q"],
+            2,
+            "unknown unit",
+        ),
+        (
+            &["up", "--name", &n, "--window-size", "1K"],
+            1,
+            "out of range",
+        ),
+        (
+            &["up", "--name", &n, "--nodes", "8", "--window-size", "60G"],
+            1,
+            "available",
+        ),
+        (&["up", "--name", "a/b"], 1, "invalid fabric name"),
+        (
+            &["status", "--name", &n],
+            1,
+            &format!("backplane up --name {n}"),
+        ),
+        (&["down", "--name", &n], 1, "no fabric named"),
+        (&["frobnicate"], 2, ""),
+        (
+            &["perf", "dgram-lat", "--size", "2G", "--ucx", "off"],
+            1,
+            "out of range",
+        ),
+    ];
+    for (args, code, want) in cases {
+        let out = bp(args);
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(*code), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        if *code == 1 {
+            assert!(err.starts_with("backplane: "), "{args:?}: {err}");
+            assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+        }
+    }
+    assert_eq!(leftovers(&n), Vec::<String>::new());
+}
