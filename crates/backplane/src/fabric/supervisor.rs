@@ -1108,10 +1108,10 @@ impl Sup {
         else {
             return;
         };
-        if !self
+        if self
             .endpoints
             .get(&self.rings[&rid].dst)
-            .is_some_and(|e| e.client == id)
+            .is_none_or(|e| e.client != id)
         {
             return; // only the receiver may retire its rings
         }
