@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job: a temporary default fabric, datagram latency and bandwidth, UCX in the same run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+target/release/backplane perf dgram-lat "$@"
+target/release/backplane perf dgram-bw "$@"

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs what backplane needs on a fresh Debian machine with Rust, then builds it.
+#   scripts/setup.sh          everything for the main job (release build, UCX for comparison)
+#   scripts/setup.sh --test   everything for the test suite
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=${1:-main}
+# ucx-utils: ucx_perftest, the peer `backplane perf` measures against in the same run.
+# iproute2 / procps: ip and ps for inspecting fabrics.
+packages=(ucx-utils iproute2 procps)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if command -v apt-get >/dev/null 2>&1; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "setup: installing ${missing[*]}" >&2
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "setup: please install ${missing[*]} (no apt-get here)" >&2
+  fi
+fi
+
+if command -v rustup >/dev/null 2>&1; then
+  rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+  rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+fi
+
+if [ "$mode" = "--test" ]; then
+  cargo build --workspace --all-targets
+else
+  cargo build --release -p backplane-cli
+fi
