@@ -353,7 +353,7 @@ fn a_hostile_peer_scribbling_over_a_window_causes_errors_not_crashes() {
     let f = Fabric::attach(&fab.name).unwrap();
     let mut rx = f.node(1).unwrap().bind(1).unwrap();
     let mut tx = f.node(2).unwrap().bind(0).unwrap();
-    let w = f.agent_window(1).unwrap();
+    let w = f.raw_window(1).unwrap();
     let mut buf = vec![0u8; MAX_DGRAM];
     let mut outcomes = std::collections::BTreeMap::<String, u32>::new();
     let note = |outcomes: &mut std::collections::BTreeMap<String, u32>,

@@ -40,7 +40,8 @@ fn await_node(
 fn killed_node_is_seen_down_by_peers_and_rejoins_with_a_new_generation() {
     let fab = Fab::up("live_kill", 3, &["--restart-delay-ms", "300"]);
     let f = Fabric::attach(&fab.name).unwrap();
-    let mut rx = f.node(2).unwrap().bind(7).unwrap();
+    let old_node2 = f.node(2).unwrap();
+    let mut rx = old_node2.bind(7).unwrap();
     let mut tx = f.node(1).unwrap().bind(0).unwrap();
     tx.send_to(Addr::new(2, 7), b"before").unwrap();
     let info = f.node_info(2).unwrap();
@@ -83,6 +84,9 @@ fn killed_node_is_seen_down_by_peers_and_rejoins_with_a_new_generation() {
     .expect("node 2 never rejoined");
     assert_eq!(back.generation, 2);
     assert_ne!(back.pid, info.pid);
+    // A handle from the old incarnation is recognised as stale.
+    let e = old_node2.bind(8).unwrap_err().to_string();
+    assert!(e.contains("restarted (generation 1 -> 2)"), "{e}");
     // Work continues with the new incarnation.
     let mut rx2 = f.node(2).unwrap().bind(7).unwrap();
     tx.send_to(Addr::new(2, 7), b"again").unwrap();
@@ -113,4 +117,28 @@ fn stopped_node_is_seen_down_by_heartbeat_and_rejoins_when_continued() {
     .expect("a continued node never rejoined");
     assert_eq!(back.generation, 2);
     assert_eq!(back.pid, info.pid, "same agent, new incarnation");
+}
+
+#[test]
+fn a_receiver_blocked_when_the_supervisor_is_killed_gets_an_error_not_a_hang() {
+    let fab = Fab::up("live_supkill", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let mut rx = f.node(1).unwrap().bind(3).unwrap();
+    let waiter = std::thread::spawn(move || {
+        let mut buf = [0u8; 8];
+        rx.recv_from(&mut buf).map(|_| ())
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    kill_process(Pid::from_raw(fab.supervisor_pid()).unwrap(), Signal::KILL).unwrap();
+    let got = wait_for(Duration::from_secs(10), || {
+        waiter.is_finished().then_some(())
+    });
+    assert!(
+        got.is_some(),
+        "recv_from still blocked after the supervisor died"
+    );
+    match waiter.join().unwrap() {
+        Err(DgramError::Fabric(e)) => assert!(e.to_string().contains("is gone"), "{e}"),
+        other => panic!("expected SupervisorGone, got {other:?}"),
+    }
 }

@@ -547,7 +547,11 @@ impl Endpoint {
                 futex_wait(seq, s, cap(deadline.remaining()));
             }
             shm!(c.credit_armed).store(0, Ordering::Relaxed);
+            let still_full = !c.producer.has_room(&c.mem, len).unwrap_or(true);
             self.check_open()?;
+            if still_full {
+                self.node.fabric.check_supervisor()?; // slept without credit: still there?
+            }
         }
     }
 
@@ -702,6 +706,9 @@ impl Endpoint {
                 || shm!(self.closed).load(Ordering::Acquire) != 0;
             if !pending {
                 futex_wait(bell, s, cap(deadline.remaining()));
+                if bell.load(Ordering::Acquire) == s {
+                    self.node.fabric.check_supervisor()?; // slept without a ring: still there?
+                }
             }
             shm!(self.armed).store(0, Ordering::Relaxed);
             spins = SPIN_POLLS / 2;

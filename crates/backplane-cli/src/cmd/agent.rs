@@ -19,7 +19,7 @@ pub struct Args {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     let fabric = Fabric::attach_agent(&a.name.name, a.slot)?;
-    let window = fabric.agent_window(a.slot)?;
+    let window = fabric.raw_window(a.slot)?;
     let beat = window.u64_at(WIN_HEARTBEAT_OFF as u64)?;
     beat.fetch_add(1, Ordering::Relaxed);
     fabric.agent_ready(a.slot)?;

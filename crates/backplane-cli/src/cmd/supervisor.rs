@@ -3,6 +3,7 @@
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::FromRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 
 use backplane::fabric::{supervisor, LOG_FILE};
 
@@ -45,6 +46,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
+        .mode(0o600)
         .open(backplane::fabric::fabric_dir(&cfg.name).join(LOG_FILE))?;
     supervisor::run(cfg, lock, ready, log)?;
     Ok(())

@@ -96,6 +96,21 @@ pub enum FabricError {
         /// Its state.
         state: NodeState,
     },
+    /// Occurs when a node restarted since this handle joined it.
+    #[error(
+        "node {slot} restarted (generation {had} -> {now}); join it again with `node({slot})`"
+    )]
+    Restarted {
+        /// Slot.
+        slot: u32,
+        /// Generation this handle joined.
+        had: u32,
+        /// Current generation.
+        now: u32,
+    },
+    /// Occurs when the supervisor is gone (the fabric was stopped or crashed).
+    #[error("the supervisor of fabric '{0}' is gone (was it stopped with `backplane down`?)")]
+    SupervisorGone(String),
     /// Occurs when the supervisor refuses a request.
     #[error("{message}")]
     Refused {
@@ -356,9 +371,19 @@ impl Fabric {
         self.call(&Request::AgentReady { slot }).map(|_| ())
     }
 
-    /// The agent's own window (agents only).
-    pub fn agent_window(&self, slot: u32) -> Result<Arc<Region>, FabricError> {
+    /// Raw read-write access to node `slot`'s window, as every peer that sends to it has: for
+    /// agents, tools and tests. Everything in it is untrusted shared memory.
+    pub fn raw_window(&self, slot: u32) -> Result<Arc<Region>, FabricError> {
         self.window(slot)
+    }
+
+    /// Ok while the supervisor is alive; checked by waiters whose sleep ran out, so that a
+    /// fabric stopped under a blocked call ends it with an error instead of a hang.
+    pub fn check_supervisor(&self) -> Result<(), FabricError> {
+        if self.supervisor_gone(Duration::ZERO) {
+            return Err(FabricError::SupervisorGone(self.inner.name.clone()));
+        }
+        Ok(())
     }
 
     /// True if the supervisor closed our control connection (it exited).
@@ -414,14 +439,17 @@ impl Node {
     /// Ok if the node is still READY in the generation this handle joined.
     pub fn check_current(&self) -> Result<(), FabricError> {
         let info = self.fabric.node_info(self.slot)?;
-        if info.state != NodeState::Ready || info.generation != self.generation {
+        if info.state != NodeState::Ready {
             return Err(FabricError::NodeNotReady {
                 slot: self.slot,
-                state: if info.state == NodeState::Ready {
-                    NodeState::Down
-                } else {
-                    info.state
-                },
+                state: info.state,
+            });
+        }
+        if info.generation != self.generation {
+            return Err(FabricError::Restarted {
+                slot: self.slot,
+                had: self.generation,
+                now: info.generation,
             });
         }
         Ok(())

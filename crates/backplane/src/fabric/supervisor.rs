@@ -212,6 +212,9 @@ struct Ep {
     record_off: u64,
     client: u64,
     generation: u32,
+    /// Occupancy of the record's ring list, kept here: the copy in shared memory is only
+    /// ever written by us, never read back (a peer may have scribbled on it).
+    list: Vec<bool>,
     rings_in: Vec<u64>,
     rings_out: Vec<u64>,
 }
@@ -950,6 +953,7 @@ impl Sup {
                 record_off: rec,
                 client: id,
                 generation,
+                list: Vec::new(),
                 rings_in: Vec::new(),
                 rings_out: Vec::new(),
             },
@@ -999,18 +1003,9 @@ impl Sup {
         }
         let dst_w = self.windows[dst.0 as usize - 1].clone();
         let src_w = self.windows[src.0 as usize - 1].clone();
-        let count = dst_w
-            .u32_at(dst_rec + EP_RING_COUNT_OFF as u64)
-            .expect("record")
-            .load(Ordering::Relaxed);
-        let list_index = (0..count)
-            .find(|&i| {
-                dst_w
-                    .u64_at(dst_rec + EP_RING_LIST_OFF as u64 + 8 * i as u64)
-                    .map(|a| a.load(Ordering::Relaxed) == 0)
-                    .unwrap_or(false)
-            })
-            .unwrap_or(count);
+        let list = &dst_ep.list;
+        let list_index = list.iter().position(|used| !used).unwrap_or(list.len()) as u32;
+        let count = list.len() as u32;
         if list_index >= ENDPOINT_MAX_RINGS {
             return Err((
                 ErrorKind::NoSpace,
@@ -1084,6 +1079,11 @@ impl Sup {
         );
         if let Some(e) = self.endpoints.get_mut(&dst) {
             e.rings_in.push(ring_id);
+            if list_index == count {
+                e.list.push(true);
+            } else {
+                e.list[list_index as usize] = true;
+            }
         }
         if let Some(e) = self.endpoints.get_mut(&src) {
             e.rings_out.push(ring_id);
@@ -1130,6 +1130,9 @@ impl Sup {
         let w = self.windows[slot as usize - 1].clone();
         if let Some(e) = self.endpoints.get_mut(&r.dst) {
             e.rings_in.retain(|&x| x != rid);
+            if let Some(u) = e.list.get_mut(r.list_index as usize) {
+                *u = false;
+            }
             let rec = e.record_off;
             let _ = w
                 .u64_at(rec + EP_RING_LIST_OFF as u64 + 8 * r.list_index as u64)
