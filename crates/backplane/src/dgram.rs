@@ -410,17 +410,15 @@ impl Endpoint {
             credit_off,
         )?;
         let f = FabricError::from;
+        let cookie_word = me
+            .u32_at(credit_off + CREDIT_COOKIE_OFF as u64)
+            .map_err(f)?;
         let conn = TxConn {
             dst,
-            cookie: me
-                .u32_at(credit_off + CREDIT_COOKIE_OFF as u64)
-                .map_err(f)?
-                .load(Ordering::Acquire),
+            cookie: cookie_word.load(Ordering::Acquire),
+            cookie_word,
             peer_closed: me
                 .u32_at(credit_off + CREDIT_PEER_CLOSED_OFF as u64)
-                .map_err(f)?,
-            cookie_word: me
-                .u32_at(credit_off + CREDIT_COOKIE_OFF as u64)
                 .map_err(f)?,
             credit_seq: me.u32_at(credit_off + CREDIT_SEQ_OFF as u64).map_err(f)?,
             credit_armed: me.u32_at(credit_off + CREDIT_ARMED_OFF as u64).map_err(f)?,

@@ -590,24 +590,7 @@ impl Sup {
             sync::ring(d);
         }
         for id in ep.rings_in {
-            if let Some(r) = self.rings.remove(&id) {
-                let src_w = self.windows[r.src.0 as usize - 1].clone();
-                if let Ok(c) = src_w.u32_at(r.credit_off + CREDIT_PEER_CLOSED_OFF as u64) {
-                    c.store(1, Ordering::Release);
-                }
-                if let Ok(s) = src_w.u32_at(r.credit_off + CREDIT_SEQ_OFF as u64) {
-                    sync::ring(s);
-                }
-                if let Some(src) = self.endpoints.get_mut(&r.src) {
-                    src.rings_out.retain(|&x| x != id);
-                }
-                self.allocs[key.0 as usize - 1].free(
-                    r.ring_off,
-                    RingRepr::footprint(DEFAULT_RING_DATA),
-                    now,
-                );
-                self.allocs[r.src.0 as usize - 1].free(r.credit_off, CREDIT_LEN, now);
-            }
+            self.teardown_ring(id);
         }
         for id in ep.rings_out {
             if let Some(r) = self.rings.get(&id) {
@@ -1115,7 +1098,15 @@ impl Sup {
         {
             return; // only the receiver may retire its rings
         }
-        let r = self.rings.remove(&rid).expect("found above");
+        self.teardown_ring(rid);
+    }
+
+    /// Removes a ring: its sender sees peer-closed (and is woken), the receiver's list entry
+    /// is cleared if the receiver still exists, and both allocations are freed (quarantined).
+    fn teardown_ring(&mut self, rid: u64) {
+        let Some(r) = self.rings.remove(&rid) else {
+            return;
+        };
         let now = Instant::now();
         let src_w = self.windows[r.src.0 as usize - 1].clone();
         if let Ok(c) = src_w.u32_at(r.credit_off + CREDIT_PEER_CLOSED_OFF as u64) {
@@ -1127,21 +1118,21 @@ impl Sup {
         if let Some(e) = self.endpoints.get_mut(&r.src) {
             e.rings_out.retain(|&x| x != rid);
         }
-        let w = self.windows[slot as usize - 1].clone();
+        let dst_w = self.windows[r.dst.0 as usize - 1].clone();
         if let Some(e) = self.endpoints.get_mut(&r.dst) {
             e.rings_in.retain(|&x| x != rid);
             if let Some(u) = e.list.get_mut(r.list_index as usize) {
                 *u = false;
             }
             let rec = e.record_off;
-            let _ = w
+            let _ = dst_w
                 .u64_at(rec + EP_RING_LIST_OFF as u64 + 8 * r.list_index as u64)
                 .map(|a| a.store(0, Ordering::Release));
-            let _ = w
+            let _ = dst_w
                 .u32_at(rec + EP_RING_SEQ_OFF as u64)
                 .map(|a| a.fetch_add(1, Ordering::Release));
         }
-        self.allocs[slot as usize - 1].free(
+        self.allocs[r.dst.0 as usize - 1].free(
             r.ring_off,
             RingRepr::footprint(DEFAULT_RING_DATA),
             now,
