@@ -145,7 +145,7 @@ impl Drop for Cleanup {
             let _ = p.wait();
         }
         if let Some(name) = self.fabric.take() {
-            let _ = super::down::stop(&name);
+            let _ = backplane::fabric::launch::stop(&name);
         }
     }
 }

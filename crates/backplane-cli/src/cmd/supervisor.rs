@@ -33,7 +33,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
         f
     });
-    let cfg = super::up::config(&a.name.name, a.nodes, a.window_size, a.restart_delay_ms)?;
+    let cfg =
+        super::up::options(&a.name.name, a.nodes, a.window_size, a.restart_delay_ms)?.config();
     let lock = match supervisor::lock_fabric(&cfg.name) {
         Ok(l) => l,
         Err(e) => {

@@ -7,6 +7,7 @@
 
 pub mod alloc;
 pub mod ctl;
+pub mod launch;
 pub mod life;
 pub mod supervisor;
 

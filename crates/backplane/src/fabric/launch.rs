@@ -1,0 +1,136 @@
+//! Starting and stopping fabrics from a program (what `backplane up` / `down` do): a detached
+//! supervisor process is started from the `backplane` executable and waited for.
+
+use std::io::{BufRead, BufReader};
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::supervisor::{self, Config, StartError};
+use super::{fabric_dir, validate_name, Fabric, FabricError};
+
+/// What a fabric is started with.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Fabric name.
+    pub name: String,
+    /// Node count.
+    pub nodes: u32,
+    /// Window size per node.
+    pub window_size: u64,
+    /// Restart a dead node agent after this long (0: leave it DOWN).
+    pub restart_delay_ms: u64,
+    /// The `backplane` executable (its `supervisor` and `agent` subcommands are used).
+    pub exe: PathBuf,
+}
+
+impl Options {
+    /// The supervisor configuration these options describe.
+    pub fn config(&self) -> Config {
+        Config {
+            name: self.name.clone(),
+            nodes: self.nodes,
+            window_size: self.window_size,
+            restart_delay: (self.restart_delay_ms > 0)
+                .then(|| Duration::from_millis(self.restart_delay_ms)),
+            agent_cmd: vec![self.exe.to_string_lossy().into_owned(), "agent".into()],
+        }
+    }
+}
+
+/// Starts a fabric and returns once every node is READY.
+pub fn start(o: &Options) -> Result<(), StartError> {
+    let os = |what: &str| {
+        let what = what.to_owned();
+        move |e: std::io::Error| StartError::Os { what, source: e }
+    };
+    supervisor::check_config(&o.config())?;
+    if supervisor::is_running(&o.name) {
+        return Err(StartError::AlreadyRunning(o.name.clone()));
+    }
+    let (rd, wr) = rustix::pipe::pipe().map_err(|e| os("cannot create a pipe")(e.into()))?;
+    let wr_raw = wr.as_raw_fd();
+    let mut cmd = Command::new(&o.exe);
+    cmd.args([
+        "supervisor",
+        "--name",
+        &o.name,
+        "--nodes",
+        &o.nodes.to_string(),
+        "--window-size",
+        &o.window_size.to_string(),
+        "--restart-delay-ms",
+        &o.restart_delay_ms.to_string(),
+        "--ready-fd",
+        "3",
+    ])
+    .stdin(Stdio::null())
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    // SAFETY: only async-signal-safe calls (setsid, dup2) run between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::setsid();
+            if libc::dup2(wr_raw, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(os("cannot start the fabric supervisor"))?;
+    drop(wr);
+    let mut line = String::new();
+    let _ = BufReader::new(std::fs::File::from(rd)).read_line(&mut line);
+    // The supervisor keeps running detached; reap it here only if it already exited.
+    std::thread::spawn(move || child.wait());
+    match line.trim() {
+        "ready" => Ok(()),
+        l if l.starts_with("error: ") => Err(StartError::Boot(l[7..].to_owned())),
+        _ => Err(StartError::Boot(
+            "the fabric supervisor exited during start-up".into(),
+        )),
+    }
+}
+
+/// How a fabric was stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// The supervisor shut down and cleaned up.
+    Clean,
+    /// Only leftovers of a dead supervisor were found and removed.
+    Stale,
+}
+
+/// Stops fabric `name`, waiting until its supervisor has removed everything.
+pub fn stop(name: &str) -> Result<Stopped, FabricError> {
+    validate_name(name)?;
+    let dir = fabric_dir(name);
+    if !supervisor::is_running(name) {
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir)?;
+            return Ok(Stopped::Stale);
+        }
+        return Err(FabricError::NotRunning(name.to_owned()));
+    }
+    let f = Fabric::attach(name)?;
+    let pid = f.status()?.supervisor_pid;
+    f.shutdown()?;
+    drop(f);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while supervisor::is_running(name) || dir.exists() {
+        if Instant::now() > deadline {
+            if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(FabricError::SupervisorGone(name.to_owned()));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(Stopped::Clean)
+}
