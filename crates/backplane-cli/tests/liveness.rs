@@ -106,11 +106,12 @@ fn stopped_node_is_seen_down_by_heartbeat_and_rejoins_when_continued() {
     let res = await_node(&f, 2, Duration::from_secs(10), |i| {
         i.state == NodeState::Down
     });
-    let _ = kill_process(pid, Signal::CONT);
+    let reported = fab.status()["slots"][1]["down_reason"].clone();
+    let _ = kill_process(pid, Signal::CONT); // before any assertion: never leave it stopped
     let (down, took) = res.expect("a stopped node never went DOWN");
     eprintln!("SIGSTOP -> DOWN seen after {took:?}");
     assert_eq!(down.reason, DownReason::Hung);
-    assert_eq!(fab.status()["slots"][1]["down_reason"], "hung");
+    assert_eq!(reported, "hung");
     let (back, _) = await_node(&f, 2, Duration::from_secs(10), |i| {
         i.state == NodeState::Ready
     })

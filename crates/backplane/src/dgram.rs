@@ -248,6 +248,7 @@ pub struct Endpoint {
     rx: Vec<RxRing>,
     rx_seq_seen: u32,
     rx_next: usize,
+    spin_polls: u32,
 }
 
 // SAFETY: every raw pointer in an Endpoint points into a mapping that the Endpoint keeps alive
@@ -314,6 +315,7 @@ impl Node {
             rx: Vec::new(),
             rx_seq_seen: u32::MAX,
             rx_next: 0,
+            spin_polls: SPIN_POLLS,
         };
         Ok(ep)
     }
@@ -328,6 +330,19 @@ impl Endpoint {
     /// Counters so far.
     pub fn stats(&self) -> EndpointStats {
         self.stats
+    }
+
+    /// How many times a blocked send or receive polls before it sleeps (default
+    /// [`SPIN_POLLS`]). Spinning buys latency with CPU: lower it where CPUs are scarce.
+    pub fn set_spin_polls(&mut self, polls: u32) {
+        self.spin_polls = polls.max(1);
+    }
+
+    /// Counts a datagram the application dropped on this endpoint's behalf (for example a
+    /// frame for an unknown MAC), so that it shows in `stats()` and `backplane status`.
+    pub fn count_drop(&mut self) {
+        self.stats.dropped += 1;
+        self.publish_stats();
     }
 
     fn publish_stats(&self) {
@@ -483,6 +498,24 @@ impl Endpoint {
         wait: Wait,
         fill: impl FnOnce(&mut [u8]),
     ) -> Result<(), DgramError> {
+        self.send_with_max(dst, len, wait, |buf| {
+            fill(buf);
+            Some(buf.len())
+        })
+        .map(|_| ())
+    }
+
+    /// Zero-copy send of a payload whose length is known only once it is written: `fill` gets
+    /// `max_len` bytes of ring memory and returns how many it used, or `None` to abandon the
+    /// send (nothing is published). Returns whether a datagram was sent.
+    pub fn send_with_max(
+        &mut self,
+        dst: Addr,
+        max_len: usize,
+        wait: Wait,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<bool, DgramError> {
+        let len = max_len;
         if len > MAX_DGRAM {
             return Err(DgramError::TooBig(len));
         }
@@ -500,9 +533,13 @@ impl Endpoint {
                 return Err(self.peer_state(dst));
             }
             match c.producer.reserve(&c.mem, len) {
-                Ok(r) => {
+                Ok(mut r) => {
                     // SAFETY: the reservation is inside the data area and ours until commit.
-                    fill(unsafe { c.mem.slice_mut(r.pos, len) });
+                    let used = fill(unsafe { c.mem.slice_mut(r.pos, len) });
+                    let Some(used) = used.filter(|&u| u <= len) else {
+                        return Ok(false); // abandoned: the producer index never moved
+                    };
+                    r.len = used;
                     c.producer.commit(&c.mem, r);
                     // SYNC POINT doorbell-arm (sender): tail published before we read `armed`.
                     fence(Ordering::SeqCst);
@@ -510,9 +547,9 @@ impl Endpoint {
                         ring(shm!(c.dst_doorbell));
                     }
                     self.stats.sent += 1;
-                    self.stats.sent_bytes += len as u64;
+                    self.stats.sent_bytes += used as u64;
                     self.publish_stats();
-                    return Ok(());
+                    return Ok(true);
                 }
                 Err(RingError::Full) => {}
                 Err(RingError::TooBig(n)) => return Err(DgramError::TooBig(n)),
@@ -530,7 +567,7 @@ impl Endpoint {
                 _ => {}
             }
             spins += 1;
-            if spins < SPIN_POLLS {
+            if spins < self.spin_polls {
                 std::hint::spin_loop();
                 continue;
             }
@@ -687,7 +724,7 @@ impl Endpoint {
                 _ => {}
             }
             spins += 1;
-            if spins < SPIN_POLLS {
+            if spins < self.spin_polls {
                 std::hint::spin_loop();
                 continue;
             }
@@ -709,7 +746,7 @@ impl Endpoint {
                 }
             }
             shm!(self.armed).store(0, Ordering::Relaxed);
-            spins = SPIN_POLLS / 2;
+            spins = self.spin_polls / 2;
         }
     }
 

@@ -27,6 +27,8 @@ pub mod dgram;
 pub mod fabric;
 #[cfg(not(loom))]
 pub mod mem;
+#[cfg(not(loom))]
+pub mod net;
 pub mod ring;
 pub mod sync;
 pub mod wire;

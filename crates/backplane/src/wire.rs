@@ -23,8 +23,9 @@ pub const CACHE_LINE: usize = 64;
 /// Written last into a header: the layout behind it is complete.
 pub const INIT_MARK: u32 = 0x1B1B_0001;
 
-/// Largest datagram payload, in bytes.
-pub const MAX_DGRAM: usize = 64 * 1024;
+/// Largest datagram payload, in bytes: 64 KiB plus headroom, so that a 64 KiB IP packet with
+/// its Ethernet and virtio-net headers travels as one datagram.
+pub const MAX_DGRAM: usize = 64 * 1024 + 512;
 
 /// Highest supported node count in one fabric.
 pub const MAX_NODES: u32 = 256;
@@ -467,6 +468,9 @@ pub const WIN_DOORBELL_SEQ_OFF: usize = 136;
 pub const WIN_DOORBELL_ARMED_OFF: usize = 192;
 /// First scratchpad register (u32 × [`SCRATCHPADS`]).
 pub const WIN_SCRATCH_OFF: usize = 256;
+/// Interface counters published by the agent (u64 × 6: rx packets, rx bytes, tx packets,
+/// tx bytes, rx dropped, tx dropped).
+pub const WIN_IFSTATS_OFF: usize = 512;
 /// Offset of the window header's `initialized` marker.
 pub const WIN_INIT_OFF: usize = window_field::INITIALIZED;
 
@@ -861,7 +865,8 @@ const _: () = {
     assert!(RING_TAIL_OFF / CACHE_LINE != RING_SENDER_CLOSED_OFF / CACHE_LINE);
     assert!(CREDIT_HEAD_OFF / CACHE_LINE != CREDIT_ARMED_OFF / CACHE_LINE);
     assert!(WIN_DOORBELL_SEQ_OFF / CACHE_LINE != WIN_DOORBELL_ARMED_OFF / CACHE_LINE);
-    assert!(WIN_SCRATCH_OFF + SCRATCHPADS * 4 <= 4096);
+    assert!(WIN_SCRATCH_OFF + SCRATCHPADS * 4 <= WIN_IFSTATS_OFF);
+    assert!(WIN_IFSTATS_OFF + 48 <= 4096);
     assert!(FABRIC_EPOCH_OFF + 4 <= NODE_TABLE_OFF);
     assert!(RING_DATA_OFF.is_multiple_of(RECORD_ALIGN));
     assert!(ENDPOINT_MAX_RINGS >= 256);

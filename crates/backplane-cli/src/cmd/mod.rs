@@ -2,6 +2,7 @@
 
 mod agent;
 mod down;
+mod exec;
 mod perf;
 mod status;
 mod supervisor;
@@ -25,6 +26,8 @@ enum Command {
     Status(status::Args),
     /// Stop a fabric and remove everything it created.
     Down(down::Args),
+    /// Run a program inside a node (its network namespace, BACKPLANE_FABRIC/NODE set).
+    Exec(exec::Args),
     /// perftest-like micro benchmarks: dgram-lat, dgram-bw.
     Perf(perf::Args),
     /// (internal) The process that keeps a fabric; started by `up`.
@@ -44,6 +47,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Up(a) => up::run(a),
         Command::Status(a) => status::run(a),
         Command::Down(a) => down::run(a),
+        Command::Exec(a) => exec::run(a),
         Command::Perf(a) => perf::run(a),
         Command::Supervisor(a) => supervisor::run(a),
         Command::Agent(a) => agent::run(a),

@@ -51,6 +51,7 @@ pub fn render(r: &StatusReport) -> String {
         "RX-BYTES",
         "DROPS"
     );
+    let net = r.slots.iter().any(|s| s.address.is_some());
     for s in &r.slots {
         let state = match s.down_reason {
             backplane::wire::DownReason::Hung => "DOWN(h)".to_string(),
@@ -72,6 +73,29 @@ pub fn render(r: &StatusReport) -> String {
             s.rx_bytes,
             s.drops
         );
+    }
+    if net {
+        out += &format!(
+            "\n{:>4} {:<20} {:<18} {:<5} {:>10} {:>12} {:>10} {:>12} {:>8}\n",
+            "SLOT", "ADDRESS", "MAC", "IF", "RX-PKTS", "RX-BYTES", "TX-PKTS", "TX-BYTES", "DROPPED"
+        );
+        for s in &r.slots {
+            let (Some(addr), Some(mac), Some(i)) = (&s.address, &s.mac, &s.interface) else {
+                continue;
+            };
+            out += &format!(
+                "{:>4} {:<20} {:<18} {:<5} {:>10} {:>12} {:>10} {:>12} {:>8}\n",
+                s.slot,
+                addr,
+                mac,
+                if i.up { "up" } else { "down" },
+                i.rx_packets,
+                i.rx_bytes,
+                i.tx_packets,
+                i.tx_bytes,
+                i.rx_dropped + i.tx_dropped
+            );
+        }
     }
     out
 }

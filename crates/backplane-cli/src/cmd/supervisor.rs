@@ -23,6 +23,12 @@ pub struct Args {
     /// File descriptor that receives "ready" or "error: ...".
     #[arg(long)]
     ready_fd: Option<i32>,
+    #[arg(long)]
+    no_net: bool,
+    #[arg(long, default_value = backplane::net::DEFAULT_SUBNET)]
+    subnet: String,
+    #[arg(long, default_value_t = backplane::net::DEFAULT_MTU)]
+    mtu: u32,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -33,8 +39,19 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
         f
     });
-    let cfg =
-        super::up::options(&a.name.name, a.nodes, a.window_size, a.restart_delay_ms)?.config();
+    let net = if a.no_net {
+        None
+    } else {
+        Some(backplane::net::NetPlan::new(&a.subnet, a.mtu, a.nodes)?)
+    };
+    let cfg = super::up::options(
+        &a.name.name,
+        a.nodes,
+        a.window_size,
+        a.restart_delay_ms,
+        net,
+    )?
+    .config();
     let lock = match supervisor::lock_fabric(&cfg.name) {
         Ok(l) => l,
         Err(e) => {

@@ -2,6 +2,7 @@
 
 use anyhow::Context;
 use backplane::fabric::launch::{self, Options};
+use backplane::net::NetPlan;
 
 use super::{human_size, parse_size, NameArg};
 
@@ -16,10 +17,15 @@ pub struct Args {
     /// Inbound memory window per node (e.g. 64M, 1G).
     #[arg(long, default_value = "64M", value_parser = parse_size)]
     window_size: u64,
-    /// Do not create network interfaces (IP over the fabric is not built yet; accepted now so
-    /// scripts keep working when it is).
+    /// Do not give nodes network interfaces (no namespaces, no TAPs: works without root).
     #[arg(long)]
     no_net: bool,
+    /// IPv4 subnet of the fabric's interfaces; node N gets host address N.
+    #[arg(long, default_value = backplane::net::DEFAULT_SUBNET)]
+    subnet: String,
+    /// MTU of every node's bp0.
+    #[arg(long, default_value_t = backplane::net::DEFAULT_MTU)]
+    mtu: u32,
     /// Restart a node whose agent died after this many milliseconds (0: leave it DOWN).
     #[arg(long, default_value_t = 1000)]
     restart_delay_ms: u64,
@@ -31,6 +37,7 @@ pub fn options(
     nodes: u32,
     window_size: u64,
     restart_delay_ms: u64,
+    net: Option<NetPlan>,
 ) -> anyhow::Result<Options> {
     Ok(Options {
         name: name.to_owned(),
@@ -38,14 +45,37 @@ pub fn options(
         window_size,
         restart_delay_ms,
         exe: std::env::current_exe().context("cannot find the backplane executable")?,
+        net,
     })
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let _ = a.no_net;
-    start(&a.name.name, a.nodes, a.window_size, a.restart_delay_ms)?;
+    // Judge the node count and window before the subnet they must fit in.
+    let plain = options(
+        &a.name.name,
+        a.nodes,
+        a.window_size,
+        a.restart_delay_ms,
+        None,
+    )?;
+    backplane::fabric::supervisor::check_config(&plain.config())?;
+    let net = if a.no_net {
+        None
+    } else {
+        Some(NetPlan::new(&a.subnet, a.mtu, a.nodes)?)
+    };
+    launch::start(&options(
+        &a.name.name,
+        a.nodes,
+        a.window_size,
+        a.restart_delay_ms,
+        net,
+    )?)?;
+    let net_note = net.map_or(String::from(", no network"), |p| {
+        format!(", bp0 {} .. {} (MTU {})", p.cidr(1), p.cidr(a.nodes), p.mtu)
+    });
     println!(
-        "fabric '{}' is up: {} nodes, {} windows",
+        "fabric '{}' is up: {} nodes, {} windows{net_note}",
         a.name.name,
         a.nodes,
         human_size(a.window_size)
@@ -53,13 +83,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Starts a fabric and returns once every node is READY.
+/// Starts a fabric without networking and returns once every node is READY.
 pub fn start(
     name: &str,
     nodes: u32,
     window_size: u64,
     restart_delay_ms: u64,
 ) -> anyhow::Result<()> {
-    launch::start(&options(name, nodes, window_size, restart_delay_ms)?)?;
+    launch::start(&options(name, nodes, window_size, restart_delay_ms, None)?)?;
     Ok(())
 }

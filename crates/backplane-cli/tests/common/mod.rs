@@ -28,7 +28,19 @@ pub struct Fab {
 }
 
 impl Fab {
+    /// A fabric without networking (works without root; most tests need no more).
     pub fn up(test: &str, nodes: u32, extra: &[&str]) -> Fab {
+        let mut e = vec!["--no-net"];
+        e.extend_from_slice(extra);
+        Self::up_with(test, nodes, &e)
+    }
+
+    /// A fabric with IP over the fabric (root only).
+    pub fn up_net(test: &str, nodes: u32, extra: &[&str]) -> Fab {
+        Self::up_with(test, nodes, extra)
+    }
+
+    fn up_with(test: &str, nodes: u32, extra: &[&str]) -> Fab {
         let name = name(test);
         let n = nodes.to_string();
         let mut args = vec!["up", "--name", &name, "--nodes", &n];

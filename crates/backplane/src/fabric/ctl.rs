@@ -79,6 +79,11 @@ pub enum Request {
         /// Ring offset in the receiver's window.
         ring_off: u64,
     },
+    /// The agent's network interface is configured.
+    NetReady {
+        /// Slot.
+        slot: u32,
+    },
     /// Fabric report. Reply: `Status`.
     Status,
     /// Stop the fabric. Reply: `Ok`, then the supervisor exits.
@@ -209,6 +214,36 @@ pub struct SlotStatus {
     pub rx_bytes: u64,
     /// Datagrams dropped (refused, corrupt, undeliverable).
     pub drops: u64,
+    /// IPv4 address/prefix of the node's `bp0` (absent with `--no-net`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    /// MAC of the node's `bp0` (absent with `--no-net`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    /// The interface's own counters, as `ip -s link` shows them inside the node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interface: Option<IfStats>,
+}
+
+/// Counters of a node's network interface (published by its agent every 100 ms).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct IfStats {
+    /// Interface name.
+    pub name: String,
+    /// True once the agent configured it (and while the node is not DOWN).
+    pub up: bool,
+    /// Packets received by the kernel from the fabric.
+    pub rx_packets: u64,
+    /// Bytes received.
+    pub rx_bytes: u64,
+    /// Packets the kernel sent into the fabric.
+    pub tx_packets: u64,
+    /// Bytes sent.
+    pub tx_bytes: u64,
+    /// Receive drops.
+    pub rx_dropped: u64,
+    /// Transmit drops.
+    pub tx_dropped: u64,
 }
 
 /// Sends one message with optional fds.

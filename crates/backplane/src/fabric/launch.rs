@@ -24,6 +24,8 @@ pub struct Options {
     pub restart_delay_ms: u64,
     /// The `backplane` executable (its `supervisor` and `agent` subcommands are used).
     pub exe: PathBuf,
+    /// IP over the fabric (`None`: `--no-net`).
+    pub net: Option<crate::net::NetPlan>,
 }
 
 impl Options {
@@ -36,6 +38,7 @@ impl Options {
             restart_delay: (self.restart_delay_ms > 0)
                 .then(|| Duration::from_millis(self.restart_delay_ms)),
             agent_cmd: vec![self.exe.to_string_lossy().into_owned(), "agent".into()],
+            net: self.net,
         }
     }
 }
@@ -66,6 +69,15 @@ pub fn start(o: &Options) -> Result<(), StartError> {
         "--ready-fd",
         "3",
     ])
+    .args(o.net.iter().flat_map(|p| {
+        [
+            "--subnet".to_string(),
+            format!("{}/{}", p.network, p.prefix),
+            "--mtu".to_string(),
+            p.mtu.to_string(),
+        ]
+    }))
+    .args(o.net.is_none().then_some("--no-net"))
     .stdin(Stdio::null())
     .stdout(Stdio::null())
     .stderr(Stdio::null());
@@ -112,6 +124,7 @@ pub fn stop(name: &str) -> Result<Stopped, FabricError> {
     if !supervisor::is_running(name) {
         if dir.exists() {
             std::fs::remove_dir_all(&dir)?;
+            crate::net::cleanup(name);
             return Ok(Stopped::Stale);
         }
         return Err(FabricError::NotRunning(name.to_owned()));

@@ -367,6 +367,11 @@ impl Fabric {
         Ok(region)
     }
 
+    /// Tells the supervisor this agent's network interface is configured.
+    pub fn net_ready(&self, slot: u32) -> Result<(), FabricError> {
+        self.call(&Request::NetReady { slot }).map(|_| ())
+    }
+
     /// Tells the supervisor this agent's window is initialised.
     pub fn agent_ready(&self, slot: u32) -> Result<(), FabricError> {
         self.call(&Request::AgentReady { slot }).map(|_| ())
@@ -387,7 +392,9 @@ impl Fabric {
         Ok(())
     }
 
-    /// True if the supervisor closed our control connection (it exited).
+    /// True if the supervisor closed our control connection (it exited). Holds the control
+    /// socket for up to `timeout`: other threads' control calls wait meanwhile, so keep it
+    /// short (zero) in processes with several threads.
     pub fn supervisor_gone(&self, timeout: Duration) -> bool {
         use rustix::event::{poll, PollFd, PollFlags, Timespec};
         let sock = self.inner.sock.lock().unwrap_or_else(|p| p.into_inner());

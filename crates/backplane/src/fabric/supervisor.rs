@@ -24,6 +24,7 @@ use super::ctl::{self, ErrorKind, Request, Response, SlotStatus, StatusReport};
 use super::life::{NodeLife, Transition};
 use super::{fabric_dir, validate_name, FabricError, LOCK_FILE, SOCKET_FILE};
 use crate::mem::Region;
+use crate::net::{self, NetPlan};
 use crate::sync::{self, fence, Ordering};
 use crate::wire::{self, *};
 
@@ -46,6 +47,8 @@ pub struct Config {
     pub restart_delay: Option<Duration>,
     /// Program and leading arguments that start a node agent; `--name F --slot N` is appended.
     pub agent_cmd: Vec<String>,
+    /// IP over the fabric: `None` for `--no-net`.
+    pub net: Option<NetPlan>,
 }
 
 /// Why a fabric could not be started.
@@ -86,6 +89,17 @@ pub enum StartError {
     /// Occurs when a node does not come up.
     #[error("{0}")]
     Boot(String),
+    /// Occurs when IP over the fabric is asked for without the privileges it needs.
+    #[error("IP over the fabric needs root (network namespaces and TAP devices); run as root or add --no-net")]
+    NeedRoot,
+    /// Occurs when a network namespace cannot be set up.
+    #[error("cannot set up the network of node {slot}: {message}")]
+    Net {
+        /// Slot.
+        slot: u32,
+        /// What failed.
+        message: String,
+    },
 }
 
 fn os(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> StartError {
@@ -116,6 +130,9 @@ pub fn check_config(c: &Config) -> Result<(), StartError> {
     if c.window_size < MIN_WINDOW || c.window_size > 64 << 30 || !c.window_size.is_multiple_of(4096)
     {
         return Err(StartError::BadWindowSize(c.window_size));
+    }
+    if c.net.is_some() && !rustix::process::geteuid().is_root() {
+        return Err(StartError::NeedRoot);
     }
     let need = c.nodes as u64 * c.window_size;
     if let Some(avail) = mem_available() {
@@ -171,6 +188,9 @@ pub fn lock_fabric(name: &str) -> Result<FabricLock, StartError> {
     }
     let stale = dir.join(SOCKET_FILE).exists();
     let _ = std::fs::remove_file(dir.join(SOCKET_FILE));
+    if stale {
+        net::cleanup(name);
+    }
     Ok(FabricLock {
         _file: file,
         dir,
@@ -243,6 +263,7 @@ struct Sup {
     next_ring: u64,
     next_ephemeral: u32,
     totals: Vec<[u64; 5]>,
+    net_ready: Vec<bool>,
     log: File,
     stopping: bool,
 }
@@ -330,6 +351,7 @@ fn run_inner(
         since: vec![now_ms(); cfg.nodes as usize],
         agents: (0..cfg.nodes).map(|_| None).collect(),
         totals: vec![[0; 5]; cfg.nodes as usize],
+        net_ready: vec![false; cfg.nodes as usize],
         cfg,
         created: now,
         control,
@@ -346,9 +368,24 @@ fn run_inner(
     if lock.stale {
         sup.say("removed what a crashed supervisor left behind");
     }
+    if let Some(plan) = sup.cfg.net {
+        net::cleanup(&sup.cfg.name);
+        for slot in 1..=sup.cfg.nodes {
+            if let Err(e) = net::create_node_netns(&sup.cfg.name, slot, &plan, sup.cfg.nodes) {
+                net::cleanup(&sup.cfg.name);
+                return Err(StartError::Net {
+                    slot,
+                    message: e.to_string(),
+                });
+            }
+        }
+    }
     for slot in 1..=sup.cfg.nodes {
         sup.write_entry(slot, DownReason::None);
-        sup.spawn_agent(slot)?;
+        if let Err(e) = sup.spawn_agent(slot) {
+            sup.shutdown_all();
+            return Err(e);
+        }
     }
     let boot_deadline = Instant::now() + BOOT_TIMEOUT;
     let mut booted = false;
@@ -362,7 +399,8 @@ fn run_inner(
             break;
         }
         if !booted {
-            if sup.life.iter().all(|l| l.state() == NodeState::Ready) {
+            let net_up = sup.cfg.net.is_none() || sup.net_ready.iter().all(|&r| r);
+            if net_up && sup.life.iter().all(|l| l.state() == NodeState::Ready) {
                 booted = true;
                 if let Some(mut r) = ready.take() {
                     let _ = writeln!(r, "ready");
@@ -443,6 +481,14 @@ impl Sup {
         let mut cmd = Command::new(prog);
         cmd.args(args)
             .args(["--name", &self.cfg.name, "--slot", &slot.to_string()])
+            .args(self.cfg.net.iter().flat_map(|p| {
+                [
+                    "--subnet".to_string(),
+                    format!("{}/{}", p.network, p.prefix),
+                    "--mtu".to_string(),
+                    p.mtu.to_string(),
+                ]
+            }))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2);
@@ -548,6 +594,7 @@ impl Sup {
     }
 
     fn node_down(&mut self, slot: u32) {
+        self.net_ready[slot as usize - 1] = false;
         let eps: Vec<(u32, u32)> = self
             .endpoints
             .keys()
@@ -635,6 +682,9 @@ impl Sup {
                     Ok(None) => std::thread::sleep(Duration::from_millis(5)),
                 }
             }
+        }
+        if self.cfg.net.is_some() {
+            net::cleanup(&self.cfg.name);
         }
         self.say("fabric stopped");
     }
@@ -840,6 +890,15 @@ impl Sup {
                     .unwrap_or(0);
                 let t = self.life[slot as usize - 1].ready(Instant::now(), beat);
                 self.apply(slot, t);
+                Ok((Response::Ok, None))
+            }
+            Request::NetReady { slot } => {
+                let is_agent = self.clients.get(&id).and_then(|c| c.agent_slot) == Some(slot);
+                if !is_agent {
+                    return Err(invalid("only the node's agent can report its network up"));
+                }
+                self.net_ready[slot as usize - 1] = true;
+                self.say(&format!("node {slot}: {} up", net::IFNAME));
                 Ok((Response::Ok, None))
             }
             Request::Grant { slot } => {
@@ -1159,6 +1218,26 @@ impl Sup {
                     }
                 }
                 let entry_reason = self.read_reason(slot);
+                let ifstats = self.cfg.net.map(|_| {
+                    let mut v = [0u64; 6];
+                    for (k, x) in v.iter_mut().enumerate() {
+                        *x = self
+                            .win(slot)
+                            .u64_at((WIN_IFSTATS_OFF + 8 * k) as u64)
+                            .map(|a| a.load(Ordering::Relaxed))
+                            .unwrap_or(0);
+                    }
+                    ctl::IfStats {
+                        name: net::IFNAME.to_string(),
+                        up: self.net_ready[i],
+                        rx_packets: v[0],
+                        rx_bytes: v[1],
+                        tx_packets: v[2],
+                        tx_bytes: v[3],
+                        rx_dropped: v[4],
+                        tx_dropped: v[5],
+                    }
+                });
                 SlotStatus {
                     slot,
                     state: self.life[i].state(),
@@ -1175,6 +1254,9 @@ impl Sup {
                     rx_msgs: c[2],
                     rx_bytes: c[3],
                     drops: c[4],
+                    address: self.cfg.net.map(|p| p.cidr(slot)),
+                    mac: self.cfg.net.map(|_| net::Mac::of_slot(slot).to_string()),
+                    interface: ifstats,
                 }
             })
             .collect();
