@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 
 mode=${1:-main}
 # ucx-utils: ucx_perftest, the peer `backplane perf` measures against in the same run.
-# iproute2 / procps: ip and ps for inspecting fabrics.
-packages=(ucx-utils iproute2 procps)
+# iproute2: namespaces and interfaces of IP over the fabric. procps: ps.
+# iperf3, iputils-ping, sockperf: the network tests and the IP benchmark.
+packages=(ucx-utils iproute2 procps iperf3 iputils-ping sockperf)
 
 missing=()
 for p in "${packages[@]}"; do
