@@ -72,7 +72,7 @@ pub const DEFAULT_MPS: u32 = 256;
 pub const DLLP_BYTES: u32 = 8;
 /// TLPs per Ack DLLP, and per UpdateFC DLLP (gen 1–5).
 pub const TLPS_PER_DLLP: u32 = 4;
-/// Bytes of a FLIT (gen 6), and how many of them carry TLPs / link-layer data (TLP + DLP).
+/// Bytes of a flit (gen 6 FLIT mode).
 pub const FLIT_BYTES: u32 = 256;
 /// TLP bytes in a flit.
 pub const FLIT_TLP_BYTES: u32 = 236;
@@ -202,7 +202,6 @@ pub struct Step {
 
 /// TLP header size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
 pub enum TlpHeader {
     /// 3 doublewords (12 B): 32-bit addresses.
     #[serde(rename = "3dw")]
