@@ -6,7 +6,9 @@
 //! - [`mem`]: memfd-backed shared regions with bounds-checked access;
 //! - [`ring`]: the SPSC ring protocol over a window;
 //! - [`fabric`]: control plane — supervisor, node table, node life cycle, attach;
-//! - [`dgram`]: kernel-bypass datagram endpoints.
+//! - [`dgram`]: kernel-bypass datagram endpoints;
+//! - [`net`]: IP over the fabric — addressing, frame switching, namespaces, TAP;
+//! - [`model`]: link models (pure arithmetic): what a PCIe or Ethernet link delivers.
 //!
 //! ```no_run
 //! use backplane::{fabric::Fabric, dgram::Addr};
@@ -27,6 +29,8 @@ pub mod dgram;
 pub mod fabric;
 #[cfg(not(loom))]
 pub mod mem;
+#[cfg(not(loom))]
+pub mod model;
 #[cfg(not(loom))]
 pub mod net;
 pub mod ring;

@@ -3,6 +3,7 @@
 mod agent;
 mod down;
 mod exec;
+mod model;
 mod perf;
 mod status;
 mod supervisor;
@@ -30,6 +31,8 @@ enum Command {
     Exec(exec::Args),
     /// perftest-like micro benchmarks: dgram-lat, dgram-bw.
     Perf(perf::Args),
+    /// Link models: what a PCIe or Ethernet backplane link delivers.
+    Model(model::Args),
     /// (internal) The process that keeps a fabric; started by `up`.
     #[command(hide = true)]
     Supervisor(supervisor::Args),
@@ -49,6 +52,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Down(a) => down::run(a),
         Command::Exec(a) => exec::run(a),
         Command::Perf(a) => perf::run(a),
+        Command::Model(a) => model::run(a),
         Command::Supervisor(a) => supervisor::run(a),
         Command::Agent(a) => agent::run(a),
         Command::PerfPeer(a) => perf::run_peer(a),

@@ -131,10 +131,25 @@ pub fn stop(name: &str) -> Result<Stopped, FabricError> {
     }
     let f = Fabric::attach(name)?;
     let pid = f.status()?.supervisor_pid;
+    // Watch the supervisor itself: `down` returns only once the process is gone, not merely
+    // once it has released its lock (it still exits after that).
+    let pidfd = rustix::process::Pid::from_raw(pid as i32)
+        .and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok());
     f.shutdown()?;
     drop(f);
     let deadline = Instant::now() + Duration::from_secs(10);
-    while supervisor::is_running(name) || dir.exists() {
+    let exited = |fd: &Option<std::os::fd::OwnedFd>| {
+        fd.as_ref().is_none_or(|fd| {
+            use rustix::event::{poll, PollFd, PollFlags, Timespec};
+            let mut fds = [PollFd::new(fd, PollFlags::IN)];
+            let zero = Timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            poll(&mut fds, Some(&zero)).is_ok_and(|n| n > 0)
+        })
+    };
+    while supervisor::is_running(name) || dir.exists() || !exited(&pidfd) {
         if Instant::now() > deadline {
             if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
                 let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
