@@ -5,6 +5,7 @@ mod down;
 mod exec;
 mod model;
 mod perf;
+mod perf_ip;
 mod status;
 mod supervisor;
 mod up;
@@ -29,7 +30,7 @@ enum Command {
     Down(down::Args),
     /// Run a program inside a node (its network namespace, BACKPLANE_FABRIC/NODE set).
     Exec(exec::Args),
-    /// perftest-like micro benchmarks: dgram-lat, dgram-bw.
+    /// perftest-like micro benchmarks: dgram-lat, dgram-bw, ip.
     Perf(perf::Args),
     /// Link models: what a PCIe or Ethernet backplane link delivers.
     Model(model::Args),

@@ -28,6 +28,8 @@ pub enum Test {
     DgramLat,
     /// Datagram streaming bandwidth and message rate.
     DgramBw,
+    /// IP over the fabric vs a veth pair: iperf3 TCP and sockperf latency (root).
+    Ip,
 }
 
 impl Test {
@@ -35,12 +37,13 @@ impl Test {
         match self {
             Test::DgramLat => "dgram-lat",
             Test::DgramBw => "dgram-bw",
+            Test::Ip => "ip",
         }
     }
     fn ucx_test(self) -> &'static str {
         match self {
             Test::DgramLat => "tag_lat",
-            Test::DgramBw => "tag_bw",
+            Test::DgramBw | Test::Ip => "tag_bw",
         }
     }
 }
@@ -80,6 +83,9 @@ pub struct Args {
     /// Print a JSON document (version 1) instead of tables.
     #[arg(long)]
     json: bool,
+    /// Seconds per iperf3 run (ip only).
+    #[arg(short = 'D', long = "duration", default_value_t = 5)]
+    duration: u64,
 }
 
 /// Arguments of the far side.
@@ -156,7 +162,7 @@ fn sizes(a: &Args) -> anyhow::Result<Vec<u64>> {
     }
     let s = a.size.unwrap_or(match a.test {
         Test::DgramLat => 8,
-        Test::DgramBw => MAX_SIZE,
+        Test::DgramBw | Test::Ip => MAX_SIZE,
     });
     if !(1..=MAX_SIZE).contains(&s) {
         bail!("--size {s} is out of range: use 1 B to 1 MiB");
@@ -167,11 +173,14 @@ fn sizes(a: &Args) -> anyhow::Result<Vec<u64>> {
 fn iters_for(a: &Args, size: u64) -> u64 {
     a.iters.unwrap_or(match a.test {
         Test::DgramLat => 20_000,
-        Test::DgramBw => ((1u64 << 30) / size).clamp(1_000, 500_000),
+        Test::DgramBw | Test::Ip => ((1u64 << 30) / size).clamp(1_000, 500_000),
     })
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    if a.test == Test::Ip {
+        return super::perf_ip::run(a.duration, a.json);
+    }
     let sizes = sizes(&a)?;
     if a.iters == Some(0) {
         bail!("--iters must be at least 1");
@@ -227,7 +236,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let iters = iters_for(&a, size);
         let row = match a.test {
             Test::DgramLat => lat_client(&mut ep, peer, size, iters)?,
-            Test::DgramBw => bw_client(&mut ep, peer, size, iters)?,
+            Test::DgramBw | Test::Ip => bw_client(&mut ep, peer, size, iters)?,
         };
         rows.push(row);
     }
@@ -535,7 +544,7 @@ pub fn parse_ucx_csv(text: &str, test: Test, size: u64) -> anyhow::Result<Row> {
             r.t_typical_us = Some(v[1]);
             r.t_avg_us = Some(v[2]);
         }
-        Test::DgramBw => {
+        Test::DgramBw | Test::Ip => {
             // ucx_perftest reports MB/s as 2^20 bytes per second; convert to 10^6 like perftest.
             r.bw_avg_mbps = Some(v[5] * 1_048_576.0 / 1e6);
             r.msg_rate_mpps = Some(v[7] / 1e6);
@@ -584,7 +593,7 @@ fn render(r: &Report) -> String {
                 );
             }
         }
-        Test::DgramBw => {
+        Test::DgramBw | Test::Ip => {
             o += " receiver reads every cache line of every payload in place (zero-copy receive)\n";
             o += &format!(
                 "{:>9} {:>12} {:>16} {:>19} {:>14}\n",
@@ -630,7 +639,7 @@ fn render(r: &Report) -> String {
                     );
                 }
             }
-            Test::DgramBw => {
+            Test::DgramBw | Test::Ip => {
                 o += &format!(
                     "{:>9} {:>12} {:>19} {:>14} {:>26}\n",
                     "#bytes",

@@ -1,0 +1,361 @@
+//! `backplane perf ip`: IP over the fabric against the kernel's own virtual link, in one run.
+//!
+//! Two nodes of a fabric (their `bp0`) and two namespaces joined by a veth pair with the same
+//! MTU, each measured with unmodified tools: iperf3 (`-J`) for TCP throughput and the CPU of
+//! both ends, sockperf ping-pong for latency. The fabric's agents do work veth does in the
+//! kernel, so their CPU is measured too (from /proc) and shown beside iperf3's.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use backplane::fabric::launch::{self, Options};
+use backplane::fabric::Fabric;
+use backplane::net::{self, NetPlan};
+use serde::Serialize;
+
+/// One path's figures.
+#[derive(Debug, Serialize, Default, Clone)]
+pub struct IpRow {
+    path: String,
+    tcp_gbps: f64,
+    cpu_client_pct: f64,
+    cpu_server_pct: f64,
+    cpu_agents_pct: Option<f64>,
+    lat_avg_us: f64,
+    lat_p50_us: f64,
+    lat_p99_us: f64,
+    lat_p999_us: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct IpReport {
+    version: u32,
+    test: &'static str,
+    mtu: u32,
+    seconds: u64,
+    rows: Vec<IpRow>,
+    ratio_tcp: f64,
+    ratio_lat_p50: f64,
+}
+
+struct Cleanup {
+    fabric: Option<String>,
+    netns: Vec<String>,
+    children: Vec<Child>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for ns in &self.netns {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+        if let Some(f) = self.fabric.take() {
+            let _ = launch::stop(&f);
+        }
+    }
+}
+
+fn ip(args: &[&str]) -> anyhow::Result<()> {
+    let o = Command::new("ip")
+        .args(args)
+        .output()
+        .context("cannot run ip")?;
+    if !o.status.success() {
+        bail!(
+            "`ip {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&o.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+fn in_ns(ns: &str, prog: &str) -> Command {
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", ns, prog]);
+    c
+}
+
+/// CPU seconds (user + system) of a process so far, from /proc/PID/stat.
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let Some(rest) = s.rsplit_once(')').map(|(_, r)| r) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (ticks(11) + ticks(12)) / hz.max(1.0)
+}
+
+fn iperf(
+    ns_server: &str,
+    ns_client: &str,
+    addr: &str,
+    port: u16,
+    secs: u64,
+) -> anyhow::Result<serde_json::Value> {
+    let mut server = in_ns(ns_server, "iperf3")
+        .args(["-s", "-1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("cannot start iperf3 (install Debian package iperf3)")?;
+    let mut last = String::new();
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(100));
+        let o = in_ns(ns_client, "iperf3")
+            .args([
+                "-c",
+                addr,
+                "-p",
+                &port.to_string(),
+                "-t",
+                &secs.to_string(),
+                "-J",
+            ])
+            .output()?;
+        if o.status.success() {
+            let _ = server.wait();
+            return Ok(serde_json::from_slice(&o.stdout)?);
+        }
+        last = String::from_utf8_lossy(&o.stdout)
+            .chars()
+            .take(200)
+            .collect();
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    bail!("iperf3 over {addr} never ran: {last}")
+}
+
+/// Parses sockperf's summary: average and the 50/99/99.9 percentiles, in µs.
+pub fn parse_sockperf(text: &str) -> Option<(f64, f64, f64, f64)> {
+    let num_after = |key: &str| -> Option<f64> {
+        let line = text.lines().find(|l| l.contains(key))?;
+        let rest = &line[line.find(key)? + key.len()..];
+        let t: String = rest
+            .trim_start_matches([' ', '='])
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.')
+            .collect();
+        t.parse().ok()
+    };
+    Some((
+        num_after("avg-latency=")?,
+        num_after("percentile 50.000")?,
+        num_after("percentile 99.000")?,
+        num_after("percentile 99.900")?,
+    ))
+}
+
+fn sockperf(
+    ns_server: &str,
+    ns_client: &str,
+    addr: &str,
+    port: u16,
+) -> anyhow::Result<(f64, f64, f64, f64)> {
+    let mut server = in_ns(ns_server, "sockperf")
+        .args(["sr", "-i", addr, "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("cannot start sockperf (install Debian package sockperf)")?;
+    std::thread::sleep(Duration::from_millis(300));
+    let o = in_ns(ns_client, "sockperf")
+        .args([
+            "pp",
+            "-i",
+            addr,
+            "-p",
+            &port.to_string(),
+            "-t",
+            "2",
+            "-m",
+            "64",
+        ])
+        .output();
+    let _ = server.kill();
+    let _ = server.wait();
+    let o = o?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    parse_sockperf(&text).with_context(|| format!("no latency summary from sockperf over {addr}"))
+}
+
+fn measure(
+    path: &str,
+    ns: (&str, &str),
+    addr: &str,
+    secs: u64,
+    agents: &[u32],
+) -> anyhow::Result<IpRow> {
+    let cpu0: f64 = agents.iter().map(|&p| cpu_seconds(p)).sum();
+    let t0 = Instant::now();
+    let j = iperf(ns.1, ns.0, addr, 5201, secs)?;
+    let agent_pct = (!agents.is_empty()).then(|| {
+        let cpu1: f64 = agents.iter().map(|&p| cpu_seconds(p)).sum();
+        100.0 * (cpu1 - cpu0) / t0.elapsed().as_secs_f64()
+    });
+    let end = &j["end"];
+    let bps = end["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap_or(0.0);
+    let cpu = &end["cpu_utilization_percent"];
+    let (avg, p50, p99, p999) = sockperf(ns.1, ns.0, addr, 11111)?;
+    Ok(IpRow {
+        path: path.into(),
+        tcp_gbps: bps / 1e9,
+        cpu_client_pct: cpu["host_total"].as_f64().unwrap_or(0.0),
+        cpu_server_pct: cpu["remote_total"].as_f64().unwrap_or(0.0),
+        cpu_agents_pct: agent_pct,
+        lat_avg_us: avg,
+        lat_p50_us: p50,
+        lat_p99_us: p99,
+        lat_p999_us: p999,
+    })
+}
+
+/// Runs the comparison; `secs` per iperf3 run.
+pub fn run(secs: u64, json: bool) -> anyhow::Result<()> {
+    if !rustix::process::geteuid().is_root() {
+        bail!("perf ip needs root: it creates network namespaces and TAP devices");
+    }
+    let mtu = net::DEFAULT_MTU;
+    let pid = std::process::id();
+    let name = format!("perfip-{pid}");
+    let mut cleanup = Cleanup {
+        fabric: None,
+        netns: Vec::new(),
+        children: Vec::new(),
+    };
+    launch::start(&Options {
+        name: name.clone(),
+        nodes: 2,
+        window_size: 64 << 20,
+        restart_delay_ms: 0,
+        exe: std::env::current_exe()?,
+        net: Some(NetPlan::new(net::DEFAULT_SUBNET, mtu, 2)?),
+    })?;
+    cleanup.fabric = Some(name.clone());
+    let fabric = Fabric::attach(&name)?;
+    let agents = [fabric.node_info(1)?.pid, fabric.node_info(2)?.pid];
+    drop(fabric);
+    let (va, vb) = (format!("bpv-{pid}-1"), format!("bpv-{pid}-2"));
+    for ns in [&va, &vb] {
+        ip(&["netns", "add", ns])?;
+        cleanup.netns.push(ns.clone());
+        ip(&["-n", ns, "link", "set", "lo", "up"])?;
+    }
+    let (ia, ib) = (format!("bpv{pid}a"), format!("bpv{pid}b"));
+    ip(&[
+        "link",
+        "add",
+        &ia,
+        "mtu",
+        &mtu.to_string(),
+        "type",
+        "veth",
+        "peer",
+        "name",
+        &ib,
+        "mtu",
+        &mtu.to_string(),
+    ])?;
+    ip(&["link", "set", &ia, "netns", &va])?;
+    ip(&["link", "set", &ib, "netns", &vb])?;
+    ip(&["-n", &va, "addr", "add", "10.255.255.1/30", "dev", &ia])?;
+    ip(&["-n", &vb, "addr", "add", "10.255.255.2/30", "dev", &ib])?;
+    ip(&["-n", &va, "link", "set", &ia, "up"])?;
+    ip(&["-n", &vb, "link", "set", &ib, "up"])?;
+
+    let (fa, fb) = (net::netns_name(&name, 1), net::netns_name(&name, 2));
+    if !json {
+        eprintln!(
+            "perf ip: iperf3 -t {secs} and sockperf ping-pong, fabric bp0 vs veth, MTU {mtu}"
+        );
+    }
+    let plan = NetPlan::new(net::DEFAULT_SUBNET, mtu, 2)?;
+    let fabric_row = measure(
+        "fabric bp0",
+        (&fa, &fb),
+        &plan.address(2).to_string(),
+        secs,
+        &agents,
+    )?;
+    let veth_row = measure("veth pair", (&va, &vb), "10.255.255.2", secs, &[])?;
+    drop(cleanup);
+    let report = IpReport {
+        version: 1,
+        test: "ip",
+        mtu,
+        seconds: secs,
+        ratio_tcp: fabric_row.tcp_gbps / veth_row.tcp_gbps.max(1e-9),
+        ratio_lat_p50: fabric_row.lat_p50_us / veth_row.lat_p50_us.max(1e-9),
+        rows: vec![fabric_row, veth_row],
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    let line = "-".repeat(112);
+    println!("{line}\n ip: TCP (iperf3) and UDP ping-pong latency (sockperf, 64 B, one-way) between two nodes, same run\n{line}");
+    println!(
+        "{:<12} {:>10} {:>12} {:>12} {:>12} {:>11} {:>11} {:>11} {:>12}",
+        "path",
+        "TCP Gbit/s",
+        "CPU client%",
+        "CPU server%",
+        "CPU agents%",
+        "lat avg us",
+        "lat p50 us",
+        "lat p99 us",
+        "lat p99.9 us"
+    );
+    for r in &report.rows {
+        println!(
+            "{:<12} {:>10.2} {:>12.1} {:>12.1} {:>12} {:>11.2} {:>11.2} {:>11.2} {:>12.2}",
+            r.path,
+            r.tcp_gbps,
+            r.cpu_client_pct,
+            r.cpu_server_pct,
+            r.cpu_agents_pct.map_or("-".into(), |c| format!("{c:.1}")),
+            r.lat_avg_us,
+            r.lat_p50_us,
+            r.lat_p99_us,
+            r.lat_p999_us
+        );
+    }
+    println!(
+        "{line}\n ratio fabric / veth: TCP throughput {:.2} (>=1 is better), latency p50 {:.2} (<=1 is better)",
+        report.ratio_tcp, report.ratio_lat_p50
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sockperf_summary_is_parsed() {
+        let text = "sockperf: \x1b[2;35m====> avg-latency=7.717 (std-dev=22.130)\x1b[0m\n\
+                    sockperf: ---> percentile 99.900 =   19.501\n\
+                    sockperf: ---> percentile 99.000 =   13.700\n\
+                    sockperf: ---> percentile 50.000 =    7.173\n";
+        assert_eq!(parse_sockperf(text), Some((7.717, 7.173, 13.7, 19.501)));
+        assert_eq!(parse_sockperf("nothing"), None);
+    }
+}
