@@ -209,6 +209,8 @@ impl RingMemory for ShmRing {
 
 struct TxConn {
     dst: Addr,
+    /// The receiver's downlink clock (link emulation), when the link is emulated.
+    dst_ingress: Option<*const AtomicU64>,
     mem: ShmRing,
     producer: Producer,
     cookie: u32,
@@ -249,6 +251,37 @@ pub struct Endpoint {
     rx_seq_seen: u32,
     rx_next: usize,
     spin_polls: u32,
+    link: Option<Link>,
+}
+
+/// Link emulation state of an endpoint: the fabric's link model and our uplink clock.
+struct Link {
+    bytes_per_s: u64,
+    hop_ns: u64,
+    egress: *const AtomicU64,
+}
+
+/// A link clock further in the future than this was scribbled on by a peer: reset it.
+const LINK_CLOCK_SLACK_NS: u64 = 1_000_000_000;
+/// Holds shorter than this are waited out spinning rather than sleeping.
+const HOLD_SPIN_NS: u64 = 200_000;
+/// A delivery time further in the future than this is corrupt.
+const MAX_HOLD_NS: u64 = 2_000_000_000;
+
+/// Claims `ser` ns on a link clock from `earliest` on; returns when the transfer starts.
+fn claim(clock: &AtomicU64, earliest: u64, ser: u64, now: u64) -> u64 {
+    let mut start = earliest;
+    // SYNC POINT link-clock: a CAS loop; the value is a time, not a publication of data.
+    let _ = clock.fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| {
+        let cur = if cur > now + LINK_CLOCK_SLACK_NS {
+            now
+        } else {
+            cur
+        };
+        start = cur.max(earliest);
+        Some(start + ser)
+    });
+    start
 }
 
 // SAFETY: every raw pointer in an Endpoint points into a mapping that the Endpoint keeps alive
@@ -316,7 +349,23 @@ impl Node {
             rx_seq_seen: u32::MAX,
             rx_next: 0,
             spin_polls: SPIN_POLLS,
+            link: None,
         };
+        let mut ep = ep;
+        if let Some(l) = self.fabric.link() {
+            // A slow emulated link stretches round trips: spin long enough to cover a few hops
+            // so that a reply does not pay a thread wake-up the modelled link would not.
+            let scale = 1 + (l.hop_ns / 1000).min(15) as u32;
+            ep.spin_polls = SPIN_POLLS.saturating_mul(scale);
+            ep.link = Some(Link {
+                bytes_per_s: l.bytes_per_s.max(1),
+                hop_ns: l.hop_ns,
+                egress: ep
+                    .window
+                    .u64_at(WIN_LINK_EGRESS_OFF as u64)
+                    .map_err(FabricError::from)?,
+            });
+        }
         Ok(ep)
     }
 }
@@ -428,8 +477,14 @@ impl Endpoint {
         let cookie_word = me
             .u32_at(credit_off + CREDIT_COOKIE_OFF as u64)
             .map_err(f)?;
+        let emulated = self.link.is_some() && dst.node != self.addr.node;
         let conn = TxConn {
             dst,
+            dst_ingress: if emulated {
+                Some(dst_win.u64_at(WIN_LINK_INGRESS_OFF as u64).map_err(f)? as *const AtomicU64)
+            } else {
+                None
+            },
             cookie: cookie_word.load(Ordering::Acquire),
             cookie_word,
             peer_closed: me
@@ -540,6 +595,16 @@ impl Endpoint {
                         return Ok(false); // abandoned: the producer index never moved
                     };
                     r.len = used;
+                    if let (Some(l), Some(ing)) = (&self.link, c.dst_ingress) {
+                        // Link emulation: serialise on our uplink, cross the switch, serialise
+                        // on the receiver's downlink; the record is delivered when that ends.
+                        let ser = ((used as u128 * 1_000_000_000) / u128::from(l.bytes_per_s))
+                            .max(1) as u64;
+                        let now = crate::sync::now_ns();
+                        let up = claim(shm!(l.egress), now, ser, now);
+                        let down = claim(shm!(ing), up + l.hop_ns, ser, now);
+                        r.not_before_ns = down + ser;
+                    }
                     c.producer.commit(&c.mem, r);
                     // SYNC POINT doorbell-arm (sender): tail published before we read `armed`.
                     fence(Ordering::SeqCst);
@@ -669,10 +734,24 @@ impl Endpoint {
             self.refresh_rx()?;
             let n = self.rx.len();
             let mut retire = None;
+            let mut due: Option<u64> = None;
             for k in 0..n {
                 let i = (self.rx_next + k) % n;
                 let r = &mut self.rx[i];
                 match r.consumer.peek(&r.mem) {
+                    Ok(Some(rec))
+                        if rec.not_before_ns != 0 && {
+                            let now = crate::sync::now_ns();
+                            rec.not_before_ns > now
+                        } =>
+                    {
+                        // Link emulation: on the wire still. Too far out is a corrupt stamp.
+                        if rec.not_before_ns > crate::sync::now_ns() + MAX_HOLD_NS {
+                            retire = Some((i, true));
+                            break;
+                        }
+                        due = Some(due.map_or(rec.not_before_ns, |d| d.min(rec.not_before_ns)));
+                    }
                     Ok(Some(rec)) => {
                         // SAFETY: peek validated the record lies inside the data area; it is
                         // ours to read until release.
@@ -724,7 +803,9 @@ impl Endpoint {
                 _ => {}
             }
             spins += 1;
-            if spins < self.spin_polls {
+            let hold = due.map(|d| d.saturating_sub(crate::sync::now_ns()));
+            // Short holds are spun out: a futex timeout overshoots by the timer slack (50 µs).
+            if spins < self.spin_polls || hold.is_some_and(|h| h < HOLD_SPIN_NS) {
                 std::hint::spin_loop();
                 continue;
             }
@@ -740,7 +821,14 @@ impl Endpoint {
                 || shm!(self.ring_seq).load(Ordering::Acquire) != self.rx_seq_seen
                 || shm!(self.closed).load(Ordering::Acquire) != 0;
             if !pending {
-                futex_wait(bell, s, cap(deadline.remaining()));
+                // Wake a little early for a long hold and spin the rest.
+                let hold = hold.map(|h| h - HOLD_SPIN_NS / 2);
+                let until = match (deadline.remaining(), hold) {
+                    (Some(r), Some(h)) => Some(r.min(Duration::from_nanos(h))),
+                    (r, None) => r,
+                    (None, Some(h)) => Some(Duration::from_nanos(h)),
+                };
+                futex_wait(bell, s, cap(until));
                 if bell.load(Ordering::Acquire) == s {
                     self.node.fabric.check_supervisor()?; // slept without a ring: still there?
                 }

@@ -63,6 +63,8 @@ pub struct Record {
     pub len: usize,
     /// Sequence number.
     pub seq: u64,
+    /// Delivery time (link emulation), CLOCK_MONOTONIC ns; 0 for "at once".
+    pub not_before_ns: u64,
     end: u64,
 }
 
@@ -73,6 +75,8 @@ pub struct Reservation {
     pub pos: u64,
     /// Payload length.
     pub len: usize,
+    /// Delivery time to stamp on the record (link emulation); 0 for "at once".
+    pub not_before_ns: u64,
     start: u64,
 }
 
@@ -154,6 +158,7 @@ impl Producer {
                     len: (pad - RECORD_HEADER_LEN) as u32,
                     kind: RecordKind::Pad,
                     seq: self.seq,
+                    not_before_ns: 0,
                 },
             );
             start += pad;
@@ -161,6 +166,7 @@ impl Producer {
         Ok(Reservation {
             pos: start % data_len + RECORD_HEADER_LEN,
             len,
+            not_before_ns: 0,
             start,
         })
     }
@@ -175,6 +181,7 @@ impl Producer {
                 len: r.len as u32,
                 kind: RecordKind::Data,
                 seq: self.seq,
+                not_before_ns: r.not_before_ns,
             },
         );
         self.seq += 1;
@@ -209,6 +216,11 @@ impl Consumer {
     /// The consumer index released so far.
     pub fn head(&self) -> u64 {
         self.head
+    }
+
+    /// The producer index as last loaded.
+    pub fn tail_seen(&self) -> u64 {
+        self.tail_cache
     }
 
     /// True if records published so far have all been consumed (uses the cached tail).
@@ -262,6 +274,7 @@ impl Consumer {
                         pos: pos + RECORD_HEADER_LEN,
                         len,
                         seq: rec.seq,
+                        not_before_ns: rec.not_before_ns,
                         end: self.head + foot,
                     }));
                 }

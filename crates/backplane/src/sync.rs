@@ -66,6 +66,14 @@ pub fn ring(word: &AtomicU32) {
     futex_wake(word);
 }
 
+/// CLOCK_MONOTONIC in nanoseconds: one clock for every process on the host (link emulation
+/// stamps delivery times with it).
+#[cfg(not(loom))]
+pub fn now_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
 /// A deadline helper: `None` means wait forever.
 #[derive(Debug, Clone, Copy)]
 pub struct Deadline(Option<Instant>);

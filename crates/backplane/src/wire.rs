@@ -154,6 +154,11 @@ mod fabric_field {
     pub const INITIALIZED: usize = 44;
     pub const NAME: usize = 48;
     pub const NAME_LEN: usize = 32;
+    pub const LINK_BPS: usize = 80;
+    pub const LINK_HOP_NS: usize = 88;
+    pub const LINK_NAME: usize = 96;
+    pub const LINK_NAME_LEN: usize = 24;
+    pub const LINK_MODE: usize = 120;
     pub const EPOCH: usize = 128;
 }
 
@@ -203,6 +208,36 @@ pub struct FabricHeaderRepr {
     pub supervisor_pid: u32,
     /// Fabric name.
     pub name: String,
+    /// The emulated link every node has to the switch (`None`: memory speed).
+    pub link: Option<LinkRepr>,
+}
+
+/// The emulated link of a fabric, as stored in its header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkRepr {
+    /// Model name, e.g. `pcie-gen3x4`.
+    pub name: String,
+    /// Effective payload bandwidth per direction, bytes/s (> 0).
+    pub bytes_per_s: u64,
+    /// Latency one switch hop adds, ns.
+    pub hop_ns: u64,
+    /// True for store-and-forward switching, false for cut-through.
+    pub store_and_forward: bool,
+}
+
+fn rd_name(b: &[u8], at: usize, len: usize, field: &'static str) -> Result<String, LayoutError> {
+    let raw = &b[at..at + len];
+    let end = raw.iter().position(|&c| c == 0).unwrap_or(raw.len());
+    core::str::from_utf8(&raw[..end])
+        .map(str::to_owned)
+        .map_err(|_| LayoutError::BadField { field, value: 0 })
+}
+
+fn wr_name(b: &mut [u8], at: usize, len: usize, v: &str) {
+    let dst = &mut b[at..at + len];
+    dst.fill(0);
+    let n = v.len().min(len);
+    dst[..n].copy_from_slice(&v.as_bytes()[..n]);
 }
 
 impl FabricHeaderRepr {
@@ -240,15 +275,32 @@ impl FabricHeaderRepr {
                 value: nodes.into(),
             });
         }
-        let raw = &b[fabric_field::NAME..fabric_field::NAME + fabric_field::NAME_LEN];
-        let end = raw.iter().position(|&c| c == 0).unwrap_or(raw.len());
-        let name = core::str::from_utf8(&raw[..end])
-            .map_err(|_| LayoutError::BadField {
-                field: "name",
-                value: 0,
-            })?
-            .to_owned();
+        let name = rd_name(b, fabric_field::NAME, fabric_field::NAME_LEN, "name")?;
+        let bps = rd_u64(b, fabric_field::LINK_BPS);
+        let link = if bps == 0 {
+            None
+        } else {
+            let hop_ns = rd_u64(b, fabric_field::LINK_HOP_NS);
+            if hop_ns > 1_000_000_000 {
+                return Err(LayoutError::BadField {
+                    field: "link_hop_ns",
+                    value: hop_ns,
+                });
+            }
+            Some(LinkRepr {
+                name: rd_name(
+                    b,
+                    fabric_field::LINK_NAME,
+                    fabric_field::LINK_NAME_LEN,
+                    "link_name",
+                )?,
+                bytes_per_s: bps,
+                hop_ns,
+                store_and_forward: rd_u32(b, fabric_field::LINK_MODE) == 1,
+            })
+        };
         Ok(Self {
+            link,
             nodes,
             window_size: rd_u64(b, fabric_field::WINDOW_SIZE),
             created_ms: rd_u64(b, fabric_field::CREATED_MS),
@@ -269,10 +321,21 @@ impl FabricHeaderRepr {
         wr_u64(b, fabric_field::WINDOW_SIZE, self.window_size);
         wr_u64(b, fabric_field::CREATED_MS, self.created_ms);
         wr_u32(b, fabric_field::SUPERVISOR_PID, self.supervisor_pid);
-        let name = &mut b[fabric_field::NAME..fabric_field::NAME + fabric_field::NAME_LEN];
-        name.fill(0);
-        let n = self.name.len().min(fabric_field::NAME_LEN);
-        name[..n].copy_from_slice(&self.name.as_bytes()[..n]);
+        wr_name(b, fabric_field::NAME, fabric_field::NAME_LEN, &self.name);
+        let (bps, hop, lname) = self
+            .link
+            .as_ref()
+            .map_or((0, 0, ""), |l| (l.bytes_per_s, l.hop_ns, l.name.as_str()));
+        wr_u64(b, fabric_field::LINK_BPS, bps);
+        wr_u64(b, fabric_field::LINK_HOP_NS, hop);
+        wr_name(
+            b,
+            fabric_field::LINK_NAME,
+            fabric_field::LINK_NAME_LEN,
+            lname,
+        );
+        let sf = self.link.as_ref().is_some_and(|l| l.store_and_forward);
+        wr_u32(b, fabric_field::LINK_MODE, u32::from(sf));
         wr_u32(b, fabric_field::INITIALIZED, INIT_MARK);
     }
 }
@@ -471,6 +534,12 @@ pub const WIN_SCRATCH_OFF: usize = 256;
 /// Interface counters published by the agent (u64 × 6: rx packets, rx bytes, tx packets,
 /// tx bytes, rx dropped, tx dropped).
 pub const WIN_IFSTATS_OFF: usize = 512;
+/// Link emulation: CLOCK_MONOTONIC ns at which the node's uplink is next free (u64; updated
+/// with compare-and-swap by the node's senders).
+pub const WIN_LINK_EGRESS_OFF: usize = 576;
+/// Link emulation: ns at which the node's downlink is next free (u64; updated with
+/// compare-and-swap by every sender to this node).
+pub const WIN_LINK_INGRESS_OFF: usize = 640;
 /// Offset of the window header's `initialized` marker.
 pub const WIN_INIT_OFF: usize = window_field::INITIALIZED;
 
@@ -666,7 +735,7 @@ pub const RING_INIT_OFF: usize = ring_field::INITIALIZED;
 /// Records are aligned to this (a cache line), so payloads start on a cache line.
 pub const RECORD_ALIGN: u64 = CACHE_LINE as u64;
 /// Size of a record header.
-pub const RECORD_HEADER_LEN: u64 = 16;
+pub const RECORD_HEADER_LEN: u64 = 24;
 
 /// Default ring data size per (sender, receiver) endpoint pair.
 pub const DEFAULT_RING_DATA: u32 = 1 << 20;
@@ -803,6 +872,7 @@ mod record_field {
     pub const LEN: usize = 0;
     pub const KIND: usize = 4;
     pub const SEQ: usize = 8;
+    pub const NOT_BEFORE: usize = 16;
 }
 
 packet!(
@@ -820,6 +890,9 @@ pub struct RecordRepr {
     pub kind: RecordKind,
     /// Sequence number, consecutive per ring starting at 0.
     pub seq: u64,
+    /// Link emulation: CLOCK_MONOTONIC nanoseconds before which the record must not be
+    /// delivered (0: at once).
+    pub not_before_ns: u64,
 }
 
 impl RecordRepr {
@@ -842,6 +915,7 @@ impl RecordRepr {
             len: rd_u32(b, record_field::LEN),
             kind,
             seq: rd_u64(b, record_field::SEQ),
+            not_before_ns: rd_u64(b, record_field::NOT_BEFORE),
         })
     }
 
@@ -851,6 +925,7 @@ impl RecordRepr {
         wr_u32(b, record_field::LEN, self.len);
         wr_u32(b, record_field::KIND, self.kind as u32);
         wr_u64(b, record_field::SEQ, self.seq);
+        wr_u64(b, record_field::NOT_BEFORE, self.not_before_ns);
     }
 
     /// Bytes a data record with `len` payload bytes occupies in the ring.
@@ -866,7 +941,8 @@ const _: () = {
     assert!(CREDIT_HEAD_OFF / CACHE_LINE != CREDIT_ARMED_OFF / CACHE_LINE);
     assert!(WIN_DOORBELL_SEQ_OFF / CACHE_LINE != WIN_DOORBELL_ARMED_OFF / CACHE_LINE);
     assert!(WIN_SCRATCH_OFF + SCRATCHPADS * 4 <= WIN_IFSTATS_OFF);
-    assert!(WIN_IFSTATS_OFF + 48 <= 4096);
+    assert!(WIN_IFSTATS_OFF + 48 <= WIN_LINK_EGRESS_OFF);
+    assert!(WIN_LINK_INGRESS_OFF + 8 <= 4096);
     assert!(FABRIC_EPOCH_OFF + 4 <= NODE_TABLE_OFF);
     assert!(RING_DATA_OFF.is_multiple_of(RECORD_ALIGN));
     assert!(ENDPOINT_MAX_RINGS >= 256);
@@ -884,6 +960,12 @@ mod tests {
             created_ms: 123,
             supervisor_pid: 77,
             name: "radar".into(),
+            link: Some(LinkRepr {
+                name: "pcie-gen3x4".into(),
+                bytes_per_s: 3_200_000_000,
+                hop_ns: 20,
+                store_and_forward: true,
+            }),
         };
         let mut buf = [0u8; NODE_TABLE_OFF];
         repr.emit(&mut FabricHeader::new_unchecked(&mut buf[..]));
@@ -900,6 +982,7 @@ mod tests {
             created_ms: 0,
             supervisor_pid: 1,
             name: "x".into(),
+            link: None,
         };
         let mut good = vec![0u8; NODE_TABLE_OFF];
         repr.emit(&mut FabricHeader::new_unchecked(&mut good[..]));
@@ -1035,8 +1118,9 @@ mod tests {
             len: 100,
             kind: RecordKind::Data,
             seq: 42,
+            not_before_ns: 7,
         };
-        let mut buf = [0u8; 16];
+        let mut buf = [0u8; RECORD_HEADER_LEN as usize];
         repr.emit(&mut RecordHeader::new_unchecked(&mut buf[..]));
         assert_eq!(
             RecordRepr::parse(&RecordHeader::new_unchecked(&buf[..])).unwrap(),
@@ -1045,7 +1129,7 @@ mod tests {
         buf[4] = 9;
         assert!(RecordRepr::parse(&RecordHeader::new_unchecked(&buf[..])).is_err());
         assert_eq!(RecordRepr::footprint(0), 64);
-        assert_eq!(RecordRepr::footprint(48), 64);
-        assert_eq!(RecordRepr::footprint(49), 128);
+        assert_eq!(RecordRepr::footprint(40), 64);
+        assert_eq!(RecordRepr::footprint(41), 128);
     }
 }

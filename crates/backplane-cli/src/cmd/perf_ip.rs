@@ -248,6 +248,7 @@ pub fn run(secs: u64, json: bool) -> anyhow::Result<()> {
         restart_delay_ms: 0,
         exe: std::env::current_exe()?,
         net: Some(NetPlan::new(net::DEFAULT_SUBNET, mtu, 2)?),
+        link: None,
     })?;
     cleanup.fabric = Some(name.clone());
     let fabric = Fabric::attach(&name)?;

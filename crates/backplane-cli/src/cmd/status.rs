@@ -27,8 +27,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 /// The human table.
 pub fn render(r: &StatusReport) -> String {
+    let link = r.link.as_ref().map_or(String::new(), |l| {
+        format!(
+            ", link {} ({:.0} MB/s, hop {} ns, {})",
+            l.model,
+            l.bytes_per_s as f64 / 1e6,
+            l.hop_ns,
+            l.forwarding
+        )
+    });
     let mut out = format!(
-        "fabric '{}': {} nodes, {} windows, up {:.1}s, supervisor pid {}\n",
+        "fabric '{}': {} nodes, {} windows, up {:.1}s, supervisor pid {}{link}\n",
         r.fabric,
         r.nodes,
         human_size(r.window_size),

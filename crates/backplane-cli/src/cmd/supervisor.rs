@@ -29,6 +29,10 @@ pub struct Args {
     subnet: String,
     #[arg(long, default_value_t = backplane::net::DEFAULT_MTU)]
     mtu: u32,
+    #[arg(long)]
+    link: Option<String>,
+    #[arg(long, value_enum, default_value = "cut-through")]
+    forwarding: super::up::Fwd,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -44,14 +48,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         Some(backplane::net::NetPlan::new(&a.subnet, a.mtu, a.nodes)?)
     };
-    let cfg = super::up::options(
+    let mut opts = super::up::options(
         &a.name.name,
         a.nodes,
         a.window_size,
         a.restart_delay_ms,
         net,
-    )?
-    .config();
+    )?;
+    opts.link = a.link.map(|l| (l, a.forwarding.into()));
+    let cfg = opts.config();
     let lock = match supervisor::lock_fabric(&cfg.name) {
         Ok(l) => l,
         Err(e) => {

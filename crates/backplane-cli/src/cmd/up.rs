@@ -2,6 +2,7 @@
 
 use anyhow::Context;
 use backplane::fabric::launch::{self, Options};
+use backplane::model::Forwarding;
 use backplane::net::NetPlan;
 
 use super::{human_size, parse_size, NameArg};
@@ -26,9 +27,34 @@ pub struct Args {
     /// MTU of every node's bp0.
     #[arg(long, default_value_t = backplane::net::DEFAULT_MTU)]
     mtu: u32,
+    /// Emulate a backplane link (pcie-genGxL, eth-SPEED) between every node and the switch:
+    /// pace to its effective bandwidth and add its per-hop latency.
+    #[arg(long, value_name = "MODEL")]
+    link: Option<String>,
+    /// How the emulated switch forwards: cut-through or store-and-forward.
+    #[arg(long, value_enum, default_value = "cut-through", requires = "link")]
+    forwarding: Fwd,
     /// Restart a node whose agent died after this many milliseconds (0: leave it DOWN).
     #[arg(long, default_value_t = 1000)]
     restart_delay_ms: u64,
+}
+
+/// Forwarding mode of the emulated switch.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+pub enum Fwd {
+    /// Start forwarding once the header has arrived.
+    CutThrough,
+    /// Start forwarding once the whole packet has arrived.
+    StoreAndForward,
+}
+
+impl From<Fwd> for Forwarding {
+    fn from(f: Fwd) -> Self {
+        match f {
+            Fwd::CutThrough => Forwarding::CutThrough,
+            Fwd::StoreAndForward => Forwarding::StoreAndForward,
+        }
+    }
 }
 
 /// Launch options for this executable.
@@ -46,6 +72,7 @@ pub fn options(
         restart_delay_ms,
         exe: std::env::current_exe().context("cannot find the backplane executable")?,
         net,
+        link: None,
     })
 }
 
@@ -64,18 +91,40 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         Some(NetPlan::new(&a.subnet, a.mtu, a.nodes)?)
     };
-    launch::start(&options(
+    let link = match &a.link {
+        Some(m) => {
+            let repr = launch::resolve_link(m, a.forwarding.into())?;
+            Some((repr, (m.clone(), Forwarding::from(a.forwarding))))
+        }
+        None => None,
+    };
+    let mut o = options(
         &a.name.name,
         a.nodes,
         a.window_size,
         a.restart_delay_ms,
         net,
-    )?)?;
+    )?;
+    o.link = link.as_ref().map(|(_, l)| l.clone());
+    launch::start(&o)?;
     let net_note = net.map_or(String::from(", no network"), |p| {
         format!(", bp0 {} .. {} (MTU {})", p.cidr(1), p.cidr(a.nodes), p.mtu)
     });
+    let link_note = link.map_or(String::new(), |(r, _)| {
+        format!(
+            ", link {} ({:.0} MB/s, hop {} ns, {})",
+            r.name,
+            r.bytes_per_s as f64 / 1e6,
+            r.hop_ns,
+            if r.store_and_forward {
+                "store-and-forward"
+            } else {
+                "cut-through"
+            }
+        )
+    });
     println!(
-        "fabric '{}' is up: {} nodes, {} windows{net_note}",
+        "fabric '{}' is up: {} nodes, {} windows{net_note}{link_note}",
         a.name.name,
         a.nodes,
         human_size(a.window_size)

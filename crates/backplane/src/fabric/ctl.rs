@@ -177,8 +177,24 @@ pub struct StatusReport {
     pub supervisor_pid: u32,
     /// Seconds since `up`.
     pub uptime_s: f64,
+    /// Link emulation in force (absent: memory speed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link: Option<LinkStatus>,
     /// One row per slot, slot order.
     pub slots: Vec<SlotStatus>,
+}
+
+/// The emulated link of every node (`up --link`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct LinkStatus {
+    /// Model name, e.g. `pcie-gen3x4`.
+    pub model: String,
+    /// Effective payload bandwidth per direction, bytes/s.
+    pub bytes_per_s: u64,
+    /// Per-hop latency of the switch, ns.
+    pub hop_ns: u64,
+    /// `cut-through` or `store-and-forward`.
+    pub forwarding: String,
 }
 
 /// One slot in [`StatusReport`].

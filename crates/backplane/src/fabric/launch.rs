@@ -26,6 +26,22 @@ pub struct Options {
     pub exe: PathBuf,
     /// IP over the fabric (`None`: `--no-net`).
     pub net: Option<crate::net::NetPlan>,
+    /// Link emulation: model name and forwarding mode (`None`: memory speed).
+    pub link: Option<(String, crate::model::Forwarding)>,
+}
+
+/// Resolves a link model name and forwarding mode into what the fabric header stores.
+pub fn resolve_link(
+    name: &str,
+    mode: crate::model::Forwarding,
+) -> Result<crate::wire::LinkRepr, crate::model::LinkModelError> {
+    let m: crate::model::LinkModel = name.parse()?;
+    Ok(crate::wire::LinkRepr {
+        name: name.to_ascii_lowercase(),
+        bytes_per_s: m.effective_bandwidth_bytes_per_s() as u64,
+        hop_ns: m.per_hop_latency(mode).ns.round() as u64,
+        store_and_forward: mode == crate::model::Forwarding::StoreAndForward,
+    })
 }
 
 impl Options {
@@ -39,6 +55,10 @@ impl Options {
                 .then(|| Duration::from_millis(self.restart_delay_ms)),
             agent_cmd: vec![self.exe.to_string_lossy().into_owned(), "agent".into()],
             net: self.net,
+            link: self
+                .link
+                .as_ref()
+                .and_then(|(n, m)| resolve_link(n, *m).ok()),
         }
     }
 }
@@ -78,6 +98,14 @@ pub fn start(o: &Options) -> Result<(), StartError> {
         ]
     }))
     .args(o.net.is_none().then_some("--no-net"))
+    .args(o.link.iter().flat_map(|(n, m)| {
+        [
+            "--link".to_string(),
+            n.clone(),
+            "--forwarding".to_string(),
+            m.name().to_string(),
+        ]
+    }))
     .stdin(Stdio::null())
     .stdout(Stdio::null())
     .stderr(Stdio::null());

@@ -145,6 +145,7 @@ pub(crate) struct FabricInner {
     pub(crate) name: String,
     pub(crate) nodes: u32,
     pub(crate) window_size: u64,
+    pub(crate) link: Option<wire::LinkRepr>,
     sock: Mutex<OwnedFd>,
     control: Region,
     windows: Mutex<HashMap<u32, Arc<Region>>>,
@@ -213,6 +214,7 @@ impl Fabric {
                 name: name.to_owned(),
                 nodes,
                 window_size,
+                link: repr.link.clone(),
                 sock: Mutex::new(sock),
                 control,
                 windows: Mutex::new(HashMap::new()),
@@ -233,6 +235,11 @@ impl Fabric {
     /// Window size per node.
     pub fn window_size(&self) -> u64 {
         self.inner.window_size
+    }
+
+    /// The emulated link of every node (`None`: the fabric runs at memory speed).
+    pub fn link(&self) -> Option<&wire::LinkRepr> {
+        self.inner.link.as_ref()
     }
 
     pub(crate) fn check_slot(&self, slot: u32) -> Result<(), FabricError> {

@@ -49,6 +49,8 @@ pub struct Config {
     pub agent_cmd: Vec<String>,
     /// IP over the fabric: `None` for `--no-net`.
     pub net: Option<NetPlan>,
+    /// Link emulation: every node's link to the switch (`None`: memory speed).
+    pub link: Option<LinkRepr>,
 }
 
 /// Why a fabric could not be started.
@@ -338,6 +340,7 @@ fn run_inner(
         created_ms: now_ms(),
         supervisor_pid: std::process::id(),
         name: cfg.name.clone(),
+        link: cfg.link.clone(),
     }
     .emit(&mut FabricHeader::new_unchecked(&mut hdr[..]));
     publish(&control, 0, &hdr, FABRIC_INIT_OFF);
@@ -1261,6 +1264,16 @@ impl Sup {
             })
             .collect();
         StatusReport {
+            link: self.cfg.link.as_ref().map(|l| ctl::LinkStatus {
+                model: l.name.clone(),
+                bytes_per_s: l.bytes_per_s,
+                hop_ns: l.hop_ns,
+                forwarding: if l.store_and_forward {
+                    "store-and-forward".into()
+                } else {
+                    "cut-through".into()
+                },
+            }),
             version: ctl::STATUS_VERSION,
             fabric: self.cfg.name.clone(),
             nodes: self.cfg.nodes,

@@ -1,0 +1,165 @@
+//! Link emulation (`up --link`): datagram streams paced to the model's effective bandwidth,
+//! per-hop latency added, cut-through vs store-and-forward.
+//!
+//! Rates are compared with the model only where the machine can sustain them, judged in the
+//! same run: an unpaced fabric is measured first, and a model counts as sustainable when it
+//! asks for at most half of that. Pacing can only slow traffic, so "never faster than the
+//! model (+10%)" and "never sooner than the modelled latency" hold on any machine.
+
+mod common;
+use common::*;
+
+use std::time::{Duration, Instant};
+
+use backplane::dgram::{Addr, Wait};
+use backplane::fabric::Fabric;
+
+const SIZE: usize = 64 * 1024;
+
+/// Streams 64 KiB datagrams from node 1 to node 2 for about `secs` at `expected` B/s and
+/// returns the rate the receiver saw (first to last datagram).
+fn stream_rate(name: &str, expected: f64, secs: f64) -> f64 {
+    let f = Fabric::attach(name).unwrap();
+    let mut rx = f.node(2).unwrap().bind(40).unwrap();
+    let mut tx = f.node(1).unwrap().bind(0).unwrap();
+    let count = ((expected * secs) as usize / SIZE).clamp(20, 200_000);
+    let reader = std::thread::spawn(move || {
+        let mut first = None;
+        for i in 0..count {
+            rx.recv_with(Wait::For(Duration::from_secs(30)), |_, p| Ok(p.len()))
+                .unwrap();
+            if i == 0 {
+                first = Some(Instant::now());
+            }
+        }
+        let el = first.unwrap().elapsed().as_secs_f64();
+        ((count - 1) * SIZE) as f64 / el
+    });
+    let data = vec![7u8; SIZE];
+    for _ in 0..count {
+        tx.send_to(Addr::new(2, 40), &data).unwrap();
+    }
+    reader.join().unwrap()
+}
+
+#[test]
+fn emulated_pcie_links_pace_datagrams_to_the_model_in_figure_12_order() {
+    let free = Fab::up("link_free", 2, &[]);
+    let unpaced = stream_rate(&free.name, 10e9, 0.2);
+    drop(free);
+    let mut last = 0.0;
+    for model in ["pcie-gen1x4", "pcie-gen2x4", "pcie-gen3x4", "pcie-gen3x8"] {
+        let fab = Fab::up(&format!("link_{model}"), 2, &["--link", model]);
+        let want = fab.status()["link"]["bytes_per_s"].as_f64().unwrap();
+        let got = stream_rate(&fab.name, want, 0.2);
+        let sustainable = want <= unpaced / 2.0;
+        eprintln!(
+            "{model}: model {:.0} MB/s, measured {:.0} MB/s (unpaced {:.0} MB/s){}",
+            want / 1e6,
+            got / 1e6,
+            unpaced / 1e6,
+            if sustainable {
+                ""
+            } else {
+                " - beyond what this machine sustains"
+            }
+        );
+        assert!(
+            got <= want * 1.10,
+            "{model}: {got} B/s exceeds the model's {want}"
+        );
+        if sustainable {
+            assert!(
+                got >= want * 0.90,
+                "{model}: {got} B/s is >10% below the model's {want}"
+            );
+            assert!(
+                got > last,
+                "{model} must be faster than the slower link before it"
+            );
+            last = got;
+        }
+    }
+}
+
+/// Median one-way latency (half round trip) of 8-byte datagrams between nodes 1 and 2.
+fn one_way_ns(name: &str) -> u64 {
+    let f = Fabric::attach(name).unwrap();
+    let mut a = f.node(1).unwrap().bind(0).unwrap();
+    let mut b = f.node(2).unwrap().bind(50).unwrap();
+    let a_addr = a.local_addr();
+    let echo = std::thread::spawn(move || {
+        let mut buf = [0u8; 8];
+        for _ in 0..300 {
+            b.recv_from(&mut buf).unwrap();
+            b.send_to(a_addr, &buf).unwrap();
+        }
+    });
+    let mut rtts = Vec::new();
+    let mut buf = [0u8; 8];
+    for _ in 0..300 {
+        let t = Instant::now();
+        a.send_to(Addr::new(2, 50), &buf.clone()).unwrap();
+        a.recv_from(&mut buf).unwrap();
+        rtts.push(t.elapsed().as_nanos() as u64 / 2);
+    }
+    echo.join().unwrap();
+    rtts.sort_unstable();
+    rtts[rtts.len() / 2]
+}
+
+#[test]
+fn store_and_forward_adds_a_whole_frame_per_hop_and_nothing_arrives_early() {
+    let sf = Fab::up(
+        "link_sf",
+        2,
+        &["--link", "eth-1g", "--forwarding", "store-and-forward"],
+    );
+    let hop = sf.status()["link"]["hop_ns"].as_u64().unwrap();
+    assert!(
+        hop > 10_000,
+        "a 1518-byte frame at 1 Gb/s takes > 10 µs: {hop}"
+    );
+    let lat = one_way_ns(&sf.name);
+    eprintln!("eth-1g store-and-forward: hop {hop} ns, measured one-way {lat} ns");
+    assert!(
+        lat >= hop,
+        "delivered after {lat} ns, before the {hop} ns hop ended"
+    );
+    drop(sf);
+    let ct = Fab::up("link_ct", 2, &["--link", "eth-1g"]);
+    let hop_ct = ct.status()["link"]["hop_ns"].as_u64().unwrap();
+    assert!(
+        hop_ct < hop / 10,
+        "cut-through waits for the header only: {hop_ct}"
+    );
+    let lat_ct = one_way_ns(&ct.name);
+    eprintln!("eth-1g cut-through: hop {hop_ct} ns, measured one-way {lat_ct} ns");
+    assert!(lat_ct >= hop_ct);
+    let table = bp(&["status", "--name", &ct.name]);
+    assert!(String::from_utf8_lossy(&table.stdout).contains("link eth-1g"));
+}
+
+#[test]
+fn bad_link_settings_are_refused_clearly() {
+    let n = name("linkbad");
+    let o = bp(&["up", "--name", &n, "--no-net", "--link", "pcie-gen9x4"]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.starts_with("backplane: ") && e.contains("pcie-gen9x4"),
+        "{e}"
+    );
+    let o = bp(&["up", "--name", &n, "--no-net", "--link", "token-ring"]);
+    assert!(stderr(&o).contains("unknown link model"), "{}", stderr(&o));
+    let o = bp(&[
+        "up",
+        "--name",
+        &n,
+        "--no-net",
+        "--forwarding",
+        "store-and-forward",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "--forwarding needs --link");
+    assert_eq!(leftovers(&n), Vec::<String>::new());
+}
