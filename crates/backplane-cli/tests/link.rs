@@ -163,3 +163,132 @@ fn bad_link_settings_are_refused_clearly() {
     assert_eq!(o.status.code(), Some(2), "--forwarding needs --link");
     assert_eq!(leftovers(&n), Vec::<String>::new());
 }
+
+fn topology_file(test: &str, text: &str) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("bp-topo-{test}-{}.toml", std::process::id()));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn traffic_through_a_chain_topology_all_arrives_and_every_hop_is_counted() {
+    let file = topology_file(
+        "chain",
+        "kind = \"distributed\"\nlink = \"pcie-gen3x4\"\nlinks = [{a = 1, b = 2}, {a = 2, b = 3}, {a = 3, b = 4}]\n",
+    );
+    let fab = Fab::up("topo_chain", 4, &["--topology", file.to_str().unwrap()]);
+    let s = fab.status();
+    assert_eq!(s["topology"]["kind"], "distributed");
+    assert_eq!(s["topology"]["links"].as_array().unwrap().len(), 3);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let mut rx = f.node(4).unwrap().bind(9).unwrap();
+    let mut tx = f.node(1).unwrap().bind(0).unwrap();
+    const N: u64 = 2000;
+    let reader = std::thread::spawn(move || {
+        let mut buf = vec![0u8; 4096];
+        for i in 0..N {
+            let (n, from) = rx
+                .recv_from_timeout(&mut buf, Duration::from_secs(20))
+                .unwrap();
+            assert_eq!(from.node, 1);
+            assert_eq!(
+                u64::from_le_bytes(buf[..8].try_into().unwrap()),
+                i,
+                "in order"
+            );
+            assert_eq!(n, 1000);
+        }
+    });
+    let mut msg = vec![0u8; 1000];
+    for i in 0..N {
+        msg[..8].copy_from_slice(&i.to_le_bytes());
+        tx.send_to(Addr::new(4, 9), &msg).unwrap();
+    }
+    reader.join().unwrap();
+    let s = fab.status();
+    for (slot, fwd) in [(1, 0), (2, N), (3, N), (4, 0)] {
+        assert_eq!(s["slots"][slot - 1]["fwd_msgs"], fwd, "node {slot}");
+    }
+    assert_eq!(s["slots"][1]["fwd_bytes"], N * 1000);
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn when_the_openvpx_hub_goes_down_its_spokes_lose_their_route() {
+    let file = topology_file(
+        "3slot",
+        "# OpenVPX 3-slot distributed layout\nkind = \"distributed\"\nlink = \"pcie-gen2x4\"\n\n[[links]]\na = 1\nb = 2\n\n[[links]]\na = 1\nb = 3\n",
+    );
+    let fab = Fab::up(
+        "topo_hub",
+        3,
+        &[
+            "--topology",
+            file.to_str().unwrap(),
+            "--restart-delay-ms",
+            "0",
+        ],
+    );
+    let f = Fabric::attach(&fab.name).unwrap();
+    let _rx = f.node(3).unwrap().bind(9).unwrap();
+    let mut tx = f.node(2).unwrap().bind(0).unwrap();
+    tx.send_to(Addr::new(3, 9), b"via the hub").unwrap();
+    let hub = f.node_info(1).unwrap().pid as i32;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(hub).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let down = wait_for(Duration::from_secs(10), || {
+        (f.node_info(1).unwrap().state == backplane::wire::NodeState::Down).then_some(())
+    });
+    assert!(down.is_some());
+    let e = tx.send_to(Addr::new(3, 9), b"no way").unwrap_err();
+    let again = tx.send_to(Addr::new(3, 9), b"no way").unwrap_err();
+    let text = format!("{e} / {again}");
+    assert!(text.contains("node"), "{text}");
+    match again {
+        backplane::dgram::DgramError::NodeDown(_)
+        | backplane::dgram::DgramError::Unreachable(_) => {}
+        other => panic!("expected a routing failure, got {other:?}"),
+    }
+    let _ = std::fs::remove_file(file);
+}
+
+#[test]
+fn a_bad_topology_file_is_refused_with_its_line() {
+    let n = name("topobad");
+    let file = topology_file(
+        "bad",
+        "kind = \"distributed\"\nlink = \"pcie-gen2x4\"\nnodes = 2\n[[links]]\na = 1\nb = 9\n",
+    );
+    let o = bp(&[
+        "up",
+        "--name",
+        &n,
+        "--no-net",
+        "--topology",
+        file.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains(".toml:4: slot 9 does not exist"), "{e}");
+    assert_eq!(e.trim_end().lines().count(), 1);
+    let o = bp(&[
+        "up",
+        "--name",
+        &n,
+        "--no-net",
+        "--topology",
+        file.to_str().unwrap(),
+        "--link",
+        "eth-10g",
+    ]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "--topology and --link both set the links"
+    );
+    assert_eq!(leftovers(&n), Vec::<String>::new());
+    let _ = std::fs::remove_file(file);
+}

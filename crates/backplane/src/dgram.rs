@@ -24,6 +24,15 @@ use crate::ring::{Consumer, Producer, RingError, RingMemory};
 use crate::sync::{fence, futex_wait, ring, AtomicU32, AtomicU64, Deadline, Ordering, SPIN_POLLS};
 use crate::wire::*;
 
+/// Derefs a pointer resolved (bounds-checked) from a region the holder keeps alive.
+macro_rules! shm {
+    ($p:expr) => {{
+        // SAFETY: pointers in Endpoint/TxConn/RxRing were produced by `Region::u32_at`/`u64_at`
+        // (bounds- and alignment-checked) on regions kept alive by the same struct.
+        unsafe { &*$p }
+    }};
+}
+
 /// A datagram address: a node's slot and a port on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Addr {
@@ -83,6 +92,9 @@ pub enum DgramError {
     /// Occurs when this endpoint's own node went DOWN or restarted, or the endpoint was closed.
     #[error("endpoint {0} is closed (its node went down or restarted); bind a new one")]
     Closed(Addr),
+    /// Occurs when the topology has no path to the destination through READY nodes.
+    #[error("{0}")]
+    NoRoute(String),
     /// Occurs when nothing is bound at the destination, or the receiver closed.
     #[error("no endpoint is listening at {0}")]
     Unreachable(Addr),
@@ -207,8 +219,22 @@ impl RingMemory for ShmRing {
     }
 }
 
+/// One link of a route through a distributed topology, resolved for stamping.
+struct RouteStep {
+    /// The link's clock (in the window of the node it leaves).
+    clock: *const AtomicU64,
+    bytes_per_s: u64,
+    hop_ns: u64,
+    /// Forward counters (datagrams, bytes) of the node it reaches, if that node forwards.
+    fwd: Option<*const AtomicU64>,
+}
+
 struct TxConn {
     dst: Addr,
+    /// Distributed topologies: the links crossed (empty: direct).
+    route: Vec<RouteStep>,
+    /// Windows the route's pointers point into, kept mapped.
+    _route_windows: Vec<Arc<Region>>,
     /// The receiver's downlink clock (link emulation), when the link is emulated.
     dst_ingress: Option<*const AtomicU64>,
     mem: ShmRing,
@@ -268,6 +294,29 @@ const HOLD_SPIN_NS: u64 = 200_000;
 /// A delivery time further in the future than this is corrupt.
 const MAX_HOLD_NS: u64 = 2_000_000_000;
 
+/// Distributed topologies: crosses every link of a route in turn (each forwarding node adds
+/// its hop latency and counts the datagram); returns the delivery time.
+fn stamp_route(route: &[RouteStep], len: usize) -> u64 {
+    let now = crate::sync::now_ns();
+    let mut t = now;
+    for (k, h) in route.iter().enumerate() {
+        let ser = ((len as u128 * 1_000_000_000) / u128::from(h.bytes_per_s)).max(1) as u64;
+        let start = claim(shm!(h.clock), t, ser, now);
+        t = if k + 1 == route.len() {
+            start + ser
+        } else {
+            start + h.hop_ns.max(1)
+        };
+        if let Some(f) = h.fwd {
+            shm!(f).fetch_add(1, Ordering::Relaxed);
+            // SAFETY: `fwd` was checked to have two u64 slots (16 bytes) in the node's window,
+            // which the connection keeps mapped.
+            unsafe { &*f.add(1) }.fetch_add(len as u64, Ordering::Relaxed);
+        }
+    }
+    t
+}
+
 /// Claims `ser` ns on a link clock from `earliest` on; returns when the transfer starts.
 fn claim(clock: &AtomicU64, earliest: u64, ser: u64, now: u64) -> u64 {
     let mut start = earliest;
@@ -294,15 +343,6 @@ impl fmt::Debug for Endpoint {
             .field("addr", &self.addr)
             .finish()
     }
-}
-
-/// Derefs a pointer resolved (bounds-checked) from a region the holder keeps alive.
-macro_rules! shm {
-    ($p:expr) => {{
-        // SAFETY: pointers in Endpoint/TxConn/RxRing were produced by `Region::u32_at`/`u64_at`
-        // (bounds- and alignment-checked) on regions kept alive by the same struct.
-        unsafe { &*$p }
-    }};
 }
 
 impl Node {
@@ -459,6 +499,7 @@ impl Endpoint {
             ring_off,
             credit_off,
             dst_record_off,
+            route: hops,
             ..
         } = resp
         else {
@@ -478,8 +519,38 @@ impl Endpoint {
             .u32_at(credit_off + CREDIT_COOKIE_OFF as u64)
             .map_err(f)?;
         let emulated = self.link.is_some() && dst.node != self.addr.node;
+        let mut route = Vec::new();
+        let mut route_windows = Vec::new();
+        for (k, h) in hops.iter().enumerate() {
+            fabric.check_slot(h.from)?;
+            fabric.check_slot(h.to)?;
+            let from_w = fabric.window(h.from)?;
+            let clock = from_w
+                .u64_at((WIN_LINK_CLOCKS_OFF + 8 * (h.to as usize - 1)) as u64)
+                .map_err(FabricError::from)? as *const AtomicU64;
+            let fwd = if k + 1 < hops.len() {
+                let to_w = fabric.window(h.to)?;
+                to_w.check(WIN_FWD_OFF as u64, 16, 8)
+                    .map_err(FabricError::from)?;
+                let p =
+                    to_w.u64_at(WIN_FWD_OFF as u64).map_err(FabricError::from)? as *const AtomicU64;
+                route_windows.push(to_w);
+                Some(p)
+            } else {
+                None
+            };
+            route_windows.push(from_w);
+            route.push(RouteStep {
+                clock,
+                bytes_per_s: h.bytes_per_s.max(1),
+                hop_ns: h.hop_ns,
+                fwd,
+            });
+        }
         let conn = TxConn {
             dst,
+            route,
+            _route_windows: route_windows,
             dst_ingress: if emulated {
                 Some(dst_win.u64_at(WIN_LINK_INGRESS_OFF as u64).map_err(f)? as *const AtomicU64)
             } else {
@@ -575,17 +646,25 @@ impl Endpoint {
             return Err(DgramError::TooBig(len));
         }
         self.check_open()?;
-        let i = self.tx_index(dst)?;
+        let mut i = self.tx_index(dst)?;
         let deadline = deadline_of(wait);
         let mut spins = 0u32;
+        let mut reconnected = false;
         loop {
             let c = &mut self.tx[i];
             if shm!(c.peer_closed).load(Ordering::Acquire) != 0
                 || shm!(c.cookie_word).load(Ordering::Acquire) != c.cookie
             {
+                // The ring was torn down under us (receiver gone, its node or a forwarding
+                // node DOWN). Connect once more: that re-routes, or says why it cannot.
                 self.drop_conn(i);
                 self.check_open()?;
-                return Err(self.peer_state(dst));
+                if reconnected {
+                    return Err(self.peer_state(dst));
+                }
+                reconnected = true;
+                i = self.tx_index(dst)?;
+                continue;
             }
             match c.producer.reserve(&c.mem, len) {
                 Ok(mut r) => {
@@ -595,7 +674,9 @@ impl Endpoint {
                         return Ok(false); // abandoned: the producer index never moved
                     };
                     r.len = used;
-                    if let (Some(l), Some(ing)) = (&self.link, c.dst_ingress) {
+                    if !c.route.is_empty() {
+                        r.not_before_ns = stamp_route(&c.route, used);
+                    } else if let (Some(l), Some(ing)) = (&self.link, c.dst_ingress) {
                         // Link emulation: serialise on our uplink, cross the switch, serialise
                         // on the receiver's downlink; the record is delivered when that ends.
                         let ser = ((used as u128 * 1_000_000_000) / u128::from(l.bytes_per_s))

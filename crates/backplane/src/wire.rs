@@ -540,6 +540,12 @@ pub const WIN_LINK_EGRESS_OFF: usize = 576;
 /// Link emulation: ns at which the node's downlink is next free (u64; updated with
 /// compare-and-swap by every sender to this node).
 pub const WIN_LINK_INGRESS_OFF: usize = 640;
+/// Distributed topologies: datagrams this node forwarded (u64) and their bytes (u64), added to
+/// by the senders whose route passes through it.
+pub const WIN_FWD_OFF: usize = 704;
+/// Distributed topologies: the clock of this node's link toward node `v` is the u64 at
+/// `WIN_LINK_CLOCKS_OFF + 8 * (v - 1)`.
+pub const WIN_LINK_CLOCKS_OFF: usize = 1024;
 /// Offset of the window header's `initialized` marker.
 pub const WIN_INIT_OFF: usize = window_field::INITIALIZED;
 
@@ -942,7 +948,9 @@ const _: () = {
     assert!(WIN_DOORBELL_SEQ_OFF / CACHE_LINE != WIN_DOORBELL_ARMED_OFF / CACHE_LINE);
     assert!(WIN_SCRATCH_OFF + SCRATCHPADS * 4 <= WIN_IFSTATS_OFF);
     assert!(WIN_IFSTATS_OFF + 48 <= WIN_LINK_EGRESS_OFF);
-    assert!(WIN_LINK_INGRESS_OFF + 8 <= 4096);
+    assert!(WIN_LINK_INGRESS_OFF + 8 <= WIN_FWD_OFF);
+    assert!(WIN_FWD_OFF + 16 <= WIN_LINK_CLOCKS_OFF);
+    assert!(WIN_LINK_CLOCKS_OFF + 8 * MAX_NODES as usize <= 4096);
     assert!(FABRIC_EPOCH_OFF + 4 <= NODE_TABLE_OFF);
     assert!(RING_DATA_OFF.is_multiple_of(RECORD_ALIGN));
     assert!(ENDPOINT_MAX_RINGS >= 256);

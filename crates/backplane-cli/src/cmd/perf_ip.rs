@@ -249,6 +249,7 @@ pub fn run(secs: u64, json: bool) -> anyhow::Result<()> {
         exe: std::env::current_exe()?,
         net: Some(NetPlan::new(net::DEFAULT_SUBNET, mtu, 2)?),
         link: None,
+        topology: None,
     })?;
     cleanup.fabric = Some(name.clone());
     let fabric = Fabric::attach(&name)?;

@@ -44,8 +44,11 @@ pub fn render(r: &StatusReport) -> String {
         r.uptime_s,
         r.supervisor_pid
     );
+    if let Some(t) = &r.topology {
+        out += &format!("topology {}: {}\n", t.kind, t.links.join(", "));
+    }
     out += &format!(
-        "{:>4} {:<8} {:>3} {:>7} {:<26} {:<13} {:>9} {:>3} {:>10} {:>12} {:>10} {:>12} {:>6}\n",
+        "{:>4} {:<8} {:>3} {:>7} {:<26} {:<13} {:>9} {:>3} {:>10} {:>12} {:>10} {:>12} {:>6} {:>8}\n",
         "SLOT",
         "STATE",
         "GEN",
@@ -58,7 +61,8 @@ pub fn render(r: &StatusReport) -> String {
         "TX-BYTES",
         "RX-MSGS",
         "RX-BYTES",
-        "DROPS"
+        "DROPS",
+        "FWD"
     );
     let net = r.slots.iter().any(|s| s.address.is_some());
     for s in &r.slots {
@@ -67,7 +71,7 @@ pub fn render(r: &StatusReport) -> String {
             _ => s.state.to_string(),
         };
         out += &format!(
-            "{:>4} {:<8} {:>3} {:>7} {:<26} {:<13} {:>8.1}s {:>3} {:>10} {:>12} {:>10} {:>12} {:>6}\n",
+            "{:>4} {:<8} {:>3} {:>7} {:<26} {:<13} {:>8.1}s {:>3} {:>10} {:>12} {:>10} {:>12} {:>6} {:>8}\n",
             s.slot,
             state,
             s.generation,
@@ -80,7 +84,8 @@ pub fn render(r: &StatusReport) -> String {
             s.tx_bytes,
             s.rx_msgs,
             s.rx_bytes,
-            s.drops
+            s.drops,
+            s.fwd_msgs
         );
     }
     if net {

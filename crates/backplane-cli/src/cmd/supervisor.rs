@@ -31,6 +31,8 @@ pub struct Args {
     mtu: u32,
     #[arg(long)]
     link: Option<String>,
+    #[arg(long)]
+    topology: Option<std::path::PathBuf>,
     #[arg(long, value_enum, default_value = "cut-through")]
     forwarding: super::up::Fwd,
 }
@@ -56,7 +58,16 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         net,
     )?;
     opts.link = a.link.map(|l| (l, a.forwarding.into()));
-    let cfg = opts.config();
+    opts.topology = a.topology;
+    let cfg = match opts.config() {
+        Ok(c) => c,
+        Err(e) => {
+            if let Some(r) = ready.as_mut() {
+                let _ = writeln!(r, "error: {e}");
+            }
+            return Err(e.into());
+        }
+    };
     let lock = match supervisor::lock_fabric(&cfg.name) {
         Ok(l) => l,
         Err(e) => {

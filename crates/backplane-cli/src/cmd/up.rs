@@ -2,6 +2,7 @@
 
 use anyhow::Context;
 use backplane::fabric::launch::{self, Options};
+use backplane::fabric::topology::Kind;
 use backplane::model::Forwarding;
 use backplane::net::NetPlan;
 
@@ -12,9 +13,9 @@ use super::{human_size, parse_size, NameArg};
 pub struct Args {
     #[command(flatten)]
     name: NameArg,
-    /// Number of nodes (slots 1..N).
-    #[arg(long, default_value_t = 4)]
-    nodes: u32,
+    /// Number of nodes (slots 1..N; default 4, or the topology file's).
+    #[arg(long)]
+    nodes: Option<u32>,
     /// Inbound memory window per node (e.g. 64M, 1G).
     #[arg(long, default_value = "64M", value_parser = parse_size)]
     window_size: u64,
@@ -34,6 +35,9 @@ pub struct Args {
     /// How the emulated switch forwards: cut-through or store-and-forward.
     #[arg(long, value_enum, default_value = "cut-through", requires = "link")]
     forwarding: Fwd,
+    /// A topology file (TOML): star or distributed, its links and their models.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["link", "forwarding"])]
+    topology: Option<std::path::PathBuf>,
     /// Restart a node whose agent died after this many milliseconds (0: leave it DOWN).
     #[arg(long, default_value_t = 1000)]
     restart_delay_ms: u64,
@@ -73,23 +77,41 @@ pub fn options(
         exe: std::env::current_exe().context("cannot find the backplane executable")?,
         net,
         link: None,
+        topology: None,
     })
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    let topo_path = a
+        .topology
+        .as_ref()
+        .map(|p| {
+            std::fs::canonicalize(p)
+                .with_context(|| format!("cannot read topology file {}", p.display()))
+        })
+        .transpose()?;
+    let topo = topo_path
+        .as_deref()
+        .map(launch::load_topology)
+        .transpose()?;
+    let nodes = match (a.nodes, &topo) {
+        (Some(n), Some(t)) if n != t.nodes => {
+            anyhow::bail!(
+                "--nodes {n} disagrees with the topology file, which has {} nodes",
+                t.nodes
+            )
+        }
+        (Some(n), _) => n,
+        (None, Some(t)) => t.nodes,
+        (None, None) => 4,
+    };
     // Judge the node count and window before the subnet they must fit in.
-    let plain = options(
-        &a.name.name,
-        a.nodes,
-        a.window_size,
-        a.restart_delay_ms,
-        None,
-    )?;
-    backplane::fabric::supervisor::check_config(&plain.config())?;
+    let plain = options(&a.name.name, nodes, a.window_size, a.restart_delay_ms, None)?;
+    backplane::fabric::supervisor::check_config(&plain.config()?)?;
     let net = if a.no_net {
         None
     } else {
-        Some(NetPlan::new(&a.subnet, a.mtu, a.nodes)?)
+        Some(NetPlan::new(&a.subnet, a.mtu, nodes)?)
     };
     let link = match &a.link {
         Some(m) => {
@@ -98,19 +120,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let mut o = options(
-        &a.name.name,
-        a.nodes,
-        a.window_size,
-        a.restart_delay_ms,
-        net,
-    )?;
+    let mut o = options(&a.name.name, nodes, a.window_size, a.restart_delay_ms, net)?;
     o.link = link.as_ref().map(|(_, l)| l.clone());
+    o.topology = topo_path;
     launch::start(&o)?;
     let net_note = net.map_or(String::from(", no network"), |p| {
-        format!(", bp0 {} .. {} (MTU {})", p.cidr(1), p.cidr(a.nodes), p.mtu)
+        format!(", bp0 {} .. {} (MTU {})", p.cidr(1), p.cidr(nodes), p.mtu)
     });
-    let link_note = link.map_or(String::new(), |(r, _)| {
+    let topo_note = topo.as_ref().map_or(String::new(), |t| match t.kind {
+        Kind::Star => format!(", star topology, link {}", t.link.name),
+        Kind::Distributed => {
+            let links: Vec<String> = t.links.iter().map(|l| format!("{}-{}", l.a, l.b)).collect();
+            format!(", distributed topology: links {}", links.join(" "))
+        }
+    });
+    let link_note = link.map_or(topo_note, |(r, _)| {
         format!(
             ", link {} ({:.0} MB/s, hop {} ns, {})",
             r.name,
@@ -126,7 +150,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     println!(
         "fabric '{}' is up: {} nodes, {} windows{net_note}{link_note}",
         a.name.name,
-        a.nodes,
+        nodes,
         human_size(a.window_size)
     );
     Ok(())

@@ -90,6 +90,19 @@ pub enum Request {
     Shutdown,
 }
 
+/// One link of a route through a distributed topology.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteHop {
+    /// The node the link leaves (its window holds the link's clock).
+    pub from: u32,
+    /// The node the link reaches (an intermediate forwards; the last one receives).
+    pub to: u32,
+    /// Effective bandwidth of the link, bytes/s.
+    pub bytes_per_s: u64,
+    /// Latency of forwarding onto the next link, ns.
+    pub hop_ns: u64,
+}
+
 /// Error classes the supervisor reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -139,6 +152,9 @@ pub enum Response {
     },
     /// Reply to `Connect`.
     Connected {
+        /// Distributed topologies: the links the datagrams cross, in order (empty otherwise).
+        #[serde(default)]
+        route: Vec<RouteHop>,
         /// Ring offset in the receiver's window.
         ring_off: u64,
         /// Credit line offset in the sender's window.
@@ -180,8 +196,20 @@ pub struct StatusReport {
     /// Link emulation in force (absent: memory speed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub link: Option<LinkStatus>,
+    /// The topology (absent: star at memory speed, or `--link` alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topology: Option<TopologyStatus>,
     /// One row per slot, slot order.
     pub slots: Vec<SlotStatus>,
+}
+
+/// A fabric's topology in `status`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TopologyStatus {
+    /// `star` or `distributed`.
+    pub kind: String,
+    /// Declared links as `A-B MODEL` (distributed only).
+    pub links: Vec<String>,
 }
 
 /// The emulated link of every node (`up --link`).
@@ -230,6 +258,12 @@ pub struct SlotStatus {
     pub rx_bytes: u64,
     /// Datagrams dropped (refused, corrupt, undeliverable).
     pub drops: u64,
+    /// Datagrams this node forwarded for others (distributed topologies).
+    #[serde(default)]
+    pub fwd_msgs: u64,
+    /// Bytes this node forwarded for others.
+    #[serde(default)]
+    pub fwd_bytes: u64,
     /// IPv4 address/prefix of the node's `bp0` (absent with `--no-net`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<String>,

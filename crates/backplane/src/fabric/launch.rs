@@ -28,6 +28,18 @@ pub struct Options {
     pub net: Option<crate::net::NetPlan>,
     /// Link emulation: model name and forwarding mode (`None`: memory speed).
     pub link: Option<(String, crate::model::Forwarding)>,
+    /// A topology file (its node count and links replace `nodes` and `link`).
+    pub topology: Option<PathBuf>,
+}
+
+/// Reads and checks a topology file.
+pub fn load_topology(path: &std::path::Path) -> Result<super::topology::Topology, StartError> {
+    let text = std::fs::read_to_string(path).map_err(|e| StartError::Os {
+        what: format!("cannot read topology file {}", path.display()),
+        source: e,
+    })?;
+    super::topology::Topology::parse(&path.display().to_string(), &text)
+        .map_err(|e| StartError::Boot(e.to_string()))
 }
 
 /// Resolves a link model name and forwarding mode into what the fabric header stores.
@@ -45,9 +57,10 @@ pub fn resolve_link(
 }
 
 impl Options {
-    /// The supervisor configuration these options describe.
-    pub fn config(&self) -> Config {
-        Config {
+    /// The supervisor configuration these options describe (reads the topology file).
+    pub fn config(&self) -> Result<Config, StartError> {
+        let topology = self.topology.as_deref().map(load_topology).transpose()?;
+        let mut c = Config {
             name: self.name.clone(),
             nodes: self.nodes,
             window_size: self.window_size,
@@ -59,7 +72,18 @@ impl Options {
                 .link
                 .as_ref()
                 .and_then(|(n, m)| resolve_link(n, *m).ok()),
+            topology: None,
+        };
+        if let Some(t) = topology {
+            c.nodes = t.nodes;
+            if t.kind == super::topology::Kind::Star {
+                c.link = Some(t.link.clone());
+            } else {
+                c.link = None;
+                c.topology = Some(t);
+            }
         }
+        Ok(c)
     }
 }
 
@@ -69,7 +93,8 @@ pub fn start(o: &Options) -> Result<(), StartError> {
         let what = what.to_owned();
         move |e: std::io::Error| StartError::Os { what, source: e }
     };
-    supervisor::check_config(&o.config())?;
+    let cfg = o.config()?;
+    supervisor::check_config(&cfg)?;
     if supervisor::is_running(&o.name) {
         return Err(StartError::AlreadyRunning(o.name.clone()));
     }
@@ -81,7 +106,7 @@ pub fn start(o: &Options) -> Result<(), StartError> {
         "--name",
         &o.name,
         "--nodes",
-        &o.nodes.to_string(),
+        &cfg.nodes.to_string(),
         "--window-size",
         &o.window_size.to_string(),
         "--restart-delay-ms",
@@ -98,6 +123,11 @@ pub fn start(o: &Options) -> Result<(), StartError> {
         ]
     }))
     .args(o.net.is_none().then_some("--no-net"))
+    .args(
+        o.topology
+            .iter()
+            .flat_map(|p| ["--topology".to_string(), p.display().to_string()]),
+    )
     .args(o.link.iter().flat_map(|(n, m)| {
         [
             "--link".to_string(),

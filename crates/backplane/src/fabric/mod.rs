@@ -10,6 +10,7 @@ pub mod ctl;
 pub mod launch;
 pub mod life;
 pub mod supervisor;
+pub mod topology;
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};

@@ -51,6 +51,8 @@ pub struct Config {
     pub net: Option<NetPlan>,
     /// Link emulation: every node's link to the switch (`None`: memory speed).
     pub link: Option<LinkRepr>,
+    /// A distributed topology (star topologies only set `link`).
+    pub topology: Option<super::topology::Topology>,
 }
 
 /// Why a fabric could not be started.
@@ -242,6 +244,8 @@ struct Ep {
 }
 
 struct RingInfo {
+    /// Intermediate nodes the ring's traffic is forwarded through (distributed topologies).
+    via: Vec<u32>,
     src: (u32, u32),
     dst: (u32, u32),
     ring_off: u64,
@@ -598,6 +602,16 @@ impl Sup {
 
     fn node_down(&mut self, slot: u32) {
         self.net_ready[slot as usize - 1] = false;
+        // Traffic forwarded through this node has lost its path: its senders must re-route.
+        let through: Vec<u64> = self
+            .rings
+            .iter()
+            .filter(|(_, r)| r.via.contains(&slot))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in through {
+            self.teardown_ring(id);
+        }
         let eps: Vec<(u32, u32)> = self
             .endpoints
             .keys()
@@ -1038,8 +1052,10 @@ impl Sup {
         };
         let dst_rec = dst_ep.record_off;
         let dst_gen = dst_ep.generation;
+        let route = self.route(src.0, dst.0)?;
         if let Some(r) = self.rings.values().find(|r| r.src == src && r.dst == dst) {
             return Ok(Response::Connected {
+                route: route.clone(),
                 ring_off: r.ring_off,
                 credit_off: r.credit_off,
                 dst_record_off: dst_rec,
@@ -1115,6 +1131,7 @@ impl Sup {
         self.rings.insert(
             ring_id,
             RingInfo {
+                via: route.iter().skip(1).map(|h| h.from).collect(),
                 src,
                 dst,
                 ring_off,
@@ -1134,11 +1151,50 @@ impl Sup {
             e.rings_out.push(ring_id);
         }
         Ok(Response::Connected {
+            route,
             ring_off,
             credit_off,
             dst_record_off: dst_rec,
             dst_generation: dst_gen,
         })
+    }
+
+    /// The links from `src` to `dst` in a distributed topology, through READY nodes only.
+    fn route(&self, src: u32, dst: u32) -> Result<Vec<ctl::RouteHop>, (ErrorKind, String)> {
+        let Some(t) = &self.cfg.topology else {
+            return Ok(Vec::new());
+        };
+        if src == dst {
+            return Ok(Vec::new());
+        }
+        let ready = |n: u32| self.life[n as usize - 1].state() == NodeState::Ready;
+        let path = t.route(src, dst, ready).ok_or_else(|| {
+            let down: Vec<String> = (1..=self.cfg.nodes)
+                .filter(|&n| !ready(n))
+                .map(|n| n.to_string())
+                .collect();
+            (
+                ErrorKind::NodeDown,
+                format!(
+                    "no route from node {src} to node {dst}: the nodes that would forward between them are DOWN ({})",
+                    down.join(", ")
+                ),
+            )
+        })?;
+        Ok(path
+            .windows(2)
+            .map(|w| {
+                let m = t
+                    .link_between(w[0], w[1])
+                    .expect("routes follow declared links");
+                ctl::RouteHop {
+                    from: w[0],
+                    to: w[1],
+                    bytes_per_s: m.bytes_per_s.max(1),
+                    hop_ns: m.hop_ns,
+                }
+            })
+            .collect())
     }
 
     /// The receiver is done with a ring: drained after its sender left, or found corrupted.
@@ -1221,6 +1277,12 @@ impl Sup {
                     }
                 }
                 let entry_reason = self.read_reason(slot);
+                let fwd = |k: usize| {
+                    self.win(slot)
+                        .u64_at((WIN_FWD_OFF + 8 * k) as u64)
+                        .map(|a| a.load(Ordering::Relaxed))
+                        .unwrap_or(0)
+                };
                 let ifstats = self.cfg.net.map(|_| {
                     let mut v = [0u64; 6];
                     for (k, x) in v.iter_mut().enumerate() {
@@ -1257,6 +1319,8 @@ impl Sup {
                     rx_msgs: c[2],
                     rx_bytes: c[3],
                     drops: c[4],
+                    fwd_msgs: fwd(0),
+                    fwd_bytes: fwd(1),
                     address: self.cfg.net.map(|p| p.cidr(slot)),
                     mac: self.cfg.net.map(|_| net::Mac::of_slot(slot).to_string()),
                     interface: ifstats,
@@ -1264,6 +1328,17 @@ impl Sup {
             })
             .collect();
         StatusReport {
+            topology: self.cfg.topology.as_ref().map(|t| ctl::TopologyStatus {
+                kind: match t.kind {
+                    super::topology::Kind::Star => "star".into(),
+                    super::topology::Kind::Distributed => "distributed".into(),
+                },
+                links: t
+                    .links
+                    .iter()
+                    .map(|l| format!("{}-{} {}", l.a, l.b, l.model.name))
+                    .collect(),
+            }),
             link: self.cfg.link.as_ref().map(|l| ctl::LinkStatus {
                 model: l.name.clone(),
                 bytes_per_s: l.bytes_per_s,
