@@ -92,6 +92,34 @@ pub fn human_size(n: u64) -> String {
     }
 }
 
+/// The network options of `up` (and of the supervisor it starts).
+#[derive(clap::Args, Debug, Clone)]
+pub struct NetArgs {
+    /// Do not give nodes network interfaces (no namespaces, no TAPs: works without root).
+    #[arg(long)]
+    pub no_net: bool,
+    /// IPv4 subnet of the fabric's interfaces; node N gets host address N.
+    #[arg(long, default_value = backplane::net::DEFAULT_SUBNET)]
+    pub subnet: String,
+    /// MTU of every node's bp0.
+    #[arg(long, default_value_t = backplane::net::DEFAULT_MTU)]
+    pub mtu: u32,
+}
+
+impl NetArgs {
+    /// The addressing plan for `nodes` nodes, or `None` with `--no-net`.
+    pub fn plan(&self, nodes: u32) -> anyhow::Result<Option<backplane::net::NetPlan>> {
+        if self.no_net {
+            return Ok(None);
+        }
+        Ok(Some(backplane::net::NetPlan::new(
+            &self.subnet,
+            self.mtu,
+            nodes,
+        )?))
+    }
+}
+
 /// The `--name` option shared by every fabric command.
 #[derive(clap::Args, Debug, Clone)]
 pub struct NameArg {

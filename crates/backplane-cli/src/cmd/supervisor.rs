@@ -23,12 +23,8 @@ pub struct Args {
     /// File descriptor that receives "ready" or "error: ...".
     #[arg(long)]
     ready_fd: Option<i32>,
-    #[arg(long)]
-    no_net: bool,
-    #[arg(long, default_value = backplane::net::DEFAULT_SUBNET)]
-    subnet: String,
-    #[arg(long, default_value_t = backplane::net::DEFAULT_MTU)]
-    mtu: u32,
+    #[command(flatten)]
+    net: super::NetArgs,
     #[arg(long)]
     link: Option<String>,
     #[arg(long)]
@@ -45,11 +41,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
         f
     });
-    let net = if a.no_net {
-        None
-    } else {
-        Some(backplane::net::NetPlan::new(&a.subnet, a.mtu, a.nodes)?)
-    };
+    let net = a.net.plan(a.nodes)?;
     let mut opts = super::up::options(
         &a.name.name,
         a.nodes,

@@ -19,15 +19,8 @@ pub struct Args {
     /// Inbound memory window per node (e.g. 64M, 1G).
     #[arg(long, default_value = "64M", value_parser = parse_size)]
     window_size: u64,
-    /// Do not give nodes network interfaces (no namespaces, no TAPs: works without root).
-    #[arg(long)]
-    no_net: bool,
-    /// IPv4 subnet of the fabric's interfaces; node N gets host address N.
-    #[arg(long, default_value = backplane::net::DEFAULT_SUBNET)]
-    subnet: String,
-    /// MTU of every node's bp0.
-    #[arg(long, default_value_t = backplane::net::DEFAULT_MTU)]
-    mtu: u32,
+    #[command(flatten)]
+    net: super::NetArgs,
     /// Emulate a backplane link (pcie-genGxL, eth-SPEED) between every node and the switch:
     /// pace to its effective bandwidth and add its per-hop latency.
     #[arg(long, value_name = "MODEL")]
@@ -108,11 +101,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     // Judge the node count and window before the subnet they must fit in.
     let plain = options(&a.name.name, nodes, a.window_size, a.restart_delay_ms, None)?;
     backplane::fabric::supervisor::check_config(&plain.config()?)?;
-    let net = if a.no_net {
-        None
-    } else {
-        Some(NetPlan::new(&a.subnet, a.mtu, nodes)?)
-    };
+    let net = a.net.plan(nodes)?;
     let link = match &a.link {
         Some(m) => {
             let repr = launch::resolve_link(m, a.forwarding.into())?;
