@@ -8,3 +8,5 @@ cargo clippy --workspace --all-targets -- -D warnings
 cargo test --workspace
 # The ring protocol under loom's model checker (its own target dir: --cfg loom rebuilds all).
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p backplane --release --lib loom
+# The C API through its header and pkg-config, under AddressSanitizer and UBSan.
+scripts/test-c.sh

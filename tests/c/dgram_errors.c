@@ -1,0 +1,96 @@
+/*
+ * The C boundary's error paths: every bad call returns an error with the documented errno,
+ * nothing crashes, nothing leaks (run under AddressSanitizer/UBSan by scripts/test-c.sh).
+ * Needs a running fabric of at least 2 nodes named by $BACKPLANE_FABRIC.
+ */
+#include <backplane/dgram.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int passed, failed;
+
+#define CHECK(cond, what)                                                                    \
+	do {                                                                                 \
+		if (cond) {                                                                  \
+			passed++;                                                            \
+		} else {                                                                     \
+			failed++;                                                            \
+			fprintf(stderr, "FAIL %s:%d %s (errno %d: %s)\n", __FILE__, __LINE__, what, \
+				errno, bp_last_error());                                     \
+		}                                                                            \
+	} while (0)
+
+#define EXPECT_ERR(call, err) CHECK((call) == -1 && errno == (err), #call " -> " #err)
+
+int main(void)
+{
+	char buf[256];
+	struct bp_addr a;
+
+	errno = 0;
+	CHECK(bp_fabric_attach("no-such-fabric-c") == NULL && errno == ENOENT, "attach unknown");
+	CHECK(bp_fabric_attach("bad/name") == NULL && errno == EINVAL, "attach bad name");
+	EXPECT_ERR(bp_fabric_nodes(NULL), EBADF);
+	CHECK(bp_dgram_bind(NULL, 1, 1) == NULL && errno == EBADF, "bind on NULL fabric");
+	EXPECT_ERR(bp_dgram_close(NULL), EBADF);
+	EXPECT_ERR(bp_dgram_close((struct bp_endpoint *)0x12345678), EBADF);
+	EXPECT_ERR(bp_dgram_send(NULL, a, buf, 1, 0), EBADF);
+	EXPECT_ERR(bp_dgram_recv(NULL, buf, sizeof buf, NULL, NULL, 0), EBADF);
+	EXPECT_ERR(bp_dgram_stats(NULL, NULL), EBADF);
+	CHECK(strlen(bp_last_error()) > 0, "bp_last_error says why");
+
+	struct bp_fabric *f = bp_fabric_attach(NULL);
+	CHECK(f != NULL, "attach $BACKPLANE_FABRIC");
+	if (!f)
+		return 1;
+	CHECK(bp_fabric_nodes(f) >= 2, "nodes");
+	CHECK(bp_dgram_bind(f, 999, 1) == NULL && errno == EINVAL, "bind on a node that does not exist");
+	/* A fabric handle is not an endpoint handle. */
+	EXPECT_ERR(bp_dgram_close((struct bp_endpoint *)f), EBADF);
+	CHECK(bp_fabric_nodes(f) >= 2, "fabric still valid after the bogus close");
+
+	struct bp_endpoint *rx = bp_dgram_bind(f, 2, 4242);
+	struct bp_endpoint *tx = bp_dgram_bind(f, 1, 0);
+	CHECK(rx && tx, "bind");
+	CHECK(bp_dgram_bind(f, 2, 4242) == NULL && errno == EADDRINUSE, "port bound twice");
+	EXPECT_ERR(bp_fabric_detach(f), EBUSY);
+	EXPECT_ERR(bp_dgram_local_addr(rx, NULL), EINVAL);
+	CHECK(bp_dgram_local_addr(rx, &a) == 0 && a.node == 2 && a.port == 4242, "local addr");
+
+	struct bp_addr nobody = { 2, 777 };
+	EXPECT_ERR(bp_dgram_send(tx, nobody, "x", 1, BP_NO_WAIT), ECONNREFUSED);
+	EXPECT_ERR(bp_dgram_send(tx, a, NULL, 5, BP_NO_WAIT), EINVAL);
+	EXPECT_ERR(bp_dgram_send(tx, a, "x", 1, -7), EINVAL);
+	char *big = calloc(1, BP_MAX_DGRAM + 1);
+	EXPECT_ERR(bp_dgram_send(tx, a, big, BP_MAX_DGRAM + 1, BP_NO_WAIT), EMSGSIZE);
+	free(big);
+	EXPECT_ERR(bp_dgram_recv(rx, buf, sizeof buf, NULL, NULL, BP_NO_WAIT), EAGAIN);
+	EXPECT_ERR(bp_dgram_recv(rx, buf, sizeof buf, NULL, NULL, 20), ETIMEDOUT);
+
+	memset(buf, 'z', 200);
+	CHECK(bp_dgram_send(tx, a, buf, 200, BP_WAIT_FOREVER) == 0, "send 200");
+	size_t needed = 0;
+	char small[16];
+	CHECK(bp_dgram_recv(rx, small, sizeof small, NULL, &needed, BP_NO_WAIT) == -1 &&
+		      errno == EMSGSIZE && needed == 200,
+	      "too small a buffer: EMSGSIZE and the size");
+	struct bp_addr src;
+	CHECK(bp_dgram_recv(rx, buf, sizeof buf, &src, NULL, BP_NO_WAIT) == 200 && src.node == 1,
+	      "the datagram stayed queued");
+	struct bp_dgram_stats st;
+	CHECK(bp_dgram_stats(tx, &st) == 0 && st.sent == 1 && st.dropped == 1, "sender stats");
+	CHECK(bp_dgram_stats(rx, &st) == 0 && st.received == 1 && st.received_bytes == 200,
+	      "receiver stats");
+
+	CHECK(bp_dgram_close(rx) == 0, "close");
+	EXPECT_ERR(bp_dgram_close(rx), EBADF); /* stale handle */
+	EXPECT_ERR(bp_dgram_send(rx, a, "x", 1, 0), EBADF);
+	CHECK(bp_dgram_close(tx) == 0, "close tx");
+	CHECK(bp_fabric_detach(f) == 0, "detach");
+	EXPECT_ERR(bp_fabric_detach(f), EBADF);
+
+	printf("%d passed, %d failed\n", passed, failed);
+	return failed ? 1 : 0;
+}
