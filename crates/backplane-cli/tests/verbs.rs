@@ -511,89 +511,73 @@ fn bad_lkey_is_loc_prot_err_and_a_short_receive_is_loc_len_err_with_rem_inv_req_
     assert_eq!((a.qp.state(), b.qp.state()), (QpState::Err, QpState::Err));
 }
 
+/// RESET → RTS towards `peer` with the given RNR attributes (what an application sets by hand).
+fn ready_rnr(qp: &Qp, peer: &PeerInfo, min_rnr_timer: u8, rnr_retry: u8) {
+    use QpAttrMask as M;
+    cm::init_qp(qp, &ConnParam::default()).unwrap();
+    let rtr = QpAttr {
+        qp_state: QpState::Rtr,
+        dest_qp_num: peer.qpn,
+        ah_attr: AhAttr {
+            dlid: peer.node as u16,
+            port_num: 1,
+            ..AhAttr::default()
+        },
+        min_rnr_timer,
+        ..QpAttr::default()
+    };
+    let m = M::STATE
+        | M::AV
+        | M::PATH_MTU
+        | M::DEST_QPN
+        | M::RQ_PSN
+        | M::MAX_DEST_RD_ATOMIC
+        | M::MIN_RNR_TIMER;
+    qp.modify(&rtr, m).unwrap();
+    let rts = QpAttr {
+        qp_state: QpState::Rts,
+        rnr_retry,
+        ..QpAttr::default()
+    };
+    let m = M::STATE | M::SQ_PSN | M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::MAX_QP_RD_ATOMIC;
+    qp.modify(&rts, m).unwrap();
+}
+
 #[test]
 fn no_receive_on_rc_retries_rnr_rnr_retry_times_then_fails() {
     let fab = Fab::up("verbs_rnr", 2, &[]);
     let f = Fabric::attach(&fab.name).unwrap();
-    let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
-    // Responder asks for 0.01 ms between retries; requester retries 3 times.
-    let m = QpAttrMask::STATE | QpAttrMask::MIN_RNR_TIMER;
-    b.qp.modify(
-        &QpAttr {
-            qp_state: QpState::Rts,
-            min_rnr_timer: 1,
-            ..QpAttr::default()
-        },
-        m,
-    )
+    let a = side(&f, 1, QpType::Rc, ALL, 4096);
+    let b = side(&f, 2, QpType::Rc, ALL, 4096);
+    // The responder asks for 1.28 ms between retries (encoding 14); the requester retries 3
+    // times: the error comes after about 4 x 1.28 ms.
+    ready_rnr(&a.qp, &info(&b), 14, 3);
+    ready_rnr(&b.qp, &info(&a), 14, 3);
+    a.qp.post_send(&[
+        SendWr::send(1, &[a.mr.sge(0, 8)]).signaled(),
+        SendWr::send(2, &[a.mr.sge(0, 8)]),
+    ])
     .unwrap();
-    // rnr_retry can only be set at RTR->RTS: build a fresh requester with rnr_retry 3.
-    let a2 = side(&f, 1, QpType::Rc, ALL, 4096);
-    let init = QpAttr {
-        qp_state: QpState::Init,
-        port_num: 1,
-        ..QpAttr::default()
-    };
-    a2.qp
-        .modify(
-            &init,
-            QpAttrMask::STATE
-                | QpAttrMask::PKEY_INDEX
-                | QpAttrMask::PORT
-                | QpAttrMask::ACCESS_FLAGS,
-        )
-        .unwrap();
-    let rtr = QpAttr {
-        qp_state: QpState::Rtr,
-        dest_qp_num: b.qp.qp_num(),
-        ah_attr: AhAttr {
-            dlid: 2,
-            port_num: 1,
-            ..AhAttr::default()
-        },
-        min_rnr_timer: 1,
-        ..QpAttr::default()
-    };
-    use QpAttrMask as M;
-    a2.qp
-        .modify(
-            &rtr,
-            M::STATE
-                | M::AV
-                | M::PATH_MTU
-                | M::DEST_QPN
-                | M::RQ_PSN
-                | M::MAX_DEST_RD_ATOMIC
-                | M::MIN_RNR_TIMER,
-        )
-        .unwrap();
-    let rts = QpAttr {
-        qp_state: QpState::Rts,
-        rnr_retry: 3,
-        ..QpAttr::default()
-    };
-    a2.qp
-        .modify(
-            &rts,
-            M::STATE | M::SQ_PSN | M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::MAX_QP_RD_ATOMIC,
-        )
-        .unwrap();
-    drop(a);
-    a2.qp
-        .post_send(&[
-            SendWr::send(1, &[a2.mr.sge(0, 8)]).signaled(),
-            SendWr::send(2, &[a2.mr.sge(0, 8)]),
-        ])
-        .unwrap();
     let t0 = Instant::now();
-    let mut p = Pump::new(&[&a2.cq, &b.cq]);
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
     let w = p.next(0);
+    let took = t0.elapsed();
     assert_eq!((w.wr_id, w.status), (1, WcStatus::RnrRetryExcErr));
     assert_eq!(p.next(0).status, WcStatus::WrFlushErr);
-    eprintln!(
-        "RNR_RETRY_EXC_ERR after {:?} (3 retries of 10 us)",
-        t0.elapsed()
+    assert!(
+        took >= Duration::from_micros(4 * 1280),
+        "gave up after {took:?}"
     );
+    eprintln!("RNR_RETRY_EXC_ERR after {took:?} (1 try + 3 retries of 1.28 ms)");
+    // With a receive posted in time, the same send goes through (rnr_retry 7 = forever).
+    let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
+    a.qp.post_send(&[SendWr::send(1, &[a.mr.sge(0, 8)]).signaled()])
+        .unwrap();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    assert!(p.quiet(0), "waits for a receive");
+    recv(&b, 9, 0, 64);
+    assert_eq!(p.next(0).status, WcStatus::Success);
+    assert_eq!(p.next(1).wr_id, 9);
 }
 
 #[test]
@@ -741,4 +725,368 @@ fn a_completion_channel_fd_wakes_a_poll_loop_for_a_peer_send() {
         ch.get_cq_event(Some(Duration::from_millis(50))),
         Err(VerbsError::TimedOut)
     ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two processes: the test process is node 1, a child plays the server on node 2.
+// ---------------------------------------------------------------------------------------------
+
+const CM_PORT: u32 = cm::DEFAULT_PORT;
+
+/// The server (child process, node 2): offers a region through the connection helper, answers
+/// "ping" with "pong", checks RDMA_WRITE_WITH_IMM data, ends on "bye". `BP_CASE` says which
+/// region it offers: `ops` (all access, in the QP's PD), `nogrant` (a region of another PD),
+/// `ro` (remote read only).
+#[test]
+fn role_server() {
+    let Some(role) = role() else { return };
+    assert_eq!(role, "server");
+    let var = |k: &str| std::env::var(k).unwrap();
+    let f = Fabric::attach(&var("BP_FABRIC")).unwrap();
+    let case = var("BP_CASE");
+    let ctx = Context::open(&f.node(2).unwrap()).unwrap();
+    let pd = ctx.alloc_pd();
+    let other = ctx.alloc_pd();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let qp = pd
+        .create_qp(&QpInitAttr::new(QpType::Rc, &cq, &cq))
+        .unwrap();
+    let ctl = pd.alloc_mr(64 * 16, AccessFlags::LOCAL_WRITE).unwrap();
+    cm::init_qp(&qp, &ConnParam::default()).unwrap();
+    let mut mr = match case.as_str() {
+        "ops" => pd.alloc_mr(1 << 20, ALL).unwrap(),
+        "nogrant" => other.alloc_mr(4096, ALL).unwrap(),
+        _ => pd
+            .alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
+            .unwrap(),
+    };
+    for (i, b) in mr.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 199) as u8;
+    }
+    for i in 0..16 {
+        qp.post_recv(&[RecvWr {
+            wr_id: i,
+            sg_list: &[ctl.sge(i * 64, 64)],
+        }])
+        .unwrap();
+    }
+    let mut l = cm::Listener::bind(&ctx, CM_PORT).unwrap();
+    let offer = ConnParam {
+        rkey: mr.rkey(),
+        len: mr.len() as u64,
+        private_data: b"server".to_vec(),
+        ..ConnParam::default()
+    };
+    let peer = l
+        .accept(&qp, &offer, Some(Duration::from_secs(20)))
+        .unwrap();
+    assert_eq!((peer.node, &peer.private_data[..]), (1, &b"client"[..]));
+    let mut wc = [Wc::default(); 4];
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < end, "server: no word from the client");
+        let n = cq.poll(&mut wc);
+        for w in &wc[..n] {
+            assert_eq!(
+                w.status,
+                WcStatus::Success,
+                "server: {w:?} {:?}",
+                qp.fatal_error()
+            );
+            if w.opcode == WcOpcode::Send {
+                continue;
+            }
+            let slot = w.wr_id;
+            let reply: &[u8] = if w.opcode == WcOpcode::RecvRdmaWithImm {
+                let n = w.imm_data as usize;
+                let ok = mr.as_slice()[..n].iter().all(|&b| b == 0xEE);
+                if ok {
+                    b"imm-ok"
+                } else {
+                    b"imm-bad"
+                }
+            } else {
+                let msg =
+                    &ctl.as_slice()[slot as usize * 64..slot as usize * 64 + w.byte_len as usize];
+                match msg {
+                    b"ping" => b"pong",
+                    b"bye" => return,
+                    _ => b"what?",
+                }
+            };
+            qp.post_recv(&[RecvWr {
+                wr_id: slot,
+                sg_list: &[ctl.sge(slot * 64, 64)],
+            }])
+            .unwrap();
+            qp.post_send(&[SendWr::send_inline(1000, reply).signaled()])
+                .unwrap();
+        }
+    }
+}
+
+/// The client side of the server role: a context on node 1 connected through the helper.
+struct Client {
+    ctx: Context,
+    cq: Cq,
+    qp: Qp,
+    mr: Mr,
+    peer: PeerInfo,
+    child: std::process::Child,
+    stash: VecDeque<Wc>,
+}
+
+fn client(fab: &Fab, case: &str) -> Client {
+    let child = spawn_role(
+        "role_server",
+        "server",
+        &[
+            ("BP_FABRIC", fab.name.clone()),
+            ("BP_CASE", case.to_string()),
+        ],
+    );
+    let f = Fabric::attach(&fab.name).unwrap();
+    let ctx = Context::open(&f.node(1).unwrap()).unwrap();
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let qp = pd
+        .create_qp(&QpInitAttr::new(QpType::Rc, &cq, &cq))
+        .unwrap();
+    let mr = pd.alloc_mr(1 << 20, ALL).unwrap();
+    cm::init_qp(&qp, &ConnParam::default()).unwrap();
+    for i in 0..8 {
+        qp.post_recv(&[RecvWr {
+            wr_id: i,
+            sg_list: &[mr.sge(900_000 + i * 64, 64)],
+        }])
+        .unwrap();
+    }
+    let mine = ConnParam {
+        private_data: b"client".to_vec(),
+        ..ConnParam::default()
+    };
+    let peer = cm::connect(&ctx, 2, CM_PORT, &qp, &mine, Duration::from_secs(20)).unwrap();
+    assert_eq!(peer.private_data, b"server");
+    Client {
+        ctx,
+        cq,
+        qp,
+        mr,
+        peer,
+        child,
+        stash: VecDeque::new(),
+    }
+}
+
+impl Client {
+    /// The next completion matching `want` (others are kept for later).
+    fn take(&mut self, want: impl Fn(&Wc) -> bool) -> Wc {
+        if let Some(i) = self.stash.iter().position(&want) {
+            return self.stash.remove(i).unwrap();
+        }
+        let mut wc = [Wc::default()];
+        let end = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.cq.poll(&mut wc) == 1 {
+                if want(&wc[0]) {
+                    return wc[0];
+                }
+                self.stash.push_back(wc[0]);
+            }
+            assert!(Instant::now() < end, "client: no completion");
+        }
+    }
+    fn wait(&mut self, wr_id: u64) -> Wc {
+        self.take(|w| w.wr_id == wr_id && (w.opcode as u32) < 128)
+    }
+    /// The next message from the server (the receive is reposted).
+    fn reply(&mut self) -> Vec<u8> {
+        let w = self.take(|w| w.opcode == WcOpcode::Recv);
+        assert_eq!(w.status, WcStatus::Success, "{w:?}");
+        let o = 900_000 + w.wr_id as usize * 64;
+        let r = self.mr.as_slice()[o..o + w.byte_len as usize].to_vec();
+        self.qp
+            .post_recv(&[RecvWr {
+                wr_id: w.wr_id,
+                sg_list: &[self.mr.sge(o as u64, 64)],
+            }])
+            .unwrap();
+        r
+    }
+    /// Sends `msg`; returns the server's reply.
+    fn say(&mut self, msg: &[u8]) -> Vec<u8> {
+        self.qp
+            .post_send(&[SendWr::send_inline(7, msg).signaled()])
+            .unwrap();
+        assert_eq!(self.wait(7).status, WcStatus::Success);
+        self.reply()
+    }
+    fn bye(mut self) {
+        self.qp
+            .post_send(&[SendWr::send_inline(8, b"bye").signaled()])
+            .unwrap();
+        assert_eq!(self.wait(8).status, WcStatus::Success);
+        assert!(self.child.wait().unwrap().success(), "server role failed");
+    }
+}
+
+/// The mapping of node 2's region in this process, as /proc/self/maps shows it.
+fn region_maps(fab: &str) -> Vec<String> {
+    let tag = format!("bp-{fab}-mr-n2");
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(&tag))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn two_processes_connect_with_the_helper_and_run_every_rc_operation() {
+    if role().is_some() {
+        return;
+    }
+    let fab = Fab::up("verbs_2proc", 2, &[]);
+    let mut c = client(&fab, "ops");
+    let rkey = c.peer.rkey;
+    assert_eq!(c.say(b"ping"), b"pong");
+    // READ the server's pattern, WRITE over it, READ it back, atomics on it.
+    c.qp.post_send(&[SendWr::read(1, &[c.mr.sge(0, 4096)], 0, rkey).signaled()])
+        .unwrap();
+    assert_eq!(c.wait(1).status, WcStatus::Success);
+    assert!(c.mr.as_slice()[..4096]
+        .iter()
+        .enumerate()
+        .all(|(i, &b)| b == (i % 199) as u8));
+    c.mr.as_mut_slice()[..100].fill(0xEE);
+    c.qp.post_send(&[
+        SendWr::write(2, &[c.mr.sge(0, 100)], 0, rkey)
+            .with_imm(100)
+            .signaled(),
+        SendWr::fetch_add(3, &[c.mr.sge(8192, 8)], 512, rkey, 1).signaled(),
+    ])
+    .unwrap();
+    let (w2, w3) = (c.wait(2), c.wait(3));
+    assert_eq!(
+        (w2.wr_id, w2.status, w3.wr_id, w3.status),
+        (2, WcStatus::Success, 3, WcStatus::Success)
+    );
+    let old = u64::from_le_bytes(c.mr.as_slice()[8192..8200].try_into().unwrap());
+    let expect = u64::from_le_bytes(std::array::from_fn(|i| ((512 + i) % 199) as u8));
+    assert_eq!(old, expect);
+    assert_eq!(c.reply(), b"imm-ok");
+    assert_eq!(c.say(b"ping"), b"pong");
+    let name = fab.name.clone();
+    assert_eq!(
+        region_maps(&name).len(),
+        1,
+        "the granted region is mapped once"
+    );
+    let _ = &c.ctx;
+    c.bye();
+    drop(fab);
+    let left = leftovers(&name);
+    assert!(
+        left.iter()
+            .all(|l| l.starts_with(&format!("pid {}", std::process::id())))
+            || left.is_empty(),
+        "{left:?}"
+    );
+}
+
+#[test]
+fn a_peer_without_a_grant_cannot_map_a_region() {
+    if role().is_some() {
+        return;
+    }
+    let fab = Fab::up("verbs_nogrant", 2, &[]);
+    let mut c = client(&fab, "nogrant");
+    // The server offered the rkey of a region in another PD than its QP's: no grant.
+    c.qp.post_send(&[SendWr::read(1, &[c.mr.sge(0, 8)], 0, c.peer.rkey).signaled()])
+        .unwrap();
+    assert_eq!(c.wait(1).status, WcStatus::RemAccessErr);
+    assert!(region_maps(&fab.name).is_empty(), "no grant, no mapping");
+    let fds: Vec<_> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter(|t| {
+            t.to_string_lossy()
+                .contains(&format!("bp-{}-mr-n2", fab.name))
+        })
+        .collect();
+    assert!(fds.is_empty(), "no grant, no fd: {fds:?}");
+    // The QP is in ERR now; the server is told through a fresh QP? Simply stop it.
+    let mut child = c.child;
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[test]
+fn a_read_only_grant_is_mapped_read_only_and_the_os_refuses_writes() {
+    if role().is_some() {
+        return;
+    }
+    let fab = Fab::up("verbs_rogrant", 2, &[]);
+    let mut c = client(&fab, "ro");
+    let rkey = c.peer.rkey;
+    c.qp.post_send(&[SendWr::read(1, &[c.mr.sge(0, 4096)], 0, rkey).signaled()])
+        .unwrap();
+    assert_eq!(c.wait(1).status, WcStatus::Success);
+    assert_eq!(c.mr.as_slice()[198], 198);
+    let maps = region_maps(&fab.name);
+    assert_eq!(maps.len(), 1, "{maps:?}");
+    let perms = maps[0].split_whitespace().nth(1).unwrap();
+    assert_eq!(perms, "r--s", "{}", maps[0]);
+    // The fd we were granted: mapping it writable must fail, even after reopening it
+    // read-write through /proc.
+    let fd = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .find(|e| {
+            std::fs::read_link(e.path()).is_ok_and(|t| {
+                t.to_string_lossy()
+                    .contains(&format!("bp-{}-mr-n2", fab.name))
+            })
+        })
+        .expect("granted fd")
+        .path();
+    let map_rw = |path: &std::path::Path, flags: libc::c_int| -> Result<(), std::io::Error> {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(flags == libc::O_RDWR)
+            .open(path)?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh mapping chosen by the kernel; unmapped at once if it succeeds.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `p` is the 4096-byte mapping just made.
+        unsafe { libc::munmap(p, 4096) };
+        Ok(())
+    };
+    let e = map_rw(&fd, libc::O_RDONLY).unwrap_err();
+    eprintln!("mmap PROT_WRITE of the read-only grant: {e}");
+    if let Err(e) = map_rw(&fd, libc::O_RDWR) {
+        eprintln!("mmap PROT_WRITE after reopening O_RDWR: {e}");
+    } else {
+        panic!("a read-only region was mapped writable after reopening it");
+    }
+    // And the verbs layer refuses a WRITE to it.
+    c.qp.post_send(&[SendWr::write(2, &[c.mr.sge(0, 8)], 0, rkey).signaled()])
+        .unwrap();
+    assert_eq!(c.wait(2).status, WcStatus::RemAccessErr);
+    let mut child = c.child;
+    let _ = child.kill();
+    let _ = child.wait();
 }

@@ -110,25 +110,7 @@ pub fn ready_qp(qp: &Qp, peer: &PeerInfo, mine: &ConnParam) -> Result<(), VerbsE
     }
     let ty = qp.qp_type();
     if state == QpState::Reset {
-        let mut a = QpAttr {
-            qp_state: QpState::Init,
-            port_num: 1,
-            qp_access_flags: AccessFlags::REMOTE_WRITE
-                | AccessFlags::REMOTE_READ
-                | AccessFlags::REMOTE_ATOMIC,
-            qkey: qkey(mine),
-            ..QpAttr::default()
-        };
-        let mut m = M::STATE | M::PKEY_INDEX | M::PORT;
-        if ty == QpType::Ud {
-            m |= M::QKEY;
-        } else {
-            m |= M::ACCESS_FLAGS;
-            if ty == QpType::Uc {
-                a.qp_access_flags = AccessFlags::REMOTE_WRITE;
-            }
-        }
-        qp.modify(&a, m)?;
+        init_qp(qp, mine)?;
     }
     let rtr = QpAttr {
         qp_state: QpState::Rtr,
@@ -174,6 +156,32 @@ pub fn ready_qp(qp: &Qp, peer: &PeerInfo, mine: &ConnParam) -> Result<(), VerbsE
         _ => M::STATE | M::SQ_PSN,
     };
     qp.modify(&rts, m)
+}
+
+/// Takes `qp` from RESET to INIT as `rdma_create_qp` leaves it: port 1, every remote access
+/// allowed on the QP (REMOTE_WRITE only on UC), the Q_Key of `mine` on UD. Receives may be
+/// posted from INIT on, before the connection exists.
+pub fn init_qp(qp: &Qp, mine: &ConnParam) -> Result<(), VerbsError> {
+    let ty = qp.qp_type();
+    let mut a = QpAttr {
+        qp_state: QpState::Init,
+        port_num: 1,
+        qp_access_flags: AccessFlags::REMOTE_WRITE
+            | AccessFlags::REMOTE_READ
+            | AccessFlags::REMOTE_ATOMIC,
+        qkey: qkey(mine),
+        ..QpAttr::default()
+    };
+    let mut m = M::STATE | M::PKEY_INDEX | M::PORT;
+    if ty == QpType::Ud {
+        m |= M::QKEY;
+    } else {
+        m |= M::ACCESS_FLAGS;
+        if ty == QpType::Uc {
+            a.qp_access_flags = AccessFlags::REMOTE_WRITE;
+        }
+    }
+    qp.modify(&a, m)
 }
 
 /// A CM listener on a port of its node (`rdma_listen`).

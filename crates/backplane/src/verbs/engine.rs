@@ -543,6 +543,9 @@ pub(crate) struct QpSt {
     remote: Vec<Rc<RemoteMr>>,
     /// Messages dropped: UC/UD without a receive, bad Q_Key, malformed datagrams.
     pub(crate) drops: u64,
+    /// Why the QP went to ERR when no work request was to blame (the async event of
+    /// libibverbs, `IBV_EVENT_QP_FATAL`).
+    pub(crate) error: Option<&'static str>,
 }
 
 /// What every QP operation needs from its context.
@@ -588,6 +591,14 @@ impl QpSt {
         if self.bell_pending {
             self.ring_peer();
         }
+    }
+
+    /// Takes the QP to ERR for a reason that is no work request's, and records the reason.
+    pub(crate) fn fail_why(&mut self, why: &'static str, status: WcStatus, cqs: &mut Cqs) {
+        if self.error.is_none() {
+            self.error = Some(why);
+        }
+        self.fail(None, status, cqs);
     }
 
     /// Takes the QP to ERR: every unfinished send completes (the one at `failed` with
@@ -1447,24 +1458,36 @@ impl QpSt {
                 Ok(Some(r)) => r,
                 Ok(None) => return,
                 Err(_) => {
-                    self.fail(None, WcStatus::LocQpOpErr, cqs);
+                    self.fail_why(
+                        "the peer corrupted the inbound ring",
+                        WcStatus::LocQpOpErr,
+                        cqs,
+                    );
                     return;
                 }
             };
             if rec.len < HDR {
-                self.fail(None, WcStatus::LocQpOpErr, cqs);
+                self.fail_why(
+                    "a record shorter than a message header",
+                    WcStatus::LocQpOpErr,
+                    cqs,
+                );
                 return;
             }
             let mut hb = [0u8; HDR];
             p.inr.read(rec.pos, &mut hb);
             let Ok(h) = MsgRepr::parse(&MsgHeader::new_unchecked(&hb[..]), rec.len - HDR) else {
-                self.fail(None, WcStatus::LocQpOpErr, cqs);
+                self.fail_why("a malformed message header", WcStatus::LocQpOpErr, cqs);
                 return;
             };
             let payload = p.inr.ptr(rec.pos + HDR as u64);
             let frag_len = rec.len - HDR;
             if !self.note_ack(h.ack) {
-                self.fail(None, WcStatus::LocQpOpErr, cqs);
+                self.fail_why(
+                    "an acknowledgement beyond what was sent",
+                    WcStatus::LocQpOpErr,
+                    cqs,
+                );
                 return;
             }
             self.credits = self.credits.max(h.credits);
@@ -1488,7 +1511,11 @@ impl QpSt {
     ) {
         if h.flags & MSG_FIRST != 0 {
             if self.inbound.is_some() {
-                self.fail(None, WcStatus::LocQpOpErr, cqs);
+                self.fail_why(
+                    "a message started inside another",
+                    WcStatus::LocQpOpErr,
+                    cqs,
+                );
                 return;
             }
             let msg = self.msgs_in;
@@ -1534,7 +1561,7 @@ impl QpSt {
             self.inbound = Some(m);
         }
         let Some(m) = &mut self.inbound else {
-            self.fail(None, WcStatus::LocQpOpErr, cqs);
+            self.fail_why("a fragment without its first", WcStatus::LocQpOpErr, cqs);
             return;
         };
         if let (Some(w), true) = (&m.wqe, frag_len > 0) {
@@ -1601,7 +1628,11 @@ impl QpSt {
             }
         }
         self.ring_peer();
-        self.fail(None, WcStatus::WrFlushErr, cqs);
+        self.fail_why(
+            "a receive could not take a message",
+            WcStatus::WrFlushErr,
+            cqs,
+        );
     }
 
     fn drain_ud_dropping(&mut self) {
@@ -1628,7 +1659,11 @@ impl QpSt {
                 Err(DgramError::WouldBlock) => break,
                 Err(DgramError::Closed(_)) => {
                     self.ud = Some(ep);
-                    self.fail(None, WcStatus::LocQpOpErr, cqs);
+                    self.fail_why(
+                        "the QP's datagram endpoint was closed (node down?)",
+                        WcStatus::LocQpOpErr,
+                        cqs,
+                    );
                     return;
                 }
                 Err(_) => break,
@@ -1722,7 +1757,7 @@ impl QpSt {
         self.apply_attrs(attr, mask);
         match next {
             QpState::Err => {
-                self.fail(None, WcStatus::WrFlushErr, cqs);
+                self.fail_why("moved to ERR by modify", WcStatus::WrFlushErr, cqs);
             }
             QpState::Reset => self.reset(env),
             _ => {}
@@ -2176,6 +2211,7 @@ impl Ctx {
             ud,
             remote: Vec::new(),
             drops: 0,
+            error: None,
         };
         let mut eng = self.eng.borrow_mut();
         let id = match eng.qps.iter().position(|q| q.is_none()) {
@@ -2244,7 +2280,11 @@ impl Ctx {
             };
             if epoch_moved {
                 if !own_ok && q.state != QpState::Err && q.state != QpState::Reset {
-                    q.fail(None, WcStatus::WrFlushErr, &mut eng.cqs);
+                    q.fail_why(
+                        "this node went DOWN or restarted",
+                        WcStatus::WrFlushErr,
+                        &mut eng.cqs,
+                    );
                     continue;
                 }
                 q.check_peer_node(&env);

@@ -569,6 +569,12 @@ impl Qp {
         self.with(|q, _, _| q.drops)
     }
 
+    /// Why the QP went to ERR when no work request was to blame (what libibverbs reports as
+    /// the asynchronous event `IBV_EVENT_QP_FATAL`), if it did.
+    pub fn fatal_error(&self) -> Option<&'static str> {
+        self.with(|q, _, _| q.error)
+    }
+
     fn with<R>(
         &self,
         f: impl FnOnce(&mut engine::QpSt, &engine::Env<'_>, &mut engine::Cqs) -> R,
