@@ -167,6 +167,49 @@ impl Hasher for KeyHasher {
 }
 type KeyMap<T> = HashMap<u32, T, BuildHasherDefault<KeyHasher>>;
 
+/// This process's regions by key, with the last key looked up remembered (most work requests
+/// of a QP use the same region).
+#[derive(Default)]
+pub(crate) struct MrTable {
+    slab: Vec<Option<LocalMr>>,
+    index: KeyMap<usize>,
+    last: std::cell::Cell<(u32, usize)>,
+}
+
+impl MrTable {
+    pub(crate) fn insert(&mut self, key: u32, mr: LocalMr) {
+        let i = match self.slab.iter().position(|m| m.is_none()) {
+            Some(i) => {
+                self.slab[i] = Some(mr);
+                i
+            }
+            None => {
+                self.slab.push(Some(mr));
+                self.slab.len() - 1
+            }
+        };
+        self.index.insert(key, i);
+    }
+
+    pub(crate) fn remove(&mut self, key: u32) {
+        if let Some(i) = self.index.remove(&key) {
+            self.slab[i] = None;
+        }
+        self.last.set((0, 0));
+    }
+
+    #[inline]
+    fn get(&self, key: u32) -> Option<&LocalMr> {
+        let (k, i) = self.last.get();
+        if k == key && k != 0 {
+            return self.slab[i].as_ref();
+        }
+        let i = *self.index.get(&key)?;
+        self.last.set((key, i));
+        self.slab[i].as_ref()
+    }
+}
+
 /// A region registered by this process.
 pub(crate) struct LocalMr {
     pub(crate) pd: u32,
@@ -192,8 +235,9 @@ impl RemoteMr {
     }
 }
 
-fn resolve(mrs: &KeyMap<LocalMr>, pd: u32, sge: &Sge, write: bool) -> Result<*mut u8, WcStatus> {
-    let mr = mrs.get(&sge.lkey).ok_or(WcStatus::LocProtErr)?;
+#[inline]
+fn resolve(mrs: &MrTable, pd: u32, sge: &Sge, write: bool) -> Result<*mut u8, WcStatus> {
+    let mr = mrs.get(sge.lkey).ok_or(WcStatus::LocProtErr)?;
     let end = sge.addr.checked_add(u64::from(sge.length));
     if mr.pd != pd
         || end.is_none_or(|e| e > mr.len)
@@ -205,7 +249,7 @@ fn resolve(mrs: &KeyMap<LocalMr>, pd: u32, sge: &Sge, write: bool) -> Result<*mu
     Ok(unsafe { mr.data.add(sge.addr as usize) })
 }
 
-fn check_sges(mrs: &KeyMap<LocalMr>, pd: u32, sges: &[Sge], write: bool) -> Result<u64, WcStatus> {
+fn check_sges(mrs: &MrTable, pd: u32, sges: &[Sge], write: bool) -> Result<u64, WcStatus> {
     let mut total = 0u64;
     for s in sges {
         resolve(mrs, pd, s, write)?;
@@ -219,6 +263,22 @@ fn check_sges(mrs: &KeyMap<LocalMr>, pd: u32, sges: &[Sge], write: bool) -> Resu
 enum Src<'a> {
     Inline(&'a [u8]),
     Sges(&'a [Sge]),
+    /// One validated local range (a single-entry list, resolved once).
+    Ptr(*const u8, usize),
+}
+
+/// Validates a message's source; returns its length and the source to copy from (a
+/// single-entry list comes back resolved).
+fn prepare<'a>(mrs: &MrTable, pd: u32, src: Src<'a>) -> Result<(u64, Src<'a>), WcStatus> {
+    match src {
+        Src::Inline(d) => Ok((d.len() as u64, src)),
+        Src::Sges([one]) => {
+            let p = resolve(mrs, pd, one, false)?;
+            Ok((u64::from(one.length), Src::Ptr(p, one.length as usize)))
+        }
+        Src::Sges(s) => Ok((check_sges(mrs, pd, s, false)?, src)),
+        Src::Ptr(_, n) => Ok((n as u64, src)),
+    }
 }
 
 impl Src<'_> {
@@ -227,11 +287,17 @@ impl Src<'_> {
     /// # Safety
     /// `dst` is valid for `n` bytes of writes; for `Sges`, every entry was validated against
     /// `mrs` (and the table has not changed since); `off + n` is within the message.
-    unsafe fn gather(&self, mrs: &KeyMap<LocalMr>, pd: u32, mut off: u64, dst: *mut u8, n: usize) {
+    #[inline]
+    unsafe fn gather(&self, mrs: &MrTable, pd: u32, mut off: u64, dst: *mut u8, n: usize) {
         match self {
             Src::Inline(d) => {
                 // SAFETY: caller contract; `d` is process memory distinct from `dst`.
                 unsafe { copy(d.as_ptr().add(off as usize), dst, n) }
+            }
+            Src::Ptr(p, _) => {
+                // SAFETY: caller contract: `p` was resolved inside a region for the message's
+                // length, and `off + n` is within it.
+                unsafe { copy(p.add(off as usize), dst, n) }
             }
             Src::Sges(sges) => {
                 let mut done = 0usize;
@@ -262,14 +328,7 @@ impl Src<'_> {
 ///
 /// # Safety
 /// `src` is valid for `n` bytes of reads; every entry was validated with `write` against `mrs`.
-unsafe fn scatter(
-    mrs: &KeyMap<LocalMr>,
-    pd: u32,
-    sges: &[Sge],
-    mut off: u64,
-    src: *const u8,
-    n: usize,
-) {
+unsafe fn scatter(mrs: &MrTable, pd: u32, sges: &[Sge], mut off: u64, src: *const u8, n: usize) {
     let mut done = 0usize;
     for s in sges {
         if done == n {
@@ -296,9 +355,24 @@ unsafe fn scatter(
 /// Both ranges are valid for `n` bytes.
 #[inline]
 unsafe fn copy(src: *const u8, dst: *mut u8, n: usize) {
-    // SAFETY: caller contract. The ranges may be the same shared memory seen through two
-    // mappings only if a peer misbehaves; `copy` (memmove) stays defined then.
-    unsafe { std::ptr::copy(src, dst, n) }
+    // SAFETY: (all branches) caller contract — both ranges valid for `n` bytes. They are
+    // distinct virtual ranges (two mappings, or process memory and a mapping); a misbehaving
+    // peer can make them share physical pages, which changes bytes, not memory safety.
+    unsafe {
+        if n == 8 {
+            // The common small case (8-byte messages, atomics) without a call.
+            std::ptr::write_unaligned(
+                dst.cast::<u64>(),
+                std::ptr::read_unaligned(src.cast::<u64>()),
+            );
+        } else if n < 8 {
+            for i in 0..n {
+                *dst.add(i) = *src.add(i);
+            }
+        } else {
+            std::ptr::copy_nonoverlapping(src, dst, n)
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -546,13 +620,19 @@ pub(crate) struct QpSt {
     /// Why the QP went to ERR when no work request was to blame (the async event of
     /// libibverbs, `IBV_EVENT_QP_FATAL`).
     pub(crate) error: Option<&'static str>,
+    /// Polls in a row that found no inbound message: the peer-written words (acks, peer
+    /// gone) are read only when they cannot arrive piggybacked, to keep from pulling the
+    /// cache line the peer is about to write on every poll.
+    idle: u32,
+    /// Posted-receive count last written into the peer's block.
+    published: u64,
 }
 
 /// What every QP operation needs from its context.
 pub(crate) struct Env<'a> {
     pub(crate) node: &'a Node,
     pub(crate) win: &'a Arc<Region>,
-    pub(crate) mrs: &'a KeyMap<LocalMr>,
+    pub(crate) mrs: &'a MrTable,
 }
 
 impl QpSt {
@@ -584,6 +664,7 @@ impl QpSt {
     }
 
     pub(crate) fn flush_bell_pub(&mut self) {
+        self.publish_credits();
         self.flush_bell();
     }
 
@@ -704,7 +785,87 @@ impl QpSt {
         Ok(())
     }
 
+    #[inline]
     pub(crate) fn post_send(
+        &mut self,
+        wrs: &[SendWr<'_>],
+        env: &Env<'_>,
+        cqs: &mut Cqs,
+    ) -> Result<(), VerbsError> {
+        if let [wr] = wrs {
+            if self.fast_write(wr, env, cqs) {
+                return Ok(());
+            }
+        }
+        self.post_send_general(wrs, env, cqs)
+    }
+
+    /// The RDMA_WRITE fast path: one request, nothing waiting ahead of it, a single source
+    /// range (or inline data), a region already mapped. Anything else — including every error —
+    /// goes the general way (which reports it).
+    #[inline]
+    fn fast_write(&mut self, wr: &SendWr<'_>, env: &Env<'_>, cqs: &mut Cqs) -> bool {
+        let WrDetail::Rdma { remote_addr, rkey } = wr.wr else {
+            return false;
+        };
+        if wr.opcode != WrOpcode::RdmaWrite
+            || self.state != QpState::Rts
+            || self.exec != self.sq.len()
+            || self.rnr.is_some()
+            || self.peer_gone
+            || self.ty == QpType::Ud
+        {
+            return false;
+        }
+        let inline = wr.send_flags.contains(SendFlags::INLINE);
+        let (src, len) = match (inline, wr.inline_data, wr.sg_list) {
+            (true, d, _) if !d.is_empty() => (d.as_ptr(), d.len()),
+            (_, _, [one]) => match resolve(env.mrs, self.pd, one, false) {
+                Ok(p) => (p as *const u8, one.length as usize),
+                Err(_) => return false,
+            },
+            _ => return false,
+        };
+        if inline && len > self.cap.max_inline_data as usize {
+            return false;
+        }
+        let Some(m) = self.remote.last().filter(|m| m.key == rkey) else {
+            return false;
+        };
+        let Some(p) = &self.peer else { return false };
+        let need = AccessFlags::REMOTE_WRITE;
+        if !m.valid()
+            || !m.access.contains(need)
+            || !AccessFlags(p.access.get().load(Ordering::Relaxed)).contains(need)
+            || remote_addr
+                .checked_add(len as u64)
+                .is_none_or(|e| e > m.len)
+        {
+            return false;
+        }
+        // SAFETY: [remote_addr, +len) is inside the writable mapping of the region (checked
+        // just above); the source is inline data or a range resolved inside a local region.
+        unsafe {
+            ordered_write(
+                &Src::Ptr(src, len),
+                env.mrs,
+                self.pd,
+                m.data.add(remote_addr as usize),
+                len,
+            )
+        };
+        if self.signaled(wr.send_flags) {
+            let wc = self.wc(wr.wr_id, WcStatus::Success, WcOpcode::RdmaWrite, len as u32);
+            if self.sq.is_empty() {
+                push_cqe(cqs, self.send_cq, wc);
+            } else {
+                self.push_executed(wr, true, len as u32, SqSt::Done(WcStatus::Success));
+            }
+        }
+        true
+    }
+
+    fn post_send_general(
         &mut self,
         wrs: &[SendWr<'_>],
         env: &Env<'_>,
@@ -814,6 +975,7 @@ impl QpSt {
         wrs: &[RecvWr<'_>],
         cqs: &mut Cqs,
     ) -> Result<(), VerbsError> {
+        let was_empty = self.rq.is_empty();
         for (i, wr) in wrs.iter().enumerate() {
             let bad = |e: VerbsError| VerbsError::Post {
                 bad_wr: i,
@@ -850,9 +1012,12 @@ impl QpSt {
             });
             self.rq_posted += 1;
         }
-        if let Some(p) = &self.peer {
-            // SYNC POINT qp-credits (release): the peer may send once it sees the count.
-            p.credits.get().store(self.rq_posted, Ordering::Release);
+        // Credits travel piggybacked on our messages; the peer's block is written when the
+        // queue was empty (the peer may be waiting), every eighth of the queue, and when a
+        // poll finds nothing to do.
+        let batch = u64::from((self.cap.max_recv_wr / 8).max(1));
+        if was_empty || self.rq_posted - self.published >= batch {
+            self.publish_credits();
         }
         Ok(())
     }
@@ -875,13 +1040,6 @@ impl QpSt {
         }
     }
 
-    fn src_len(&self, src: &Src<'_>, env: &Env<'_>) -> Result<u64, WcStatus> {
-        match src {
-            Src::Inline(d) => Ok(d.len() as u64),
-            Src::Sges(s) => check_sges(env.mrs, self.pd, s, false),
-        }
-    }
-
     /// Takes a credit (RC), refreshing the view of the peer's posted receives if needed.
     fn take_credit(&mut self) -> bool {
         if self.ty != QpType::Rc {
@@ -901,10 +1059,11 @@ impl QpSt {
     }
 
     fn exec_send(&mut self, op: &OpView<'_>, prog: &mut Progress, env: &Env<'_>) -> Exec {
-        let total = match self.src_len(&op.src, env) {
+        let (total, src) = match prepare(env.mrs, self.pd, op.src) {
             Ok(t) => t,
             Err(s) => return Exec::Fatal(s),
         };
+        let op = &OpView { src, ..*op };
         if total > u64::from(MAX_MSG) {
             return Exec::Fatal(WcStatus::LocLenErr);
         }
@@ -1007,11 +1166,13 @@ impl QpSt {
 
     /// The peer's region `rkey`, granted and mapped on first use; None → REM_ACCESS_ERR.
     fn remote_mr(&mut self, rkey: u32, env: &Env<'_>) -> Option<Rc<RemoteMr>> {
-        if let Some(i) = self.remote.iter().position(|m| m.key == rkey) {
+        if let Some(i) = self.remote.iter().rposition(|m| m.key == rkey) {
             if self.remote[i].valid() {
-                return Some(self.remote[i].clone());
+                let m = self.remote.remove(i);
+                self.remote.push(m.clone()); // most recently used last (the fast path's)
+                return Some(m);
             }
-            self.remote.swap_remove(i);
+            self.remote.remove(i);
             return None;
         }
         let fabric = env.node.fabric();
@@ -1079,10 +1240,11 @@ impl QpSt {
     }
 
     fn exec_write(&mut self, op: &OpView<'_>, prog: &mut Progress, env: &Env<'_>) -> Exec {
-        let total = match self.src_len(&op.src, env) {
+        let (total, src) = match prepare(env.mrs, self.pd, op.src) {
             Ok(t) => t,
             Err(s) => return Exec::Fatal(s),
         };
+        let op = &OpView { src, ..*op };
         let imm = op.opcode == WrOpcode::RdmaWriteWithImm;
         if !prog.started {
             let m = match self.remote_access(
@@ -1202,10 +1364,11 @@ impl QpSt {
     }
 
     fn exec_ud(&mut self, op: &OpView<'_>, env: &Env<'_>) -> Exec {
-        let total = match self.src_len(&op.src, env) {
+        let (total, src) = match prepare(env.mrs, self.pd, op.src) {
             Ok(t) => t,
             Err(s) => return Exec::Fatal(s),
         };
+        let op = &OpView { src, ..*op };
         let Some((slot, qpn, qkey)) = op.ud else {
             return Exec::Fatal(WcStatus::LocQpOpErr);
         };
@@ -1284,6 +1447,7 @@ impl QpSt {
     /// Everything a poll does for this QP: inbound messages, acknowledgements, waiting work.
     pub(crate) fn progress(&mut self, env: &Env<'_>, cqs: &mut Cqs) {
         self.flush_bell();
+        self.idle = self.idle.saturating_add(1);
         match self.state {
             QpState::Rtr | QpState::Rts => {}
             QpState::Init | QpState::Reset if self.ty == QpType::Ud => {
@@ -1297,17 +1461,34 @@ impl QpSt {
         } else {
             self.drive_rx(env, cqs);
         }
+        if self.idle > 0 {
+            self.publish_credits();
+        }
         if self.state == QpState::Rts && !self.sq.is_empty() {
-            if self.ty != QpType::Ud && !self.peer_gone {
+            let look = self.idle >= 32 || self.sq.len() * 2 >= self.cap.max_send_wr as usize;
+            if look && self.ty != QpType::Ud && !self.peer_gone {
                 if let Some(o) = &self.own {
                     if o.peer_err.get().load(Ordering::Acquire) != 0 {
                         self.peer_gone = true;
                     }
                 }
             }
-            self.complete_acked(cqs);
-            self.drive_sq(env, cqs);
-            self.complete_acked(cqs);
+            self.complete_acked(cqs, look);
+            if self.exec < self.sq.len() {
+                self.drive_sq(env, cqs);
+                self.complete_acked(cqs, false);
+            }
+        }
+    }
+
+    /// Writes our posted-receive count into the peer's block (the credits its sends wait for).
+    fn publish_credits(&mut self) {
+        if self.published != self.rq_posted {
+            if let Some(p) = &self.peer {
+                // SYNC POINT qp-credits (release): the peer may send once it sees the count.
+                p.credits.get().store(self.rq_posted, Ordering::Release);
+                self.published = self.rq_posted;
+            }
         }
     }
 
@@ -1332,7 +1513,7 @@ impl QpSt {
         true
     }
 
-    fn complete_acked(&mut self, cqs: &mut Cqs) {
+    fn complete_acked(&mut self, cqs: &mut Cqs, look: bool) {
         if self.peer_gone && !self.sq.is_empty() && self.ty != QpType::Ud {
             // Acknowledged work completes; the first unacknowledged request fails.
             self.refresh_ack();
@@ -1342,10 +1523,11 @@ impl QpSt {
             }
             return;
         }
-        if self
-            .sq
-            .front()
-            .is_some_and(|e| matches!(e.st, SqSt::Ack { end, .. } if end > self.acked))
+        if look
+            && self
+                .sq
+                .front()
+                .is_some_and(|e| matches!(e.st, SqSt::Ack { end, .. } if end > self.acked))
         {
             self.refresh_ack();
         }
@@ -1498,6 +1680,7 @@ impl QpSt {
             let Some(p) = &self.peer else { return };
             self.cons.release(&p.inr, rec);
             self.bell_pending = true;
+            self.idle = 0;
         }
     }
 
@@ -1895,6 +2078,7 @@ impl QpSt {
             .get()
             .store(u32::from(a.min_rnr_timer) + 1, Ordering::Relaxed);
         peer.credits.get().store(self.rq_posted, Ordering::Release);
+        self.published = self.rq_posted;
         self.peer = Some(peer);
         self.prod = Producer::new();
         self.cons = Consumer::new();
@@ -1919,6 +2103,8 @@ impl QpSt {
         self.msgs_out = 0;
         self.peer_gone = false;
         self.bell_pending = false;
+        self.idle = 0;
+        self.published = 0;
         self.remote.clear();
         self.prod = Producer::new();
         self.cons = Consumer::new();
@@ -1981,6 +2167,7 @@ impl QpSt {
 }
 
 /// A borrowed view of a send work request, whether it runs at once or waited.
+#[derive(Clone, Copy)]
 struct OpView<'a> {
     opcode: WrOpcode,
     src: Src<'a>,
@@ -2052,7 +2239,8 @@ impl<'a> OpView<'a> {
 ///
 /// # Safety
 /// `dst` is valid for `n` bytes of writes; the source is valid per [`Src::gather`].
-unsafe fn ordered_write(src: &Src<'_>, mrs: &KeyMap<LocalMr>, pd: u32, dst: *mut u8, n: usize) {
+#[inline]
+unsafe fn ordered_write(src: &Src<'_>, mrs: &MrTable, pd: u32, dst: *mut u8, n: usize) {
     if n <= 8 {
         // SAFETY: caller contract.
         unsafe { src.gather(mrs, pd, 0, dst, n) };
@@ -2113,14 +2301,14 @@ pub(crate) struct Ctx {
 #[derive(Default)]
 pub(crate) struct Engine {
     pub(crate) next_pd: u32,
-    pub(crate) mrs: KeyMap<LocalMr>,
+    pub(crate) mrs: MrTable,
     pub(crate) cqs: Cqs,
     pub(crate) qps: Vec<Option<QpSt>>,
     epoch: u32,
 }
 
 impl Ctx {
-    pub(crate) fn env<'a>(&'a self, mrs: &'a KeyMap<LocalMr>) -> Env<'a> {
+    pub(crate) fn env<'a>(&'a self, mrs: &'a MrTable) -> Env<'a> {
         Env {
             node: &self.node,
             win: &self.win,
@@ -2212,6 +2400,8 @@ impl Ctx {
             remote: Vec::new(),
             drops: 0,
             error: None,
+            idle: 0,
+            published: 0,
         };
         let mut eng = self.eng.borrow_mut();
         let id = match eng.qps.iter().position(|q| q.is_none()) {

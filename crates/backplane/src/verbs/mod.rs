@@ -413,7 +413,7 @@ impl Drop for Mr {
             // SYNC POINT mr-state (release): peers that see the change stop using the region.
             s.store(MR_STATE_DEREGISTERED, Ordering::Release);
         }
-        self.ctx.eng.borrow_mut().mrs.remove(&self.key);
+        self.ctx.eng.borrow_mut().mrs.remove(self.key);
         let _ = self
             .ctx
             .node
