@@ -41,6 +41,8 @@ use crate::wire::NodeState;
 /// Payload bytes per message fragment (one ring record).
 pub(crate) const FRAG: usize = 64 * 1024;
 const HDR: usize = 32;
+/// Polls without inbound traffic before a QP reads the words its peer writes into its block.
+const IDLE_LOOK: u32 = 512;
 /// Remote regions a QP keeps mapped.
 const REMOTE_CACHE: usize = 64;
 
@@ -624,6 +626,8 @@ pub(crate) struct QpSt {
     /// gone) are read only when they cannot arrive piggybacked, to keep from pulling the
     /// cache line the peer is about to write on every poll.
     idle: u32,
+    /// How far piggybacked acknowledgements reached.
+    acked_piggy: u64,
     /// Posted-receive count last written into the peer's block.
     published: u64,
 }
@@ -793,7 +797,7 @@ impl QpSt {
         cqs: &mut Cqs,
     ) -> Result<(), VerbsError> {
         if let [wr] = wrs {
-            if self.fast_write(wr, env, cqs) {
+            if self.fast_write(wr, env, cqs) || self.fast_send(wr, env, cqs) {
                 return Ok(());
             }
         }
@@ -856,6 +860,102 @@ impl QpSt {
         };
         if self.signaled(wr.send_flags) {
             let wc = self.wc(wr.wr_id, WcStatus::Success, WcOpcode::RdmaWrite, len as u32);
+            if self.sq.is_empty() {
+                push_cqe(cqs, self.send_cq, wc);
+            } else {
+                self.push_executed(wr, true, len as u32, SqSt::Done(WcStatus::Success));
+            }
+        }
+        true
+    }
+
+    /// The SEND fast path (RC/UC): one request, nothing waiting ahead, one source range or
+    /// inline data, one fragment, a credit and ring room at hand. Anything else goes the
+    /// general way.
+    #[inline]
+    fn fast_send(&mut self, wr: &SendWr<'_>, env: &Env<'_>, cqs: &mut Cqs) -> bool {
+        let mop = match wr.opcode {
+            WrOpcode::Send => MsgOp::Send,
+            WrOpcode::SendWithImm => MsgOp::SendImm,
+            _ => return false,
+        };
+        if !matches!(wr.wr, WrDetail::None)
+            || self.state != QpState::Rts
+            || self.exec != self.sq.len()
+            || self.rnr.is_some()
+            || self.peer_gone
+            || self.ty == QpType::Ud
+        {
+            return false;
+        }
+        let inline = wr.send_flags.contains(SendFlags::INLINE);
+        let (src, len) = match (inline, wr.inline_data, wr.sg_list) {
+            (true, d, _) if !d.is_empty() => (d.as_ptr(), d.len()),
+            (_, _, [one]) => match resolve(env.mrs, self.pd, one, false) {
+                Ok(p) => (p as *const u8, one.length as usize),
+                Err(_) => return false,
+            },
+            _ => return false,
+        };
+        if len > FRAG || (inline && len > self.cap.max_inline_data as usize) {
+            return false;
+        }
+        let rc = self.ty == QpType::Rc;
+        if rc && self.used_credits >= self.credits {
+            if let Some(o) = &self.own {
+                // SYNC POINT qp-credits (acquire).
+                self.credits = self.credits.max(o.credits.get().load(Ordering::Acquire));
+            }
+            if self.used_credits >= self.credits {
+                return false;
+            }
+        }
+        let Some(p) = &self.peer else { return false };
+        let Ok(r) = self.prod.reserve(&p.out, HDR + len) else {
+            return false;
+        };
+        let solicited = if wr.send_flags.contains(SendFlags::SOLICITED) {
+            MSG_SOLICITED
+        } else {
+            0
+        };
+        let base = p.out.ptr(r.pos);
+        // SAFETY: the reservation covers HDR + len bytes at r.pos inside the ring's data area,
+        // ours until commit; the source is inline data or a range resolved in a local region.
+        unsafe {
+            let hdr = std::slice::from_raw_parts_mut(base, HDR);
+            MsgRepr {
+                op: mop,
+                flags: MSG_FIRST | MSG_LAST | solicited,
+                imm: wr.imm_data,
+                msg_len: len as u32,
+                frag_off: 0,
+                ack: self.cons.head(),
+                credits: self.rq_posted,
+            }
+            .emit(&mut MsgHeader::new_unchecked(hdr));
+            copy(src, base.add(HDR), len);
+        }
+        self.prod.commit(&p.out, r);
+        if rc {
+            self.used_credits += 1;
+        }
+        let msg = self.msgs_out;
+        self.msgs_out += 1;
+        self.ring_peer();
+        let signaled = self.signaled(wr.send_flags);
+        if rc {
+            self.push_executed(
+                wr,
+                signaled,
+                len as u32,
+                SqSt::Ack {
+                    end: self.prod.tail(),
+                    msg,
+                },
+            );
+        } else if signaled {
+            let wc = self.wc(wr.wr_id, WcStatus::Success, WcOpcode::Send, len as u32);
             if self.sq.is_empty() {
                 push_cqe(cqs, self.send_cq, wc);
             } else {
@@ -1465,7 +1565,8 @@ impl QpSt {
             self.publish_credits();
         }
         if self.state == QpState::Rts && !self.sq.is_empty() {
-            let look = self.idle >= 32 || self.sq.len() * 2 >= self.cap.max_send_wr as usize;
+            // Idle for a while (about 5-10 µs of polls) or the send queue filling up.
+            let look = self.idle >= IDLE_LOOK || self.sq.len() * 2 >= self.cap.max_send_wr as usize;
             if look && self.ty != QpType::Ud && !self.peer_gone {
                 if let Some(o) = &self.own {
                     if o.peer_err.get().load(Ordering::Acquire) != 0 {
@@ -1513,6 +1614,17 @@ impl QpSt {
         true
     }
 
+    /// An acknowledgement piggybacked on a message. A responder that NAKs goes to ERR and sends
+    /// nothing after, so a piggybacked ack never covers a NAK'd message: work it covers
+    /// completes without a look at the NAK word (which the peer may be writing).
+    fn note_piggy_ack(&mut self, a: u64) -> bool {
+        let ok = self.note_ack(a);
+        if ok {
+            self.acked_piggy = self.acked_piggy.max(a);
+        }
+        ok
+    }
+
     fn complete_acked(&mut self, cqs: &mut Cqs, look: bool) {
         if self.peer_gone && !self.sq.is_empty() && self.ty != QpType::Ud {
             // Acknowledged work completes; the first unacknowledged request fails.
@@ -1548,6 +1660,7 @@ impl QpSt {
         while let Some(e) = self.sq.front() {
             let st = match e.st {
                 SqSt::Done(s) => s,
+                SqSt::Ack { end, .. } if end <= self.acked_piggy => WcStatus::Success,
                 SqSt::Ack { end, msg } if end <= self.acked => {
                     let nak = self
                         .own
@@ -1664,7 +1777,7 @@ impl QpSt {
             };
             let payload = p.inr.ptr(rec.pos + HDR as u64);
             let frag_len = rec.len - HDR;
-            if !self.note_ack(h.ack) {
+            if !self.note_piggy_ack(h.ack) {
                 self.fail_why(
                     "an acknowledgement beyond what was sent",
                     WcStatus::LocQpOpErr,
@@ -1692,6 +1805,12 @@ impl QpSt {
         env: &Env<'_>,
         cqs: &mut Cqs,
     ) {
+        if h.flags & (MSG_FIRST | MSG_LAST) == MSG_FIRST | MSG_LAST
+            && self.inbound.is_none()
+            && self.rx_whole(h, payload, frag_len, env, cqs)
+        {
+            return;
+        }
         if h.flags & MSG_FIRST != 0 {
             if self.inbound.is_some() {
                 self.fail_why(
@@ -1790,6 +1909,68 @@ impl QpSt {
                 push_cqe(cqs, self.recv_cq, wc);
             }
         }
+    }
+
+    /// A whole message in one fragment, into a receive with one entry and room enough: the
+    /// common case, without the reassembly state. False: take the general way.
+    #[inline]
+    fn rx_whole(
+        &mut self,
+        h: &MsgRepr,
+        payload: *const u8,
+        frag_len: usize,
+        env: &Env<'_>,
+        cqs: &mut Cqs,
+    ) -> bool {
+        let Some(w) = self.rq.front() else {
+            return false;
+        };
+        let carries = h.op != MsgOp::WriteImm;
+        if carries {
+            let [one] = w.sges.as_slice() else {
+                return false;
+            };
+            if u64::from(h.msg_len) > u64::from(one.length) {
+                return false;
+            }
+            let Ok(dst) = resolve(env.mrs, self.pd, one, true) else {
+                return false;
+            };
+            // SAFETY: `dst` holds `length >= msg_len = frag_len` bytes inside a writable local
+            // region; `payload` holds `frag_len` bytes inside the ring (validated).
+            unsafe { copy(payload, dst, frag_len) };
+        }
+        let w = self.rq.pop_front().expect("front exists");
+        self.msgs_in += 1;
+        let (src_qp, slid) = self
+            .peer
+            .as_ref()
+            .map_or((0, 0), |p| (p.qpn, p.slot as u16));
+        let imm = h.op != MsgOp::Send;
+        push_cqe(
+            cqs,
+            self.recv_cq,
+            Wc {
+                wr_id: w.wr_id,
+                opcode: if carries {
+                    WcOpcode::Recv
+                } else {
+                    WcOpcode::RecvRdmaWithImm
+                },
+                byte_len: h.msg_len,
+                imm_data: if imm { h.imm } else { 0 },
+                qp_num: self.qpn,
+                src_qp,
+                wc_flags: if imm {
+                    WcFlags::WITH_IMM
+                } else {
+                    WcFlags::empty()
+                },
+                slid,
+                ..Wc::default()
+            },
+        );
+        true
     }
 
     /// Writes a NAK for message `msg` into the requester's block; the release of the record
@@ -2104,6 +2285,7 @@ impl QpSt {
         self.peer_gone = false;
         self.bell_pending = false;
         self.idle = 0;
+        self.acked_piggy = 0;
         self.published = 0;
         self.remote.clear();
         self.prod = Producer::new();
@@ -2401,6 +2583,7 @@ impl Ctx {
             drops: 0,
             error: None,
             idle: 0,
+            acked_piggy: 0,
             published: 0,
         };
         let mut eng = self.eng.borrow_mut();
