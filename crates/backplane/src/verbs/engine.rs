@@ -2622,9 +2622,13 @@ impl Ctx {
         let Some(Some(c)) = eng.cqs.get_mut(cq) else {
             return 0;
         };
-        let n = out.len().min(c.entries.len());
-        for (o, wc) in out.iter_mut().zip(c.entries.drain(..n)) {
-            *o = wc;
+        let mut n = 0;
+        while n < out.len() {
+            let Some(wc) = c.entries.pop_front() else {
+                break;
+            };
+            out[n] = wc;
+            n += 1;
         }
         n
     }
