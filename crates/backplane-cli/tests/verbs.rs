@@ -584,25 +584,95 @@ fn no_receive_on_rc_retries_rnr_rnr_retry_times_then_fails() {
 fn a_peer_node_going_down_fails_outstanding_work_within_a_second() {
     let fab = Fab::up("verbs_down", 2, &["--restart-delay-ms", "0"]);
     let f = Fabric::attach(&fab.name).unwrap();
-    let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
-    // Outstanding: a send waiting for a receive node 2 will never post.
-    a.qp.post_send(&[
-        SendWr::send(1, &[a.mr.sge(0, 8)]).signaled(),
-        SendWr::send(2, &[a.mr.sge(0, 8)]),
+    // The requester sleeps on a completion channel: the watcher must notice the death.
+    let actx = Context::open(&f.node(1).unwrap()).unwrap();
+    let ch = actx.create_comp_channel().unwrap();
+    let acq = actx.create_cq(16, Some(&ch)).unwrap();
+    let apd = actx.alloc_pd();
+    let aqp = apd
+        .create_qp(&QpInitAttr::new(QpType::Rc, &acq, &acq))
+        .unwrap();
+    let amr = apd.alloc_mr(4096, ALL).unwrap();
+    let b = side(&f, 2, QpType::Rc, ALL, 4096);
+    let ai = PeerInfo {
+        node: 1,
+        qpn: aqp.qp_num(),
+        psn: 0,
+        rkey: 0,
+        addr: 0,
+        len: 0,
+        qkey: 0,
+        private_data: vec![],
+    };
+    cm::ready_qp(&aqp, &info(&b), &ConnParam::default()).unwrap();
+    cm::ready_qp(&b.qp, &ai, &ConnParam::default()).unwrap();
+    // Outstanding: sends waiting for a receive node 2 will never post.
+    aqp.post_send(&[
+        SendWr::send(1, &[amr.sge(0, 8)]).signaled(),
+        SendWr::send(2, &[amr.sge(0, 8)]),
     ])
     .unwrap();
-    let mut p = Pump::new(&[&a.cq]);
-    assert!(p.quiet(0));
+    let mut wc = [Wc::default(); 4];
+    assert_eq!(acq.poll(&mut wc), 0);
+    acq.req_notify(false).unwrap();
+    assert!(matches!(
+        ch.get_cq_event(Some(Duration::from_millis(20))),
+        Err(VerbsError::TimedOut)
+    ));
     let pid = fab.status()["slots"][1]["pid"].as_i64().unwrap() as i32;
     let t0 = Instant::now();
     // SAFETY: kill(2) with a pid read from the fabric's status; no memory is involved.
     unsafe { libc::kill(pid, libc::SIGKILL) };
-    let w = p.next(0);
+    let ev = ch.get_cq_event(Some(Duration::from_secs(20))).unwrap();
+    assert_eq!(ev.cq_id, acq.id());
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        let n = acq.poll(&mut wc);
+        got.extend_from_slice(&wc[..n]);
+        assert!(t0.elapsed() < Duration::from_secs(20), "no completion");
+    }
     let took = t0.elapsed();
-    assert_eq!((w.wr_id, w.status), (1, WcStatus::RetryExcErr));
-    assert_eq!(p.next(0).status, WcStatus::WrFlushErr);
-    eprintln!("outstanding work failed {took:?} after node 2 was killed");
+    assert_eq!((got[0].wr_id, got[0].status), (1, WcStatus::RetryExcErr));
+    assert_eq!((got[1].wr_id, got[1].status), (2, WcStatus::WrFlushErr));
+    eprintln!("outstanding work failed {took:?} after node 2 was killed (completion channel)");
     drop(b);
+}
+
+#[test]
+fn a_peer_scribbling_over_its_window_gets_its_qp_in_error_never_a_panic() {
+    let fab = Fab::up("verbs_hostile", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
+    for i in 0..4 {
+        recv(&b, i, 0, 64);
+    }
+    a.qp.post_send(&[SendWr::send_inline(1, b"before").signaled()])
+        .unwrap();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    assert_eq!(p.next(1).status, WcStatus::Success);
+    assert_eq!(p.next(0).status, WcStatus::Success);
+    // Garbage over node 2's whole heap: b's QP block, ring and event block included.
+    let w = f.raw_window(2).unwrap();
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut junk = vec![0u8; w.len() - 4096];
+    for c in junk.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+    }
+    w.write(4096, &junk).unwrap();
+    // b finds its ring corrupt at its next poll and goes to ERR, flushing its receives.
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    let r = p.next(1);
+    assert_eq!(r.status, WcStatus::WrFlushErr, "{r:?}");
+    assert_eq!(b.qp.state(), QpState::Err);
+    // a's next send fails (the peer is in error) instead of hanging.
+    a.qp.post_send(&[SendWr::send_inline(2, b"after").signaled()])
+        .unwrap();
+    let s = p.next(0);
+    assert_eq!((s.wr_id, s.status), (2, WcStatus::RetryExcErr), "{s:?}");
+    eprintln!("b: {:?}; a's send: {}", b.qp.fatal_error(), s.status);
 }
 
 #[test]

@@ -353,3 +353,31 @@ impl Drop for CompChannel {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waiting_on_several_words_returns_when_any_moves_or_the_time_is_up() {
+        let a = Arc::new(AtomicU32::new(0));
+        let b = Arc::new(AtomicU32::new(0));
+        let t0 = Instant::now();
+        wait_any(&[(&a, 0), (&b, 0)], Duration::from_millis(20));
+        assert!(
+            t0.elapsed() >= Duration::from_millis(19),
+            "slept until the timeout"
+        );
+        // A word that already moved returns at once; one moved by another thread wakes us.
+        wait_any(&[(&a, 5), (&b, 0)], Duration::from_secs(30));
+        let b2 = b.clone();
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(10));
+            b2.store(1, Ordering::Release);
+            futex_wake(&b2);
+        });
+        wait_any(&[(&a, 0), (&b, 0)], Duration::from_secs(30));
+        assert_eq!(b.load(Ordering::Acquire), 1);
+        h.join().unwrap();
+    }
+}

@@ -1116,7 +1116,11 @@ impl QpSt {
         // queue was empty (the peer may be waiting), every eighth of the queue, and when a
         // poll finds nothing to do.
         let batch = u64::from((self.cap.max_recv_wr / 8).max(1));
-        if was_empty || self.rq_posted - self.published >= batch {
+        if was_empty {
+            // The peer may be waiting for a receive (RNR), perhaps asleep: wake it.
+            self.publish_credits();
+            self.ring_peer();
+        } else if self.rq_posted - self.published >= batch {
             self.publish_credits();
         }
         Ok(())
@@ -1537,7 +1541,10 @@ impl QpSt {
 
     /// When the RNR wait needs the process to look again (for the completion channel).
     pub(crate) fn deadline(&self) -> Option<Instant> {
-        self.rnr.map(|r| r.next)
+        // With rnr_retry 7 (forever) no timer can end the wait: credits arriving wake us.
+        self.rnr
+            .filter(|_| self.attr.rnr_retry != 7)
+            .map(|r| r.next)
     }
 
     // -----------------------------------------------------------------------------------------
@@ -2312,6 +2319,12 @@ impl QpSt {
                 seen: o.ack.get().load(Ordering::Acquire),
             });
             out.push(Watch::Flag(o.peer_err));
+            if self.rnr.is_some() {
+                out.push(Watch::Moved {
+                    word: o.credits,
+                    seen: o.credits.get().load(Ordering::Acquire),
+                });
+            }
         }
         if let Some(ep) = &self.ud {
             let (bell, armed) = ep.doorbell_words();
@@ -2676,5 +2689,138 @@ impl std::fmt::Debug for Ctx {
         f.debug_struct("Context")
             .field("node", &self.node.slot())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn region_mr(pd: u32, len: usize, access: AccessFlags) -> (LocalMr, Arc<Region>) {
+        let r = Arc::new(Region::create("bp-test-mr", len).unwrap());
+        let mr = LocalMr {
+            pd,
+            access,
+            data: r.ptr_at(0, len as u64).unwrap(),
+            len: len as u64,
+            _region: r.clone(),
+        };
+        (mr, r)
+    }
+
+    #[test]
+    fn the_region_table_finds_keys_and_forgets_removed_ones_even_when_cached() {
+        let mut t = MrTable::default();
+        let (a, _) = region_mr(1, 4096, AccessFlags::LOCAL_WRITE);
+        let (b, _) = region_mr(1, 8192, AccessFlags::empty());
+        t.insert(7, a);
+        t.insert(9, b);
+        assert_eq!(t.get(7).unwrap().len, 4096);
+        assert_eq!(t.get(9).unwrap().len, 8192);
+        assert_eq!(t.get(9).unwrap().len, 8192, "cached");
+        t.remove(9);
+        assert!(
+            t.get(9).is_none(),
+            "a removed key must not survive in the cache"
+        );
+        assert!(t.get(0).is_none());
+        let (c, _) = region_mr(2, 4096, AccessFlags::empty());
+        t.insert(11, c);
+        assert_eq!(t.get(11).unwrap().pd, 2, "slots are reused");
+    }
+
+    #[test]
+    fn scatter_gather_entries_are_checked_for_key_domain_bounds_and_write_access() {
+        let mut t = MrTable::default();
+        let (rw, _) = region_mr(1, 4096, AccessFlags::LOCAL_WRITE);
+        let (ro, _) = region_mr(1, 4096, AccessFlags::empty());
+        t.insert(1, rw);
+        t.insert(2, ro);
+        let sge = |lkey, addr, length| Sge { addr, length, lkey };
+        assert!(resolve(&t, 1, &sge(1, 4000, 96), true).is_ok());
+        assert_eq!(
+            resolve(&t, 1, &sge(1, 4000, 97), true),
+            Err(WcStatus::LocProtErr)
+        );
+        assert_eq!(
+            resolve(&t, 1, &sge(1, u64::MAX, 2), false),
+            Err(WcStatus::LocProtErr)
+        );
+        assert_eq!(
+            resolve(&t, 1, &sge(3, 0, 1), false),
+            Err(WcStatus::LocProtErr)
+        );
+        assert_eq!(
+            resolve(&t, 2, &sge(1, 0, 1), false),
+            Err(WcStatus::LocProtErr),
+            "other PD"
+        );
+        assert!(resolve(&t, 1, &sge(2, 0, 8), false).is_ok());
+        assert_eq!(
+            resolve(&t, 1, &sge(2, 0, 8), true),
+            Err(WcStatus::LocProtErr)
+        );
+        assert_eq!(
+            check_sges(&t, 1, &[sge(1, 0, 10), sge(2, 0, 5)], false),
+            Ok(15)
+        );
+    }
+
+    #[test]
+    fn gather_and_scatter_walk_several_entries_from_any_message_offset() {
+        let mut t = MrTable::default();
+        let (a, ra) = region_mr(1, 4096, AccessFlags::LOCAL_WRITE);
+        t.insert(1, a);
+        ra.write(0, b"0123456789abcdef").unwrap();
+        let sges = [
+            Sge {
+                addr: 0,
+                length: 4,
+                lkey: 1,
+            },
+            Sge {
+                addr: 8,
+                length: 8,
+                lkey: 1,
+            },
+        ];
+        let mut out = [0u8; 10];
+        // SAFETY: `out` holds 10 bytes; the entries are valid in `t`; offset 2 + 10 = 12.
+        unsafe { Src::Sges(&sges).gather(&t, 1, 2, out.as_mut_ptr(), 10) };
+        assert_eq!(&out, b"2389abcdef");
+        // SAFETY: as above, writing 6 bytes from offset 1 into writable entries.
+        unsafe { scatter(&t, 1, &sges, 1, b"XYZUVW".as_ptr(), 6) };
+        let mut back = [0u8; 16];
+        ra.read(0, &mut back).unwrap();
+        assert_eq!(
+            &back,
+            b"0XYZ4567UVW"[..]
+                .iter()
+                .chain(b"bcdef")
+                .copied()
+                .collect::<Vec<_>>()
+                .as_slice()
+        );
+    }
+
+    #[test]
+    fn an_ordered_write_lands_whole_for_every_length() {
+        let t = MrTable::default();
+        for n in [0usize, 1, 7, 8, 9, 64, 4096] {
+            let src: Vec<u8> = (0..n).map(|i| i as u8 ^ 0x5a).collect();
+            let mut dst = vec![0u8; n];
+            // SAFETY: `dst` holds `n` bytes; the source is inline data of `n` bytes.
+            unsafe { ordered_write(&Src::Inline(&src), &t, 0, dst.as_mut_ptr(), n) };
+            assert_eq!(dst, src, "{n} bytes");
+        }
+    }
+
+    #[test]
+    fn small_sge_lists_stay_inline_and_large_ones_spill() {
+        let s = [Sge::default(); 3];
+        assert!(matches!(SgeList::new(&s[..2]), SgeList::Small(_, 2)));
+        assert_eq!(SgeList::new(&s[..1]).as_slice().len(), 1);
+        assert!(matches!(SgeList::new(&s), SgeList::Heap(_)));
+        assert_eq!(SgeList::new(&s).as_slice().len(), 3);
     }
 }
