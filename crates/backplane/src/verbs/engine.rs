@@ -804,28 +804,63 @@ impl QpSt {
         self.post_send_general(wrs, env, cqs)
     }
 
-    /// The RDMA_WRITE fast path: one request, nothing waiting ahead of it, a single source
-    /// range (or inline data), a region already mapped. Anything else — including every error —
-    /// goes the general way (which reports it).
+    /// The one-sided fast path (RDMA_WRITE, RDMA_READ, atomics): one request, nothing waiting
+    /// ahead of it, a single local range (or inline data for a write), a region already
+    /// mapped. Anything else — including every error — goes the general way (which reports it).
     #[inline]
     fn fast_write(&mut self, wr: &SendWr<'_>, env: &Env<'_>, cqs: &mut Cqs) -> bool {
-        let WrDetail::Rdma { remote_addr, rkey } = wr.wr else {
-            return false;
+        let (remote_addr, rkey, need, wc_op) = match (wr.opcode, wr.wr) {
+            (WrOpcode::RdmaWrite, WrDetail::Rdma { remote_addr, rkey }) => (
+                remote_addr,
+                rkey,
+                AccessFlags::REMOTE_WRITE,
+                WcOpcode::RdmaWrite,
+            ),
+            (WrOpcode::RdmaRead, WrDetail::Rdma { remote_addr, rkey }) => (
+                remote_addr,
+                rkey,
+                AccessFlags::REMOTE_READ,
+                WcOpcode::RdmaRead,
+            ),
+            (
+                WrOpcode::AtomicFetchAndAdd,
+                WrDetail::Atomic {
+                    remote_addr, rkey, ..
+                },
+            ) => (
+                remote_addr,
+                rkey,
+                AccessFlags::REMOTE_ATOMIC,
+                WcOpcode::FetchAdd,
+            ),
+            (
+                WrOpcode::AtomicCmpAndSwp,
+                WrDetail::Atomic {
+                    remote_addr, rkey, ..
+                },
+            ) => (
+                remote_addr,
+                rkey,
+                AccessFlags::REMOTE_ATOMIC,
+                WcOpcode::CompSwap,
+            ),
+            _ => return false,
         };
-        if wr.opcode != WrOpcode::RdmaWrite
-            || self.state != QpState::Rts
+        if self.state != QpState::Rts
             || self.exec != self.sq.len()
             || self.rnr.is_some()
             || self.peer_gone
             || self.ty == QpType::Ud
+            || (self.ty == QpType::Uc && wc_op != WcOpcode::RdmaWrite)
         {
             return false;
         }
+        let write = wc_op == WcOpcode::RdmaWrite;
         let inline = wr.send_flags.contains(SendFlags::INLINE);
-        let (src, len) = match (inline, wr.inline_data, wr.sg_list) {
-            (true, d, _) if !d.is_empty() => (d.as_ptr(), d.len()),
-            (_, _, [one]) => match resolve(env.mrs, self.pd, one, false) {
-                Ok(p) => (p as *const u8, one.length as usize),
+        let (local, len) = match (inline && write, wr.inline_data, wr.sg_list) {
+            (true, d, _) if !d.is_empty() => (d.as_ptr() as *mut u8, d.len()),
+            (_, _, [one]) => match resolve(env.mrs, self.pd, one, !write) {
+                Ok(p) => (p, one.length as usize),
                 Err(_) => return false,
             },
             _ => return false,
@@ -833,11 +868,14 @@ impl QpSt {
         if inline && len > self.cap.max_inline_data as usize {
             return false;
         }
+        let atomic = matches!(wc_op, WcOpcode::FetchAdd | WcOpcode::CompSwap);
+        if atomic && (len != 8 || !remote_addr.is_multiple_of(8)) {
+            return false;
+        }
         let Some(m) = self.remote.last().filter(|m| m.key == rkey) else {
             return false;
         };
         let Some(p) = &self.peer else { return false };
-        let need = AccessFlags::REMOTE_WRITE;
         if !m.valid()
             || !m.access.contains(need)
             || !AccessFlags(p.access.get().load(Ordering::Relaxed)).contains(need)
@@ -847,19 +885,44 @@ impl QpSt {
         {
             return false;
         }
-        // SAFETY: [remote_addr, +len) is inside the writable mapping of the region (checked
-        // just above); the source is inline data or a range resolved inside a local region.
+        // SAFETY: [remote_addr, +len) is inside the mapping of the region (checked just above;
+        // writes and atomics only on regions granted writable, which REMOTE_WRITE and
+        // REMOTE_ATOMIC regions are); `local` is inline data or a range resolved inside a
+        // local region (writable for reads and atomics). The region's data starts on a page,
+        // so an 8-aligned offset is 8-aligned in memory.
         unsafe {
-            ordered_write(
-                &Src::Ptr(src, len),
-                env.mrs,
-                self.pd,
-                m.data.add(remote_addr as usize),
-                len,
-            )
-        };
+            let remote = m.data.add(remote_addr as usize);
+            match (wc_op, wr.wr) {
+                (WcOpcode::RdmaWrite, _) => {
+                    ordered_write(&Src::Ptr(local, len), env.mrs, self.pd, remote, len)
+                }
+                (WcOpcode::RdmaRead, _) => copy(remote, local, len),
+                (
+                    op,
+                    WrDetail::Atomic {
+                        compare_add, swap, ..
+                    },
+                ) => {
+                    let word = &*(remote as *const AtomicU64);
+                    let old = if op == WcOpcode::FetchAdd {
+                        word.fetch_add(compare_add, Ordering::SeqCst)
+                    } else {
+                        match word.compare_exchange(
+                            compare_add,
+                            swap,
+                            Ordering::SeqCst,
+                            Ordering::SeqCst,
+                        ) {
+                            Ok(v) | Err(v) => v,
+                        }
+                    };
+                    std::ptr::write_unaligned(local.cast::<u64>(), old.to_le());
+                }
+                _ => {}
+            }
+        }
         if self.signaled(wr.send_flags) {
-            let wc = self.wc(wr.wr_id, WcStatus::Success, WcOpcode::RdmaWrite, len as u32);
+            let wc = self.wc(wr.wr_id, WcStatus::Success, wc_op, len as u32);
             if self.sq.is_empty() {
                 push_cqe(cqs, self.send_cq, wc);
             } else {
@@ -2620,7 +2683,8 @@ impl Ctx {
         Ok((id, qpn))
     }
 
-    /// Polls completion queue `cq`: progress on its QPs, then up to `out.len()` completions.
+    /// Polls completion queue `cq`: up to `out.len()` completions; when it holds none, its QPs
+    /// are moved along first (so completions already there come back at once).
     pub(crate) fn poll(&self, cq: usize, out: &mut [Wc]) -> usize {
         let mut eng = self.eng.borrow_mut();
         let eng = &mut *eng;
@@ -2629,7 +2693,7 @@ impl Ctx {
             .get(cq)
             .and_then(|c| c.as_ref())
             .map_or(0, |c| c.entries.len());
-        if need < out.len() {
+        if need == 0 {
             self.progress_cq(eng, cq);
         }
         let Some(Some(c)) = eng.cqs.get_mut(cq) else {

@@ -435,7 +435,9 @@ impl Cq {
         self.id as u32
     }
 
-    /// Takes up to `wc.len()` completions (`ibv_poll_cq`), after moving this CQ's QPs along.
+    /// Takes up to `wc.len()` completions (`ibv_poll_cq`). When the CQ holds none, its QPs
+    /// are moved along first (inbound messages, acknowledgements, waiting work), so a poll
+    /// loop is what makes progress.
     pub fn poll(&self, wc: &mut [Wc]) -> usize {
         self.ctx.poll(self.id, wc)
     }

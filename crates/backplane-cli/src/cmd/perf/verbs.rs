@@ -157,7 +157,7 @@ impl End {
 
     /// Polls until the signaled work request `wr_id` completes.
     fn wait_send(&self, wr_id: u64) -> anyhow::Result<()> {
-        let mut wc = [Wc::default(); 8];
+        let mut wc = [Wc::default(); 1];
         let t0 = Instant::now();
         loop {
             let n = self.cq.poll(&mut wc);
