@@ -249,6 +249,7 @@ impl Pd {
             return Err(FabricError::Protocol(format!("{resp:?}")).into());
         };
         let data = region.ptr_at(MR_DATA_OFF, len as u64)?;
+        engine::populate(data, len as u64, true);
         let region = Arc::new(region);
         self.ctx.eng.borrow_mut().mrs.insert(
             key,

@@ -94,6 +94,14 @@ impl End {
     /// Polls until a receive completes (send completions are checked and dropped); the
     /// receive is reposted.
     fn wait_recv(&self) -> anyhow::Result<Wc> {
+        let w = self.take_recv()?;
+        self.repost()?;
+        Ok(w)
+    }
+
+    /// Polls until a receive completes (send completions are checked and dropped); the caller
+    /// reposts it (after answering, in the latency loops: off the critical path).
+    fn take_recv(&self) -> anyhow::Result<Wc> {
         let mut wc = [Wc::default(); 2];
         let mut got = None;
         let mut t0 = None;
@@ -111,7 +119,6 @@ impl End {
                 }
             }
             if let Some(w) = got {
-                self.repost()?;
                 return Ok(w);
             }
             spins = spins.wrapping_add(1);
@@ -306,6 +313,31 @@ impl Clock {
         Self { t0 }
     }
 
+    /// A raw timestamp (cycles on x86_64); [`Clock::ns`] converts a difference.
+    #[inline]
+    fn raw() -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            tsc()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            EPOCH.elapsed().as_nanos() as u64
+        }
+    }
+
+    /// Nanoseconds in a difference of raw timestamps.
+    fn ns(&self, d: u64) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            (d as f64 * self.ns_per_cycle) as u64
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            d
+        }
+    }
+
     /// Now, in nanoseconds since the clock was made.
     #[inline]
     fn now(&self) -> u64 {
@@ -325,6 +357,52 @@ impl Clock {
 fn tsc() -> u64 {
     // SAFETY: RDTSC has no memory effects; every x86_64 CPU has it.
     unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+static EPOCH: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+
+/// The RDMA_WRITE ping-pong of `write-lat` (ib_write_lat): each side writes the iteration's
+/// stamp into the last byte of the other's region and polls the last byte of its own. The
+/// work requests are built once (as perftest does); `first` is the side that starts. Returns
+/// the raw round-trip timestamps differences of the starting side.
+fn write_pingpong(
+    e: &mut End,
+    rkey: u32,
+    size: u64,
+    count: u64,
+    first: bool,
+) -> anyhow::Result<Vec<u64>> {
+    let sge = [e.mr.sge(SRC, size as u32)];
+    let mut wr = SendWr::write(0, &sge, 0, rkey);
+    if size <= INLINE {
+        wr.send_flags = SendFlags::INLINE;
+    }
+    let signaled = [wr.signaled()];
+    let plain = [wr];
+    let mut rtt = Vec::with_capacity(if first { count as usize } else { 0 });
+    for i in 0..count {
+        let s = stamp(i);
+        if !first {
+            while e.peek(size - 1) != s {
+                std::hint::spin_loop();
+            }
+        }
+        e.stamp_src(size, s);
+        let t0 = Clock::raw();
+        let sig = (i + 1).is_multiple_of(CQ_MOD);
+        e.qp.post_send(if sig { &signaled } else { &plain })?;
+        if first {
+            while e.peek(size - 1) != s {
+                std::hint::spin_loop();
+            }
+            rtt.push(Clock::raw() - t0);
+        }
+        if sig {
+            e.reap()?;
+        }
+    }
+    Ok(rtt)
 }
 
 fn stamp(i: u64) -> u8 {
@@ -389,6 +467,13 @@ fn lat(
     let clock = Clock::new();
     let _ = clock.t0;
     let mut samples = Vec::with_capacity(n as usize);
+    if test == Test::WriteLat {
+        let raw = write_pingpong(e, peer.rkey, size, warm + n, true)?;
+        for r in &raw[warm as usize..] {
+            h.record(clock.ns(*r).max(1))?;
+        }
+        return Ok(lat_row(&h, size, n, true));
+    }
     for i in 0..warm + n {
         let t0;
         match test {
@@ -413,7 +498,8 @@ fn lat(
                 wr.sg_list = &sge;
                 t0 = clock.now();
                 e.post(&wr)?;
-                e.wait_recv()?;
+                e.take_recv()?;
+                e.repost()?;
             }
             Test::ReadLat => {
                 let sge = [e.mr.sge(SRC, len)];
@@ -525,27 +611,16 @@ pub(super) fn peer(fabric: &Fabric, test: Test, node: u32, port: u32) -> anyhow:
         let len = size as u32;
         match test {
             Test::WriteLat => {
-                let sge = [e.mr.sge(SRC, len)];
-                for i in 0..count {
-                    let s = stamp(i);
-                    while e.peek(size - 1) != s {
-                        std::hint::spin_loop();
-                    }
-                    e.stamp_src(size, s);
-                    let mut wr = SendWr::write(0, &sge, 0, client.rkey);
-                    if size <= INLINE {
-                        wr.send_flags = SendFlags::INLINE;
-                    }
-                    e.post(&wr)?;
-                }
+                write_pingpong(&mut e, client.rkey, size, count, false)?;
             }
             Test::SendLat => {
                 let sge = [e.mr.sge(SRC, len)];
                 for _ in 0..count {
-                    e.wait_recv()?;
+                    e.take_recv()?;
                     let mut wr = e.send_wr(size);
                     wr.sg_list = &sge;
                     e.post(&wr)?;
+                    e.repost()?;
                 }
             }
             Test::SendBw => {
