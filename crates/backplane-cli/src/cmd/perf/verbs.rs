@@ -381,6 +381,9 @@ fn write_pingpong(
     let signaled = [wr.signaled()];
     let plain = [wr];
     let mut rtt = Vec::with_capacity(if first { count as usize } else { 0 });
+    // One timestamp per iteration, as ucx_perftest takes it: a round trip is the time between
+    // two consecutive ends of iteration.
+    let mut last = Clock::raw();
     for i in 0..count {
         let s = stamp(i);
         if !first {
@@ -389,14 +392,15 @@ fn write_pingpong(
             }
         }
         e.stamp_src(size, s);
-        let t0 = Clock::raw();
         let sig = (i + 1).is_multiple_of(CQ_MOD);
         e.qp.post_send(if sig { &signaled } else { &plain })?;
         if first {
             while e.peek(size - 1) != s {
                 std::hint::spin_loop();
             }
-            rtt.push(Clock::raw() - t0);
+            let now = Clock::raw();
+            rtt.push(now - last);
+            last = now;
         }
         if sig {
             e.reap()?;
