@@ -229,11 +229,11 @@ impl Drop for Cleanup {
 }
 
 fn sizes(a: &Args) -> anyhow::Result<Vec<u64>> {
-    if a.all {
-        return Ok((3..=20).map(|p| 1u64 << p).collect());
-    }
     if a.test == Test::AtomicLat {
         return Ok(vec![8]); // atomics are 8 bytes
+    }
+    if a.all {
+        return Ok((3..=20).map(|p| 1u64 << p).collect());
     }
     let s = a.size.unwrap_or(if a.test.is_lat() { 8 } else { MAX_SIZE });
     if !(1..=MAX_SIZE).contains(&s) {
@@ -444,16 +444,21 @@ fn memcpy_mbps(size: u64, iters: u64) -> f64 {
     let bo = b.as_ptr().align_offset(4096);
     let src = &a[ao..ao + n];
     let dst = &mut b[bo..bo + n];
-    let n = iters.max((256 << 20) / size.max(1)).max(16);
+    let n = iters.max((256 << 20) / size.max(1)).max(48) / 3;
     for _ in 0..n.min(1000) / 10 {
         dst.copy_from_slice(std::hint::black_box(src));
     }
-    let t0 = Instant::now();
-    for _ in 0..n {
-        dst.copy_from_slice(std::hint::black_box(src));
-        std::hint::black_box(&mut *dst);
-    }
-    (n * size) as f64 / t0.elapsed().as_secs_f64() / 1e6
+    // Best of three: the limit the machine can reach, not its noise.
+    (0..3)
+        .map(|_| {
+            let t0 = Instant::now();
+            for _ in 0..n {
+                dst.copy_from_slice(std::hint::black_box(src));
+                std::hint::black_box(&mut *dst);
+            }
+            (n * size) as f64 / t0.elapsed().as_secs_f64() / 1e6
+        })
+        .fold(0.0, f64::max)
 }
 
 /// A latency row from a histogram of round trips (ns); `halve` for ping-pong tests.
