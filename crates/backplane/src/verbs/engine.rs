@@ -233,6 +233,7 @@ struct RemoteMr {
 
 impl RemoteMr {
     fn valid(&self) -> bool {
+        // SYNC POINT mr-state (acquire): the owner's deregistration, seen before each access.
         self.state.get().load(Ordering::Acquire) == MR_STATE_VALID
     }
 }
@@ -726,6 +727,7 @@ impl QpSt {
         if self.state != QpState::Err {
             self.state = QpState::Err;
             if let Some(p) = &self.peer {
+                // SYNC POINT qp-peer-gone (release): our acks and NAKs are visible before the flag.
                 p.peer_err.get().store(1, Ordering::Release);
                 if !self.peer_gone {
                     crate::sync::ring(p.ev_bell.get());
@@ -1420,6 +1422,7 @@ impl QpSt {
         let peer_access = self
             .peer
             .as_ref()
+            // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
             .map(|p| AccessFlags(p.access.get().load(Ordering::Relaxed)))
             .ok_or(WcStatus::LocQpOpErr)?;
         let m = self.remote_mr(rkey, env).ok_or(WcStatus::RemAccessErr)?;
@@ -1663,6 +1666,8 @@ impl QpSt {
             let look = self.idle >= IDLE_LOOK || self.sq.len() * 2 >= self.cap.max_send_wr as usize;
             if look && self.ty != QpType::Ud && !self.peer_gone {
                 if let Some(o) = &self.own {
+                    // SYNC POINT qp-peer-gone (acquire): the peer's acks and NAKs before the
+                    // flag are seen.
                     if o.peer_err.get().load(Ordering::Acquire) != 0 {
                         self.peer_gone = true;
                     }
@@ -2223,6 +2228,8 @@ impl QpSt {
         if let Some(o) = &self.own {
             o.access
                 .get()
+                // SYNC POINT qp-access (release): requesters read the flags before each
+                // one-sided operation.
                 .store(self.attr.qp_access_flags.0, Ordering::Release);
         }
         self.state = next;
@@ -2356,6 +2363,7 @@ impl QpSt {
         peer.rnr
             .get()
             .store(u32::from(a.min_rnr_timer) + 1, Ordering::Relaxed);
+        // SYNC POINT qp-credits (release): receives posted before the connection count.
         peer.credits.get().store(self.rq_posted, Ordering::Release);
         self.published = self.rq_posted;
         self.peer = Some(peer);
@@ -2367,6 +2375,7 @@ impl QpSt {
 
     fn reset(&mut self, env: &Env<'_>) {
         if let Some(p) = self.peer.take() {
+            // SYNC POINT qp-peer-gone (release): as in `fail`.
             p.peer_err.get().store(1, Ordering::Release);
         }
         self.sq.clear();
@@ -2390,6 +2399,7 @@ impl QpSt {
         self.cons = Consumer::new();
         if let Some(o) = &self.own {
             let _ = env.win.zero(o.off + QP_ACK_OFF as u64, 64);
+            // SYNC POINT ring-publish (release): a reset ring has published nothing.
             o.tail.get().store(0, Ordering::Release);
         }
         self.attr = QpAttr {
@@ -2403,16 +2413,19 @@ impl QpSt {
         if let Some(o) = &self.own {
             out.push(Watch::Moved {
                 word: o.tail,
+                // SYNC POINT ring-publish (acquire, watched): what the peer published so far.
                 seen: o.tail.get().load(Ordering::Acquire),
             });
             out.push(Watch::Moved {
                 word: o.ack,
+                // SYNC POINT qp-ack (acquire, watched).
                 seen: o.ack.get().load(Ordering::Acquire),
             });
             out.push(Watch::Flag(o.peer_err));
             if self.rnr.is_some() {
                 out.push(Watch::Moved {
                     word: o.credits,
+                    // SYNC POINT qp-credits (acquire, watched).
                     seen: o.credits.get().load(Ordering::Acquire),
                 });
             }
@@ -2426,6 +2439,7 @@ impl QpSt {
             fence(Ordering::SeqCst);
             out.push(Watch::Bell {
                 word: bell,
+                // SYNC POINT qp-bell (watch): the doorbell value peers bump after publishing.
                 seen: bell.get().load(Ordering::Acquire),
             });
         }
@@ -2433,6 +2447,7 @@ impl QpSt {
 
     pub(crate) fn destroy(&mut self, env: &Env<'_>) {
         if let Some(p) = self.peer.take() {
+            // SYNC POINT qp-peer-gone (release): our last acks and NAKs are visible before the flag.
             p.peer_err.get().store(1, Ordering::Release);
             crate::sync::ring(p.ev_bell.get());
         }

@@ -388,6 +388,7 @@ impl Sup {
         for ((slot, _), block_off, event_off) in peers {
             let w = self.win(slot);
             if let Ok(flag) = w.u32_at(block_off + QP_PEER_ERR_OFF as u64) {
+                // SYNC POINT qp-peer-gone (release): the peer QP is gone from the registry.
                 flag.store(1, Ordering::Release);
             }
             if let Ok(bell) = w.u32_at(event_off + EV_BELL_OFF as u64) {
