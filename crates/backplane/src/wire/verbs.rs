@@ -317,6 +317,7 @@ pub struct MsgRepr {
 
 impl MsgRepr {
     /// Parses a header and checks it against the fragment's payload length `frag_len`.
+    #[inline]
     pub fn parse<T: AsRef<[u8]>>(p: &MsgHeader<T>, frag_len: usize) -> Result<Self, LayoutError> {
         p.check_len()?;
         let b = p.buffer.as_ref();
@@ -370,6 +371,7 @@ impl MsgRepr {
     }
 
     /// Writes the header.
+    #[inline]
     pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(&self, p: &mut MsgHeader<T>) {
         let b = p.buffer.as_mut();
         b[msg_field::OPCODE] = self.op as u8;
