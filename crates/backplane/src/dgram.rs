@@ -427,6 +427,13 @@ impl Endpoint {
         self.spin_polls = polls.max(1);
     }
 
+    /// The endpoint's receive doorbell (the futex word senders bump when the endpoint is armed)
+    /// and its armed flag, both in this node's window: for waiters outside the endpoint (the
+    /// verbs completion channel).
+    pub(crate) fn doorbell_words(&self) -> (*const AtomicU32, *const AtomicU32) {
+        (self.doorbell, self.armed)
+    }
+
     /// Counts a datagram the application dropped on this endpoint's behalf (for example a
     /// frame for an unknown MAC), so that it shows in `stats()` and `backplane status`.
     pub fn count_drop(&mut self) {

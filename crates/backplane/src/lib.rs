@@ -8,7 +8,8 @@
 //! - [`fabric`]: control plane — supervisor, node table, node life cycle, attach;
 //! - [`dgram`]: kernel-bypass datagram endpoints;
 //! - [`net`]: IP over the fabric — addressing, frame switching, namespaces, TAP;
-//! - [`model`]: link models (pure arithmetic): what a PCIe or Ethernet link delivers.
+//! - [`model`]: link models (pure arithmetic): what a PCIe or Ethernet link delivers;
+//! - [`verbs`]: RDMA verbs (PD, MR, CQ, QP: RC, UC, UD) over the fabric.
 //!
 //! ```no_run
 //! use backplane::{fabric::Fabric, dgram::Addr};
@@ -35,4 +36,6 @@ pub mod model;
 pub mod net;
 pub mod ring;
 pub mod sync;
+#[cfg(not(loom))]
+pub mod verbs;
 pub mod wire;

@@ -128,6 +128,7 @@ impl Producer {
     }
 
     /// True if a payload of `len` bytes fits now (reloads the consumer index if needed).
+    #[inline]
     pub fn has_room(&mut self, mem: &impl RingMemory, len: usize) -> Result<bool, RingError> {
         let data_len = mem.data_len();
         let (pad, rec) = self.needed(data_len, len);
@@ -140,6 +141,7 @@ impl Producer {
 
     /// Reserves room for a payload of `len` bytes, writing a PAD record first if the payload
     /// would straddle the end of the data area.
+    #[inline]
     pub fn reserve(&mut self, mem: &impl RingMemory, len: usize) -> Result<Reservation, RingError> {
         if len > MAX_DGRAM {
             return Err(RingError::TooBig(len));
@@ -172,6 +174,7 @@ impl Producer {
     }
 
     /// Publishes a filled reservation (and the PAD before it, if any).
+    #[inline]
     pub fn commit(&mut self, mem: &impl RingMemory, r: Reservation) {
         let data_len = mem.data_len();
         emit_header(
@@ -229,6 +232,7 @@ impl Consumer {
     }
 
     /// Returns the next record, if any, after validating everything the producer wrote.
+    #[inline]
     pub fn peek(&mut self, mem: &impl RingMemory) -> Result<Option<Record>, RingError> {
         let data_len = mem.data_len();
         if self.head == self.tail_cache {
@@ -283,6 +287,7 @@ impl Consumer {
     }
 
     /// Releases a record returned by [`Consumer::peek`]: its bytes may be overwritten.
+    #[inline]
     pub fn release(&mut self, mem: &impl RingMemory, rec: Record) {
         self.head = rec.end;
         self.seq += 1;

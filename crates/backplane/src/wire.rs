@@ -940,6 +940,9 @@ impl RecordRepr {
     }
 }
 
+// Layouts of the RDMA verbs path live in their own file.
+pub mod verbs;
+
 const _: () = {
     assert!(EP_RING_LIST_OFF.is_multiple_of(CACHE_LINE));
     assert!(EP_DOORBELL_OFF / CACHE_LINE != EP_ARMED_OFF / CACHE_LINE);

@@ -1,8 +1,13 @@
-//! `backplane perf`: perftest-like micro benchmarks of the fabric's datagram path, measured
-//! side by side with UCX over shared memory (`ucx_perftest`) in the same run.
+//! `backplane perf`: perftest-like micro benchmarks of the fabric's datagram path and of RDMA
+//! verbs over it, measured side by side with UCX over shared memory (`ucx_perftest`) in the
+//! same run (and, for bandwidth, with a single-thread memcpy).
 //!
 //! The local side runs on node 1 in this process; the far side is a `perf-peer` process on
-//! node 2. Messages larger than one datagram (64 KiB) travel as consecutive datagrams.
+//! node 2. Datagram messages larger than one datagram (64 KiB) travel as consecutive
+//! datagrams. The verbs tests (`write-lat` ... `atomic-lat`, in `perf/verbs.rs`) connect one
+//! RC QP pair with the connection helper.
+
+mod verbs;
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -28,6 +33,20 @@ pub enum Test {
     DgramLat,
     /// Datagram streaming bandwidth and message rate.
     DgramBw,
+    /// RDMA_WRITE ping-pong latency, polling memory (ib_write_lat; one-way = round trip / 2).
+    WriteLat,
+    /// RDMA_WRITE streaming bandwidth (ib_write_bw).
+    WriteBw,
+    /// RDMA_READ latency (ib_read_lat; the whole read).
+    ReadLat,
+    /// RDMA_READ streaming bandwidth (ib_read_bw).
+    ReadBw,
+    /// SEND/RECV ping-pong latency (ib_send_lat; one-way = round trip / 2).
+    SendLat,
+    /// SEND streaming bandwidth (ib_send_bw).
+    SendBw,
+    /// ATOMIC_FETCH_AND_ADD latency (ib_atomic_lat; the whole operation, 8 B).
+    AtomicLat,
     /// IP over the fabric vs a veth pair: iperf3 TCP and sockperf latency (root).
     Ip,
 }
@@ -37,13 +56,72 @@ impl Test {
         match self {
             Test::DgramLat => "dgram-lat",
             Test::DgramBw => "dgram-bw",
+            Test::WriteLat => "write-lat",
+            Test::WriteBw => "write-bw",
+            Test::ReadLat => "read-lat",
+            Test::ReadBw => "read-bw",
+            Test::SendLat => "send-lat",
+            Test::SendBw => "send-bw",
+            Test::AtomicLat => "atomic-lat",
             Test::Ip => "ip",
         }
     }
     fn ucx_test(self) -> &'static str {
         match self {
-            Test::DgramLat => "tag_lat",
-            Test::DgramBw | Test::Ip => "tag_bw",
+            Test::DgramLat | Test::SendLat => "tag_lat",
+            Test::DgramBw | Test::SendBw => "tag_bw",
+            Test::WriteLat => "ucp_put_lat",
+            Test::WriteBw => "ucp_put_bw",
+            Test::ReadLat | Test::ReadBw => "ucp_get",
+            Test::AtomicLat => "ucp_fadd",
+            Test::Ip => "tag_bw",
+        }
+    }
+    /// Latency test (else bandwidth).
+    fn is_lat(self) -> bool {
+        matches!(
+            self,
+            Test::DgramLat | Test::WriteLat | Test::ReadLat | Test::SendLat | Test::AtomicLat
+        )
+    }
+    /// A verbs test (else datagrams).
+    fn is_verbs(self) -> bool {
+        !matches!(self, Test::DgramLat | Test::DgramBw)
+    }
+    /// Ping-pong: latency is half the round trip (else the whole operation).
+    fn halved(self) -> bool {
+        matches!(self, Test::DgramLat | Test::WriteLat | Test::SendLat)
+    }
+    fn title(self) -> &'static str {
+        match self {
+            Test::DgramLat | Test::DgramBw => "backplane fabric datagrams",
+            Test::WriteLat | Test::WriteBw => "RDMA_WRITE on an RC QP",
+            Test::ReadLat | Test::ReadBw => "RDMA_READ on an RC QP",
+            Test::SendLat | Test::SendBw => "SEND/RECV on an RC QP",
+            Test::AtomicLat => "ATOMIC_FETCH_AND_ADD on an RC QP",
+            Test::Ip => "IP over the fabric",
+        }
+    }
+    fn note(self) -> &'static str {
+        match self {
+            Test::DgramLat => " one-way latency = round trip / 2\n",
+            Test::DgramBw => {
+                " receiver reads every cache line of every payload in place (zero-copy receive)\n"
+            }
+            Test::WriteLat => {
+                " one-way latency = round trip / 2; each side polls the last byte of its region\n"
+            }
+            Test::SendLat => " one-way latency = round trip / 2; both sides poll their CQ\n",
+            Test::ReadLat | Test::AtomicLat => {
+                " latency of the whole operation, post to completion\n"
+            }
+            Test::WriteBw | Test::ReadBw => {
+                " one-sided: the initiator copies straight into / out of the peer's region\n"
+            }
+            Test::SendBw => {
+                " the receiver copies each message from its ring into the posted buffer\n"
+            }
+            Test::Ip => " iperf3 and sockperf over bp0 and over veth\n",
         }
     }
 }
@@ -126,6 +204,9 @@ pub struct Row {
     bw_avg_mbps: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     msg_rate_mpps: Option<f64>,
+    /// Single-thread memcpy of the same size, measured in the same run (bandwidth tests).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memcpy_mbps: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -157,13 +238,13 @@ impl Drop for Cleanup {
 }
 
 fn sizes(a: &Args) -> anyhow::Result<Vec<u64>> {
+    if a.test == Test::AtomicLat {
+        return Ok(vec![8]); // atomics are 8 bytes
+    }
     if a.all {
         return Ok((3..=20).map(|p| 1u64 << p).collect());
     }
-    let s = a.size.unwrap_or(match a.test {
-        Test::DgramLat => 8,
-        Test::DgramBw | Test::Ip => MAX_SIZE,
-    });
+    let s = a.size.unwrap_or(if a.test.is_lat() { 8 } else { MAX_SIZE });
     if !(1..=MAX_SIZE).contains(&s) {
         bail!("--size {s} is out of range: use 1 B to 1 MiB");
     }
@@ -171,9 +252,10 @@ fn sizes(a: &Args) -> anyhow::Result<Vec<u64>> {
 }
 
 fn iters_for(a: &Args, size: u64) -> u64 {
-    a.iters.unwrap_or(match a.test {
-        Test::DgramLat => 20_000,
-        Test::DgramBw | Test::Ip => ((1u64 << 30) / size).clamp(1_000, 500_000),
+    a.iters.unwrap_or(if a.test.is_lat() {
+        20_000
+    } else {
+        ((1u64 << 30) / size).clamp(1_000, 500_000)
     })
 }
 
@@ -220,34 +302,47 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .spawn()
             .context("cannot start the perf peer")?,
     );
-    let mut ep = fabric.node(1)?.bind(0)?;
-    let peer = Addr::new(2, PEER_PORT);
-    wait_for_peer(&mut ep, peer)?;
-    if !a.json {
-        eprintln!(
-            "{}: fabric '{name}', node 1 <-> node 2, sizes {}..{} B",
-            a.test.name(),
-            sizes[0],
-            sizes[sizes.len() - 1]
-        );
-    }
+    let announce_run = || {
+        if !a.json {
+            eprintln!(
+                "{}: fabric '{name}', node 1 <-> node 2, sizes {}..{} B",
+                a.test.name(),
+                sizes[0],
+                sizes[sizes.len() - 1]
+            );
+        }
+    };
     let mut rows = Vec::new();
-    for &size in &sizes {
-        let iters = iters_for(&a, size);
-        let row = match a.test {
-            Test::DgramLat => lat_client(&mut ep, peer, size, iters)?,
-            Test::DgramBw | Test::Ip => bw_client(&mut ep, peer, size, iters)?,
-        };
-        rows.push(row);
+    if a.test.is_verbs() {
+        let iters: Vec<u64> = sizes.iter().map(|&s| iters_for(&a, s)).collect();
+        rows = verbs::client(&fabric, a.test, PEER_PORT, &sizes, &iters, announce_run)?;
+    } else {
+        let mut ep = fabric.node(1)?.bind(0)?;
+        let peer = Addr::new(2, PEER_PORT);
+        wait_for_peer(&mut ep, peer)?;
+        announce_run();
+        for &size in &sizes {
+            let iters = iters_for(&a, size);
+            let row = match a.test {
+                Test::DgramLat => lat_client(&mut ep, peer, size, iters)?,
+                _ => bw_client(&mut ep, peer, size, iters)?,
+            };
+            rows.push(row);
+        }
+        // Stop the peer before UCX runs so the two never compete for the CPUs.
+        announce(&mut ep, peer, 0, 0)?;
     }
-    // Stop the peer before UCX runs so the two never compete for the CPUs.
-    announce(&mut ep, peer, 0, 0)?;
     if let Some(mut p) = cleanup.peer.take() {
         let _ = p.wait();
     }
-    drop(ep);
     drop(fabric);
     drop(cleanup);
+    if !a.test.is_lat() {
+        // The physical limit, same sizes, same machine, same run, nothing else running.
+        for r in &mut rows {
+            r.memcpy_mbps = Some(memcpy_mbps(r.bytes, r.iterations));
+        }
+    }
 
     let (ucx, ucx_note) = match (a.ucx, which("ucx_perftest")) {
         (UcxMode::Off, _) => (
@@ -349,6 +444,53 @@ fn touch(p: &[u8]) -> u64 {
     s.wrapping_add(p.len() as u64)
 }
 
+/// Single-thread memcpy bandwidth between two buffers of `size` bytes, `iters` copies
+/// (at least 256 MiB in all), MB/s (10^6).
+fn memcpy_mbps(size: u64, iters: u64) -> f64 {
+    // Page-aligned buffers, as regions are: a heap pair a few bytes apart modulo 4 KiB makes
+    // `rep movsb` crawl on some CPUs (measured: 2.7 instead of 40 GB/s at 64 KiB).
+    let n = size as usize;
+    let a = vec![0x5Au8; n + 4096];
+    let mut b = vec![0u8; n + 4096];
+    let ao = a.as_ptr().align_offset(4096);
+    let bo = b.as_ptr().align_offset(4096);
+    let src = &a[ao..ao + n];
+    let dst = &mut b[bo..bo + n];
+    let n = iters.max((256 << 20) / size.max(1)).max(48) / 3;
+    for _ in 0..n.min(1000) / 10 {
+        dst.copy_from_slice(std::hint::black_box(src));
+    }
+    // Best of three: the limit the machine can reach, not its noise.
+    (0..3)
+        .map(|_| {
+            let t0 = Instant::now();
+            for _ in 0..n {
+                dst.copy_from_slice(std::hint::black_box(src));
+                std::hint::black_box(&mut *dst);
+            }
+            (n * size) as f64 / t0.elapsed().as_secs_f64() / 1e6
+        })
+        .fold(0.0, f64::max)
+}
+
+/// A latency row from a histogram of round trips (ns); `halve` for ping-pong tests.
+fn lat_row(h: &Histogram<u64>, size: u64, iters: u64, halve: bool) -> Row {
+    let k = if halve { 2.0 } else { 1.0 };
+    let us = |ns: f64| ns / k / 1000.0;
+    Row {
+        bytes: size,
+        iterations: iters,
+        t_min_us: Some(us(h.min() as f64)),
+        t_max_us: Some(us(h.max() as f64)),
+        t_typical_us: Some(us(h.value_at_quantile(0.5) as f64)),
+        t_avg_us: Some(us(h.mean())),
+        t_stdev_us: Some(us(h.stdev())),
+        p99_us: Some(us(h.value_at_quantile(0.99) as f64)),
+        p999_us: Some(us(h.value_at_quantile(0.999) as f64)),
+        ..Row::default()
+    }
+}
+
 fn lat_client(ep: &mut Endpoint, peer: Addr, size: u64, iters: u64) -> anyhow::Result<Row> {
     let msg = vec![0xA5u8; size as usize];
     let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
@@ -363,19 +505,7 @@ fn lat_client(ep: &mut Endpoint, peer: Addr, size: u64, iters: u64) -> anyhow::R
             h.record(rtt.max(1))?;
         }
     }
-    let us = |ns: f64| ns / 2.0 / 1000.0; // one-way
-    Ok(Row {
-        bytes: size,
-        iterations: iters,
-        t_min_us: Some(us(h.min() as f64)),
-        t_max_us: Some(us(h.max() as f64)),
-        t_typical_us: Some(us(h.value_at_quantile(0.5) as f64)),
-        t_avg_us: Some(us(h.mean())),
-        t_stdev_us: Some(us(h.stdev())),
-        p99_us: Some(us(h.value_at_quantile(0.99) as f64)),
-        p999_us: Some(us(h.value_at_quantile(0.999) as f64)),
-        ..Row::default()
-    })
+    Ok(lat_row(&h, size, iters, true)) // one-way
 }
 
 fn bw_client(ep: &mut Endpoint, peer: Addr, size: u64, iters: u64) -> anyhow::Result<Row> {
@@ -418,6 +548,9 @@ fn bw_client(ep: &mut Endpoint, peer: Addr, size: u64, iters: u64) -> anyhow::Re
 /// and acknowledges (bandwidth) `count` messages; size 0 ends the run.
 pub fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
     let fabric = Fabric::attach(&a.name)?;
+    if a.test.is_verbs() {
+        return verbs::peer(&fabric, a.test, a.node, a.port);
+    }
     let mut ep = fabric.node(a.node)?.bind(a.port)?;
     let mut ctl = [0u8; 16];
     let (_, client) = ep.recv_from(&mut ctl)?;
@@ -539,16 +672,13 @@ pub fn parse_ucx_csv(text: &str, test: Test, size: u64) -> anyhow::Result<Row> {
         iterations: v[0] as u64,
         ..Row::default()
     };
-    match test {
-        Test::DgramLat => {
-            r.t_typical_us = Some(v[1]);
-            r.t_avg_us = Some(v[2]);
-        }
-        Test::DgramBw | Test::Ip => {
-            // ucx_perftest reports MB/s as 2^20 bytes per second; convert to 10^6 like perftest.
-            r.bw_avg_mbps = Some(v[5] * 1_048_576.0 / 1e6);
-            r.msg_rate_mpps = Some(v[7] / 1e6);
-        }
+    if test.is_lat() {
+        r.t_typical_us = Some(v[1]);
+        r.t_avg_us = Some(v[2]);
+    } else {
+        // ucx_perftest reports MB/s as 2^20 bytes per second; convert to 10^6 like perftest.
+        r.bw_avg_mbps = Some(v[5] * 1_048_576.0 / 1e6);
+        r.msg_rate_mpps = Some(v[7] / 1e6);
     }
     Ok(r)
 }
@@ -560,55 +690,62 @@ fn f(x: Option<f64>) -> String {
 fn render(r: &Report) -> String {
     let line = "-".repeat(100);
     let mut o = format!(
-        "{line}\n {} over backplane fabric datagrams (node 1 <-> node 2)\n",
-        r.test.name()
+        "{line}\n {} over {} (node 1 <-> node 2)\n{}",
+        r.test.name(),
+        r.test.title(),
+        r.test.note()
     );
-    match r.test {
-        Test::DgramLat => {
-            o += " one-way latency = round trip / 2\n";
+    let lat = r.test.is_lat();
+    if lat {
+        o += &format!(
+            "{:>9} {:>12} {:>12} {:>12} {:>16} {:>12} {:>14} {:>9} {:>10}\n",
+            "#bytes",
+            "#iterations",
+            "t_min[usec]",
+            "t_max[usec]",
+            "t_typical[usec]",
+            "t_avg[usec]",
+            "t_stdev[usec]",
+            "99%[usec]",
+            "99.9%[usec]"
+        );
+        for x in &r.backplane {
             o += &format!(
                 "{:>9} {:>12} {:>12} {:>12} {:>16} {:>12} {:>14} {:>9} {:>10}\n",
-                "#bytes",
-                "#iterations",
-                "t_min[usec]",
-                "t_max[usec]",
-                "t_typical[usec]",
-                "t_avg[usec]",
-                "t_stdev[usec]",
-                "99%[usec]",
-                "99.9%[usec]"
+                x.bytes,
+                x.iterations,
+                f(x.t_min_us),
+                f(x.t_max_us),
+                f(x.t_typical_us),
+                f(x.t_avg_us),
+                f(x.t_stdev_us),
+                f(x.p99_us),
+                f(x.p999_us)
             );
-            for x in &r.backplane {
-                o += &format!(
-                    "{:>9} {:>12} {:>12} {:>12} {:>16} {:>12} {:>14} {:>9} {:>10}\n",
-                    x.bytes,
-                    x.iterations,
-                    f(x.t_min_us),
-                    f(x.t_max_us),
-                    f(x.t_typical_us),
-                    f(x.t_avg_us),
-                    f(x.t_stdev_us),
-                    f(x.p99_us),
-                    f(x.p999_us)
-                );
-            }
         }
-        Test::DgramBw | Test::Ip => {
-            o += " receiver reads every cache line of every payload in place (zero-copy receive)\n";
+    } else {
+        o += &format!(
+            "{:>9} {:>12} {:>16} {:>19} {:>14} {:>16} {:>10}\n",
+            "#bytes",
+            "#iterations",
+            "BW peak[MB/sec]",
+            "BW average[MB/sec]",
+            "MsgRate[Mpps]",
+            "memcpy[MB/sec]",
+            "of memcpy"
+        );
+        for x in &r.backplane {
+            let of = x.bw_avg_mbps.zip(x.memcpy_mbps).map(|(b, m)| b / m);
             o += &format!(
-                "{:>9} {:>12} {:>16} {:>19} {:>14}\n",
-                "#bytes", "#iterations", "BW peak[MB/sec]", "BW average[MB/sec]", "MsgRate[Mpps]"
+                "{:>9} {:>12} {:>16} {:>19} {:>14.6} {:>16} {:>10}\n",
+                x.bytes,
+                x.iterations,
+                f(x.bw_peak_mbps),
+                f(x.bw_avg_mbps),
+                x.msg_rate_mpps.unwrap_or(0.0),
+                f(x.memcpy_mbps),
+                of.map_or("-".into(), |v| format!("{:.0}%", v * 100.0))
             );
-            for x in &r.backplane {
-                o += &format!(
-                    "{:>9} {:>12} {:>16} {:>19} {:>14.6}\n",
-                    x.bytes,
-                    x.iterations,
-                    f(x.bw_peak_mbps),
-                    f(x.bw_avg_mbps),
-                    x.msg_rate_mpps.unwrap_or(0.0)
-                );
-            }
         }
     }
     o += &format!("{line}\n");
@@ -617,48 +754,45 @@ fn render(r: &Report) -> String {
             " same run: UCX {} (ucx_perftest, UCX_TLS=posix,cma,self); ratio = backplane / UCX\n",
             r.test.ucx_test()
         );
-        match r.test {
-            Test::DgramLat => {
+        if lat {
+            o += &format!(
+                "{:>9} {:>12} {:>16} {:>12} {:>30}\n",
+                "#bytes",
+                "#iterations",
+                "t_typical[usec]",
+                "t_avg[usec]",
+                "ratio t_typical (<=1 is better)"
+            );
+            for (x, b) in u.iter().zip(&r.backplane) {
+                let ratio = b.t_typical_us.zip(x.t_typical_us).map(|(b, u)| b / u);
                 o += &format!(
                     "{:>9} {:>12} {:>16} {:>12} {:>30}\n",
-                    "#bytes",
-                    "#iterations",
-                    "t_typical[usec]",
-                    "t_avg[usec]",
-                    "ratio t_typical (<=1 is better)"
+                    x.bytes,
+                    x.iterations,
+                    f(x.t_typical_us),
+                    f(x.t_avg_us),
+                    f(ratio)
                 );
-                for (x, b) in u.iter().zip(&r.backplane) {
-                    let ratio = b.t_typical_us.zip(x.t_typical_us).map(|(b, u)| b / u);
-                    o += &format!(
-                        "{:>9} {:>12} {:>16} {:>12} {:>30}\n",
-                        x.bytes,
-                        x.iterations,
-                        f(x.t_typical_us),
-                        f(x.t_avg_us),
-                        f(ratio)
-                    );
-                }
             }
-            Test::DgramBw | Test::Ip => {
+        } else {
+            o += &format!(
+                "{:>9} {:>12} {:>19} {:>14} {:>26}\n",
+                "#bytes",
+                "#iterations",
+                "BW average[MB/sec]",
+                "MsgRate[Mpps]",
+                "ratio BW (>=1 is better)"
+            );
+            for (x, b) in u.iter().zip(&r.backplane) {
+                let ratio = b.bw_avg_mbps.zip(x.bw_avg_mbps).map(|(b, u)| b / u);
                 o += &format!(
-                    "{:>9} {:>12} {:>19} {:>14} {:>26}\n",
-                    "#bytes",
-                    "#iterations",
-                    "BW average[MB/sec]",
-                    "MsgRate[Mpps]",
-                    "ratio BW (>=1 is better)"
+                    "{:>9} {:>12} {:>19} {:>14.6} {:>26}\n",
+                    x.bytes,
+                    x.iterations,
+                    f(x.bw_avg_mbps),
+                    x.msg_rate_mpps.unwrap_or(0.0),
+                    f(ratio)
                 );
-                for (x, b) in u.iter().zip(&r.backplane) {
-                    let ratio = b.bw_avg_mbps.zip(x.bw_avg_mbps).map(|(b, u)| b / u);
-                    o += &format!(
-                        "{:>9} {:>12} {:>19} {:>14.6} {:>26}\n",
-                        x.bytes,
-                        x.iterations,
-                        f(x.bw_avg_mbps),
-                        x.msg_rate_mpps.unwrap_or(0.0),
-                        f(ratio)
-                    );
-                }
             }
         }
         o += &format!("{line}\n");

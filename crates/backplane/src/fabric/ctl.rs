@@ -88,6 +88,8 @@ pub enum Request {
     Status,
     /// Stop the fabric. Reply: `Ok`, then the supervisor exits.
     Shutdown,
+    /// An RDMA verbs request (see [`super::ctl_verbs`]).
+    Verbs(super::ctl_verbs::VerbsRequest),
 }
 
 /// One link of a route through a distributed topology.
@@ -166,6 +168,8 @@ pub enum Response {
     },
     /// Reply to `Status`.
     Status(StatusReport),
+    /// Reply to a verbs request.
+    Verbs(super::ctl_verbs::VerbsResponse),
     /// The request failed.
     Error {
         /// Class.
@@ -383,6 +387,32 @@ mod tests {
         let mut got = [0u8; 2];
         m.read(0, &mut got).unwrap();
         assert_eq!(&got, b"hi");
+    }
+
+    #[test]
+    fn verbs_requests_cross_the_socket_tagged_inside_the_request() {
+        use super::super::ctl_verbs::{VerbsRequest, VerbsResponse};
+        let req = Request::Verbs(VerbsRequest::MrGrant {
+            slot: 1,
+            qpn: 7,
+            rkey: 0xabcd,
+        });
+        let s = serde_json::to_string(&req).unwrap();
+        assert!(
+            s.contains("\"op\":\"verbs\"") && s.contains("\"verb\":\"mr_grant\""),
+            "{s}"
+        );
+        let back: Request = serde_json::from_str(&s).unwrap();
+        assert!(matches!(
+            back,
+            Request::Verbs(VerbsRequest::MrGrant { rkey: 0xabcd, .. })
+        ));
+        let resp = Response::Verbs(VerbsResponse::MrRegistered { key: 5 });
+        let back: Response = serde_json::from_str(&serde_json::to_string(&resp).unwrap()).unwrap();
+        assert!(matches!(
+            back,
+            Response::Verbs(VerbsResponse::MrRegistered { key: 5 })
+        ));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 pub mod alloc;
 pub mod ctl;
+pub mod ctl_verbs;
 pub mod launch;
 pub mod life;
 pub mod supervisor;
@@ -334,6 +335,28 @@ impl Fabric {
     pub(crate) fn call(&self, req: &Request) -> Result<(Response, Vec<OwnedFd>), FabricError> {
         let sock = self.inner.sock.lock().unwrap_or_else(|p| p.into_inner());
         let (resp, fds) = ctl::call(&sock.as_fd(), req)?;
+        if let Response::Error { kind, message } = resp {
+            return Err(FabricError::Refused { kind, message });
+        }
+        Ok((resp, fds))
+    }
+
+    /// One request/response carrying file descriptors with the request (memfds of memory
+    /// regions); supervisor errors become `Refused`.
+    pub(crate) fn call_with_fds(
+        &self,
+        req: &Request,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<(Response, Vec<OwnedFd>), FabricError> {
+        let sock = self.inner.sock.lock().unwrap_or_else(|p| p.into_inner());
+        ctl::send(sock.as_fd(), req, fds)?;
+        let mut buf = Vec::new();
+        let (resp, fds) = ctl::recv(sock.as_fd(), &mut buf)?.ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "the fabric supervisor closed the connection",
+            )
+        })?;
         if let Response::Error { kind, message } = resp {
             return Err(FabricError::Refused { kind, message });
         }

@@ -28,6 +28,8 @@ use crate::net::{self, NetPlan};
 use crate::sync::{self, fence, Ordering};
 use crate::wire::{self, *};
 
+mod verbs;
+
 /// First port handed out for `bind(0)`.
 pub const EPHEMERAL_BASE: u32 = 49152;
 /// How long `up` waits for every node to become READY.
@@ -272,6 +274,7 @@ struct Sup {
     net_ready: Vec<bool>,
     log: File,
     stopping: bool,
+    verbs: verbs::Registry,
 }
 
 static SIGNALLED: AtomicBool = AtomicBool::new(false);
@@ -371,6 +374,7 @@ fn run_inner(
         next_ephemeral: EPHEMERAL_BASE,
         log,
         stopping: false,
+        verbs: verbs::Registry::new(),
     };
     if lock.stale {
         sup.say("removed what a crashed supervisor left behind");
@@ -612,6 +616,7 @@ impl Sup {
         for id in through {
             self.teardown_ring(id);
         }
+        self.verbs_node_down(slot);
         let eps: Vec<(u32, u32)> = self
             .endpoints
             .keys()
@@ -768,6 +773,7 @@ impl Sup {
                 None => continue,
             };
             match msg {
+                Ok(Some((Request::Verbs(v), fds))) => self.handle_verbs(*id, v, fds),
                 Ok(Some((req, _fds))) => self.handle(*id, req),
                 Ok(None) | Err(_) => self.drop_client(*id),
             }
@@ -803,6 +809,7 @@ impl Sup {
         for key in eps {
             self.close_endpoint(key);
         }
+        self.verbs_drop_client(id);
         self.clients.remove(&id);
     }
 
@@ -954,6 +961,7 @@ impl Sup {
                 Ok((Response::Ok, None))
             }
             Request::Status => Ok((Response::Status(self.status()), None)),
+            Request::Verbs(_) => Err(invalid("verbs requests are served by handle_verbs")),
             Request::Shutdown => {
                 self.stopping = true;
                 self.say("shutdown requested");

@@ -1,0 +1,641 @@
+//! The verbs benchmarks of `backplane perf`, shaped like perftest's `ib_*_lat` / `ib_*_bw`:
+//! one RC QP pair between node 1 (this process) and node 2 (`perf-peer`), connected with the
+//! connection helper, each side with one region of 3 MiB:
+//!
+//! - `[0, 1 MiB)`: written or read by the peer (RDMA targets; polled in `write-lat`);
+//! - `[1 MiB, 2 MiB)`: local source of writes and sends, destination of reads and atomics;
+//! - `[2 MiB, 3 MiB)`: every posted receive (control messages and SEND data).
+//!
+//! Per size the client sends a control message `(size, count)`; the peer answers "ready" and
+//! plays its part: echo (`write-lat`, `send-lat`), sink and answer "done" (`send-bw`), or
+//! nothing (the one-sided `write-bw`, `read-*`, `atomic-lat`).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use backplane::fabric::Fabric;
+use backplane::verbs::cm::{self, ConnParam, PeerInfo};
+use backplane::verbs::*;
+use hdrhistogram::Histogram;
+
+use super::{lat_row, Row, Test, MAX_SIZE};
+
+const RX_DEPTH: u32 = 512;
+const TX_DEPTH: u32 = 128;
+/// Every CQ_MOD-th send is signaled (perftest's `--cq-mod`).
+const CQ_MOD: u64 = 64;
+const INLINE: u64 = 256;
+const RING: u32 = 4 << 20;
+const SRC: u64 = MAX_SIZE;
+const RX: u64 = 2 * MAX_SIZE;
+const ALL: AccessFlags = AccessFlags(
+    AccessFlags::LOCAL_WRITE.0
+        | AccessFlags::REMOTE_WRITE.0
+        | AccessFlags::REMOTE_READ.0
+        | AccessFlags::REMOTE_ATOMIC.0,
+);
+
+/// One side's verbs objects.
+struct End {
+    _ctx: Context,
+    cq: Cq,
+    qp: Qp,
+    mr: Mr,
+    /// Send work requests posted since the last signaled one.
+    sent: u64,
+}
+
+fn open(fabric: &Fabric, slot: u32) -> anyhow::Result<End> {
+    let ctx = Context::open(&fabric.node(slot)?)?;
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(4 * (RX_DEPTH + TX_DEPTH) as usize, None)?;
+    let mut init = QpInitAttr::new(QpType::Rc, &cq, &cq);
+    init.cap = QpCap {
+        max_send_wr: TX_DEPTH,
+        max_recv_wr: RX_DEPTH,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: INLINE as u32,
+    };
+    init.ring_bytes = RING;
+    let qp = pd.create_qp(&init)?;
+    let mr = pd.alloc_mr(3 * MAX_SIZE as usize, ALL)?;
+    cm::init_qp(&qp, &ConnParam::default())?;
+    let e = End {
+        _ctx: ctx,
+        cq,
+        qp,
+        mr,
+        sent: 0,
+    };
+    for _ in 0..RX_DEPTH {
+        e.repost()?;
+    }
+    Ok(e)
+}
+
+impl End {
+    fn repost(&self) -> anyhow::Result<()> {
+        self.qp.post_recv(&[RecvWr {
+            wr_id: 0,
+            sg_list: &[self.mr.sge(RX, MAX_SIZE as u32)],
+        }])?;
+        Ok(())
+    }
+
+    fn offer(&self) -> ConnParam {
+        ConnParam {
+            rkey: self.mr.rkey(),
+            len: MAX_SIZE,
+            ..ConnParam::default()
+        }
+    }
+
+    /// Polls until a receive completes (send completions are checked and dropped); the
+    /// receive is reposted.
+    fn wait_recv(&self) -> anyhow::Result<Wc> {
+        let w = self.take_recv()?;
+        self.repost()?;
+        Ok(w)
+    }
+
+    /// Polls until a receive completes (send completions are checked and dropped); the caller
+    /// reposts it (after answering, in the latency loops: off the critical path).
+    fn take_recv(&self) -> anyhow::Result<Wc> {
+        let mut wc = [Wc::default(); 2];
+        let mut got = None;
+        let mut t0 = None;
+        let mut spins = 0u32;
+        loop {
+            let n = self.cq.poll(&mut wc);
+            for w in &wc[..n] {
+                if w.status != WcStatus::Success {
+                    bail!("work completed with {} ({w:?})", w.status);
+                }
+                if w.opcode == WcOpcode::Recv && got.is_none() {
+                    got = Some(*w);
+                } else if w.opcode == WcOpcode::Recv {
+                    bail!("two receives in one poll: the protocol is out of step");
+                }
+            }
+            if let Some(w) = got {
+                return Ok(w);
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(65536) {
+                // Reading the clock costs as much as a poll: only now and then.
+                let t = *t0.get_or_insert_with(Instant::now);
+                if t.elapsed() > Duration::from_secs(30) {
+                    bail!("the peer stopped answering");
+                }
+            }
+        }
+    }
+
+    /// Takes `count` receives (several per poll), reposting each.
+    fn sink(&self, count: u64) -> anyhow::Result<()> {
+        let mut wc = [Wc::default(); 32];
+        let mut got = 0;
+        let mut idle = 0u32;
+        let mut t0 = None;
+        while got < count {
+            let n = self.cq.poll(&mut wc);
+            for w in &wc[..n] {
+                if w.status != WcStatus::Success {
+                    bail!("work completed with {} ({w:?})", w.status);
+                }
+                if w.opcode == WcOpcode::Recv {
+                    got += 1;
+                    self.repost()?;
+                }
+            }
+            if n == 0 {
+                idle = idle.wrapping_add(1);
+                if idle.is_multiple_of(65536) {
+                    let t = *t0.get_or_insert_with(Instant::now);
+                    if t.elapsed() > Duration::from_secs(30) {
+                        bail!("the sender stopped after {got} of {count} messages");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Polls until the signaled work request `wr_id` completes.
+    fn wait_send(&self, wr_id: u64) -> anyhow::Result<()> {
+        let mut wc = [Wc::default(); 1];
+        let t0 = Instant::now();
+        loop {
+            let n = self.cq.poll(&mut wc);
+            for w in &wc[..n] {
+                if w.status != WcStatus::Success {
+                    bail!("work completed with {} ({w:?})", w.status);
+                }
+                if w.opcode == WcOpcode::Recv {
+                    bail!("unexpected receive");
+                }
+                if w.wr_id == wr_id {
+                    return Ok(());
+                }
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                bail!("work request {wr_id} never completed");
+            }
+        }
+    }
+
+    /// Posts one send work request, signaling every CQ_MOD-th and reaping it when the send
+    /// queue fills.
+    #[inline]
+    fn post(&mut self, wr: &SendWr<'_>) -> anyhow::Result<()> {
+        self.sent += 1;
+        let signaled;
+        let wrs = if self.sent.is_multiple_of(CQ_MOD) {
+            signaled = [SendWr {
+                wr_id: self.sent,
+                send_flags: wr.send_flags | SendFlags::SIGNALED,
+                ..*wr
+            }];
+            &signaled[..]
+        } else {
+            std::slice::from_ref(wr)
+        };
+        loop {
+            match self.qp.post_send(wrs) {
+                Ok(()) => return Ok(()),
+                Err(VerbsError::Post { source, .. })
+                    if matches!(*source, VerbsError::QueueFull(_)) =>
+                {
+                    self.reap()?;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Takes whatever completions are there (sends only expected).
+    fn reap(&self) -> anyhow::Result<()> {
+        let mut wc = [Wc::default(); 16];
+        let n = self.cq.poll(&mut wc);
+        for w in &wc[..n] {
+            if w.status != WcStatus::Success || w.opcode == WcOpcode::Recv {
+                bail!("unexpected completion {w:?}");
+            }
+        }
+        Ok(())
+    }
+
+    fn send_ctl(&mut self, a: u64, b: u64) -> anyhow::Result<()> {
+        let mut m = [0u8; 16];
+        m[..8].copy_from_slice(&a.to_le_bytes());
+        m[8..].copy_from_slice(&b.to_le_bytes());
+        // Unsignaled: the answer that follows says it arrived.
+        self.qp.post_send(&[SendWr::send_inline(u64::MAX, &m)])?;
+        Ok(())
+    }
+
+    fn ctl(&self, w: &Wc) -> (u64, u64) {
+        let b = &self.mr.as_slice()[RX as usize..RX as usize + 16];
+        if w.byte_len != 16 {
+            return (u64::MAX, 0);
+        }
+        (
+            u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
+            u64::from_le_bytes(b[8..].try_into().expect("8 bytes")),
+        )
+    }
+
+    fn send_wr(&self, size: u64) -> SendWr<'static> {
+        SendWr {
+            opcode: WrOpcode::Send,
+            send_flags: if size <= INLINE {
+                SendFlags::INLINE
+            } else {
+                SendFlags::empty()
+            },
+            ..SendWr::default()
+        }
+    }
+
+    /// The byte at `off` of our region, as a peer's write left it.
+    fn peek(&self, off: u64) -> u8 {
+        // SAFETY: `off` < the region's length (callers pass offsets below 1 MiB of a 3 MiB
+        // region); the byte may change under us (a peer writes it), hence the volatile read.
+        unsafe { std::ptr::read_volatile(self.mr.as_ptr().add(off as usize)) }
+    }
+
+    /// Puts `v` in the last byte of the next write's source. With 8 bytes or more the whole
+    /// last word is stored, so the copy's 8-byte load forwards from one store.
+    fn stamp_src(&self, size: u64, v: u8) {
+        let end = (SRC + size) as usize;
+        // SAFETY: [SRC, SRC + size) lies in our local source area (size <= 1 MiB of a 3 MiB
+        // region), which only this process writes.
+        unsafe {
+            if size >= 8 {
+                let w = u64::from(v) << 56;
+                std::ptr::write_volatile(self.mr.as_ptr().add(end - 8).cast::<u64>(), w);
+            } else {
+                std::ptr::write_volatile(self.mr.as_ptr().add(end - 1), v);
+            }
+        }
+    }
+}
+
+/// A cheap timestamp for per-iteration latencies, as perftest's `get_cycles`: the TSC on
+/// x86_64 (calibrated against the monotonic clock), `Instant` elsewhere.
+struct Clock {
+    t0: Instant,
+    #[cfg(target_arch = "x86_64")]
+    c0: u64,
+    #[cfg(target_arch = "x86_64")]
+    ns_per_cycle: f64,
+}
+
+impl Clock {
+    fn new() -> Self {
+        let t0 = Instant::now();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let c0 = tsc();
+            while t0.elapsed() < Duration::from_millis(20) {
+                std::hint::spin_loop();
+            }
+            let ns = t0.elapsed().as_nanos() as f64;
+            let ns_per_cycle = ns / (tsc() - c0).max(1) as f64;
+            Self {
+                t0,
+                c0,
+                ns_per_cycle,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Self { t0 }
+    }
+
+    /// A raw timestamp (cycles on x86_64); [`Clock::ns`] converts a difference.
+    #[inline]
+    fn raw() -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            tsc()
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            EPOCH.elapsed().as_nanos() as u64
+        }
+    }
+
+    /// Nanoseconds in a difference of raw timestamps.
+    fn ns(&self, d: u64) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            (d as f64 * self.ns_per_cycle) as u64
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            d
+        }
+    }
+
+    /// Now, in nanoseconds since the clock was made.
+    #[inline]
+    fn now(&self) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            ((tsc() - self.c0) as f64 * self.ns_per_cycle) as u64
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self.t0.elapsed().as_nanos() as u64
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn tsc() -> u64 {
+    // SAFETY: RDTSC has no memory effects; every x86_64 CPU has it.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+static EPOCH: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
+
+/// The RDMA_WRITE ping-pong of `write-lat` (ib_write_lat): each side writes the iteration's
+/// stamp into the last byte of the other's region and polls the last byte of its own. The
+/// work requests are built once (as perftest does); `first` is the side that starts. Returns
+/// the raw round-trip timestamps differences of the starting side.
+fn write_pingpong(
+    e: &mut End,
+    rkey: u32,
+    size: u64,
+    count: u64,
+    first: bool,
+) -> anyhow::Result<Vec<u64>> {
+    let sge = [e.mr.sge(SRC, size as u32)];
+    let mut wr = SendWr::write(0, &sge, 0, rkey);
+    if size <= INLINE {
+        wr.send_flags = SendFlags::INLINE;
+    }
+    let signaled = [wr.signaled()];
+    let plain = [wr];
+    let mut rtt = Vec::with_capacity(if first { count as usize } else { 0 });
+    // One timestamp per iteration, as ucx_perftest takes it: a round trip is the time between
+    // two consecutive ends of iteration.
+    let mut last = Clock::raw();
+    for i in 0..count {
+        let s = stamp(i);
+        if !first {
+            while e.peek(size - 1) != s {
+                std::hint::spin_loop();
+            }
+        }
+        e.stamp_src(size, s);
+        let sig = (i + 1).is_multiple_of(CQ_MOD);
+        e.qp.post_send(if sig { &signaled } else { &plain })?;
+        if first {
+            while e.peek(size - 1) != s {
+                std::hint::spin_loop();
+            }
+            let now = Clock::raw();
+            rtt.push(now - last);
+            last = now;
+        }
+        if sig {
+            e.reap()?;
+        }
+    }
+    Ok(rtt)
+}
+
+fn stamp(i: u64) -> u8 {
+    (i % 255) as u8 + 1
+}
+
+fn warmup(iters: u64) -> u64 {
+    (iters / 10).clamp(100, 10_000)
+}
+
+/// The client side (node 1): one row per size.
+pub(super) fn client(
+    fabric: &Fabric,
+    test: Test,
+    port: u32,
+    sizes: &[u64],
+    iters: &[u64],
+    announce: impl FnOnce(),
+) -> anyhow::Result<Vec<Row>> {
+    let mut e = open(fabric, 1)?;
+    let peer = cm::connect(&e._ctx, 2, port, &e.qp, &e.offer(), Duration::from_secs(10))
+        .context("perf peer did not come up")?;
+    announce();
+    let mut rows = Vec::new();
+    for (&size, &n) in sizes.iter().zip(iters) {
+        let warm = warmup(n);
+        if test == Test::WriteLat {
+            e.mr.as_mut_slice()[..size as usize].fill(0);
+        }
+        e.send_ctl(size, warm + n)?;
+        let w = e.wait_recv()?;
+        if e.ctl(&w).0 != 0 {
+            bail!("perf peer did not get ready");
+        }
+        let row = match test {
+            Test::WriteLat | Test::ReadLat | Test::AtomicLat | Test::SendLat => {
+                lat(&mut e, &peer, test, size, warm, n)?
+            }
+            _ => bw(&mut e, &peer, test, size, warm, n)?,
+        };
+        if !matches!(test, Test::WriteLat | Test::SendLat | Test::SendBw) {
+            // One-sided: tell the idle peer this size is over.
+            e.send_ctl(1, 1)?;
+            e.wait_recv()?;
+        }
+        rows.push(row);
+    }
+    e.send_ctl(0, 0)?;
+    Ok(rows)
+}
+
+fn lat(
+    e: &mut End,
+    peer: &PeerInfo,
+    test: Test,
+    size: u64,
+    warm: u64,
+    n: u64,
+) -> anyhow::Result<Row> {
+    let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    let len = size as u32;
+    let clock = Clock::new();
+    let _ = clock.t0;
+    let mut samples = Vec::with_capacity(n as usize);
+    if test == Test::WriteLat {
+        let raw = write_pingpong(e, peer.rkey, size, warm + n, true)?;
+        for r in &raw[warm as usize..] {
+            h.record(clock.ns(*r).max(1))?;
+        }
+        return Ok(lat_row(&h, size, n, true));
+    }
+    for i in 0..warm + n {
+        let t0;
+        match test {
+            Test::WriteLat => {
+                let s = stamp(i);
+                e.stamp_src(size, s);
+                let mut wr = SendWr::write(0, &[], 0, peer.rkey);
+                let sge = [e.mr.sge(SRC, len)];
+                wr.sg_list = &sge;
+                if size <= INLINE {
+                    wr.send_flags = SendFlags::INLINE;
+                }
+                t0 = clock.now();
+                e.post(&wr)?;
+                while e.peek(size - 1) != s {
+                    std::hint::spin_loop();
+                }
+            }
+            Test::SendLat => {
+                let sge = [e.mr.sge(SRC, len)];
+                let mut wr = e.send_wr(size);
+                wr.sg_list = &sge;
+                t0 = clock.now();
+                e.post(&wr)?;
+                e.take_recv()?;
+                e.repost()?;
+            }
+            Test::ReadLat => {
+                let sge = [e.mr.sge(SRC, len)];
+                t0 = clock.now();
+                e.qp.post_send(&[SendWr::read(i, &sge, 0, peer.rkey).signaled()])?;
+                e.wait_send(i)?;
+            }
+            _ => {
+                let sge = [e.mr.sge(SRC, 8)];
+                t0 = clock.now();
+                e.qp.post_send(&[SendWr::fetch_add(i, &sge, 0, peer.rkey, 1).signaled()])?;
+                e.wait_send(i)?;
+            }
+        }
+        let rtt = clock.now() - t0;
+        if i >= warm {
+            samples.push(rtt); // into the histogram after the loop: off the measured path
+        }
+    }
+    for s in samples {
+        h.record(s.max(1))?;
+    }
+    Ok(lat_row(&h, size, n, test.halved()))
+}
+
+fn bw(
+    e: &mut End,
+    peer: &PeerInfo,
+    test: Test,
+    size: u64,
+    warm: u64,
+    n: u64,
+) -> anyhow::Result<Row> {
+    let len = size as u32;
+    let sge = [e.mr.sge(SRC, len)];
+    let one = |e: &mut End| -> anyhow::Result<()> {
+        let wr = match test {
+            Test::WriteBw => {
+                let mut wr = SendWr::write(0, &sge, 0, peer.rkey);
+                if size <= INLINE {
+                    wr.send_flags = SendFlags::INLINE;
+                }
+                wr
+            }
+            Test::ReadBw => SendWr::read(0, &sge, 0, peer.rkey),
+            _ => {
+                let mut wr = e.send_wr(size);
+                wr.sg_list = &sge;
+                wr
+            }
+        };
+        e.post(&wr)
+    };
+    for _ in 0..warm {
+        one(e)?;
+    }
+    let chunks = 10u64.min(n);
+    let per = n / chunks;
+    let t0 = Instant::now();
+    let mut peak = 0f64;
+    let mut last = t0;
+    for i in 0..n {
+        one(e)?;
+        if (i + 1) % per == 0 {
+            let now = Instant::now();
+            let mbps = (per * size) as f64 / now.duration_since(last).as_secs_f64() / 1e6;
+            // SENDs are queued, not done, while the send queue fills: skip those chunks.
+            if test != Test::SendBw || i + 1 > u64::from(TX_DEPTH) + per {
+                peak = peak.max(mbps);
+            }
+            last = now;
+        }
+    }
+    if test == Test::SendBw {
+        e.wait_recv()?; // "done": the peer has every message
+    } else {
+        // A signaled request completes after everything posted before it (in order).
+        let fence = [e.mr.sge(SRC, 8)];
+        e.qp.post_send(&[SendWr::read(u64::MAX - 1, &fence, 0, peer.rkey).signaled()])?;
+        e.wait_send(u64::MAX - 1)?;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let avg = (n * size) as f64 / secs / 1e6;
+    Ok(Row {
+        bytes: size,
+        iterations: n,
+        bw_peak_mbps: Some(peak.max(avg)),
+        bw_avg_mbps: Some(avg),
+        msg_rate_mpps: Some(n as f64 / secs / 1e6),
+        ..Row::default()
+    })
+}
+
+/// The far side (node 2, `perf-peer`): listens, then plays its part size after size.
+pub(super) fn peer(fabric: &Fabric, test: Test, node: u32, port: u32) -> anyhow::Result<()> {
+    let mut e = open(fabric, node)?;
+    let mut l = cm::Listener::bind(&e._ctx, port)?;
+    let client = l.accept(&e.qp, &e.offer(), Some(Duration::from_secs(30)))?;
+    loop {
+        let w = e.wait_recv()?;
+        let (size, count) = e.ctl(&w);
+        if size == 0 || size > MAX_SIZE {
+            return Ok(());
+        }
+        if test == Test::WriteLat {
+            e.mr.as_mut_slice()[..size as usize].fill(0);
+        }
+        e.send_ctl(0, 0)?; // ready
+        let len = size as u32;
+        match test {
+            Test::WriteLat => {
+                write_pingpong(&mut e, client.rkey, size, count, false)?;
+            }
+            Test::SendLat => {
+                let sge = [e.mr.sge(SRC, len)];
+                for _ in 0..count {
+                    e.take_recv()?;
+                    let mut wr = e.send_wr(size);
+                    wr.sg_list = &sge;
+                    e.post(&wr)?;
+                    e.repost()?;
+                }
+            }
+            Test::SendBw => {
+                e.sink(count)?;
+                e.send_ctl(0, 1)?; // done
+            }
+            _ => {
+                // One-sided: nothing to do until the client's closing message.
+                e.wait_recv()?;
+                e.send_ctl(0, 2)?;
+            }
+        }
+    }
+}

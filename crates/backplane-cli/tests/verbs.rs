@@ -1,0 +1,1162 @@
+//! RDMA verbs across nodes: every operation on every transport that has it, every error
+//! status a libibverbs user relies on, grants and read-only mappings, completion channels,
+//! the connection helper, and two processes talking over it.
+
+mod common;
+use common::*;
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use backplane::fabric::Fabric;
+use backplane::verbs::cm::{self, ConnParam, PeerInfo};
+use backplane::verbs::*;
+
+const ALL: AccessFlags = AccessFlags(
+    AccessFlags::LOCAL_WRITE.0
+        | AccessFlags::REMOTE_WRITE.0
+        | AccessFlags::REMOTE_READ.0
+        | AccessFlags::REMOTE_ATOMIC.0,
+);
+
+/// One end: a context on a node, a PD, one CQ for both queues, a QP and a region.
+struct Side {
+    ctx: Context,
+    pd: Pd,
+    cq: Cq,
+    qp: Qp,
+    mr: Mr,
+}
+
+fn side(f: &Fabric, slot: u32, ty: QpType, access: AccessFlags, len: usize) -> Side {
+    let ctx = Context::open(&f.node(slot).unwrap()).unwrap();
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(1024, None).unwrap();
+    let mut init = QpInitAttr::new(ty, &cq, &cq);
+    init.cap.max_send_wr = 256;
+    init.cap.max_recv_wr = 256;
+    let qp = pd.create_qp(&init).unwrap();
+    let mr = pd.alloc_mr(len, access).unwrap();
+    Side {
+        ctx,
+        pd,
+        cq,
+        qp,
+        mr,
+    }
+}
+
+fn info(s: &Side) -> PeerInfo {
+    PeerInfo {
+        node: s.ctx.node().slot(),
+        qpn: s.qp.qp_num(),
+        psn: 0,
+        rkey: s.mr.rkey(),
+        addr: 0,
+        len: s.mr.len() as u64,
+        qkey: cm::DEFAULT_QKEY,
+        private_data: Vec::new(),
+    }
+}
+
+/// Two connected sides on nodes 1 and 2.
+fn pair(f: &Fabric, ty: QpType, access: AccessFlags, len: usize) -> (Side, Side) {
+    let a = side(f, 1, ty, access, len);
+    let b = side(f, 2, ty, access, len);
+    cm::ready_qp(&a.qp, &info(&b), &ConnParam::default()).unwrap();
+    cm::ready_qp(&b.qp, &info(&a), &ConnParam::default()).unwrap();
+    (a, b)
+}
+
+/// Polls several CQs of this thread (each side's progress happens in its own polls) and hands
+/// out completions per CQ. A hang ends the test after 20 s.
+struct Pump<'a> {
+    cqs: Vec<&'a Cq>,
+    got: Vec<VecDeque<Wc>>,
+}
+
+impl<'a> Pump<'a> {
+    fn new(cqs: &[&'a Cq]) -> Self {
+        Self {
+            cqs: cqs.to_vec(),
+            got: vec![VecDeque::new(); cqs.len()],
+        }
+    }
+    fn turn(&mut self) {
+        let mut buf = [Wc::default(); 16];
+        for (i, cq) in self.cqs.iter().enumerate() {
+            let n = cq.poll(&mut buf);
+            self.got[i].extend(&buf[..n]);
+        }
+    }
+    fn next(&mut self, i: usize) -> Wc {
+        let end = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(w) = self.got[i].pop_front() {
+                return w;
+            }
+            assert!(Instant::now() < end, "no completion on CQ {i}");
+            self.turn();
+        }
+    }
+    /// Nothing more arrives on CQ `i` during a few hundred polls.
+    fn quiet(&mut self, i: usize) -> bool {
+        for _ in 0..300 {
+            self.turn();
+        }
+        self.got[i].is_empty()
+    }
+}
+
+fn recv(s: &Side, wr_id: u64, off: u64, len: u32) {
+    s.qp.post_recv(&[RecvWr {
+        wr_id,
+        sg_list: &[s.mr.sge(off, len)],
+    }])
+    .unwrap();
+}
+
+#[test]
+fn rc_sends_with_and_without_immediate_arrive_in_order_gathered_and_scattered() {
+    let fab = Fab::up("verbs_rc_send", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (mut a, b) = pair(&f, QpType::Rc, ALL, 4 << 20);
+    // Receives: one split over two SGEs, then plain ones, one of 2 MiB for a fragmented message.
+    b.qp.post_recv(&[RecvWr {
+        wr_id: 100,
+        sg_list: &[b.mr.sge(0, 3), b.mr.sge(1000, 100)],
+    }])
+    .unwrap();
+    recv(&b, 101, 4096, 64);
+    recv(&b, 102, 8192, 64);
+    recv(&b, 103, 1 << 20, 2 << 20);
+    let m = a.mr.as_mut_slice();
+    m[..11].copy_from_slice(b"hello world");
+    for (i, x) in m[1 << 20..(1 << 20) + 1_500_000].iter_mut().enumerate() {
+        *x = (i % 251) as u8;
+    }
+    a.qp.post_send(&[
+        SendWr::send(1, &[a.mr.sge(0, 5), a.mr.sge(5, 6)]).signaled(),
+        SendWr::send_inline(2, b"inline!")
+            .with_imm(0xfeed)
+            .signaled(),
+        SendWr::send(3, &[]).signaled(),
+        SendWr::send(4, &[a.mr.sge(1 << 20, 1_500_000)]).signaled(),
+    ])
+    .unwrap();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    let r: Vec<Wc> = (0..4).map(|_| p.next(1)).collect();
+    let s: Vec<Wc> = (0..4).map(|_| p.next(0)).collect();
+    for (i, w) in s.iter().enumerate() {
+        assert_eq!(
+            (w.wr_id, w.status, w.opcode),
+            (i as u64 + 1, WcStatus::Success, WcOpcode::Send)
+        );
+    }
+    assert_eq!(
+        r.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        [100, 101, 102, 103]
+    );
+    assert!(r
+        .iter()
+        .all(|w| w.status == WcStatus::Success && w.opcode == WcOpcode::Recv));
+    assert_eq!(
+        r.iter().map(|w| w.byte_len).collect::<Vec<_>>(),
+        [11, 7, 0, 1_500_000]
+    );
+    assert_eq!(r[1].imm_data, 0xfeed);
+    assert!(
+        r[1].wc_flags.contains(WcFlags::WITH_IMM) && !r[0].wc_flags.contains(WcFlags::WITH_IMM)
+    );
+    assert_eq!((r[0].src_qp, r[0].slid), (a.qp.qp_num(), 1));
+    let bm = b.mr.as_slice();
+    assert_eq!(&bm[..3], b"hel");
+    assert_eq!(&bm[1000..1008], b"lo world");
+    assert_eq!(&bm[4096..4103], b"inline!");
+    assert!(bm[1 << 20..(1 << 20) + 1_500_000]
+        .iter()
+        .enumerate()
+        .all(|(i, &x)| x == (i % 251) as u8));
+}
+
+#[test]
+fn rc_write_read_and_atomics_act_on_the_peer_region_directly() {
+    let fab = Fab::up("verbs_rc_onesided", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (mut a, mut b) = pair(&f, QpType::Rc, ALL, 1 << 20);
+    a.mr.as_mut_slice()[..8].copy_from_slice(b"written!");
+    b.mr.as_mut_slice()[5000..5004].copy_from_slice(b"read");
+    b.mr.as_mut_slice()[64..72].copy_from_slice(&40u64.to_le_bytes());
+    let rkey = b.mr.rkey();
+    a.qp.post_send(&[
+        SendWr::write(1, &[a.mr.sge(0, 8)], 300, rkey).signaled(),
+        SendWr::read(2, &[a.mr.sge(100, 4)], 5000, rkey).signaled(),
+        SendWr::fetch_add(3, &[a.mr.sge(200, 8)], 64, rkey, 2).signaled(),
+        SendWr::cmp_swap(4, &[a.mr.sge(208, 8)], 64, rkey, 42, 7).signaled(),
+        SendWr::cmp_swap(5, &[a.mr.sge(216, 8)], 64, rkey, 42, 9).signaled(),
+    ])
+    .unwrap();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    let ops: Vec<(u64, WcStatus, WcOpcode)> = (0..5)
+        .map(|_| p.next(0))
+        .map(|w| (w.wr_id, w.status, w.opcode))
+        .collect();
+    use WcOpcode::*;
+    use WcStatus::Success as S;
+    assert_eq!(
+        ops,
+        [
+            (1, S, RdmaWrite),
+            (2, S, RdmaRead),
+            (3, S, FetchAdd),
+            (4, S, CompSwap),
+            (5, S, CompSwap)
+        ]
+    );
+    assert_eq!(&b.mr.as_slice()[300..308], b"written!");
+    let am = a.mr.as_slice();
+    assert_eq!(&am[100..104], b"read");
+    let word = |o: usize| u64::from_le_bytes(am[o..o + 8].try_into().unwrap());
+    assert_eq!((word(200), word(208), word(216)), (40, 42, 7), "old values");
+    assert_eq!(
+        &b.mr.as_slice()[64..72],
+        &7u64.to_le_bytes(),
+        "42 swapped for 7"
+    );
+    assert!(
+        p.quiet(1),
+        "one-sided operations make no completion at the target"
+    );
+
+    // WRITE_WITH_IMM: the data lands, then a receive completes with the immediate.
+    recv(&b, 77, 0, 0);
+    a.mr.as_mut_slice()[..4].copy_from_slice(b"imm!");
+    a.qp.post_send(&[SendWr::write(6, &[a.mr.sge(0, 4)], 9000, rkey)
+        .with_imm(99)
+        .signaled()])
+        .unwrap();
+    let r = p.next(1);
+    assert_eq!((r.wr_id, r.status, r.opcode), (77, S, RecvRdmaWithImm));
+    assert_eq!((r.imm_data, r.byte_len), (99, 4));
+    assert_eq!(&b.mr.as_slice()[9000..9004], b"imm!");
+    assert_eq!(p.next(0).wr_id, 6);
+    let _ = &mut b;
+}
+
+#[test]
+fn unsignaled_work_completes_silently_and_signaled_work_reports() {
+    let fab = Fab::up("verbs_signal", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
+    let rkey = b.mr.rkey();
+    for i in 0..10 {
+        a.qp.post_send(&[SendWr::write(i, &[a.mr.sge(0, 8)], 0, rkey)])
+            .unwrap();
+    }
+    for i in 0..5 {
+        recv(&b, i, 0, 64);
+        a.qp.post_send(&[SendWr::send(100 + i, &[a.mr.sge(0, 8)])])
+            .unwrap();
+    }
+    a.qp.post_send(&[SendWr::send_inline(999, b"x").signaled()])
+        .unwrap();
+    recv(&b, 5, 0, 64);
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    let w = p.next(0);
+    assert_eq!((w.wr_id, w.status), (999, WcStatus::Success));
+    assert!(p.quiet(0));
+    for i in 0..6 {
+        assert_eq!(p.next(1).wr_id, i);
+    }
+}
+
+#[test]
+fn uc_carries_sends_and_writes_refuses_reads_and_atomics_and_drops_without_a_receive() {
+    let fab = Fab::up("verbs_uc", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (mut a, b) = pair(&f, QpType::Uc, ALL, 65536);
+    let rkey = b.mr.rkey();
+    a.mr.as_mut_slice()[..5].copy_from_slice(b"uc-ok");
+    for op in [
+        SendWr::read(1, &[a.mr.sge(0, 8)], 0, rkey),
+        SendWr::fetch_add(1, &[a.mr.sge(0, 8)], 0, rkey, 1),
+    ] {
+        let e = a.qp.post_send(&[op]).unwrap_err();
+        assert!(matches!(e, VerbsError::Post { bad_wr: 0, .. }), "{e}");
+    }
+    // No receive posted: the message is dropped, the sender does not wait.
+    a.qp.post_send(&[SendWr::send(2, &[a.mr.sge(0, 5)]).signaled()])
+        .unwrap();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    assert_eq!(p.next(0).status, WcStatus::Success);
+    assert!(p.quiet(1));
+    recv(&b, 10, 100, 64);
+    a.qp.post_send(&[
+        SendWr::send(3, &[a.mr.sge(0, 5)]).signaled(),
+        SendWr::write(4, &[a.mr.sge(0, 5)], 900, rkey).signaled(),
+    ])
+    .unwrap();
+    let r = p.next(1);
+    assert_eq!((r.wr_id, r.status, r.byte_len), (10, WcStatus::Success, 5));
+    assert_eq!(&b.mr.as_slice()[100..105], b"uc-ok");
+    assert_eq!((p.next(0).wr_id, p.next(0).wr_id), (3, 4));
+    assert_eq!(&b.mr.as_slice()[900..905], b"uc-ok");
+    assert_eq!(b.qp.drops(), 1);
+}
+
+#[test]
+fn ud_datagrams_reach_any_peer_with_a_grh_up_to_the_mtu_and_only_with_the_right_qkey() {
+    let fab = Fab::up("verbs_ud", 3, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let mut a = side(&f, 1, QpType::Ud, ALL, 16384);
+    let b = side(&f, 2, QpType::Ud, ALL, 16384);
+    let c = side(&f, 3, QpType::Ud, ALL, 16384);
+    let none = ConnParam::default();
+    for s in [&a, &b, &c] {
+        // UD needs no peer: RTR/RTS with its own Q_Key.
+        cm::ready_qp(&s.qp, &info(s), &none).unwrap();
+    }
+    recv(&b, 1, 0, 4096 + 40);
+    recv(&c, 2, 0, 4096 + 40);
+    recv(&c, 3, 8192, 40 + 10);
+    a.mr.as_mut_slice()[..4].copy_from_slice(b"to-b");
+    let ah_b =
+        a.pd.create_ah(&AhAttr {
+            dlid: 2,
+            port_num: 1,
+            ..AhAttr::default()
+        })
+        .unwrap();
+    let ah_c =
+        a.pd.create_ah(&AhAttr {
+            dlid: 3,
+            port_num: 1,
+            ..AhAttr::default()
+        })
+        .unwrap();
+    let q = cm::DEFAULT_QKEY;
+    a.qp.post_send(&[
+        SendWr::send(1, &[a.mr.sge(0, 4)])
+            .ud(&ah_b, b.qp.qp_num(), q)
+            .signaled(),
+        SendWr::send_inline(2, b"to-c")
+            .with_imm(5)
+            .ud(&ah_c, c.qp.qp_num(), q)
+            .signaled(),
+        // Wrong Q_Key: dropped by the receiver; the sender still completes (UD).
+        SendWr::send_inline(3, b"bad")
+            .ud(&ah_c, c.qp.qp_num(), 7)
+            .signaled(),
+        // Over the MTU: a local length error.
+        SendWr::send(4, &[a.mr.sge(0, 4097)])
+            .ud(&ah_b, b.qp.qp_num(), q)
+            .signaled(),
+    ])
+    .unwrap();
+    let mut p = Pump::new(&[&a.cq, &b.cq, &c.cq]);
+    let st: Vec<_> = (0..4)
+        .map(|_| p.next(0))
+        .map(|w| (w.wr_id, w.status))
+        .collect();
+    assert_eq!(
+        st,
+        [
+            (1, WcStatus::Success),
+            (2, WcStatus::Success),
+            (3, WcStatus::Success),
+            (4, WcStatus::LocLenErr)
+        ]
+    );
+    let rb = p.next(1);
+    assert_eq!((rb.byte_len, rb.src_qp, rb.slid), (44, a.qp.qp_num(), 1));
+    assert!(rb.wc_flags.contains(WcFlags::GRH));
+    assert_eq!(&b.mr.as_slice()[40..44], b"to-b");
+    let rc = p.next(2);
+    assert_eq!((rc.wr_id, rc.imm_data, rc.byte_len), (2, 5, 44));
+    assert_eq!(&c.mr.as_slice()[40..44], b"to-c");
+    assert!(
+        p.quiet(2),
+        "the datagram with the wrong Q_Key must not be delivered"
+    );
+    assert_eq!(c.qp.drops(), 1);
+    // A datagram longer than the receive buffer: LOC_LEN_ERR on that receive.
+    a.qp.post_send(&[SendWr::send(5, &[a.mr.sge(0, 100)]).ud(&ah_c, c.qp.qp_num(), q)])
+        .unwrap();
+    let r = p.next(2);
+    assert_eq!((r.wr_id, r.status), (3, WcStatus::LocLenErr));
+    // UD refuses one-sided operations.
+    assert!(a.qp.post_send(&[SendWr::write(9, &[], 0, 1)]).is_err());
+}
+
+#[test]
+fn bad_deregistered_out_of_bounds_or_unflagged_remote_access_is_rem_access_err_and_flushes() {
+    let fab = Fab::up("verbs_remacc", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    // Each case on a fresh pair: one bad operation, then a good one that must flush.
+    let check = |name: &str, setup: &dyn Fn(&Side, &mut Side) -> (u64, u32, WrOpcode)| {
+        let (a, mut b) = pair(&f, QpType::Rc, ALL, 8192);
+        let (addr, rkey, op) = setup(&a, &mut b);
+        let sge = [a.mr.sge(0, 8)];
+        let bad = match op {
+            WrOpcode::RdmaRead => SendWr::read(1, &sge, addr, rkey),
+            WrOpcode::AtomicFetchAndAdd => SendWr::fetch_add(1, &sge, addr, rkey, 1),
+            _ => SendWr::write(1, &sge, addr, rkey),
+        };
+        a.qp.post_send(&[
+            bad.signaled(),
+            SendWr::write(2, &sge, 0, b.mr.rkey()).signaled(),
+        ])
+        .unwrap();
+        let mut p = Pump::new(&[&a.cq]);
+        let (w1, w2) = (p.next(0), p.next(0));
+        assert_eq!((w1.wr_id, w1.status), (1, WcStatus::RemAccessErr), "{name}");
+        assert_eq!((w2.wr_id, w2.status), (2, WcStatus::WrFlushErr), "{name}");
+        assert_eq!(a.qp.state(), QpState::Err, "{name}");
+        // Work posted in ERR is flushed at once.
+        a.qp.post_send(&[SendWr::write(3, &sge, 0, b.mr.rkey())])
+            .unwrap();
+        assert_eq!(p.next(0).status, WcStatus::WrFlushErr, "{name}");
+    };
+    check("unknown rkey", &|_, b| {
+        (0, b.mr.rkey() ^ 0x5a5a_0001, WrOpcode::RdmaWrite)
+    });
+    check("past the end", &|_, b| {
+        (8190, b.mr.rkey(), WrOpcode::RdmaWrite)
+    });
+    check("offset overflow", &|_, b| {
+        (u64::MAX - 2, b.mr.rkey(), WrOpcode::RdmaRead)
+    });
+    check("misaligned atomic", &|_, b| {
+        (4, b.mr.rkey(), WrOpcode::AtomicFetchAndAdd)
+    });
+    check("region without REMOTE_WRITE", &|_, b| {
+        let ro = b.pd.alloc_mr(4096, AccessFlags::REMOTE_READ).unwrap();
+        let k = ro.rkey();
+        std::mem::forget(ro); // keep it registered for the rest of the case
+        (0, k, WrOpcode::RdmaWrite)
+    });
+    check("deregistered after a first use", &|a, b| {
+        let m = b.pd.alloc_mr(4096, ALL).unwrap();
+        let k = m.rkey();
+        a.qp.post_send(&[SendWr::write(50, &[a.mr.sge(0, 8)], 0, k).signaled()])
+            .unwrap();
+        let mut p = Pump::new(&[&a.cq]);
+        assert_eq!(p.next(0).status, WcStatus::Success);
+        drop(m);
+        (0, k, WrOpcode::RdmaWrite)
+    });
+    check("QP without remote access", &|_, b| {
+        // Take the responder QP's REMOTE_WRITE away (RTS -> RTS with ACCESS_FLAGS).
+        let attr = QpAttr {
+            qp_state: QpState::Rts,
+            qp_access_flags: AccessFlags::REMOTE_READ,
+            ..QpAttr::default()
+        };
+        b.qp.modify(&attr, QpAttrMask::STATE | QpAttrMask::ACCESS_FLAGS)
+            .unwrap();
+        (0, b.mr.rkey(), WrOpcode::RdmaWrite)
+    });
+    check("region of another protection domain", &|_, b| {
+        let other = b.ctx.alloc_pd();
+        let m = other.alloc_mr(4096, ALL).unwrap();
+        let k = m.rkey();
+        std::mem::forget(m);
+        (0, k, WrOpcode::RdmaRead)
+    });
+}
+
+#[test]
+fn bad_lkey_is_loc_prot_err_and_a_short_receive_is_loc_len_err_with_rem_inv_req_err() {
+    let fab = Fab::up("verbs_local", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (a, b) = pair(&f, QpType::Rc, ALL, 8192);
+    let bad = Sge {
+        addr: 0,
+        length: 8,
+        lkey: a.mr.lkey() ^ 0x77,
+    };
+    a.qp.post_send(&[
+        SendWr::write(1, &[bad], 0, b.mr.rkey()),
+        SendWr::send(2, &[a.mr.sge(0, 8)]),
+    ])
+    .unwrap();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    let (w1, w2) = (p.next(0), p.next(0));
+    assert_eq!((w1.wr_id, w1.status), (1, WcStatus::LocProtErr));
+    assert_eq!((w2.wr_id, w2.status), (2, WcStatus::WrFlushErr));
+    // Outside its own region, too.
+    let (a, b) = pair(&f, QpType::Rc, ALL, 8192);
+    a.qp.post_send(&[SendWr::send(1, &[a.mr.sge(8190, 8)])])
+        .unwrap();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    assert_eq!(p.next(0).status, WcStatus::LocProtErr);
+
+    // Receive buffer too small: the receiver sees LOC_LEN_ERR, the sender REM_INV_REQ_ERR.
+    let (a, b) = pair(&f, QpType::Rc, ALL, 8192);
+    recv(&b, 10, 0, 4);
+    recv(&b, 11, 0, 64);
+    a.qp.post_send(&[
+        SendWr::send(1, &[a.mr.sge(0, 16)]).signaled(),
+        SendWr::send(2, &[a.mr.sge(0, 1)]),
+    ])
+    .unwrap();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    let r1 = p.next(1);
+    assert_eq!((r1.wr_id, r1.status), (10, WcStatus::LocLenErr));
+    let r2 = p.next(1);
+    assert_eq!((r2.wr_id, r2.status), (11, WcStatus::WrFlushErr));
+    let s1 = p.next(0);
+    assert_eq!((s1.wr_id, s1.status), (1, WcStatus::RemInvReqErr));
+    assert_eq!(p.next(0).status, WcStatus::WrFlushErr);
+    assert_eq!((a.qp.state(), b.qp.state()), (QpState::Err, QpState::Err));
+}
+
+/// RESET → RTS towards `peer` with the given RNR attributes (what an application sets by hand).
+fn ready_rnr(qp: &Qp, peer: &PeerInfo, min_rnr_timer: u8, rnr_retry: u8) {
+    use QpAttrMask as M;
+    cm::init_qp(qp, &ConnParam::default()).unwrap();
+    let rtr = QpAttr {
+        qp_state: QpState::Rtr,
+        dest_qp_num: peer.qpn,
+        ah_attr: AhAttr {
+            dlid: peer.node as u16,
+            port_num: 1,
+            ..AhAttr::default()
+        },
+        min_rnr_timer,
+        ..QpAttr::default()
+    };
+    let m = M::STATE
+        | M::AV
+        | M::PATH_MTU
+        | M::DEST_QPN
+        | M::RQ_PSN
+        | M::MAX_DEST_RD_ATOMIC
+        | M::MIN_RNR_TIMER;
+    qp.modify(&rtr, m).unwrap();
+    let rts = QpAttr {
+        qp_state: QpState::Rts,
+        rnr_retry,
+        ..QpAttr::default()
+    };
+    let m = M::STATE | M::SQ_PSN | M::TIMEOUT | M::RETRY_CNT | M::RNR_RETRY | M::MAX_QP_RD_ATOMIC;
+    qp.modify(&rts, m).unwrap();
+}
+
+#[test]
+fn no_receive_on_rc_retries_rnr_rnr_retry_times_then_fails() {
+    let fab = Fab::up("verbs_rnr", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let a = side(&f, 1, QpType::Rc, ALL, 4096);
+    let b = side(&f, 2, QpType::Rc, ALL, 4096);
+    // The responder asks for 1.28 ms between retries (encoding 14); the requester retries 3
+    // times: the error comes after about 4 x 1.28 ms.
+    ready_rnr(&a.qp, &info(&b), 14, 3);
+    ready_rnr(&b.qp, &info(&a), 14, 3);
+    a.qp.post_send(&[
+        SendWr::send(1, &[a.mr.sge(0, 8)]).signaled(),
+        SendWr::send(2, &[a.mr.sge(0, 8)]),
+    ])
+    .unwrap();
+    let t0 = Instant::now();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    let w = p.next(0);
+    let took = t0.elapsed();
+    assert_eq!((w.wr_id, w.status), (1, WcStatus::RnrRetryExcErr));
+    assert_eq!(p.next(0).status, WcStatus::WrFlushErr);
+    assert!(
+        took >= Duration::from_micros(4 * 1280),
+        "gave up after {took:?}"
+    );
+    eprintln!("RNR_RETRY_EXC_ERR after {took:?} (1 try + 3 retries of 1.28 ms)");
+    // With a receive posted in time, the same send goes through (rnr_retry 7 = forever).
+    let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
+    a.qp.post_send(&[SendWr::send(1, &[a.mr.sge(0, 8)]).signaled()])
+        .unwrap();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    assert!(p.quiet(0), "waits for a receive");
+    recv(&b, 9, 0, 64);
+    assert_eq!(p.next(0).status, WcStatus::Success);
+    assert_eq!(p.next(1).wr_id, 9);
+}
+
+#[test]
+fn a_peer_node_going_down_fails_outstanding_work_within_a_second() {
+    let fab = Fab::up("verbs_down", 2, &["--restart-delay-ms", "0"]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    // The requester sleeps on a completion channel: the watcher must notice the death.
+    let actx = Context::open(&f.node(1).unwrap()).unwrap();
+    let ch = actx.create_comp_channel().unwrap();
+    let acq = actx.create_cq(16, Some(&ch)).unwrap();
+    let apd = actx.alloc_pd();
+    let aqp = apd
+        .create_qp(&QpInitAttr::new(QpType::Rc, &acq, &acq))
+        .unwrap();
+    let amr = apd.alloc_mr(4096, ALL).unwrap();
+    let b = side(&f, 2, QpType::Rc, ALL, 4096);
+    let ai = PeerInfo {
+        node: 1,
+        qpn: aqp.qp_num(),
+        psn: 0,
+        rkey: 0,
+        addr: 0,
+        len: 0,
+        qkey: 0,
+        private_data: vec![],
+    };
+    cm::ready_qp(&aqp, &info(&b), &ConnParam::default()).unwrap();
+    cm::ready_qp(&b.qp, &ai, &ConnParam::default()).unwrap();
+    // Outstanding: sends waiting for a receive node 2 will never post.
+    aqp.post_send(&[
+        SendWr::send(1, &[amr.sge(0, 8)]).signaled(),
+        SendWr::send(2, &[amr.sge(0, 8)]),
+    ])
+    .unwrap();
+    let mut wc = [Wc::default(); 4];
+    assert_eq!(acq.poll(&mut wc), 0);
+    acq.req_notify(false).unwrap();
+    assert!(matches!(
+        ch.get_cq_event(Some(Duration::from_millis(20))),
+        Err(VerbsError::TimedOut)
+    ));
+    let pid = fab.status()["slots"][1]["pid"].as_i64().unwrap() as i32;
+    let t0 = Instant::now();
+    // SAFETY: kill(2) with a pid read from the fabric's status; no memory is involved.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let ev = ch.get_cq_event(Some(Duration::from_secs(20))).unwrap();
+    assert_eq!(ev.cq_id, acq.id());
+    let mut got = Vec::new();
+    while got.len() < 2 {
+        let n = acq.poll(&mut wc);
+        got.extend_from_slice(&wc[..n]);
+        assert!(t0.elapsed() < Duration::from_secs(20), "no completion");
+    }
+    let took = t0.elapsed();
+    assert_eq!((got[0].wr_id, got[0].status), (1, WcStatus::RetryExcErr));
+    assert_eq!((got[1].wr_id, got[1].status), (2, WcStatus::WrFlushErr));
+    eprintln!("outstanding work failed {took:?} after node 2 was killed (completion channel)");
+    drop(b);
+}
+
+#[test]
+fn a_peer_scribbling_over_its_window_gets_its_qp_in_error_never_a_panic() {
+    let fab = Fab::up("verbs_hostile", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
+    for i in 0..4 {
+        recv(&b, i, 0, 64);
+    }
+    a.qp.post_send(&[SendWr::send_inline(1, b"before").signaled()])
+        .unwrap();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    assert_eq!(p.next(1).status, WcStatus::Success);
+    assert_eq!(p.next(0).status, WcStatus::Success);
+    // Garbage over node 2's whole heap: b's QP block, ring and event block included.
+    let w = f.raw_window(2).unwrap();
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut junk = vec![0u8; w.len() - 4096];
+    for c in junk.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+    }
+    w.write(4096, &junk).unwrap();
+    // b finds its ring corrupt at its next poll and goes to ERR, flushing its receives.
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    let r = p.next(1);
+    assert_eq!(r.status, WcStatus::WrFlushErr, "{r:?}");
+    assert_eq!(b.qp.state(), QpState::Err);
+    // a's next send fails (the peer is in error) instead of hanging.
+    a.qp.post_send(&[SendWr::send_inline(2, b"after").signaled()])
+        .unwrap();
+    let s = p.next(0);
+    assert_eq!((s.wr_id, s.status), (2, WcStatus::RetryExcErr), "{s:?}");
+    eprintln!("b: {:?}; a's send: {}", b.qp.fatal_error(), s.status);
+}
+
+#[test]
+fn wrong_transitions_and_missing_attributes_are_invalid_arguments() {
+    let fab = Fab::up("verbs_fsm", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let a = side(&f, 1, QpType::Rc, ALL, 4096);
+    let rts = QpAttr {
+        qp_state: QpState::Rts,
+        ..QpAttr::default()
+    };
+    assert!(matches!(
+        a.qp.modify(&rts, QpAttrMask::STATE),
+        Err(VerbsError::InvalidArgument(_))
+    ));
+    let init = QpAttr {
+        qp_state: QpState::Init,
+        port_num: 1,
+        ..QpAttr::default()
+    };
+    let e =
+        a.qp.modify(&init, QpAttrMask::STATE | QpAttrMask::PORT)
+            .unwrap_err();
+    assert!(e.to_string().contains("ACCESS_FLAGS"), "{e}");
+    assert_eq!(a.qp.state(), QpState::Reset);
+    // Posting before RTS is refused; receives before INIT too.
+    let e = a.qp.post_send(&[SendWr::send(1, &[])]).unwrap_err();
+    assert!(matches!(e, VerbsError::Post { bad_wr: 0, .. }), "{e}");
+    assert!(a
+        .qp
+        .post_recv(&[RecvWr {
+            wr_id: 1,
+            sg_list: &[]
+        }])
+        .is_err());
+    // RTR towards a QP that does not exist.
+    let mut b = info(&a);
+    b.node = 2;
+    b.qpn = 0xABCDE;
+    assert!(cm::ready_qp(&a.qp, &b, &ConnParam::default()).is_err());
+    assert_eq!(a.qp.query().qp_state, QpState::Init);
+    // Any state may go to ERR, then RESET, and start over.
+    let err = QpAttr {
+        qp_state: QpState::Err,
+        ..QpAttr::default()
+    };
+    a.qp.modify(&err, QpAttrMask::STATE).unwrap();
+    let reset = QpAttr {
+        qp_state: QpState::Reset,
+        ..QpAttr::default()
+    };
+    a.qp.modify(&reset, QpAttrMask::STATE).unwrap();
+    assert_eq!(a.qp.state(), QpState::Reset);
+}
+
+#[test]
+fn a_completion_channel_fd_wakes_a_poll_loop_for_a_peer_send() {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let fab = Fab::up("verbs_channel", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let a = side(&f, 1, QpType::Rc, ALL, 4096);
+    let bctx = Context::open(&f.node(2).unwrap()).unwrap();
+    let ch = bctx.create_comp_channel().unwrap();
+    let bcq = bctx.create_cq(16, Some(&ch)).unwrap();
+    let bpd = bctx.alloc_pd();
+    let bqp = bpd
+        .create_qp(&QpInitAttr::new(QpType::Rc, &bcq, &bcq))
+        .unwrap();
+    let bmr = bpd.alloc_mr(4096, ALL).unwrap();
+    let bi = PeerInfo {
+        node: 2,
+        qpn: bqp.qp_num(),
+        psn: 0,
+        rkey: 0,
+        addr: 0,
+        len: 0,
+        qkey: 0,
+        private_data: vec![],
+    };
+    cm::ready_qp(&a.qp, &bi, &ConnParam::default()).unwrap();
+    cm::ready_qp(&bqp, &info(&a), &ConnParam::default()).unwrap();
+    bqp.post_recv(&[RecvWr {
+        wr_id: 5,
+        sg_list: &[bmr.sge(0, 64)],
+    }])
+    .unwrap();
+    bcq.req_notify(false).unwrap();
+    let ts = Timespec {
+        tv_sec: 0,
+        tv_nsec: 50_000_000,
+    };
+    let mut fds = [PollFd::new(&ch, PollFlags::IN)];
+    assert_eq!(
+        poll(&mut fds, Some(&ts)).unwrap(),
+        0,
+        "no event before the send"
+    );
+    a.qp.post_send(&[SendWr::send_inline(1, b"wake up")])
+        .unwrap();
+    let ts = Timespec {
+        tv_sec: 10,
+        tv_nsec: 0,
+    };
+    let mut fds = [PollFd::new(&ch, PollFlags::IN)];
+    assert_eq!(
+        poll(&mut fds, Some(&ts)).unwrap(),
+        1,
+        "the channel fd became readable"
+    );
+    let ev = ch.get_cq_event(Some(Duration::from_secs(1))).unwrap();
+    assert_eq!(ev.cq_id, bcq.id());
+    ch.ack_cq_events(1);
+    let mut wc = [Wc::default()];
+    assert_eq!(bcq.poll(&mut wc), 1);
+    assert_eq!((wc[0].wr_id, wc[0].byte_len), (5, 7));
+    assert_eq!(&bmr.as_slice()[..7], b"wake up");
+    // Nothing more: no event within 50 ms after re-arming.
+    bcq.req_notify(false).unwrap();
+    assert!(matches!(
+        ch.get_cq_event(Some(Duration::from_millis(50))),
+        Err(VerbsError::TimedOut)
+    ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two processes: the test process is node 1, a child plays the server on node 2.
+// ---------------------------------------------------------------------------------------------
+
+const CM_PORT: u32 = cm::DEFAULT_PORT;
+
+/// The server (child process, node 2): offers a region through the connection helper, answers
+/// "ping" with "pong", checks RDMA_WRITE_WITH_IMM data, ends on "bye". `BP_CASE` says which
+/// region it offers: `ops` (all access, in the QP's PD), `nogrant` (a region of another PD),
+/// `ro` (remote read only).
+#[test]
+fn role_server() {
+    let Some(role) = role() else { return };
+    assert_eq!(role, "server");
+    let var = |k: &str| std::env::var(k).unwrap();
+    let f = Fabric::attach(&var("BP_FABRIC")).unwrap();
+    let case = var("BP_CASE");
+    let ctx = Context::open(&f.node(2).unwrap()).unwrap();
+    let pd = ctx.alloc_pd();
+    let other = ctx.alloc_pd();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let qp = pd
+        .create_qp(&QpInitAttr::new(QpType::Rc, &cq, &cq))
+        .unwrap();
+    let ctl = pd.alloc_mr(64 * 16, AccessFlags::LOCAL_WRITE).unwrap();
+    cm::init_qp(&qp, &ConnParam::default()).unwrap();
+    let mut mr = match case.as_str() {
+        "ops" => pd.alloc_mr(1 << 20, ALL).unwrap(),
+        "nogrant" => other.alloc_mr(4096, ALL).unwrap(),
+        _ => pd
+            .alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
+            .unwrap(),
+    };
+    for (i, b) in mr.as_mut_slice().iter_mut().enumerate() {
+        *b = (i % 199) as u8;
+    }
+    for i in 0..16 {
+        qp.post_recv(&[RecvWr {
+            wr_id: i,
+            sg_list: &[ctl.sge(i * 64, 64)],
+        }])
+        .unwrap();
+    }
+    let mut l = cm::Listener::bind(&ctx, CM_PORT).unwrap();
+    let offer = ConnParam {
+        rkey: mr.rkey(),
+        len: mr.len() as u64,
+        private_data: b"server".to_vec(),
+        ..ConnParam::default()
+    };
+    let peer = l
+        .accept(&qp, &offer, Some(Duration::from_secs(20)))
+        .unwrap();
+    assert_eq!((peer.node, &peer.private_data[..]), (1, &b"client"[..]));
+    let mut wc = [Wc::default(); 4];
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < end, "server: no word from the client");
+        let n = cq.poll(&mut wc);
+        for w in &wc[..n] {
+            assert_eq!(
+                w.status,
+                WcStatus::Success,
+                "server: {w:?} {:?}",
+                qp.fatal_error()
+            );
+            if w.opcode == WcOpcode::Send {
+                continue;
+            }
+            let slot = w.wr_id;
+            let reply: &[u8] = if w.opcode == WcOpcode::RecvRdmaWithImm {
+                let n = w.imm_data as usize;
+                let ok = mr.as_slice()[..n].iter().all(|&b| b == 0xEE);
+                if ok {
+                    b"imm-ok"
+                } else {
+                    b"imm-bad"
+                }
+            } else {
+                let msg =
+                    &ctl.as_slice()[slot as usize * 64..slot as usize * 64 + w.byte_len as usize];
+                match msg {
+                    b"ping" => b"pong",
+                    b"bye" => return,
+                    _ => b"what?",
+                }
+            };
+            qp.post_recv(&[RecvWr {
+                wr_id: slot,
+                sg_list: &[ctl.sge(slot * 64, 64)],
+            }])
+            .unwrap();
+            qp.post_send(&[SendWr::send_inline(1000, reply).signaled()])
+                .unwrap();
+        }
+    }
+}
+
+/// The client side of the server role: a context on node 1 connected through the helper.
+struct Client {
+    ctx: Context,
+    cq: Cq,
+    qp: Qp,
+    mr: Mr,
+    peer: PeerInfo,
+    child: std::process::Child,
+    stash: VecDeque<Wc>,
+}
+
+fn client(fab: &Fab, case: &str) -> Client {
+    let child = spawn_role(
+        "role_server",
+        "server",
+        &[
+            ("BP_FABRIC", fab.name.clone()),
+            ("BP_CASE", case.to_string()),
+        ],
+    );
+    let f = Fabric::attach(&fab.name).unwrap();
+    let ctx = Context::open(&f.node(1).unwrap()).unwrap();
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let qp = pd
+        .create_qp(&QpInitAttr::new(QpType::Rc, &cq, &cq))
+        .unwrap();
+    let mr = pd.alloc_mr(1 << 20, ALL).unwrap();
+    cm::init_qp(&qp, &ConnParam::default()).unwrap();
+    for i in 0..8 {
+        qp.post_recv(&[RecvWr {
+            wr_id: i,
+            sg_list: &[mr.sge(900_000 + i * 64, 64)],
+        }])
+        .unwrap();
+    }
+    let mine = ConnParam {
+        private_data: b"client".to_vec(),
+        ..ConnParam::default()
+    };
+    let peer = cm::connect(&ctx, 2, CM_PORT, &qp, &mine, Duration::from_secs(20)).unwrap();
+    assert_eq!(peer.private_data, b"server");
+    Client {
+        ctx,
+        cq,
+        qp,
+        mr,
+        peer,
+        child,
+        stash: VecDeque::new(),
+    }
+}
+
+impl Client {
+    /// The next completion matching `want` (others are kept for later).
+    fn take(&mut self, want: impl Fn(&Wc) -> bool) -> Wc {
+        if let Some(i) = self.stash.iter().position(&want) {
+            return self.stash.remove(i).unwrap();
+        }
+        let mut wc = [Wc::default()];
+        let end = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.cq.poll(&mut wc) == 1 {
+                if want(&wc[0]) {
+                    return wc[0];
+                }
+                self.stash.push_back(wc[0]);
+            }
+            assert!(Instant::now() < end, "client: no completion");
+        }
+    }
+    fn wait(&mut self, wr_id: u64) -> Wc {
+        self.take(|w| w.wr_id == wr_id && (w.opcode as u32) < 128)
+    }
+    /// The next message from the server (the receive is reposted).
+    fn reply(&mut self) -> Vec<u8> {
+        let w = self.take(|w| w.opcode == WcOpcode::Recv);
+        assert_eq!(w.status, WcStatus::Success, "{w:?}");
+        let o = 900_000 + w.wr_id as usize * 64;
+        let r = self.mr.as_slice()[o..o + w.byte_len as usize].to_vec();
+        self.qp
+            .post_recv(&[RecvWr {
+                wr_id: w.wr_id,
+                sg_list: &[self.mr.sge(o as u64, 64)],
+            }])
+            .unwrap();
+        r
+    }
+    /// Sends `msg`; returns the server's reply.
+    fn say(&mut self, msg: &[u8]) -> Vec<u8> {
+        self.qp
+            .post_send(&[SendWr::send_inline(7, msg).signaled()])
+            .unwrap();
+        assert_eq!(self.wait(7).status, WcStatus::Success);
+        self.reply()
+    }
+    fn bye(mut self) {
+        self.qp
+            .post_send(&[SendWr::send_inline(8, b"bye").signaled()])
+            .unwrap();
+        assert_eq!(self.wait(8).status, WcStatus::Success);
+        assert!(self.child.wait().unwrap().success(), "server role failed");
+    }
+}
+
+/// The mapping of node 2's region in this process, as /proc/self/maps shows it.
+fn region_maps(fab: &str) -> Vec<String> {
+    let tag = format!("bp-{fab}-mr-n2");
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(&tag))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn two_processes_connect_with_the_helper_and_run_every_rc_operation() {
+    if role().is_some() {
+        return;
+    }
+    let fab = Fab::up("verbs_2proc", 2, &[]);
+    let mut c = client(&fab, "ops");
+    let rkey = c.peer.rkey;
+    assert_eq!(c.say(b"ping"), b"pong");
+    // READ the server's pattern, WRITE over it, READ it back, atomics on it.
+    c.qp.post_send(&[SendWr::read(1, &[c.mr.sge(0, 4096)], 0, rkey).signaled()])
+        .unwrap();
+    assert_eq!(c.wait(1).status, WcStatus::Success);
+    assert!(c.mr.as_slice()[..4096]
+        .iter()
+        .enumerate()
+        .all(|(i, &b)| b == (i % 199) as u8));
+    c.mr.as_mut_slice()[..100].fill(0xEE);
+    c.qp.post_send(&[
+        SendWr::write(2, &[c.mr.sge(0, 100)], 0, rkey)
+            .with_imm(100)
+            .signaled(),
+        SendWr::fetch_add(3, &[c.mr.sge(8192, 8)], 512, rkey, 1).signaled(),
+    ])
+    .unwrap();
+    let (w2, w3) = (c.wait(2), c.wait(3));
+    assert_eq!(
+        (w2.wr_id, w2.status, w3.wr_id, w3.status),
+        (2, WcStatus::Success, 3, WcStatus::Success)
+    );
+    let old = u64::from_le_bytes(c.mr.as_slice()[8192..8200].try_into().unwrap());
+    let expect = u64::from_le_bytes(std::array::from_fn(|i| ((512 + i) % 199) as u8));
+    assert_eq!(old, expect);
+    assert_eq!(c.reply(), b"imm-ok");
+    assert_eq!(c.say(b"ping"), b"pong");
+    let name = fab.name.clone();
+    assert_eq!(
+        region_maps(&name).len(),
+        1,
+        "the granted region is mapped once"
+    );
+    let _ = &c.ctx;
+    c.bye();
+    drop(fab);
+    let left = leftovers(&name);
+    assert!(
+        left.iter()
+            .all(|l| l.starts_with(&format!("pid {}", std::process::id())))
+            || left.is_empty(),
+        "{left:?}"
+    );
+}
+
+#[test]
+fn a_peer_without_a_grant_cannot_map_a_region() {
+    if role().is_some() {
+        return;
+    }
+    let fab = Fab::up("verbs_nogrant", 2, &[]);
+    let mut c = client(&fab, "nogrant");
+    // The server offered the rkey of a region in another PD than its QP's: no grant.
+    c.qp.post_send(&[SendWr::read(1, &[c.mr.sge(0, 8)], 0, c.peer.rkey).signaled()])
+        .unwrap();
+    assert_eq!(c.wait(1).status, WcStatus::RemAccessErr);
+    assert!(region_maps(&fab.name).is_empty(), "no grant, no mapping");
+    let fds: Vec<_> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .filter(|t| {
+            t.to_string_lossy()
+                .contains(&format!("bp-{}-mr-n2", fab.name))
+        })
+        .collect();
+    assert!(fds.is_empty(), "no grant, no fd: {fds:?}");
+    // The QP is in ERR now; the server is told through a fresh QP? Simply stop it.
+    let mut child = c.child;
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[test]
+fn a_read_only_grant_is_mapped_read_only_and_the_os_refuses_writes() {
+    if role().is_some() {
+        return;
+    }
+    let fab = Fab::up("verbs_rogrant", 2, &[]);
+    let mut c = client(&fab, "ro");
+    let rkey = c.peer.rkey;
+    c.qp.post_send(&[SendWr::read(1, &[c.mr.sge(0, 4096)], 0, rkey).signaled()])
+        .unwrap();
+    assert_eq!(c.wait(1).status, WcStatus::Success);
+    assert_eq!(c.mr.as_slice()[198], 198);
+    let maps = region_maps(&fab.name);
+    assert_eq!(maps.len(), 1, "{maps:?}");
+    let perms = maps[0].split_whitespace().nth(1).unwrap();
+    assert_eq!(perms, "r--s", "{}", maps[0]);
+    // The fd we were granted: mapping it writable must fail, even after reopening it
+    // read-write through /proc.
+    let fd = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .find(|e| {
+            std::fs::read_link(e.path()).is_ok_and(|t| {
+                t.to_string_lossy()
+                    .contains(&format!("bp-{}-mr-n2", fab.name))
+            })
+        })
+        .expect("granted fd")
+        .path();
+    let map_rw = |path: &std::path::Path, flags: libc::c_int| -> Result<(), std::io::Error> {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(flags == libc::O_RDWR)
+            .open(path)?;
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh mapping chosen by the kernel; unmapped at once if it succeeds.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4096,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `p` is the 4096-byte mapping just made.
+        unsafe { libc::munmap(p, 4096) };
+        Ok(())
+    };
+    let e = map_rw(&fd, libc::O_RDONLY).unwrap_err();
+    eprintln!("mmap PROT_WRITE of the read-only grant: {e}");
+    if let Err(e) = map_rw(&fd, libc::O_RDWR) {
+        eprintln!("mmap PROT_WRITE after reopening O_RDWR: {e}");
+    } else {
+        panic!("a read-only region was mapped writable after reopening it");
+    }
+    // And the verbs layer refuses a WRITE to it.
+    c.qp.post_send(&[SendWr::write(2, &[c.mr.sge(0, 8)], 0, rkey).signaled()])
+        .unwrap();
+    assert_eq!(c.wait(2).status, WcStatus::RemAccessErr);
+    let mut child = c.child;
+    let _ = child.kill();
+    let _ = child.wait();
+}

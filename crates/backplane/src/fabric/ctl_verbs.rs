@@ -1,0 +1,121 @@
+//! Control requests of the RDMA verbs path (carried as `Request::Verbs` / `Response::Verbs`).
+//!
+//! The supervisor keeps the fabric's registries of verbs objects that peers must find or be
+//! allowed to touch: memory regions (the memfd of each, by key), QP blocks (by node and QP
+//! number) and context event blocks. Data never passes here.
+
+use serde::{Deserialize, Serialize};
+
+/// A verbs request from a process to the supervisor.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "verb", rename_all = "snake_case")]
+pub enum VerbsRequest {
+    /// A device context opens on `slot`: allocate its event block. Reply: `ContextOpened`.
+    OpenContext {
+        /// Node slot.
+        slot: u32,
+    },
+    /// A context closes: free its event block.
+    CloseContext {
+        /// Node slot.
+        slot: u32,
+        /// The event block's offset.
+        event_off: u64,
+    },
+    /// Register a memory region; its memfd travels with the request. Reply: `MrRegistered`.
+    RegMr {
+        /// Node slot of the registering process.
+        slot: u32,
+        /// Protection domain (the process's own number for it).
+        pd: u32,
+        /// Data bytes (the memfd holds a header page plus these).
+        len: u64,
+        /// `IBV_ACCESS_*` flags.
+        access: u32,
+    },
+    /// Deregister a region: no new grants; peers that mapped it see its state word change.
+    DeregMr {
+        /// The region's key.
+        key: u32,
+    },
+    /// Ask for a region of the peer of QP (slot, qpn), by rkey. Reply: `MrGranted` + memfd
+    /// (read-only unless the region allows remote writes or atomics).
+    MrGrant {
+        /// Requester's slot.
+        slot: u32,
+        /// Requester's connected QP.
+        qpn: u32,
+        /// The rkey.
+        rkey: u32,
+    },
+    /// Make an RC or UC QP block in `slot`'s window. Reply: `QpCreated`.
+    CreateQp {
+        /// Node slot.
+        slot: u32,
+        /// Protection domain.
+        pd: u32,
+        /// 2 = RC, 3 = UC.
+        qp_type: u32,
+        /// Inbound ring bytes (power of two).
+        ring_len: u32,
+        /// The owner context's event block.
+        event_off: u64,
+    },
+    /// Destroy a QP block; its peer is told.
+    DestroyQp {
+        /// Node slot.
+        slot: u32,
+        /// QP number.
+        qpn: u32,
+    },
+    /// Connect QP (slot, qpn) to (dest_slot, dest_qpn) at RTR. Reply: `QpConnected`.
+    ConnectQp {
+        /// Node slot.
+        slot: u32,
+        /// Local QP number.
+        qpn: u32,
+        /// Remote node.
+        dest_slot: u32,
+        /// Remote QP number.
+        dest_qpn: u32,
+    },
+}
+
+/// The supervisor's reply to a [`VerbsRequest`].
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "verb", rename_all = "snake_case")]
+pub enum VerbsResponse {
+    /// Reply to `OpenContext`.
+    ContextOpened {
+        /// Event block offset in the node's window.
+        event_off: u64,
+    },
+    /// Reply to `RegMr`.
+    MrRegistered {
+        /// lkey and rkey (one key names the region locally and remotely).
+        key: u32,
+    },
+    /// Reply to `MrGrant` (the memfd is attached).
+    MrGranted {
+        /// Data bytes.
+        len: u64,
+        /// `IBV_ACCESS_*` flags of the region.
+        access: u32,
+        /// Whether the attached fd may be mapped writable.
+        writable: bool,
+    },
+    /// Reply to `CreateQp`.
+    QpCreated {
+        /// QP number.
+        qpn: u32,
+        /// Block offset in the node's window.
+        block_off: u64,
+    },
+    /// Reply to `ConnectQp`.
+    QpConnected {
+        /// The remote QP's block offset in its node's window.
+        block_off: u64,
+        /// The remote node's generation.
+        generation: u32,
+    },
+}

@@ -1,0 +1,544 @@
+//! The supervisor's side of the RDMA verbs path: the registries peers must go through.
+//!
+//! - **Memory regions**: the owner sends the region's memfd with `RegMr`; the supervisor checks
+//!   it (a sealed memfd at least as long as announced), seals it against new writable mappings
+//!   when the region allows no remote writes, and hands out one key. A peer gets the fd only
+//!   through `MrGrant`, only for a region of the protection domain of the QP its own QP is
+//!   connected to, and read-only (a fresh `O_RDONLY` open of the memfd, which the seal keeps
+//!   read-only even if reopened) unless the region allows remote writes or atomics.
+//! - **QP blocks**: RC/UC queue pairs live in their owner's window; the supervisor allocates
+//!   them, numbers them, records who is connected to whom, and when a QP's process or node goes
+//!   away it raises the peer-gone flag in the connected QP's block and rings its bell.
+//! - **Context event blocks**: one doorbell per device context.
+//!
+//! Everything a client asks for is checked against what that client owns.
+
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::time::Instant;
+
+use super::Sup;
+use crate::fabric::ctl::{ErrorKind, Response};
+use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
+use crate::sync::{self, Ordering};
+use crate::wire::verbs::*;
+
+/// `IBV_ACCESS_REMOTE_WRITE`.
+const REMOTE_WRITE: u32 = 1 << 1;
+/// `IBV_ACCESS_REMOTE_READ`.
+const REMOTE_READ: u32 = 1 << 2;
+/// `IBV_ACCESS_REMOTE_ATOMIC`.
+const REMOTE_ATOMIC: u32 = 1 << 3;
+/// First RC/UC QP number (UD QPs are datagram ports, below this).
+const QPN_BASE: u32 = 0x10_0000;
+/// Largest registrable region.
+const MAX_MR: u64 = 1 << 40;
+
+type Failure = (ErrorKind, String);
+
+struct MrEntry {
+    client: u64,
+    slot: u32,
+    pd: u32,
+    len: u64,
+    access: u32,
+    fd: OwnedFd,
+}
+
+struct QpEntry {
+    client: u64,
+    pd: u32,
+    qp_type: u32,
+    block_off: u64,
+    block_len: u64,
+    event_off: u64,
+    peer: Option<(u32, u32)>,
+}
+
+struct CtxEntry {
+    client: u64,
+    slot: u32,
+    event_off: u64,
+}
+
+/// Verbs objects the supervisor knows about.
+pub(in crate::fabric) struct Registry {
+    mrs: HashMap<u32, MrEntry>,
+    qps: HashMap<(u32, u32), QpEntry>,
+    ctxs: Vec<CtxEntry>,
+    next_qpn: u32,
+    keys: RandomState,
+    key_counter: u64,
+}
+
+impl Registry {
+    pub(in crate::fabric) fn new() -> Self {
+        Self {
+            mrs: HashMap::new(),
+            qps: HashMap::new(),
+            ctxs: Vec::new(),
+            next_qpn: QPN_BASE,
+            keys: RandomState::new(),
+            key_counter: 0,
+        }
+    }
+
+    /// A fresh key: unpredictable, non-zero, unused.
+    fn new_key(&mut self) -> u32 {
+        loop {
+            self.key_counter += 1;
+            let mut h = self.keys.build_hasher();
+            h.write_u64(self.key_counter);
+            let k = h.finish() as u32;
+            if k != 0 && !self.mrs.contains_key(&k) {
+                return k;
+            }
+        }
+    }
+
+    fn new_qpn(&mut self, slot: u32) -> u32 {
+        loop {
+            let q = self.next_qpn;
+            self.next_qpn = if q >= 0xFF_FFFF { QPN_BASE } else { q + 1 };
+            if !self.qps.contains_key(&(slot, q)) {
+                return q;
+            }
+        }
+    }
+}
+
+fn invalid(m: impl Into<String>) -> Failure {
+    (ErrorKind::Invalid, m.into())
+}
+
+impl Sup {
+    /// Serves one verbs request (with the fds that came with it) and replies.
+    pub(super) fn handle_verbs(&mut self, id: u64, req: VerbsRequest, fds: Vec<OwnedFd>) {
+        let hello_done = self.clients.get(&id).is_some_and(|c| c.pid != 0);
+        let result = if hello_done {
+            self.serve_verbs(id, req, fds)
+        } else {
+            Err(invalid("first message must be hello"))
+        };
+        match result {
+            Ok((resp, fd)) => {
+                let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
+                self.reply(id, &Response::Verbs(resp), &fds);
+            }
+            Err((kind, message)) => self.reply(id, &Response::Error { kind, message }, &[]),
+        }
+    }
+
+    fn serve_verbs(
+        &mut self,
+        id: u64,
+        req: VerbsRequest,
+        fds: Vec<OwnedFd>,
+    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+        match req {
+            VerbsRequest::OpenContext { slot } => {
+                self.ready_slot(slot)?;
+                let off = self.allocs[slot as usize - 1]
+                    .alloc(EV_LEN, 64, Instant::now())
+                    .ok_or_else(|| no_room(slot))?;
+                self.win(slot).zero(off, EV_LEN).expect("allocated");
+                self.verbs.ctxs.push(CtxEntry {
+                    client: id,
+                    slot,
+                    event_off: off,
+                });
+                Ok((VerbsResponse::ContextOpened { event_off: off }, None))
+            }
+            VerbsRequest::CloseContext { slot, event_off } => {
+                if let Some(i) = self
+                    .verbs
+                    .ctxs
+                    .iter()
+                    .position(|c| c.client == id && c.slot == slot && c.event_off == event_off)
+                {
+                    let c = self.verbs.ctxs.swap_remove(i);
+                    self.allocs[c.slot as usize - 1].free(c.event_off, EV_LEN, Instant::now());
+                }
+                Ok((VerbsResponse::ContextOpened { event_off }, None))
+            }
+            VerbsRequest::RegMr {
+                slot,
+                pd,
+                len,
+                access,
+            } => {
+                self.ready_slot(slot)?;
+                let fd = match <[OwnedFd; 1]>::try_from(fds) {
+                    Ok([fd]) => fd,
+                    Err(_) => return Err(invalid("reg_mr carries exactly one memfd")),
+                };
+                check_region_fd(&fd, len, access)?;
+                let key = self.verbs.new_key();
+                self.verbs.mrs.insert(
+                    key,
+                    MrEntry {
+                        client: id,
+                        slot,
+                        pd,
+                        len,
+                        access,
+                        fd,
+                    },
+                );
+                Ok((VerbsResponse::MrRegistered { key }, None))
+            }
+            VerbsRequest::DeregMr { key } => {
+                if self.verbs.mrs.get(&key).is_some_and(|m| m.client == id) {
+                    self.verbs.mrs.remove(&key);
+                }
+                Ok((VerbsResponse::MrRegistered { key }, None))
+            }
+            VerbsRequest::MrGrant { slot, qpn, rkey } => self.grant_mr(id, slot, qpn, rkey),
+            VerbsRequest::CreateQp {
+                slot,
+                pd,
+                qp_type,
+                ring_len,
+                event_off,
+            } => self.create_qp(id, slot, pd, qp_type, ring_len, event_off),
+            VerbsRequest::DestroyQp { slot, qpn } => {
+                if self
+                    .verbs
+                    .qps
+                    .get(&(slot, qpn))
+                    .is_some_and(|q| q.client == id)
+                {
+                    self.destroy_qp((slot, qpn));
+                }
+                Ok((VerbsResponse::QpCreated { qpn, block_off: 0 }, None))
+            }
+            VerbsRequest::ConnectQp {
+                slot,
+                qpn,
+                dest_slot,
+                dest_qpn,
+            } => {
+                self.ready_slot(slot)?;
+                self.ready_slot(dest_slot)?;
+                let own_type = match self.verbs.qps.get(&(slot, qpn)) {
+                    Some(q) if q.client == id => q.qp_type,
+                    _ => {
+                        return Err(invalid(format!(
+                            "this process has no QP {qpn:#x} on node {slot}"
+                        )))
+                    }
+                };
+                let dest = self.verbs.qps.get(&(dest_slot, dest_qpn)).ok_or_else(|| {
+                    (
+                        ErrorKind::NotFound,
+                        format!("node {dest_slot} has no QP {dest_qpn:#x}"),
+                    )
+                })?;
+                if dest.qp_type != own_type {
+                    return Err(invalid(format!(
+                        "QP {dest_qpn:#x} on node {dest_slot} is of another transport"
+                    )));
+                }
+                let block_off = dest.block_off;
+                if let Some(q) = self.verbs.qps.get_mut(&(slot, qpn)) {
+                    q.peer = Some((dest_slot, dest_qpn));
+                }
+                Ok((
+                    VerbsResponse::QpConnected {
+                        block_off,
+                        generation: self.life[dest_slot as usize - 1].generation(),
+                    },
+                    None,
+                ))
+            }
+        }
+    }
+
+    fn grant_mr(
+        &mut self,
+        id: u64,
+        slot: u32,
+        qpn: u32,
+        rkey: u32,
+    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+        let peer = match self.verbs.qps.get(&(slot, qpn)) {
+            Some(q) if q.client == id => q.peer.ok_or_else(|| {
+                invalid(format!(
+                    "QP {qpn:#x} is not connected; move it to RTR first"
+                ))
+            })?,
+            _ => {
+                return Err(invalid(format!(
+                    "this process has no QP {qpn:#x} on node {slot}"
+                )))
+            }
+        };
+        let not_found = || {
+            (
+                ErrorKind::NotFound,
+                format!("rkey {rkey:#x} names no region of the peer's protection domain"),
+            )
+        };
+        let pq = self.verbs.qps.get(&peer).ok_or_else(not_found)?;
+        let mr = self.verbs.mrs.get(&rkey).ok_or_else(not_found)?;
+        if mr.client != pq.client || mr.pd != pq.pd || mr.slot != peer.0 {
+            return Err(not_found());
+        }
+        if mr.access & (REMOTE_READ | REMOTE_WRITE | REMOTE_ATOMIC) == 0 {
+            return Err((
+                ErrorKind::Invalid,
+                format!("region {rkey:#x} allows no remote access"),
+            ));
+        }
+        let writable = mr.access & (REMOTE_WRITE | REMOTE_ATOMIC) != 0;
+        let fd = if writable {
+            mr.fd.try_clone()
+        } else {
+            reopen_read_only(&mr.fd)
+        }
+        .map_err(|e| invalid(format!("cannot share region {rkey:#x}: {e}")))?;
+        Ok((
+            VerbsResponse::MrGranted {
+                len: mr.len,
+                access: mr.access,
+                writable,
+            },
+            Some(fd),
+        ))
+    }
+
+    fn create_qp(
+        &mut self,
+        id: u64,
+        slot: u32,
+        pd: u32,
+        qp_type: u32,
+        ring_len: u32,
+        event_off: u64,
+    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+        self.ready_slot(slot)?;
+        if qp_type != 2 && qp_type != 3 {
+            return Err(invalid(format!("QP type {qp_type} has no QP block")));
+        }
+        if !ring_len.is_power_of_two() || !(QP_MIN_RING..=QP_MAX_RING).contains(&ring_len) {
+            return Err(invalid(format!("ring of {ring_len} bytes is out of range")));
+        }
+        if !self
+            .verbs
+            .ctxs
+            .iter()
+            .any(|c| c.client == id && c.slot == slot && c.event_off == event_off)
+        {
+            return Err(invalid("the QP's context is not open on this node"));
+        }
+        let len = QpBlockRepr::footprint(ring_len);
+        let off = self.allocs[slot as usize - 1]
+            .alloc(len, 4096, Instant::now())
+            .ok_or_else(|| no_room(slot))?;
+        let qpn = self.verbs.new_qpn(slot);
+        let w = self.windows[slot as usize - 1].clone();
+        w.zero(off, QP_RING_OFF).expect("allocated");
+        let mut h = [0u8; 64];
+        QpBlockRepr {
+            qp_type,
+            qpn,
+            slot,
+            generation: self.life[slot as usize - 1].generation(),
+            ring_len,
+            event_off,
+        }
+        .emit(&mut QpBlockHeader::new_unchecked(&mut h[..]));
+        super::publish(&w, off, &h, QP_INIT_OFF);
+        self.verbs.qps.insert(
+            (slot, qpn),
+            QpEntry {
+                client: id,
+                pd,
+                qp_type,
+                block_off: off,
+                block_len: len,
+                event_off,
+                peer: None,
+            },
+        );
+        Ok((
+            VerbsResponse::QpCreated {
+                qpn,
+                block_off: off,
+            },
+            None,
+        ))
+    }
+
+    /// Removes a QP: every QP connected to it learns its peer is gone, its block is freed.
+    fn destroy_qp(&mut self, key: (u32, u32)) {
+        let Some(q) = self.verbs.qps.remove(&key) else {
+            return;
+        };
+        let now = Instant::now();
+        let peers: Vec<((u32, u32), u64, u64)> = self
+            .verbs
+            .qps
+            .iter()
+            .filter(|(_, p)| p.peer == Some(key))
+            .map(|(&k, p)| (k, p.block_off, p.event_off))
+            .collect();
+        for ((slot, _), block_off, event_off) in peers {
+            let w = self.win(slot);
+            if let Ok(flag) = w.u32_at(block_off + QP_PEER_ERR_OFF as u64) {
+                // SYNC POINT qp-peer-gone (release): the peer QP is gone from the registry.
+                flag.store(1, Ordering::Release);
+            }
+            if let Ok(bell) = w.u32_at(event_off + EV_BELL_OFF as u64) {
+                sync::ring(bell);
+            }
+        }
+        self.allocs[key.0 as usize - 1].free(q.block_off, q.block_len, now);
+    }
+
+    /// A client went away: its regions, QPs and contexts go with it.
+    pub(super) fn verbs_drop_client(&mut self, id: u64) {
+        self.verbs.mrs.retain(|_, m| m.client != id);
+        let qps: Vec<_> = self
+            .verbs
+            .qps
+            .iter()
+            .filter(|(_, q)| q.client == id)
+            .map(|(&k, _)| k)
+            .collect();
+        for k in qps {
+            self.destroy_qp(k);
+        }
+        self.drop_contexts(|c| c.client == id);
+    }
+
+    /// A node went DOWN: the verbs objects of its processes are stale.
+    pub(super) fn verbs_node_down(&mut self, slot: u32) {
+        self.verbs.mrs.retain(|_, m| m.slot != slot);
+        let qps: Vec<_> = self
+            .verbs
+            .qps
+            .keys()
+            .filter(|k| k.0 == slot)
+            .copied()
+            .collect();
+        for k in qps {
+            self.destroy_qp(k);
+        }
+        self.drop_contexts(|c| c.slot == slot);
+    }
+
+    fn drop_contexts(&mut self, gone: impl Fn(&CtxEntry) -> bool) {
+        let now = Instant::now();
+        let (dead, live): (Vec<_>, Vec<_>) = self.verbs.ctxs.drain(..).partition(|c| gone(c));
+        self.verbs.ctxs = live;
+        for c in dead {
+            self.allocs[c.slot as usize - 1].free(c.event_off, EV_LEN, now);
+        }
+    }
+}
+
+fn no_room(slot: u32) -> Failure {
+    (
+        ErrorKind::NoSpace,
+        format!("node {slot}'s window is full; use a larger --window-size"),
+    )
+}
+
+/// Checks a region's memfd: sealed against shrinking (a peer's mapping can never fault), long
+/// enough for the header page and `len` data bytes; seals it against new writable mappings
+/// when the region allows neither remote writes nor remote atomics.
+fn check_region_fd(fd: &OwnedFd, len: u64, access: u32) -> Result<(), Failure> {
+    use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, SealFlags};
+    if len == 0 || len > MAX_MR {
+        return Err(invalid(format!("a region of {len} bytes is out of range")));
+    }
+    let seals = fcntl_get_seals(fd).map_err(|_| invalid("a region must be a sealable memfd"))?;
+    if !seals.contains(SealFlags::SHRINK) {
+        return Err(invalid("a region's memfd must be sealed against shrinking"));
+    }
+    let size = fstat(fd)
+        .map_err(|e| invalid(format!("cannot stat the region: {e}")))?
+        .st_size as u64;
+    if size < MR_DATA_OFF + len {
+        return Err(invalid(format!(
+            "the region's memfd holds {size} bytes, fewer than its header and {len} bytes"
+        )));
+    }
+    if access & (REMOTE_WRITE | REMOTE_ATOMIC) == 0 && !seals.contains(SealFlags::FUTURE_WRITE) {
+        fcntl_add_seals(fd, SealFlags::FUTURE_WRITE)
+            .map_err(|e| invalid(format!("cannot seal the region read-only: {e}")))?;
+    }
+    Ok(())
+}
+
+/// A new, read-only open file description of the same memfd.
+fn reopen_read_only(fd: &OwnedFd) -> std::io::Result<OwnedFd> {
+    use rustix::fs::{open, Mode, OFlags};
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    Ok(open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::Region;
+
+    #[test]
+    fn region_fds_must_be_sealed_memfds_long_enough_for_their_length() {
+        let r = Region::create("bp-test-mr", 4096 + 8192).unwrap();
+        let fd = r.fd().try_clone_to_owned().unwrap();
+        assert!(check_region_fd(&fd, 8192, REMOTE_WRITE).is_ok());
+        assert!(check_region_fd(&fd, 8193, REMOTE_WRITE).is_err());
+        assert!(check_region_fd(&fd, 0, REMOTE_WRITE).is_err());
+        let file: OwnedFd = std::fs::File::open("/proc/self/exe").unwrap().into();
+        assert!(
+            check_region_fd(&file, 1, REMOTE_READ).is_err(),
+            "not a memfd"
+        );
+    }
+
+    #[test]
+    fn a_read_only_region_cannot_be_mapped_writable_even_after_reopening() {
+        use rustix::mm::{mmap, MapFlags, ProtFlags};
+        let r = Region::create("bp-test-mr", 4096 + 4096).unwrap();
+        r.write(4096, b"owner").unwrap();
+        let fd = r.fd().try_clone_to_owned().unwrap();
+        check_region_fd(&fd, 4096, REMOTE_READ).unwrap();
+        let ro = reopen_read_only(&fd).unwrap();
+        let map_rw = |f: &OwnedFd| {
+            // SAFETY: a fresh kernel-chosen mapping; unmapped right away if it succeeds.
+            unsafe {
+                mmap(
+                    std::ptr::null_mut(),
+                    8192,
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::SHARED,
+                    f,
+                    0,
+                )
+            }
+            .map(|p| {
+                // SAFETY: `p` is the 8192-byte mapping just made, referenced by nothing else.
+                let _ = unsafe { rustix::mm::munmap(p, 8192) };
+            })
+        };
+        assert!(map_rw(&ro).is_err(), "O_RDONLY fd mapped writable");
+        let upgraded = rustix::fs::open(
+            format!("/proc/self/fd/{}", ro.as_raw_fd()),
+            rustix::fs::OFlags::RDWR,
+            rustix::fs::Mode::empty(),
+        );
+        if let Ok(rw) = upgraded {
+            assert!(map_rw(&rw).is_err(), "sealed region mapped writable");
+        }
+        // The owner's own mapping still writes, and readers see it.
+        r.write(4096, b"still").unwrap();
+        let reader = Region::map(ro, false).unwrap();
+        let mut got = [0u8; 5];
+        reader.read(4096, &mut got).unwrap();
+        assert_eq!(&got, b"still");
+    }
+}

@@ -1,0 +1,383 @@
+//! Completion channels (`ibv_comp_channel`): an eventfd that becomes readable when an armed
+//! completion queue (`Cq::req_notify`) gets a completion, for poll/epoll/select loops.
+//!
+//! Completions made by the application's own calls (a signaled RDMA_WRITE, a flush) signal the
+//! channel directly. Completions that depend on peers (an arriving SEND, an acknowledgement, a
+//! peer that dies, an RNR timer) are watched by one small thread per channel: it sleeps on the
+//! context's bell — a futex word in the node's window that peers ring only while the channel
+//! is armed (the armed-flag pattern of the rest of the fabric) — and on the doorbells of UD QPs
+//! (several futexes at once with `futex_waitv`), wakes at RNR deadlines, and checks node
+//! liveness at least every 100 ms. When something moved for an armed CQ it queues an event and
+//! writes the eventfd. As with libibverbs, an event means "poll this CQ": the completion may
+//! already have been taken by an earlier poll.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::engine::{W32, W64};
+use super::types::VerbsError;
+use crate::fabric::Fabric;
+use crate::mem::Region;
+use crate::sync::{fence, futex_wait, futex_wake, AtomicU32, Ordering};
+use crate::wire::NodeState;
+
+/// Longest sleep of the watcher: node liveness is checked at least this often.
+const MAX_SLEEP: Duration = Duration::from_millis(100);
+
+/// Something the watcher compares with what it was when the CQ was armed.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Watch {
+    /// A 64-bit index that moves when work arrives (a ring's producer index, an ack).
+    Moved {
+        /// The word.
+        word: W64,
+        /// Its value at arming.
+        seen: u64,
+    },
+    /// A flag that fires when non-zero (peer gone).
+    Flag(W32),
+    /// A futex doorbell that peers bump (UD endpoints); the watcher also sleeps on it.
+    Bell {
+        /// The word.
+        word: W32,
+        /// Its value at arming.
+        seen: u32,
+    },
+}
+
+/// An armed completion queue.
+#[derive(Debug, Clone)]
+pub(crate) struct Armed {
+    pub(crate) cq: u32,
+    pub(crate) watch: Vec<Watch>,
+    pub(crate) deadline: Option<Instant>,
+    /// (slot, generation) of nodes whose death must wake the CQ.
+    pub(crate) nodes: Vec<(u32, u32)>,
+}
+
+impl Armed {
+    fn fires(&self, now: Instant, fabric: &Fabric) -> bool {
+        let moved = self.watch.iter().any(|w| match *w {
+            Watch::Moved { word, seen } => word.get().load(Ordering::Acquire) != seen,
+            Watch::Flag(word) => word.get().load(Ordering::Acquire) != 0,
+            Watch::Bell { word, seen } => word.get().load(Ordering::Acquire) != seen,
+        });
+        moved
+            || self.deadline.is_some_and(|d| d <= now)
+            || self.nodes.iter().any(|&(slot, generation)| {
+                !fabric
+                    .node_info(slot)
+                    .is_ok_and(|i| i.state == NodeState::Ready && i.generation == generation)
+            })
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    events: VecDeque<u32>,
+    armed: Vec<Armed>,
+}
+
+/// State shared by a channel's owner, its CQs and its watcher thread.
+pub(crate) struct ChannelShared {
+    efd: OwnedFd,
+    inner: Mutex<Inner>,
+    armed_count: AtomicUsize,
+    wake: AtomicU32,
+    stop: AtomicBool,
+    bell: W32,
+    bell_armed: W32,
+    _win: Arc<Region>,
+    fabric: Fabric,
+}
+
+impl ChannelShared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn post_events(&self, inner: &mut Inner, cqs: &[u32]) {
+        inner.events.extend(cqs);
+        self.armed_count.store(inner.armed.len(), Ordering::Relaxed);
+        let one = 1u64.to_ne_bytes();
+        let _ = rustix::io::write(&self.efd, &one);
+    }
+
+    /// A completion was added to `cq` by this process: fire its event if it is armed.
+    pub(crate) fn completion_added(&self, cq: u32) {
+        if self.armed_count.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let mut g = self.lock();
+        if let Some(i) = g.armed.iter().position(|a| a.cq == cq) {
+            g.armed.swap_remove(i);
+            self.post_events(&mut g, &[cq]);
+        }
+    }
+
+    /// Arms `a.cq` (replacing an earlier arming) and wakes the watcher.
+    pub(crate) fn arm(&self, a: Armed) {
+        let mut g = self.lock();
+        g.armed.retain(|x| x.cq != a.cq);
+        g.armed.push(a);
+        self.armed_count.store(g.armed.len(), Ordering::Relaxed);
+        drop(g);
+        self.wake.fetch_add(1, Ordering::Release);
+        futex_wake(&self.wake);
+    }
+
+    /// Forgets `cq` (destroyed).
+    pub(crate) fn forget(&self, cq: u32) {
+        let mut g = self.lock();
+        g.armed.retain(|x| x.cq != cq);
+        g.events.retain(|&x| x != cq);
+        self.armed_count.store(g.armed.len(), Ordering::Relaxed);
+    }
+
+    fn watcher(self: Arc<Self>) {
+        let mut seen_bell_armed = false;
+        loop {
+            if self.stop.load(Ordering::Acquire) {
+                break;
+            }
+            let w = self.wake.load(Ordering::Acquire);
+            let armed: Vec<Armed> = self.lock().armed.clone();
+            if armed.is_empty() {
+                if seen_bell_armed {
+                    self.bell_armed.get().store(0, Ordering::Relaxed);
+                    seen_bell_armed = false;
+                }
+                futex_wait(&self.wake, w, Some(MAX_SLEEP));
+                continue;
+            }
+            let b = self.bell.get().load(Ordering::Acquire);
+            self.bell_armed.get().store(1, Ordering::Relaxed);
+            seen_bell_armed = true;
+            // SYNC POINT qp-bell (sleeper): armed before we re-check what peers publish.
+            fence(Ordering::SeqCst);
+            let now = Instant::now();
+            let fired: Vec<u32> = armed
+                .iter()
+                .filter(|a| a.fires(now, &self.fabric))
+                .map(|a| a.cq)
+                .collect();
+            if !fired.is_empty() {
+                let mut g = self.lock();
+                g.armed.retain(|a| !fired.contains(&a.cq));
+                self.post_events(&mut g, &fired);
+                continue;
+            }
+            let until = armed
+                .iter()
+                .filter_map(|a| a.deadline)
+                .min()
+                .map_or(MAX_SLEEP, |d| {
+                    d.saturating_duration_since(now).min(MAX_SLEEP)
+                });
+            let mut words: Vec<(&AtomicU32, u32)> = vec![(self.bell.get(), b), (&self.wake, w)];
+            for a in &armed {
+                for x in &a.watch {
+                    if let Watch::Bell { word, seen } = x {
+                        words.push((word.get(), *seen));
+                    }
+                }
+            }
+            wait_any(&words, until);
+        }
+        self.bell_armed.get().store(0, Ordering::Relaxed);
+    }
+}
+
+/// Sleeps until one of `words` no longer holds its value, a wake, or `timeout`.
+fn wait_any(words: &[(&AtomicU32, u32)], timeout: Duration) {
+    #[repr(C)]
+    struct FutexWaitv {
+        val: u64,
+        uaddr: u64,
+        flags: u32,
+        reserved: u32,
+    }
+    const FUTEX2_SIZE_U32: u32 = 2;
+    let v: Vec<FutexWaitv> = words
+        .iter()
+        .take(128)
+        .map(|(w, val)| FutexWaitv {
+            val: u64::from(*val),
+            uaddr: w.as_ptr() as u64,
+            flags: FUTEX2_SIZE_U32,
+            reserved: 0,
+        })
+        .collect();
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a live, writable timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let ns = ts.tv_nsec as u64 + timeout.subsec_nanos() as u64;
+    ts.tv_sec += timeout.as_secs() as libc::time_t + (ns / 1_000_000_000) as libc::time_t;
+    ts.tv_nsec = (ns % 1_000_000_000) as libc::c_long;
+    // SAFETY: `v` is an array of `v.len()` futex_waitv entries whose addresses point to live,
+    // aligned u32 atomics (the words are borrowed for this call); `ts` is a live timespec.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_futex_waitv,
+            v.as_ptr(),
+            v.len() as libc::c_uint,
+            0u32,
+            &ts as *const libc::timespec,
+            libc::CLOCK_MONOTONIC,
+        )
+    };
+    if r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
+        // Kernels before 5.16: sleep on the bell, briefly if there are other words to watch.
+        let t = if words.len() > 2 {
+            timeout.min(Duration::from_millis(1))
+        } else {
+            timeout
+        };
+        futex_wait(words[0].0, words[0].1, Some(t));
+    }
+}
+
+/// A completion channel (`ibv_comp_channel`): its fd ([`AsFd`]) is readable when an event is
+/// queued; [`CompChannel::get_cq_event`] takes one.
+pub struct CompChannel {
+    pub(crate) shared: Arc<ChannelShared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for CompChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompChannel")
+            .field("fd", &self.shared.efd.as_raw_fd())
+            .finish()
+    }
+}
+
+/// An event taken from a channel: which CQ it is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CqEvent {
+    /// The CQ's id ([`super::Cq::id`]).
+    pub cq_id: u32,
+}
+
+impl CompChannel {
+    pub(crate) fn new(
+        fabric: Fabric,
+        win: Arc<Region>,
+        event_off: u64,
+    ) -> Result<Self, VerbsError> {
+        use crate::wire::verbs::{EV_ARMED_OFF, EV_BELL_OFF};
+        use rustix::event::{eventfd, EventfdFlags};
+        let efd = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+            .map_err(std::io::Error::from)?;
+        let shared = Arc::new(ChannelShared {
+            efd,
+            inner: Mutex::new(Inner::default()),
+            armed_count: AtomicUsize::new(0),
+            wake: AtomicU32::new(0),
+            stop: AtomicBool::new(false),
+            bell: W32::at(&win, event_off + EV_BELL_OFF as u64)?,
+            bell_armed: W32::at(&win, event_off + EV_ARMED_OFF as u64)?,
+            _win: win,
+            fabric,
+        });
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("bp-comp-channel".into())
+            .spawn(move || s.watcher())?;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Takes the next event, waiting up to `timeout` (`None`: forever). `ibv_get_cq_event`.
+    pub fn get_cq_event(&self, timeout: Option<Duration>) -> Result<CqEvent, VerbsError> {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if let Some(e) = self.try_get_cq_event() {
+                return Ok(e);
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left.is_some_and(|l| l.is_zero()) {
+                return Err(VerbsError::TimedOut);
+            }
+            let ts = left.map(|l| {
+                Timespec::try_from(l).unwrap_or(Timespec {
+                    tv_sec: 1,
+                    tv_nsec: 0,
+                })
+            });
+            let mut fds = [PollFd::new(&self.shared.efd, PollFlags::IN)];
+            match poll(&mut fds, ts.as_ref()) {
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(std::io::Error::from(e).into()),
+            }
+        }
+    }
+
+    /// Takes the next event if one is queued.
+    pub fn try_get_cq_event(&self) -> Option<CqEvent> {
+        let mut g = self.shared.lock();
+        let e = g.events.pop_front()?;
+        if g.events.is_empty() {
+            let mut b = [0u8; 8];
+            let _ = rustix::io::read(&self.shared.efd, &mut b); // drain: fd no longer readable
+        }
+        Some(CqEvent { cq_id: e })
+    }
+
+    /// Acknowledges events (`ibv_ack_cq_events`); nothing to release here.
+    pub fn ack_cq_events(&self, _n: u32) {}
+}
+
+impl AsFd for CompChannel {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.shared.efd.as_fd()
+    }
+}
+
+impl Drop for CompChannel {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.wake.fetch_add(1, Ordering::Release);
+        futex_wake(&self.shared.wake);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waiting_on_several_words_returns_when_any_moves_or_the_time_is_up() {
+        let a = Arc::new(AtomicU32::new(0));
+        let b = Arc::new(AtomicU32::new(0));
+        let t0 = Instant::now();
+        wait_any(&[(&a, 0), (&b, 0)], Duration::from_millis(20));
+        assert!(
+            t0.elapsed() >= Duration::from_millis(19),
+            "slept until the timeout"
+        );
+        // A word that already moved returns at once; one moved by another thread wakes us.
+        wait_any(&[(&a, 5), (&b, 0)], Duration::from_secs(30));
+        let b2 = b.clone();
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(10));
+            b2.store(1, Ordering::Release);
+            futex_wake(&b2);
+        });
+        wait_any(&[(&a, 0), (&b, 0)], Duration::from_secs(30));
+        assert_eq!(b.load(Ordering::Acquire), 1);
+        h.join().unwrap();
+    }
+}

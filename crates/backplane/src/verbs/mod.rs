@@ -1,0 +1,641 @@
+//! RDMA verbs over the fabric: the libibverbs object model — device context, protection
+//! domain, memory region, completion queue (+ completion channel), queue pair (RC, UC, UD),
+//! address handle — with its names, state machine and completion statuses, so code written
+//! for libibverbs reads the same here.
+//!
+//! | libibverbs | here |
+//! | --- | --- |
+//! | `ibv_open_device` / `ibv_close_device` | [`Context::open`] / drop |
+//! | `ibv_query_device`, `ibv_query_port` | [`Context::query_device`], [`Context::query_port`] |
+//! | `ibv_alloc_pd` / `ibv_dealloc_pd` | [`Context::alloc_pd`] / drop |
+//! | `ibv_reg_mr` / `ibv_dereg_mr` | [`Pd::alloc_mr`] (alias [`Pd::reg_mr`]) / drop or [`Mr::dereg`] |
+//! | `ibv_create_comp_channel`, `ibv_get_cq_event`, `ibv_ack_cq_events` | [`Context::create_comp_channel`], [`CompChannel::get_cq_event`], [`CompChannel::ack_cq_events`] |
+//! | `ibv_create_cq` / `ibv_destroy_cq` | [`Context::create_cq`] / drop |
+//! | `ibv_poll_cq`, `ibv_req_notify_cq` | [`Cq::poll`], [`Cq::req_notify`] |
+//! | `ibv_create_qp` / `ibv_destroy_qp` | [`Pd::create_qp`] / drop |
+//! | `ibv_modify_qp`, `ibv_query_qp` | [`Qp::modify`], [`Qp::query`] |
+//! | `ibv_post_send`, `ibv_post_recv` | [`Qp::post_send`], [`Qp::post_recv`] |
+//! | `ibv_create_ah` | [`Pd::create_ah`] |
+//! | `rdma_listen` / `rdma_accept`, `rdma_connect` | [`cm::Listener::bind`] / [`cm::Listener::accept`], [`cm::connect`] |
+//!
+//! Differences a libibverbs user should know:
+//! - **Registrable memory is memory the library provides.** Peers map a region, so it must be
+//!   shareable: [`Pd::alloc_mr`] allocates a memfd-backed buffer and registers it; the
+//!   application fills and reads it as a slice ([`Mr::as_mut_slice`]).
+//! - **Addresses are offsets.** `Sge::addr` and `remote_addr` are offsets into the region
+//!   (zero-based, like `IBV_ACCESS_ZERO_BASED`), never pointers.
+//! - **LIDs are node slots**; there is one port (1); the MTU is 4096.
+//! - **A context and its objects belong to one thread** (they are not `Send`): the data path
+//!   takes no lock. Open one context per thread.
+//! - **Progress happens in your calls**: `poll`, `post_send`, `post_recv` and `req_notify` move
+//!   work along (there is no adapter doing it in the background); a completion channel's
+//!   watcher thread only wakes you.
+//!
+//! Data paths and guarantees are described in `engine.rs`; the supervisor's registry of
+//! regions and QPs (grants, read-only mappings) in `fabric/supervisor/verbs.rs`.
+
+pub mod channel;
+pub mod cm;
+mod engine;
+pub mod fsm;
+mod types;
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+pub use channel::{CompChannel, CqEvent};
+pub use types::*;
+
+use crate::fabric::ctl::{Request, Response};
+use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
+use crate::fabric::{FabricError, Node};
+use crate::mem::Region;
+use crate::sync::Ordering;
+use crate::wire::verbs::*;
+use crate::wire::NodeState;
+use engine::{CqState, Ctx, Engine, LocalMr};
+
+/// Default inbound ring of an RC/UC QP.
+pub const DEFAULT_RING: u32 = 512 * 1024;
+
+/// A device context (`ibv_context`) on one node of a fabric.
+#[derive(Debug, Clone)]
+pub struct Context {
+    inner: Rc<Ctx>,
+}
+
+impl Context {
+    /// Opens the fabric "device" of `node` (`ibv_open_device`).
+    pub fn open(node: &Node) -> Result<Self, VerbsError> {
+        node.check_current()?;
+        let (resp, _) = node
+            .fabric()
+            .call(&Request::Verbs(VerbsRequest::OpenContext {
+                slot: node.slot(),
+            }))?;
+        let Response::Verbs(VerbsResponse::ContextOpened { event_off }) = resp else {
+            return Err(FabricError::Protocol(format!("{resp:?}")).into());
+        };
+        let win = node.fabric().window(node.slot())?;
+        win.check(event_off, EV_LEN, 64)?;
+        Ok(Self {
+            inner: Rc::new(Ctx {
+                node: node.clone(),
+                win,
+                event_off,
+                eng: RefCell::new(Engine::default()),
+            }),
+        })
+    }
+
+    /// The node this context runs on.
+    pub fn node(&self) -> &Node {
+        &self.inner.node
+    }
+
+    /// Device attributes (`ibv_query_device`).
+    pub fn query_device(&self) -> DeviceAttr {
+        DeviceAttr {
+            fw_ver: env!("CARGO_PKG_VERSION").to_string(),
+            node_guid: (u64::from(self.inner.node.slot()) << 32) | 0x0b0b,
+            max_mr_size: 1 << 40,
+            page_size_cap: 4096,
+            max_qp_wr: 1 << 16,
+            max_sge: 32,
+            max_cqe: 1 << 22,
+            max_qp_rd_atom: 16,
+            atomic_cap: AtomicCap::Glob,
+            phys_port_cnt: 1,
+        }
+    }
+
+    /// Port attributes (`ibv_query_port`); the only port is 1.
+    pub fn query_port(&self, port: u8) -> Result<PortAttr, VerbsError> {
+        if port != 1 {
+            return Err(VerbsError::inval(format!(
+                "port {port} does not exist (ports: 1)"
+            )));
+        }
+        let n = &self.inner.node;
+        let up = n
+            .fabric()
+            .node_info(n.slot())
+            .is_ok_and(|i| i.state == NodeState::Ready);
+        Ok(PortAttr {
+            state: if up {
+                PortState::Active
+            } else {
+                PortState::Down
+            },
+            max_mtu: Mtu::Mtu4096,
+            active_mtu: Mtu::Mtu4096,
+            lid: n.slot() as u16,
+            max_msg_sz: MAX_MSG,
+        })
+    }
+
+    /// A protection domain (`ibv_alloc_pd`).
+    pub fn alloc_pd(&self) -> Pd {
+        let mut e = self.inner.eng.borrow_mut();
+        e.next_pd += 1;
+        Pd {
+            ctx: self.inner.clone(),
+            id: e.next_pd,
+        }
+    }
+
+    /// A completion channel (`ibv_create_comp_channel`).
+    pub fn create_comp_channel(&self) -> Result<CompChannel, VerbsError> {
+        CompChannel::new(
+            self.inner.node.fabric().clone(),
+            self.inner.win.clone(),
+            self.inner.event_off,
+        )
+    }
+
+    /// A completion queue of `cqe` entries, optionally reporting to `channel`
+    /// (`ibv_create_cq`). Receives stop being taken from the fabric while it is full.
+    pub fn create_cq(&self, cqe: usize, channel: Option<&CompChannel>) -> Result<Cq, VerbsError> {
+        if cqe == 0 || cqe > 1 << 22 {
+            return Err(VerbsError::inval(format!("cqe {cqe} is not 1..=4194304")));
+        }
+        let mut e = self.inner.eng.borrow_mut();
+        let st = CqState {
+            entries: std::collections::VecDeque::with_capacity(cqe.min(4096)),
+            cap: cqe,
+            qps: Vec::new(),
+            channel: channel.map(|c| c.shared.clone()),
+            handle_alive: true,
+        };
+        let id = match e.cqs.iter().position(|c| c.is_none()) {
+            Some(i) => {
+                e.cqs[i] = Some(st);
+                i
+            }
+            None => {
+                e.cqs.push(Some(st));
+                e.cqs.len() - 1
+            }
+        };
+        Ok(Cq {
+            ctx: self.inner.clone(),
+            id,
+        })
+    }
+}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        let _ = self
+            .node
+            .fabric()
+            .call(&Request::Verbs(VerbsRequest::CloseContext {
+                slot: self.node.slot(),
+                event_off: self.event_off,
+            }));
+    }
+}
+
+/// A protection domain (`ibv_pd`): regions and QPs of one PD work together only.
+#[derive(Debug, Clone)]
+pub struct Pd {
+    ctx: Rc<Ctx>,
+    id: u32,
+}
+
+impl Pd {
+    /// Allocates `len` bytes of shareable memory (zero-filled) and registers them with
+    /// `access` — what `malloc` + `ibv_reg_mr` are in libibverbs code. REMOTE_WRITE and
+    /// REMOTE_ATOMIC need LOCAL_WRITE, as in libibverbs.
+    pub fn alloc_mr(&self, len: usize, access: AccessFlags) -> Result<Mr, VerbsError> {
+        if len == 0 || len as u64 > 1 << 40 {
+            return Err(VerbsError::inval(format!("region of {len} bytes")));
+        }
+        if access.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
+            && !access.contains(AccessFlags::LOCAL_WRITE)
+        {
+            return Err(VerbsError::inval(
+                "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE",
+            ));
+        }
+        let node = &self.ctx.node;
+        let size = (MR_DATA_OFF + len as u64).div_ceil(4096) * 4096;
+        let region = Region::create(
+            &format!("bp-{}-mr-n{}", node.fabric().name(), node.slot()),
+            size as usize,
+        )?;
+        let mut h = [0u8; 64];
+        MrRepr { len: len as u64 }.emit(&mut MrHeader::new_unchecked(&mut h[..]));
+        h[MR_INIT_OFF..MR_INIT_OFF + 4].fill(0);
+        region.write(0, &h)?;
+        region
+            .u32_at(MR_STATE_OFF as u64)?
+            .store(MR_STATE_VALID, Ordering::Relaxed);
+        // SYNC POINT header-init (release): the header is complete before the marker is seen.
+        region
+            .u32_at(MR_INIT_OFF as u64)?
+            .store(crate::wire::INIT_MARK, Ordering::Release);
+        let (resp, _) = node.fabric().call_with_fds(
+            &Request::Verbs(VerbsRequest::RegMr {
+                slot: node.slot(),
+                pd: self.id,
+                len: len as u64,
+                access: access.0,
+            }),
+            &[region.fd()],
+        )?;
+        let Response::Verbs(VerbsResponse::MrRegistered { key }) = resp else {
+            return Err(FabricError::Protocol(format!("{resp:?}")).into());
+        };
+        let data = region.ptr_at(MR_DATA_OFF, len as u64)?;
+        engine::populate(data, len as u64, true);
+        let region = Arc::new(region);
+        self.ctx.eng.borrow_mut().mrs.insert(
+            key,
+            LocalMr {
+                pd: self.id,
+                access,
+                data,
+                len: len as u64,
+                _region: region.clone(),
+            },
+        );
+        Ok(Mr {
+            ctx: self.ctx.clone(),
+            key,
+            region,
+            data,
+            len,
+            access,
+        })
+    }
+
+    /// The same as [`Pd::alloc_mr`], under its libibverbs name.
+    pub fn reg_mr(&self, len: usize, access: AccessFlags) -> Result<Mr, VerbsError> {
+        self.alloc_mr(len, access)
+    }
+
+    /// An address handle for UD sends to node `attr.dlid` (`ibv_create_ah`).
+    pub fn create_ah(&self, attr: &AhAttr) -> Result<Ah, VerbsError> {
+        let nodes = self.ctx.node.fabric().nodes();
+        let slot = u32::from(attr.dlid);
+        if slot == 0 || slot > nodes || attr.port_num > 1 {
+            return Err(VerbsError::inval(format!(
+                "LID {slot} port {} is not a node port (LIDs 1..={nodes}, port 1)",
+                attr.port_num
+            )));
+        }
+        Ok(Ah { slot, attr: *attr })
+    }
+
+    /// A queue pair (`ibv_create_qp`), in RESET.
+    pub fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<Qp, VerbsError> {
+        for cq in [init.send_cq, init.recv_cq] {
+            if !Rc::ptr_eq(&cq.ctx, &self.ctx) {
+                return Err(VerbsError::inval("the CQ belongs to another context"));
+            }
+        }
+        let c = init.cap;
+        if c.max_send_wr == 0
+            || c.max_recv_wr == 0
+            || c.max_send_wr > 1 << 16
+            || c.max_recv_wr > 1 << 16
+            || c.max_send_sge > 32
+            || c.max_recv_sge > 32
+            || c.max_inline_data > 4096
+        {
+            return Err(VerbsError::inval(format!(
+                "QP capabilities out of range: {c:?}"
+            )));
+        }
+        let ring = if init.ring_bytes == 0 {
+            DEFAULT_RING
+        } else {
+            init.ring_bytes
+        };
+        if !ring.is_power_of_two() || !(QP_MIN_RING..=QP_MAX_RING).contains(&ring) {
+            return Err(VerbsError::inval(format!(
+                "ring_bytes {ring} is not a power of two in {QP_MIN_RING}..={QP_MAX_RING}"
+            )));
+        }
+        let (id, qpn) = self.ctx.create_qp(engine::QpSpec {
+            pd: self.id,
+            ty: init.qp_type,
+            send_cq: init.send_cq.id,
+            recv_cq: init.recv_cq.id,
+            cap: c,
+            sig_all: init.sq_sig_all,
+            ring_len: ring,
+        })?;
+        Ok(Qp {
+            ctx: self.ctx.clone(),
+            id,
+            qpn,
+            ty: init.qp_type,
+        })
+    }
+}
+
+/// A memory region (`ibv_mr`): shareable memory the library allocated, registered in a PD.
+/// Dropping it deregisters it: peers that mapped it get REM_ACCESS_ERR from then on.
+pub struct Mr {
+    ctx: Rc<Ctx>,
+    key: u32,
+    region: Arc<Region>,
+    data: *mut u8,
+    len: usize,
+    access: AccessFlags,
+}
+
+impl std::fmt::Debug for Mr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mr")
+            .field("key", &format_args!("{:#x}", self.key))
+            .field("len", &self.len)
+            .field("access", &self.access)
+            .finish()
+    }
+}
+
+impl Mr {
+    /// Local key, for scatter/gather entries.
+    pub fn lkey(&self) -> u32 {
+        self.key
+    }
+    /// Remote key, for peers' RDMA operations.
+    pub fn rkey(&self) -> u32 {
+        self.key
+    }
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Never true (regions are not empty).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Access flags.
+    pub fn access(&self) -> AccessFlags {
+        self.access
+    }
+    /// A scatter/gather entry for `[offset, offset+length)` of this region.
+    pub fn sge(&self, offset: u64, length: u32) -> Sge {
+        Sge {
+            addr: offset,
+            length,
+            lkey: self.key,
+        }
+    }
+    /// The region's bytes. Peers (remote writes) and completions (receives, READ results)
+    /// change them: read after the completion that says so, as with any RDMA buffer.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `data` maps `len` bytes kept alive by `region`. Other processes may write
+        // them concurrently (that is the RDMA contract the docs state); they are plain bytes.
+        unsafe { std::slice::from_raw_parts(self.data, self.len) }
+    }
+    /// The region's bytes, to fill. Do not hold the slice across calls that complete work
+    /// into the region.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` keeps this process's other borrows away.
+        unsafe { std::slice::from_raw_parts_mut(self.data, self.len) }
+    }
+    /// Raw pointer to byte 0, for polling memory a peer writes (`read_volatile`).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.data
+    }
+    /// Deregisters the region (`ibv_dereg_mr`); the same as dropping it.
+    pub fn dereg(self) {}
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        if let Ok(s) = self.region.u32_at(MR_STATE_OFF as u64) {
+            // SYNC POINT mr-state (release): peers that see the change stop using the region.
+            s.store(MR_STATE_DEREGISTERED, Ordering::Release);
+        }
+        self.ctx.eng.borrow_mut().mrs.remove(self.key);
+        let _ = self
+            .ctx
+            .node
+            .fabric()
+            .call(&Request::Verbs(VerbsRequest::DeregMr { key: self.key }));
+    }
+}
+
+/// A completion queue (`ibv_cq`).
+#[derive(Debug)]
+pub struct Cq {
+    ctx: Rc<Ctx>,
+    id: usize,
+}
+
+impl Cq {
+    /// Identifies the CQ in [`CqEvent`]s.
+    pub fn id(&self) -> u32 {
+        self.id as u32
+    }
+
+    /// Takes up to `wc.len()` completions (`ibv_poll_cq`). When the CQ holds none, its QPs
+    /// are moved along first (inbound messages, acknowledgements, waiting work), so a poll
+    /// loop is what makes progress.
+    pub fn poll(&self, wc: &mut [Wc]) -> usize {
+        self.ctx.poll(self.id, wc)
+    }
+
+    /// Asks for an event on the channel when the next completion arrives (`ibv_req_notify_cq`).
+    /// `solicited_only` is accepted and treated as "any completion" (events may be spurious).
+    pub fn req_notify(&self, _solicited_only: bool) -> Result<(), VerbsError> {
+        let ctx = &self.ctx;
+        let mut eng = ctx.eng.borrow_mut();
+        let Engine { qps, cqs, .. } = &mut *eng;
+        let Some(Some(c)) = cqs.get(self.id) else {
+            return Err(VerbsError::inval("CQ is gone"));
+        };
+        let Some(ch) = c.channel.clone() else {
+            return Err(VerbsError::inval("the CQ has no completion channel"));
+        };
+        let mut watch = Vec::new();
+        let mut nodes = vec![(ctx.node.slot(), ctx.node.generation())];
+        let mut deadline = None;
+        for &id in &c.qps {
+            if let Some(Some(q)) = qps.get_mut(id) {
+                q.flush_bell_pub();
+                q.watches(&mut watch);
+                if let Some(p) = q.peer_slot() {
+                    nodes.push(p);
+                }
+                deadline = match (deadline, q.deadline()) {
+                    (Some(a), Some(b)) => Some(std::cmp::min(a, b)),
+                    (a, b) => a.or(b),
+                };
+            }
+        }
+        ch.arm(channel::Armed {
+            cq: self.id as u32,
+            watch,
+            deadline,
+            nodes,
+        });
+        Ok(())
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        let mut eng = self.ctx.eng.borrow_mut();
+        if let Some(Some(c)) = eng.cqs.get_mut(self.id) {
+            c.handle_alive = false;
+            if let Some(ch) = &c.channel {
+                ch.forget(self.id as u32);
+            }
+            if c.qps.is_empty() {
+                eng.cqs[self.id] = None;
+            }
+        }
+    }
+}
+
+/// What a QP is created with (`struct ibv_qp_init_attr`).
+#[derive(Debug, Clone, Copy)]
+pub struct QpInitAttr<'a> {
+    /// Where send completions go.
+    pub send_cq: &'a Cq,
+    /// Where receive completions go.
+    pub recv_cq: &'a Cq,
+    /// Queue sizes.
+    pub cap: QpCap,
+    /// Transport.
+    pub qp_type: QpType,
+    /// Every send completes with a completion (as if SIGNALED).
+    pub sq_sig_all: bool,
+    /// Extension: bytes of the QP's inbound ring (RC/UC; power of two, 256 KiB..64 MiB;
+    /// 0 = [`DEFAULT_RING`]). Larger rings keep more SEND data in flight.
+    pub ring_bytes: u32,
+}
+
+impl<'a> QpInitAttr<'a> {
+    /// Default capabilities, no `sq_sig_all`, default ring.
+    pub fn new(qp_type: QpType, send_cq: &'a Cq, recv_cq: &'a Cq) -> Self {
+        Self {
+            send_cq,
+            recv_cq,
+            cap: QpCap::default(),
+            qp_type,
+            sq_sig_all: false,
+            ring_bytes: 0,
+        }
+    }
+}
+
+/// An address handle (`ibv_ah`): a destination node for UD sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ah {
+    pub(crate) slot: u32,
+    attr: AhAttr,
+}
+
+impl Ah {
+    /// The attributes it was made from.
+    pub fn attr(&self) -> AhAttr {
+        self.attr
+    }
+}
+
+/// A queue pair (`ibv_qp`).
+#[derive(Debug)]
+pub struct Qp {
+    ctx: Rc<Ctx>,
+    id: usize,
+    qpn: u32,
+    ty: QpType,
+}
+
+impl Qp {
+    /// QP number (`qp->qp_num`).
+    pub fn qp_num(&self) -> u32 {
+        self.qpn
+    }
+
+    /// Transport.
+    pub fn qp_type(&self) -> QpType {
+        self.ty
+    }
+
+    /// Current state.
+    pub fn state(&self) -> QpState {
+        self.with(|q, _, _| q.state)
+    }
+
+    /// Messages this QP dropped (UC/UD without a posted receive, bad Q_Key, malformed).
+    pub fn drops(&self) -> u64 {
+        self.with(|q, _, _| q.drops)
+    }
+
+    /// Why the QP went to ERR when no work request was to blame (what libibverbs reports as
+    /// the asynchronous event `IBV_EVENT_QP_FATAL`), if it did.
+    pub fn fatal_error(&self) -> Option<&'static str> {
+        self.with(|q, _, _| q.error)
+    }
+
+    fn with<R>(
+        &self,
+        f: impl FnOnce(&mut engine::QpSt, &engine::Env<'_>, &mut engine::Cqs) -> R,
+    ) -> R {
+        let mut eng = self.ctx.eng.borrow_mut();
+        let Engine { qps, cqs, mrs, .. } = &mut *eng;
+        let q = qps[self.id]
+            .as_mut()
+            .expect("a live Qp handle has engine state");
+        let env = self.ctx.env(mrs);
+        f(q, &env, cqs)
+    }
+
+    /// Changes state and attributes (`ibv_modify_qp`). A transition the state machine does not
+    /// have, or a mask without the attributes it needs, is `InvalidArgument` (`EINVAL`).
+    pub fn modify(&self, attr: &QpAttr, mask: QpAttrMask) -> Result<(), VerbsError> {
+        self.with(|q, env, cqs| q.modify(attr, mask, env, cqs))
+    }
+
+    /// Attributes and state (`ibv_query_qp`).
+    pub fn query(&self) -> QpAttr {
+        self.with(|q, _, _| QpAttr {
+            qp_state: q.state,
+            cur_qp_state: q.state,
+            cap: q.query_cap(),
+            ..q.attr
+        })
+    }
+
+    /// Posts send work requests (`ibv_post_send`). Structural problems (wrong state, opcode not
+    /// available on the transport, too many SGEs or outstanding requests) are refused here with
+    /// `Post { bad_wr }`; everything else — bad keys, remote access, RNR, a dead peer — ends
+    /// as a completion with an error status.
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
+        self.with(|q, env, cqs| q.post_send(wrs, env, cqs))
+    }
+
+    /// Posts receive work requests (`ibv_post_recv`).
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
+        self.with(|q, _, cqs| q.post_recv(wrs, cqs))
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        let mut eng = self.ctx.eng.borrow_mut();
+        let Engine { qps, cqs, mrs, .. } = &mut *eng;
+        if let Some(mut q) = qps[self.id].take() {
+            let env = self.ctx.env(mrs);
+            q.destroy(&env);
+            for cq in [q.send_cq, q.recv_cq] {
+                if let Some(Some(c)) = cqs.get_mut(cq) {
+                    c.qps.retain(|&x| x != self.id);
+                    if c.qps.is_empty() && !c.handle_alive {
+                        cqs[cq] = None;
+                    }
+                }
+            }
+        }
+    }
+}
