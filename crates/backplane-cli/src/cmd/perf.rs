@@ -4,14 +4,14 @@
 //! The local side runs on node 1 in this process; the far side is a `perf-peer` process on
 //! node 2. Messages larger than one datagram (64 KiB) travel as consecutive datagrams.
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use backplane::dgram::{Addr, DgramError, Endpoint, Wait};
 use backplane::fabric::Fabric;
-use backplane::wire::MAX_DGRAM;
+use backplane_bench::link::{fabric_recv_msg, fabric_send_msg};
+use backplane_bench::ucx::{self, UcxTest};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
@@ -37,10 +37,10 @@ impl Test {
             Test::DgramBw => "dgram-bw",
         }
     }
-    fn ucx_test(self) -> &'static str {
+    fn ucx_test(self) -> UcxTest {
         match self {
-            Test::DgramLat => "tag_lat",
-            Test::DgramBw => "tag_bw",
+            Test::DgramLat => UcxTest::TagLat,
+            Test::DgramBw => UcxTest::TagBw,
         }
     }
 }
@@ -240,7 +240,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     drop(fabric);
     drop(cleanup);
 
-    let (ucx, ucx_note) = match (a.ucx, which("ucx_perftest")) {
+    let (ucx, ucx_note) = match (a.ucx, ucx::which("ucx_perftest")) {
         (UcxMode::Off, _) => (
             None,
             Some("UCX comparison disabled (--ucx off)".to_string()),
@@ -287,57 +287,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 }
 
 fn wait_for_peer(ep: &mut Endpoint, peer: Addr) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match ep.send(peer, b"hello", Wait::Forever) {
-            Ok(()) => break,
-            Err(DgramError::Unreachable(_)) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(2))
-            }
-            Err(e) => return Err(e).context("perf peer did not come up"),
-        }
-    }
-    let mut b = [0u8; 16];
-    ep.recv(&mut b, Wait::For(Duration::from_secs(10)))
-        .context("perf peer did not answer")?;
-    Ok(())
+    backplane_bench::peer::fabric_hello(ep, peer).context("perf peer")
 }
 
 /// Sends one message of `data.len()` bytes as consecutive datagrams (at least one).
 fn send_msg(ep: &mut Endpoint, to: Addr, data: &[u8], wait: Wait) -> Result<(), DgramError> {
-    if data.is_empty() {
-        return ep.send(to, data, wait);
-    }
-    for chunk in data.chunks(MAX_DGRAM) {
-        ep.send(to, chunk, wait)?;
-    }
-    Ok(())
+    fabric_send_msg(ep, to, data, wait)
 }
 
-/// Receives one message of `size` bytes, reading every byte in place; returns a checksum so
-/// the reads cannot be optimised away.
+/// Receives one message of `size` bytes, reading every byte in place.
 fn recv_msg(ep: &mut Endpoint, size: u64) -> Result<u64, DgramError> {
-    let mut got = 0u64;
-    let mut sum = 0u64;
-    while got < size {
-        let (n, s) = ep.recv_with(Wait::Forever, |_, p| Ok((p.len() as u64, touch(p))))?;
-        sum = sum.wrapping_add(s);
-        got += n.max(1);
-    }
-    Ok(sum)
-}
-
-/// Reads every cache line of a payload (one word per line), as a consumer would.
-fn touch(p: &[u8]) -> u64 {
-    let mut s = 0u64;
-    let mut i = 0;
-    while i + 8 <= p.len() {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&p[i..i + 8]);
-        s = s.wrapping_add(u64::from_le_bytes(w));
-        i += 64;
-    }
-    s.wrapping_add(p.len() as u64)
+    fabric_recv_msg(ep, size, Wait::Forever)
 }
 
 fn lat_client(ep: &mut Endpoint, peer: Addr, size: u64, iters: u64) -> anyhow::Result<Row> {
@@ -443,105 +403,36 @@ fn announce(ep: &mut Endpoint, peer: Addr, size: u64, count: u64) -> Result<(), 
     ep.send_to(peer, &c)
 }
 
-fn which(prog: &str) -> Option<std::path::PathBuf> {
-    std::env::var_os("PATH").and_then(|p| {
-        std::env::split_paths(&p)
-            .map(|d| d.join(prog))
-            .find(|f| f.is_file())
-    })
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// Runs one `ucx_perftest` client/server pair over loopback and parses its CSV line.
+/// Runs one `ucx_perftest` client/server pair (UCX_TLS=posix,cma,self) and maps its result.
 fn ucx_run(path: &std::path::Path, test: Test, size: u64, iters: u64) -> anyhow::Result<Row> {
-    let port = free_port()?.to_string();
-    let env = [
-        ("UCX_TLS", "posix,cma,self"),
-        ("UCX_WARN_UNUSED_ENV_VARS", "n"),
-    ];
-    let mut server = Command::new(path)
-        .args(["-p", &port])
-        .envs(env)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let _guard = KillOnDrop(&mut server);
-    let mut last_err = String::new();
-    for _ in 0..100 {
-        std::thread::sleep(Duration::from_millis(50));
-        let out = Command::new(path)
-            .args([
-                "127.0.0.1",
-                "-p",
-                &port,
-                "-t",
-                test.ucx_test(),
-                "-s",
-                &size.to_string(),
-                "-n",
-                &iters.to_string(),
-                "-w",
-                &(iters / 10).clamp(10, 10_000).to_string(),
-                "-f",
-                "-v",
-            ])
-            .envs(env)
-            .output()?;
-        if !out.status.success() {
-            last_err = String::from_utf8_lossy(&out.stderr)
-                .lines()
-                .last()
-                .unwrap_or("")
-                .to_string();
-            continue; // the server may not be listening yet
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        return parse_ucx_csv(&text, test, size);
-    }
-    bail!("ucx_perftest client never connected: {last_err}")
+    let r = ucx::run(
+        path,
+        test.ucx_test(),
+        size,
+        iters,
+        (iters / 10).clamp(10, 10_000),
+    )?;
+    Ok(ucx_row(&r, test, size))
 }
 
-struct KillOnDrop<'a>(&'a mut Child);
-impl Drop for KillOnDrop<'_> {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Parses `ucx_perftest -f -v` output: a header line then
-/// `iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr`.
-pub fn parse_ucx_csv(text: &str, test: Test, size: u64) -> anyhow::Result<Row> {
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.split(',').count() >= 8 && l.starts_with(|c: char| c.is_ascii_digit()))
-        .context("no result line in ucx_perftest output")?;
-    let v: Vec<f64> = line
-        .split(',')
-        .map(|f| f.trim().parse::<f64>())
-        .collect::<Result<_, _>>()
-        .context("malformed ucx_perftest result line")?;
-    let mut r = Row {
+/// A perf row from a UCX result: latency or bandwidth columns.
+fn ucx_row(r: &ucx::UcxResult, test: Test, size: u64) -> Row {
+    let mut row = Row {
         bytes: size,
-        iterations: v[0] as u64,
+        iterations: r.iterations,
         ..Row::default()
     };
     match test {
         Test::DgramLat => {
-            r.t_typical_us = Some(v[1]);
-            r.t_avg_us = Some(v[2]);
+            row.t_typical_us = Some(r.typical_lat_us);
+            row.t_avg_us = Some(r.avg_lat_us);
         }
         Test::DgramBw => {
-            // ucx_perftest reports MB/s as 2^20 bytes per second; convert to 10^6 like perftest.
-            r.bw_avg_mbps = Some(v[5] * 1_048_576.0 / 1e6);
-            r.msg_rate_mpps = Some(v[7] / 1e6);
+            row.bw_avg_mbps = Some(r.bw_mb_per_s);
+            row.msg_rate_mpps = Some(r.msg_rate / 1e6);
         }
     }
-    Ok(r)
+    row
 }
 
 fn f(x: Option<f64>) -> String {
@@ -606,7 +497,7 @@ fn render(r: &Report) -> String {
     if let Some(u) = &r.ucx {
         o += &format!(
             " same run: UCX {} (ucx_perftest, UCX_TLS=posix,cma,self); ratio = backplane / UCX\n",
-            r.test.ucx_test()
+            r.test.ucx_test().name()
         );
         match r.test {
             Test::DgramLat => {
@@ -665,14 +556,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ucx_csv_is_parsed_into_latency_and_bandwidth_rows() {
+    fn ucx_results_fill_the_latency_or_the_bandwidth_columns() {
         let text = "iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr\n\
                     100000,0.135,0.140,0.140,54.65,54.65,7162588,7162588\n";
-        let r = parse_ucx_csv(text, Test::DgramLat, 8).unwrap();
+        let u = ucx::parse_csv(text).unwrap();
+        let r = ucx_row(&u, Test::DgramLat, 8);
         assert_eq!(r.iterations, 100000);
         assert_eq!(r.t_typical_us, Some(0.135));
-        let r = parse_ucx_csv(text, Test::DgramBw, 8).unwrap();
+        assert_eq!(r.bw_avg_mbps, None);
+        let r = ucx_row(&u, Test::DgramBw, 8);
         assert!((r.bw_avg_mbps.unwrap() - 54.65 * 1.048576).abs() < 1e-6);
-        assert!(parse_ucx_csv("garbage\n", Test::DgramBw, 8).is_err());
+        assert_eq!(r.t_typical_us, None);
     }
 }
