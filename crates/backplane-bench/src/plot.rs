@@ -204,7 +204,7 @@ fn short_num(v: f64) -> String {
     } else if a >= 1e6 {
         format!("{:.3}M", v / 1e6)
     } else if a >= 1e4 {
-        format!("{:.1}k", v / 1e3)
+        format!("{:.1}k", v / 1e3).replace(".0k", "k")
     } else if a >= 10.0 || a == 0.0 {
         format!("{v:.0}")
     } else if a >= 0.1 {
@@ -460,7 +460,8 @@ mod tests {
     fn numbers_on_axes_are_short() {
         assert_eq!(short_num(1_500_000.0), "1.500M");
         assert_eq!(short_num(2_000_000.0), "2M");
-        assert_eq!(short_num(25_000.0), "25.0k");
+        assert_eq!(short_num(25_000.0), "25k");
+        assert_eq!(short_num(12_500.0), "12.5k");
         assert_eq!(short_num(250.0), "250");
         assert_eq!(short_num(0.25), "0.25");
     }

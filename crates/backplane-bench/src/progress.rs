@@ -31,6 +31,9 @@ impl Progress {
 
     /// A new phase (a path): the bar's message, or a line.
     pub fn phase(&self, msg: &str) {
+        if crate::teardown::interrupted() {
+            return;
+        }
         match &self.bar {
             Some(b) => b.set_message(msg.to_string()),
             None if !self.quiet => eprintln!("bench: {msg}"),
@@ -54,6 +57,9 @@ impl Progress {
 
     /// A warning: the run goes on.
     pub fn warn(&self, msg: &str) {
+        if crate::teardown::interrupted() {
+            return;
+        }
         let line = format!("backplane: warning: {msg}");
         match &self.bar {
             Some(b) => b.suspend(|| eprintln!("{line}")),

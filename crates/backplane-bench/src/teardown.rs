@@ -6,13 +6,19 @@
 //! exits with 130, so Ctrl-C in the middle of a measurement also leaves nothing.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, Once};
 
 type Action = Box<dyn FnOnce() + Send>;
 
 static ACTIONS: Mutex<BTreeMap<u64, (String, Action)>> = Mutex::new(BTreeMap::new());
 static NEXT: AtomicU64 = AtomicU64::new(1);
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Whether a signal is ending the run (output from the measuring thread is noise by then).
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::Relaxed)
+}
 
 /// Removes one registered resource when dropped (or when a signal ends the run).
 #[must_use = "the resource is removed when the guard is dropped"]
@@ -88,16 +94,21 @@ pub fn kill_pid(pid: u32) {
     }
 }
 
-/// Installs the SIGINT/SIGTERM/SIGHUP watcher (once per process).
+/// Installs the SIGINT/SIGTERM/SIGHUP watcher (once per process). SIGPIPE is caught too, so
+/// writing to a peer that the clean-up just killed is an error (EPIPE) the run unwinds from,
+/// not the death of the process half-way through its clean-up: callers must handle EPIPE on
+/// their own output from then on.
 pub fn install_signal_handler() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+        use signal_hook::consts::{SIGHUP, SIGINT, SIGPIPE, SIGTERM};
+        let _ = signal_hook::flag::register(SIGPIPE, std::sync::Arc::new(AtomicBool::new(false)));
         let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]) else {
             return;
         };
         std::thread::spawn(move || {
             if let Some(sig) = signals.forever().next() {
+                INTERRUPTED.store(true, Ordering::Relaxed);
                 eprintln!("\nbackplane: interrupted (signal {sig}); cleaning up");
                 run_all();
                 std::process::exit(130);

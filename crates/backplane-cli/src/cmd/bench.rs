@@ -4,6 +4,7 @@
 //! prints the summary table and writes a report folder (JSON, CSV, SVG/PNG plots, Markdown).
 //! The engine lives in the `backplane-bench` crate; this file is argument handling.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -106,11 +107,23 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .with_context(|| format!("cannot create the report folder {}", out.display()))?;
     let r = engine::run(&cfg)?;
     report::write_all(&r, &out)?;
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+    let text = if a.json {
+        format!("{}\n", serde_json::to_string_pretty(&r)?)
     } else {
-        print!("{}", report::summary_text(&r));
-        println!("report: {}", out.join("summary.md").display());
+        format!(
+            "{}report: {}\n",
+            report::summary_text(&r),
+            out.join("summary.md").display()
+        )
+    };
+    // The engine catches SIGPIPE (see teardown): a closed stdout is an error to end quietly on.
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+        r => r.context("cannot write to stdout")?,
     }
     if r.summary.is_empty() {
         bail!(
