@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 mode=${1:-main}
 # ucx-utils: ucx_perftest, the peer `backplane perf` measures against in the same run.
-# iproute2 / procps: ip and ps for inspecting fabrics.
+# iproute2 / procps: ip and ps for inspecting fabrics; ip also builds `bench`'s veth pair.
+# (No fonts: the bench's plots embed DejaVu Sans.)
 packages=(ucx-utils iproute2 procps)
 
 missing=()

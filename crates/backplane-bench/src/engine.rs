@@ -286,6 +286,7 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
     };
     progress.phase("memcpy reference");
     let mc_start = memcpy::measure(MEMCPY_BYTES, 5);
+    let mc_cache = memcpy::measure(memcpy::IN_CACHE_BYTES, 200);
     let load = cfg.load.then(Load::start);
     let mut ctx = Ctx {
         cfg,
@@ -372,6 +373,7 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
         memcpy: MemcpyOut {
             start: mc_start,
             end: Some(mc_end),
+            in_cache: mc_cache,
             reference_mb_per_s: reference,
             slope_us_per_byte: 1.0 / reference,
         },
@@ -1020,6 +1022,11 @@ fn loss_sweep(ctx: &mut Ctx, def: &PathDef, s: &mut Setup) -> anyhow::Result<Los
         "Non-blocking sends: EAGAIN/ENOBUFS count as 'not accepted'; datagrams the kernel \
          accepted but the receiver never got (its socket buffer overflowed) count as 'lost'."
     };
+    let mut method = method.to_string();
+    if sweep.last().is_some_and(good) {
+        method += " The receiver kept up even with the sender at full speed (no loss when \
+                   offering as fast as possible): the zero-loss rate is the sender's limit.";
+    }
     Ok(LossReport {
         bytes: bytes as u64,
         capacity_msgs_per_s: capacity,
@@ -1027,7 +1034,7 @@ fn loss_sweep(ctx: &mut Ctx, def: &PathDef, s: &mut Setup) -> anyhow::Result<Los
         search,
         zero_loss_msgs_per_s: best,
         zero_loss_mb_per_s: best.map(|b| b * bytes as f64 / 1e6),
-        method: method.into(),
+        method,
     })
 }
 

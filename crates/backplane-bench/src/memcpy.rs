@@ -86,6 +86,9 @@ impl Drop for Load {
     }
 }
 
+/// Buffer size for the in-cache memcpy: fits the L2 cache of any current core.
+pub const IN_CACHE_BYTES: usize = 256 << 10;
+
 /// Sleeps briefly; lets a just-stopped peer or load settle between measurements.
 pub fn settle() {
     std::thread::sleep(Duration::from_millis(5));

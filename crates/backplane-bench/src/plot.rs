@@ -112,6 +112,7 @@ pub fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, c: &Chart) -> any
     let mut b = ChartBuilder::on(root);
     b.caption(&c.title, ("sans-serif", 22))
         .margin(14)
+        .margin_right(36)
         .x_label_area_size(52)
         .y_label_area_size(84);
     let to_x = |x: f64| if c.x_is_size { x.log2() } else { x };
@@ -207,10 +208,13 @@ fn short_num(v: f64) -> String {
         format!("{:.1}k", v / 1e3).replace(".0k", "k")
     } else if a >= 10.0 || a == 0.0 {
         format!("{v:.0}")
-    } else if a >= 0.1 {
-        format!("{v:.2}")
     } else {
-        format!("{v:.3}")
+        let t = if a >= 0.1 {
+            format!("{v:.2}")
+        } else {
+            format!("{v:.3}")
+        };
+        t.trim_end_matches('0').trim_end_matches('.').to_string()
     }
     .replace(".000", "")
 }
@@ -464,5 +468,7 @@ mod tests {
         assert_eq!(short_num(12_500.0), "12.5k");
         assert_eq!(short_num(250.0), "250");
         assert_eq!(short_num(0.25), "0.25");
+        assert_eq!(short_num(5.0), "5");
+        assert_eq!(short_num(0.5), "0.5");
     }
 }

@@ -66,14 +66,28 @@ impl LatencySummary {
 /// Full width at half maximum of a histogram of nanosecond values, in nanoseconds.
 ///
 /// The samples are binned linearly with a bin width of a fortieth of the 10–90 percentile
-/// range (at least 1 ns), which resolves a peak finely while keeping enough samples per bin.
+/// range, but at least the smallest gap between recorded values (a clock that ticks in 5 ns
+/// steps has no narrower peaks), which resolves a peak finely while keeping enough samples
+/// per bin.
 pub fn histogram_fwhm(h: &Histogram<u64>) -> f64 {
     if h.is_empty() {
         return 0.0;
     }
     let lo = h.value_at_quantile(0.10);
     let hi = h.value_at_quantile(0.90);
-    let width = ((hi.saturating_sub(lo)) / 40).max(1);
+    // Never finer than the data's own quantum (the clock's resolution, or the histogram's at
+    // large values): narrower bins would split one spike of equal values into a comb.
+    let mut quantum = u64::MAX;
+    let mut prev: Option<u64> = None;
+    for v in h.iter_recorded() {
+        let x = h.median_equivalent(v.value_iterated_to());
+        if let Some(p) = prev {
+            quantum = quantum.min(x.saturating_sub(p).max(1));
+        }
+        prev = Some(x);
+    }
+    let quantum = if quantum == u64::MAX { 1 } else { quantum };
+    let width = ((hi.saturating_sub(lo)) / 40).max(quantum).max(1);
     let start = h.min() - h.min() % width;
     let end = h.value_at_quantile(0.9999).max(start + width);
     let n = ((end - start) / width + 1) as usize;
@@ -321,6 +335,14 @@ mod tests {
         }
         let w = histogram_fwhm(&h);
         assert!(w < 1_000.0, "fwhm {w} ns");
+        // A clock ticking in 5 ns steps: the jitter is one tick or two, never less than one.
+        let mut h = new_histogram();
+        for i in 0..10_000u64 {
+            h.record([130, 135, 135, 135, 140][(i % 5) as usize])
+                .unwrap();
+        }
+        let w = histogram_fwhm(&h);
+        assert!((5.0..=10.0).contains(&w), "fwhm {w} ns");
     }
 
     #[test]
