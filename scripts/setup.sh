@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 mode=${1:-main}
 # ucx-utils: ucx_perftest, the peer `backplane perf` measures against in the same run.
-# iproute2: namespaces and interfaces of IP over the fabric. procps: ps.
+# iproute2: namespaces and interfaces of IP over the fabric. procps: ps. ip also builds `bench`'s veth pair.
+# (No fonts: the bench's plots embed DejaVu Sans.)
 # iperf3, iputils-ping, sockperf: the network tests and the IP benchmark.
 packages=(ucx-utils iproute2 procps iperf3 iputils-ping sockperf)
 

@@ -1,6 +1,7 @@
 //! Command-line definitions and dispatch.
 
 mod agent;
+mod bench;
 mod down;
 mod exec;
 mod model;
@@ -35,6 +36,8 @@ enum Command {
     Perf(perf::Args),
     /// Link models: what a PCIe or Ethernet backplane link delivers.
     Model(model::Args),
+    /// The characterization lab: every path measured side by side, with tables, JSON and plots.
+    Bench(bench::Args),
     /// (internal) The process that keeps a fabric; started by `up`.
     #[command(hide = true)]
     Supervisor(supervisor::Args),
@@ -44,6 +47,9 @@ enum Command {
     /// (internal) The far side of a `perf` run.
     #[command(hide = true, name = "perf-peer")]
     PerfPeer(perf::PeerArgs),
+    /// (internal) The far side of one path of a `bench` run.
+    #[command(hide = true, name = "bench-peer")]
+    BenchPeer(bench::PeerArgs),
 }
 
 /// Runs the parsed command.
@@ -55,9 +61,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Exec(a) => exec::run(a),
         Command::Perf(a) => perf::run(a),
         Command::Model(a) => model::run(a),
+        Command::Bench(a) => bench::run(a),
         Command::Supervisor(a) => supervisor::run(a),
         Command::Agent(a) => agent::run(a),
         Command::PerfPeer(a) => perf::run_peer(a),
+        Command::BenchPeer(a) => bench::run_peer(a),
     }
 }
 

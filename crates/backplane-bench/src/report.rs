@@ -1,0 +1,878 @@
+//! The report of a bench run: the versioned JSON document (its types are the schema), CSV
+//! tables, the Figure-12 style summary table and the Markdown summary that embeds the plots.
+//!
+//! JSON version 1. New fields may be added within version 1; a change of meaning or a removed
+//! field bumps `version`. Units are in the field names: `_us` microseconds, `_mb_per_s`
+//! 10^6 bytes per second, `_pct` percent, `bytes` bytes.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use crate::cpu::{MachineCpu, SideCpu};
+use crate::memcpy::Memcpy;
+use crate::stats::LineFit;
+
+/// The JSON document's version.
+pub const VERSION: u32 = 1;
+
+/// A whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Document version ([`VERSION`]).
+    pub version: u32,
+    /// Always "backplane bench".
+    pub tool: String,
+    /// backplane's version.
+    pub backplane_version: String,
+    /// When the run started, UTC, RFC 3339.
+    pub started_utc: String,
+    /// How long the whole run took, seconds.
+    pub elapsed_s: f64,
+    /// The machine.
+    pub host: Host,
+    /// What was asked for.
+    pub config: ConfigOut,
+    /// Single-thread memcpy bandwidth, measured at the start and at the end of the run.
+    pub memcpy: MemcpyOut,
+    /// One entry per path, measured or not.
+    pub paths: Vec<PathReport>,
+    /// The Figure-12 style summary, one row per measured path.
+    pub summary: Vec<SummaryRow>,
+    /// Everything asked for that was not measured, with the reason.
+    pub skipped: Vec<Skip>,
+    /// Remarks on methods that apply to the whole report.
+    pub notes: Vec<String>,
+}
+
+/// The machine the run was on.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Host {
+    /// Processors online.
+    pub cpus: u32,
+    /// `model name` from /proc/cpuinfo.
+    pub cpu_model: String,
+    /// Kernel release.
+    pub kernel: String,
+}
+
+/// The run's parameters.
+#[derive(Debug, Clone, Serialize)]
+pub struct ConfigOut {
+    /// Message sizes swept, bytes.
+    pub sizes: Vec<u64>,
+    /// Measurement time per point, seconds.
+    pub duration_s: f64,
+    /// Warm-up time before each point (discarded), seconds.
+    pub warmup_s: f64,
+    /// Runs per point.
+    pub repeat: usize,
+    /// Whether the background memory writer ran.
+    pub load: bool,
+    /// Datagram size of the loss and zero-loss-rate measurements, bytes.
+    pub loss_bytes: u64,
+    /// Paths asked for (after `--paths`).
+    pub paths_requested: Vec<String>,
+}
+
+/// memcpy measurements.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemcpyOut {
+    /// At the start of the run.
+    pub start: Memcpy,
+    /// At the end of the run.
+    pub end: Option<Memcpy>,
+    /// A buffer that stays in cache (L2), for context: a path whose working set stays in
+    /// cache (a 1 MiB fabric ring) can beat the out-of-cache reference, i.e. a ratio above 1.
+    pub in_cache: Memcpy,
+    /// The reference used for ratios: the better of start and end, MB/s.
+    pub reference_mb_per_s: f64,
+    /// µs per byte of one copy at the reference bandwidth.
+    pub slope_us_per_byte: f64,
+}
+
+/// State of one path.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "kebab-case")]
+pub enum Status {
+    /// Every point measured.
+    Measured,
+    /// Some points measured, then it failed (see `reason`).
+    Partial,
+    /// Nothing measured: it failed (see `reason`).
+    Failed,
+    /// Not run here (see `reason`: a missing tool, no root, ...).
+    Skipped,
+    /// The path does not exist in backplane yet.
+    NotAvailable,
+}
+
+/// One path's results.
+#[derive(Debug, Clone, Serialize)]
+pub struct PathReport {
+    /// Path name (as `--paths` takes it).
+    pub name: String,
+    /// What it is.
+    pub title: String,
+    /// "datagram", "stream" or "ucx".
+    pub kind: String,
+    /// Measured, partial, failed, skipped or not-available.
+    pub status: Status,
+    /// Why it is not fully measured.
+    pub reason: Option<String>,
+    /// Copies of the payload one message costs on this path (for the expected latency slope).
+    pub copies: f64,
+    /// Throughput over the size sweep.
+    pub throughput: Vec<ThroughputPoint>,
+    /// Ping-pong latency over the size sweep.
+    pub latency: Vec<LatencyPoint>,
+    /// Least-squares fit of median latency against size.
+    pub latency_fit: Option<FitOut>,
+    /// Loss against offered rate, and the highest zero-loss rate (datagram paths).
+    pub loss: Option<LossReport>,
+    /// Remarks specific to this path.
+    pub notes: Vec<String>,
+}
+
+impl PathReport {
+    /// A path with no results yet.
+    pub fn new(name: &str, title: &str, kind: &str, copies: f64) -> Self {
+        PathReport {
+            name: name.into(),
+            title: title.into(),
+            kind: kind.into(),
+            status: Status::Measured,
+            reason: None,
+            copies,
+            throughput: Vec::new(),
+            latency: Vec::new(),
+            latency_fit: None,
+            loss: None,
+            notes: Vec::new(),
+        }
+    }
+}
+
+/// Throughput at one message size.
+#[derive(Debug, Clone, Serialize)]
+pub struct ThroughputPoint {
+    /// Message size.
+    pub bytes: u64,
+    /// Runs averaged.
+    pub repeats: usize,
+    /// Received payload per second (goodput), mean over runs.
+    pub mb_per_s: f64,
+    /// 95 % confidence interval of `mb_per_s` over runs ([mean, mean] for one run).
+    pub mb_per_s_ci95: [f64; 2],
+    /// Messages per second received.
+    pub msgs_per_s: f64,
+    /// `mb_per_s` / memcpy reference.
+    pub ratio_to_memcpy: f64,
+    /// Sending side's CPU, percent of one processor (getrusage of its thread or process).
+    pub client_cpu: SideCpu,
+    /// Receiving side's CPU, percent of one processor (getrusage of the peer process).
+    pub server_cpu: SideCpu,
+    /// The whole machine over the point (/proc/stat; includes whatever else ran).
+    pub machine_cpu: Option<MachineCpu>,
+    /// CPU time of both sides per MB moved, µs/MB.
+    pub service_demand_us_per_mb: f64,
+    /// Busy time of the whole machine per MB moved, µs/MB.
+    pub machine_service_demand_us_per_mb: Option<f64>,
+    /// Datagram paths: datagrams sent, over the whole point (warm-up included).
+    pub sent_dgrams: Option<u64>,
+    /// Datagram paths: datagrams lost.
+    pub lost_dgrams: Option<u64>,
+    /// Datagram paths: lost / sent, percent.
+    pub loss_pct: Option<f64>,
+    /// Datagram paths: duplicates received.
+    pub duplicates: Option<u64>,
+    /// Datagram paths: datagrams received after a later one.
+    pub reordered: Option<u64>,
+}
+
+/// Latency at one message size. One-way = round trip / 2, as perftest reports it.
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct LatencyPoint {
+    /// Message size.
+    pub bytes: u64,
+    /// Runs merged.
+    pub repeats: usize,
+    /// Round trips recorded (after warm-up).
+    pub samples: u64,
+    /// Round trips that never completed (datagram loss), over all runs.
+    pub lost: u64,
+    /// Median one-way latency.
+    pub p50_us: f64,
+    /// 95 % confidence interval of the median over runs.
+    pub p50_ci95_us: [f64; 2],
+    /// Mean.
+    pub mean_us: f64,
+    /// Minimum (absent where the tool does not give the distribution, as for UCX).
+    pub min_us: Option<f64>,
+    /// 90th percentile.
+    pub p90_us: Option<f64>,
+    /// 99th percentile.
+    pub p99_us: Option<f64>,
+    /// 99.9th percentile.
+    pub p999_us: Option<f64>,
+    /// 99.99th percentile.
+    pub p9999_us: Option<f64>,
+    /// Maximum.
+    pub max_us: Option<f64>,
+    /// Jitter: full width at half maximum of the latency histogram.
+    pub jitter_fwhm_us: Option<f64>,
+}
+
+/// Latency against size, fitted, next to what memcpy predicts.
+#[derive(Debug, Clone, Serialize)]
+pub struct FitOut {
+    /// Latency at size 0, µs.
+    pub intercept_us: f64,
+    /// µs per byte.
+    pub slope_us_per_byte: f64,
+    /// Coefficient of determination.
+    pub r2: f64,
+    /// Sizes fitted.
+    pub points: usize,
+    /// One memcpy's µs per byte in this run.
+    pub memcpy_slope_us_per_byte: f64,
+    /// `copies` × memcpy slope: the slope if copying were the only cost.
+    pub expected_slope_us_per_byte: f64,
+    /// Measured slope / memcpy slope: how many memcpys one byte costs.
+    pub memcpy_equivalents: f64,
+}
+
+impl FitOut {
+    /// From a fit of µs against bytes.
+    pub fn new(f: LineFit, memcpy_slope: f64, copies: f64) -> Self {
+        FitOut {
+            intercept_us: f.intercept,
+            slope_us_per_byte: f.slope,
+            r2: f.r2,
+            points: f.points,
+            memcpy_slope_us_per_byte: memcpy_slope,
+            expected_slope_us_per_byte: copies * memcpy_slope,
+            memcpy_equivalents: f.slope / memcpy_slope,
+        }
+    }
+}
+
+/// One loss trial at an offered rate.
+#[derive(Debug, Clone, Serialize)]
+pub struct LossTrial {
+    /// Rate asked for, datagrams/s (`null`: as fast as the sender can).
+    pub target_msgs_per_s: Option<f64>,
+    /// Rate actually offered, datagrams/s.
+    pub offered_msgs_per_s: f64,
+    /// Offered, MB/s.
+    pub offered_mb_per_s: f64,
+    /// Datagrams offered.
+    pub offered: u64,
+    /// Offered but refused by the sender side without waiting (full ring or socket buffer).
+    pub not_accepted: u64,
+    /// Accepted and never received.
+    pub lost: u64,
+    /// Received more than once.
+    pub duplicates: u64,
+    /// Received after a later one.
+    pub reordered: u64,
+    /// Received (distinct).
+    pub received: u64,
+    /// (not accepted + lost) / offered, percent.
+    pub loss_pct: f64,
+}
+
+impl LossTrial {
+    /// Whether nothing offered went missing.
+    pub fn zero_loss(&self) -> bool {
+        self.not_accepted == 0 && self.lost == 0 && self.offered > 0
+    }
+}
+
+/// Loss against offered rate, and an RFC 2544-style search for the highest zero-loss rate.
+#[derive(Debug, Clone, Serialize)]
+pub struct LossReport {
+    /// Datagram size, bytes.
+    pub bytes: u64,
+    /// Received rate when offering as fast as possible, datagrams/s.
+    pub capacity_msgs_per_s: f64,
+    /// Trials at fractions of that capacity.
+    pub sweep: Vec<LossTrial>,
+    /// The binary search's trials, in order.
+    pub search: Vec<LossTrial>,
+    /// Highest offered rate with zero loss, datagrams/s.
+    pub zero_loss_msgs_per_s: Option<f64>,
+    /// The same in MB/s.
+    pub zero_loss_mb_per_s: Option<f64>,
+    /// How loss is counted on this path.
+    pub method: String,
+}
+
+/// One row of the summary table.
+#[derive(Debug, Clone, Serialize)]
+pub struct SummaryRow {
+    /// Path name.
+    pub path: String,
+    /// Highest throughput over the sweep, MB/s.
+    pub sustained_mb_per_s: f64,
+    /// At which size.
+    pub at_bytes: u64,
+    /// CPU load of both sides at that point, percent of one processor.
+    pub cpu_pct: f64,
+    /// Service demand at that point, µs of CPU per MB.
+    pub service_demand_us_per_mb: f64,
+    /// Median one-way latency at the smallest size, µs.
+    pub latency_us: Option<f64>,
+    /// The smallest size.
+    pub latency_bytes: Option<u64>,
+    /// Sustained bandwidth / single-thread memcpy bandwidth.
+    pub ratio_to_memcpy: f64,
+    /// Highest zero-loss rate, MB/s (datagram paths).
+    pub zero_loss_mb_per_s: Option<f64>,
+}
+
+/// Something asked for and not measured.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct Skip {
+    /// What (a path name, a size, a measurement).
+    pub what: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// Builds the summary rows from the paths.
+pub fn summarize(paths: &[PathReport]) -> Vec<SummaryRow> {
+    paths
+        .iter()
+        .filter_map(|p| {
+            let best = p
+                .throughput
+                .iter()
+                .max_by(|a, b| a.mb_per_s.total_cmp(&b.mb_per_s))?;
+            let lat = p.latency.iter().find(|l| l.samples > 0 || l.p50_us > 0.0);
+            Some(SummaryRow {
+                path: p.name.clone(),
+                sustained_mb_per_s: best.mb_per_s,
+                at_bytes: best.bytes,
+                cpu_pct: best.client_cpu.total_pct() + best.server_cpu.total_pct(),
+                service_demand_us_per_mb: best.service_demand_us_per_mb,
+                latency_us: lat.map(|l| l.p50_us),
+                latency_bytes: lat.map(|l| l.bytes),
+                ratio_to_memcpy: best.ratio_to_memcpy,
+                zero_loss_mb_per_s: p.loss.as_ref().and_then(|l| l.zero_loss_mb_per_s),
+            })
+        })
+        .collect()
+}
+
+/// Formats a byte count: 64 B, 4 KiB, 8 MiB.
+pub fn human_bytes(n: u64) -> String {
+    if n >= 1 << 20 && n.is_multiple_of(1 << 20) {
+        format!("{} MiB", n >> 20)
+    } else if n >= 1 << 10 && n.is_multiple_of(1 << 10) {
+        format!("{} KiB", n >> 10)
+    } else {
+        format!("{n} B")
+    }
+}
+
+fn opt(x: Option<f64>, prec: usize) -> String {
+    x.map_or_else(|| "-".into(), |v| format!("{v:.prec$}"))
+}
+
+/// The summary table as plain text (what the command prints).
+pub fn summary_text(r: &Report) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "memcpy (single thread, {}): {:.0} MB/s — the physical limit the ratios refer to \
+         ({:.0} MB/s in cache)",
+        human_bytes(r.memcpy.start.bytes),
+        r.memcpy.reference_mb_per_s,
+        r.memcpy.in_cache.mb_per_s
+    );
+    let _ = writeln!(
+        o,
+        "{:<14} {:>14} {:>9} {:>9} {:>12} {:>18} {:>9} {:>14}",
+        "PATH",
+        "SUSTAINED MB/s",
+        "AT",
+        "CPU %",
+        "CPU us/MB",
+        "LATENCY p50 us",
+        "/MEMCPY",
+        "0-LOSS MB/s"
+    );
+    for s in &r.summary {
+        let lat = match (s.latency_us, s.latency_bytes) {
+            (Some(l), Some(b)) => format!("{l:.2} @{}", human_bytes(b)),
+            _ => "-".into(),
+        };
+        let _ = writeln!(
+            o,
+            "{:<14} {:>14.0} {:>9} {:>9.0} {:>12.1} {:>18} {:>9.2} {:>14}",
+            s.path,
+            s.sustained_mb_per_s,
+            human_bytes(s.at_bytes),
+            s.cpu_pct,
+            s.service_demand_us_per_mb,
+            lat,
+            s.ratio_to_memcpy,
+            opt(s.zero_loss_mb_per_s, 0)
+        );
+    }
+    for p in &r.paths {
+        if p.status != Status::Measured {
+            let _ = writeln!(
+                o,
+                "{:<14} {}: {}",
+                p.name,
+                status_word(p.status),
+                p.reason.as_deref().unwrap_or("")
+            );
+        }
+    }
+    for s in &r.skipped {
+        if !r.paths.iter().any(|p| p.name == s.what) {
+            let _ = writeln!(o, "skipped {}: {}", s.what, s.reason);
+        }
+    }
+    o
+}
+
+fn status_word(s: Status) -> &'static str {
+    match s {
+        Status::Measured => "measured",
+        Status::Partial => "partly measured",
+        Status::Failed => "failed",
+        Status::Skipped => "skipped",
+        Status::NotAvailable => "not available yet",
+    }
+}
+
+/// The throughput table as CSV.
+pub fn throughput_csv(r: &Report) -> String {
+    let mut o = String::from(
+        "path,bytes,repeats,mb_per_s,mb_per_s_ci95_low,mb_per_s_ci95_high,msgs_per_s,ratio_to_memcpy,\
+         client_user_pct,client_system_pct,server_user_pct,server_system_pct,\
+         machine_user_pct,machine_system_pct,machine_irq_pct,machine_softirq_pct,\
+         service_demand_us_per_mb,machine_service_demand_us_per_mb,sent_dgrams,lost_dgrams,loss_pct,duplicates,reordered\n",
+    );
+    let u = |x: Option<u64>| x.map_or(String::new(), |v| v.to_string());
+    let f = |x: Option<f64>| x.map_or(String::new(), |v| format!("{v:.4}"));
+    for p in &r.paths {
+        for t in &p.throughput {
+            let m = t.machine_cpu;
+            let _ = writeln!(
+                o,
+                "{},{},{},{:.3},{:.3},{:.3},{:.1},{:.5},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{:.3},{},{},{},{},{},{}",
+                p.name,
+                t.bytes,
+                t.repeats,
+                t.mb_per_s,
+                t.mb_per_s_ci95[0],
+                t.mb_per_s_ci95[1],
+                t.msgs_per_s,
+                t.ratio_to_memcpy,
+                t.client_cpu.user_pct,
+                t.client_cpu.system_pct,
+                t.server_cpu.user_pct,
+                t.server_cpu.system_pct,
+                f(m.map(|m| m.user_pct)),
+                f(m.map(|m| m.system_pct)),
+                f(m.map(|m| m.irq_pct)),
+                f(m.map(|m| m.softirq_pct)),
+                t.service_demand_us_per_mb,
+                f(t.machine_service_demand_us_per_mb),
+                u(t.sent_dgrams),
+                u(t.lost_dgrams),
+                f(t.loss_pct),
+                u(t.duplicates),
+                u(t.reordered),
+            );
+        }
+    }
+    o
+}
+
+/// The latency table as CSV.
+pub fn latency_csv(r: &Report) -> String {
+    let mut o = String::from(
+        "path,bytes,repeats,samples,lost,min_us,p50_us,p50_ci95_low_us,p50_ci95_high_us,p90_us,p99_us,p999_us,p9999_us,max_us,mean_us,jitter_fwhm_us\n",
+    );
+    let f = |x: Option<f64>| x.map_or(String::new(), |v| format!("{v:.3}"));
+    for p in &r.paths {
+        for l in &p.latency {
+            let _ = writeln!(
+                o,
+                "{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{},{},{},{},{:.3},{}",
+                p.name,
+                l.bytes,
+                l.repeats,
+                l.samples,
+                l.lost,
+                f(l.min_us),
+                l.p50_us,
+                l.p50_ci95_us[0],
+                l.p50_ci95_us[1],
+                f(l.p90_us),
+                f(l.p99_us),
+                f(l.p999_us),
+                f(l.p9999_us),
+                f(l.max_us),
+                l.mean_us,
+                f(l.jitter_fwhm_us)
+            );
+        }
+    }
+    o
+}
+
+/// The loss trials as CSV.
+pub fn loss_csv(r: &Report) -> String {
+    let mut o = String::from(
+        "path,bytes,phase,target_msgs_per_s,offered_msgs_per_s,offered_mb_per_s,offered,not_accepted,lost,duplicates,reordered,received,loss_pct\n",
+    );
+    for p in &r.paths {
+        let Some(l) = &p.loss else { continue };
+        for (phase, trials) in [("sweep", &l.sweep), ("search", &l.search)] {
+            for t in trials.iter() {
+                let _ = writeln!(
+                    o,
+                    "{},{},{},{},{:.1},{:.3},{},{},{},{},{},{},{:.4}",
+                    p.name,
+                    l.bytes,
+                    phase,
+                    t.target_msgs_per_s
+                        .map_or(String::new(), |v| format!("{v:.1}")),
+                    t.offered_msgs_per_s,
+                    t.offered_mb_per_s,
+                    t.offered,
+                    t.not_accepted,
+                    t.lost,
+                    t.duplicates,
+                    t.reordered,
+                    t.received,
+                    t.loss_pct
+                );
+            }
+        }
+    }
+    o
+}
+
+/// The Markdown summary, embedding the plots written beside it.
+pub fn markdown(r: &Report, plots: &[(String, String)]) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "# backplane bench — {}\n", r.started_utc);
+    let _ = writeln!(
+        o,
+        "{} processors ({}), kernel {}. {} sizes from {} to {}, {:.2} s per point after {:.2} s \
+         of warm-up, {} run(s) per point{}. The whole run took {:.0} s.\n",
+        r.host.cpus,
+        r.host.cpu_model,
+        r.host.kernel,
+        r.config.sizes.len(),
+        human_bytes(*r.config.sizes.first().unwrap_or(&0)),
+        human_bytes(*r.config.sizes.last().unwrap_or(&0)),
+        r.config.duration_s,
+        r.config.warmup_s,
+        r.config.repeat,
+        if r.config.load {
+            ", with a background memory writer (--load)"
+        } else {
+            ""
+        },
+        r.elapsed_s
+    );
+    let _ = writeln!(
+        o,
+        "Physical limit: single-thread memcpy of {} at **{:.0} MB/s** (start {:.0}, end {}), \
+         i.e. {:.6} µs/byte per copy. In cache ({}) memcpy runs at {:.0} MB/s: a path whose \
+         working set stays in cache can exceed a ratio of 1.\n",
+        human_bytes(r.memcpy.start.bytes),
+        r.memcpy.reference_mb_per_s,
+        r.memcpy.start.mb_per_s,
+        r.memcpy
+            .end
+            .map_or("-".into(), |m| format!("{:.0}", m.mb_per_s)),
+        r.memcpy.slope_us_per_byte,
+        human_bytes(r.memcpy.in_cache.bytes),
+        r.memcpy.in_cache.mb_per_s
+    );
+    let _ = writeln!(o, "## Summary\n");
+    let _ = writeln!(
+        o,
+        "| path | sustained bandwidth (MB/s) | at size | CPU load (% of one CPU, both sides) | service demand (µs CPU/MB) | latency p50 (µs, one-way) | bandwidth / memcpy | zero-loss rate (MB/s) |"
+    );
+    let _ = writeln!(
+        o,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for s in &r.summary {
+        let lat = match (s.latency_us, s.latency_bytes) {
+            (Some(l), Some(b)) => format!("{l:.2} at {}", human_bytes(b)),
+            _ => "-".into(),
+        };
+        let _ = writeln!(
+            o,
+            "| {} | {:.0} | {} | {:.0} | {:.1} | {} | {:.2} | {} |",
+            s.path,
+            s.sustained_mb_per_s,
+            human_bytes(s.at_bytes),
+            s.cpu_pct,
+            s.service_demand_us_per_mb,
+            lat,
+            s.ratio_to_memcpy,
+            opt(s.zero_loss_mb_per_s, 0)
+        );
+    }
+    let _ = writeln!(o);
+    let _ = writeln!(o, "## Paths\n");
+    let _ = writeln!(o, "| path | what | status |");
+    let _ = writeln!(o, "| --- | --- | --- |");
+    for p in &r.paths {
+        let st = match &p.reason {
+            Some(why) => format!("{}: {why}", status_word(p.status)),
+            None => status_word(p.status).to_string(),
+        };
+        let _ = writeln!(o, "| {} | {} | {} |", p.name, p.title, st);
+    }
+    let _ = writeln!(o);
+    if !r.skipped.is_empty() {
+        let _ = writeln!(o, "## Skipped\n");
+        for s in &r.skipped {
+            let _ = writeln!(o, "- **{}**: {}", s.what, s.reason);
+        }
+        let _ = writeln!(o);
+    }
+    let _ = writeln!(o, "## Plots\n");
+    for (title, file) in plots {
+        let _ = writeln!(o, "### {title}\n\n![{title}]({file})\n");
+    }
+    let fits: Vec<_> = r
+        .paths
+        .iter()
+        .filter_map(|p| p.latency_fit.as_ref().map(|f| (p, f)))
+        .collect();
+    if !fits.is_empty() {
+        let _ = writeln!(o, "## Latency slope\n");
+        let _ = writeln!(
+            o,
+            "Least-squares fit of the median one-way latency against message size, next to the \
+             slope copying alone would give (copies per message × one memcpy's µs/byte).\n"
+        );
+        let _ = writeln!(
+            o,
+            "| path | intercept (µs) | slope (µs/byte) | r² | copies | expected slope (µs/byte) | memcpy equivalents |"
+        );
+        let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
+        for (p, f) in fits {
+            let _ = writeln!(
+                o,
+                "| {} | {:.2} | {:.6} | {:.3} | {} | {:.6} | {:.2} |",
+                p.name,
+                f.intercept_us,
+                f.slope_us_per_byte,
+                f.r2,
+                p.copies,
+                f.expected_slope_us_per_byte,
+                f.memcpy_equivalents
+            );
+        }
+        let _ = writeln!(o);
+    }
+    let _ = writeln!(o, "## Latency distribution\n");
+    let _ = writeln!(
+        o,
+        "| path | size | samples | lost | min | p50 | p90 | p99 | p99.9 | p99.99 | max | jitter (FWHM) |"
+    );
+    let _ = writeln!(
+        o,
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for p in &r.paths {
+        for l in &p.latency {
+            let _ = writeln!(
+                o,
+                "| {} | {} | {} | {} | {} | {:.2} | {} | {} | {} | {} | {} | {} |",
+                p.name,
+                human_bytes(l.bytes),
+                l.samples,
+                l.lost,
+                opt(l.min_us, 2),
+                l.p50_us,
+                opt(l.p90_us, 2),
+                opt(l.p99_us, 2),
+                opt(l.p999_us, 2),
+                opt(l.p9999_us, 2),
+                opt(l.max_us, 2),
+                opt(l.jitter_fwhm_us, 2)
+            );
+        }
+    }
+    let _ = writeln!(o, "\nAll latencies in µs, one-way (round trip / 2).\n");
+    let losses: Vec<_> = r
+        .paths
+        .iter()
+        .filter_map(|p| p.loss.as_ref().map(|l| (p, l)))
+        .collect();
+    if !losses.is_empty() {
+        let _ = writeln!(o, "## Loss and zero-loss rate\n");
+        for (p, l) in losses {
+            let _ = writeln!(
+                o,
+                "**{}** ({} datagrams; capacity {:.0} datagrams/s). {}\n",
+                p.name,
+                human_bytes(l.bytes),
+                l.capacity_msgs_per_s,
+                l.method
+            );
+            let _ = writeln!(
+                o,
+                "| offered (datagrams/s) | offered (MB/s) | not accepted | lost | duplicates | reordered | loss % |"
+            );
+            let _ = writeln!(o, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+            for t in l.sweep.iter().chain(&l.search) {
+                let _ = writeln!(
+                    o,
+                    "| {:.0} | {:.1} | {} | {} | {} | {} | {:.3} |",
+                    t.offered_msgs_per_s,
+                    t.offered_mb_per_s,
+                    t.not_accepted,
+                    t.lost,
+                    t.duplicates,
+                    t.reordered,
+                    t.loss_pct
+                );
+            }
+            let _ = writeln!(
+                o,
+                "\nHighest zero-loss rate (RFC 2544-style binary search): {}\n",
+                match (l.zero_loss_msgs_per_s, l.zero_loss_mb_per_s) {
+                    (Some(m), Some(b)) => format!("**{m:.0} datagrams/s = {b:.1} MB/s**"),
+                    _ => "none found (loss even at the lowest rate tried)".into(),
+                }
+            );
+        }
+    }
+    let notes: Vec<String> = r
+        .notes
+        .iter()
+        .cloned()
+        .chain(
+            r.paths
+                .iter()
+                .flat_map(|p| p.notes.iter().map(move |n| format!("{}: {n}", p.name))),
+        )
+        .collect();
+    if !notes.is_empty() {
+        let _ = writeln!(o, "## Notes\n");
+        for n in notes {
+            let _ = writeln!(o, "- {n}");
+        }
+        let _ = writeln!(o);
+    }
+    let _ = writeln!(
+        o,
+        "Files: `report.json` (everything, version {}), `throughput.csv`, `latency.csv`, `loss.csv`, and each plot as SVG and PNG.",
+        r.version
+    );
+    o
+}
+
+/// Writes `report.json`, the CSV tables, the plots and `summary.md` into `dir`.
+pub fn write_all(r: &Report, dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let w = |name: &str, data: &[u8]| {
+        std::fs::write(dir.join(name), data)
+            .with_context(|| format!("cannot write {}", dir.join(name).display()))
+    };
+    w("report.json", &serde_json::to_vec_pretty(r)?)?;
+    w("throughput.csv", throughput_csv(r).as_bytes())?;
+    w("latency.csv", latency_csv(r).as_bytes())?;
+    w("loss.csv", loss_csv(r).as_bytes())?;
+    let plots = crate::plot::write_plots(r, dir)?;
+    w("summary.md", markdown(r, &plots).as_bytes())?;
+    Ok(())
+}
+
+/// UTC time as RFC 3339 (`2025-01-31T12:34:56Z`) and as a folder name (`20250131-123456`).
+pub fn utc_now() -> (String, String) {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let (y, mo, d, h, mi, s) = civil(secs);
+    (
+        format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}Z"),
+        format!("{y:04}{mo:02}{d:02}-{h:02}{mi:02}{s:02}"),
+    )
+}
+
+/// Seconds since the epoch to (year, month, day, hour, minute, second), proleptic Gregorian.
+fn civil(secs: u64) -> (i64, u32, u32, u32, u32, u32) {
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Days to civil date (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (
+        y,
+        m,
+        d,
+        (rem / 3600) as u32,
+        (rem / 60 % 60) as u32,
+        (rem % 60) as u32,
+    )
+}
+
+/// The machine's description.
+pub fn host() -> Host {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu_model = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|| "unknown".into());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    Host {
+        cpus: std::thread::available_parallelism()
+            .map(|n| n.get() as u32)
+            .unwrap_or(1),
+        cpu_model,
+        kernel,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates_are_right_on_known_days() {
+        assert_eq!(civil(0), (1970, 1, 1, 0, 0, 0));
+        assert_eq!(civil(951_782_400), (2000, 2, 29, 0, 0, 0));
+        assert_eq!(civil(1_735_689_599), (2024, 12, 31, 23, 59, 59));
+    }
+
+    #[test]
+    fn byte_counts_read_like_sizes() {
+        assert_eq!(human_bytes(64), "64 B");
+        assert_eq!(human_bytes(4096), "4 KiB");
+        assert_eq!(human_bytes(8 << 20), "8 MiB");
+        assert_eq!(human_bytes(1000), "1000 B");
+    }
+}

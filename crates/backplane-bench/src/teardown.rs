@@ -1,0 +1,151 @@
+//! Leaving nothing behind: every resource a bench run creates (a temporary fabric, peer
+//! processes, network namespaces, socket directories) registers how to remove it here.
+//!
+//! A [`Guard`] removes its resource when dropped, so errors unwind cleanly; on SIGINT,
+//! SIGTERM or SIGHUP a watcher thread runs every action still registered (newest first) and
+//! exits with 130, so Ctrl-C in the middle of a measurement also leaves nothing.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, Once};
+
+type Action = Box<dyn FnOnce() + Send>;
+
+static ACTIONS: Mutex<BTreeMap<u64, (String, Action)>> = Mutex::new(BTreeMap::new());
+static NEXT: AtomicU64 = AtomicU64::new(1);
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Whether a signal is ending the run (output from the measuring thread is noise by then).
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::Relaxed)
+}
+
+/// Removes one registered resource when dropped (or when a signal ends the run).
+#[must_use = "the resource is removed when the guard is dropped"]
+pub struct Guard {
+    id: u64,
+}
+
+impl Guard {
+    /// Forgets the action: the resource is left in place.
+    pub fn disarm(self) {
+        take(self.id);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some((_, f)) = take(self.id) {
+            f();
+        }
+    }
+}
+
+fn take(id: u64) -> Option<(String, Action)> {
+    ACTIONS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&id)
+}
+
+/// Registers `f` to remove a resource described by `what`.
+pub fn register(what: impl Into<String>, f: impl FnOnce() + Send + 'static) -> Guard {
+    let id = NEXT.fetch_add(1, Ordering::Relaxed);
+    ACTIONS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(id, (what.into(), Box::new(f)));
+    Guard { id }
+}
+
+/// Runs every registered action, newest first. Returns what was removed.
+pub fn run_all() -> Vec<String> {
+    let mut done = Vec::new();
+    loop {
+        let next = {
+            let mut a = ACTIONS.lock().unwrap_or_else(|e| e.into_inner());
+            a.pop_last()
+        };
+        match next {
+            Some((_, (what, f))) => {
+                f();
+                done.push(what);
+            }
+            None => return done,
+        }
+    }
+}
+
+/// Descriptions of the actions registered now.
+pub fn pending() -> Vec<String> {
+    ACTIONS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .values()
+        .map(|(w, _)| w.clone())
+        .collect()
+}
+
+/// Sends SIGKILL to a process we started (by its pid, never by name).
+pub fn kill_pid(pid: u32) {
+    if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+        let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+    }
+}
+
+/// Installs the SIGINT/SIGTERM/SIGHUP watcher (once per process). SIGPIPE is caught too, so
+/// writing to a peer that the clean-up just killed is an error (EPIPE) the run unwinds from,
+/// not the death of the process half-way through its clean-up: callers must handle EPIPE on
+/// their own output from then on.
+pub fn install_signal_handler() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        use signal_hook::consts::{SIGHUP, SIGINT, SIGPIPE, SIGTERM};
+        let _ = signal_hook::flag::register(SIGPIPE, std::sync::Arc::new(AtomicBool::new(false)));
+        let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP]) else {
+            return;
+        };
+        std::thread::spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                INTERRUPTED.store(true, Ordering::Relaxed);
+                eprintln!("\nbackplane: interrupted (signal {sig}); cleaning up");
+                run_all();
+                std::process::exit(130);
+            }
+        });
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+    use std::sync::Arc;
+
+    #[test]
+    fn guards_run_once_on_drop_or_run_all_and_disarmed_ones_never() {
+        let n = Arc::new(AtomicU32::new(0));
+        let c = n.clone();
+        let g = register("test a", move || {
+            c.fetch_add(1, Ordering::SeqCst);
+        });
+        drop(g);
+        assert_eq!(n.load(Ordering::SeqCst), 1);
+
+        let c = n.clone();
+        let g = register("test b", move || {
+            c.fetch_add(10, Ordering::SeqCst);
+        });
+        let c = n.clone();
+        let d = register("test c", move || {
+            c.fetch_add(100, Ordering::SeqCst);
+        });
+        d.disarm();
+        let done = run_all();
+        assert!(done.contains(&"test b".to_string()));
+        drop(g); // already run: nothing more
+        assert_eq!(n.load(Ordering::SeqCst), 11);
+        assert!(!pending().contains(&"test c".to_string()));
+    }
+}

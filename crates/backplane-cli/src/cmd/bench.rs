@@ -1,0 +1,147 @@
+//! `backplane bench`: the characterization lab. Brings up a temporary 2-node fabric and
+//! measures every available path side by side (fabric datagrams, kernel TCP/UDP over loopback
+//! and over a veth pair between two namespaces, Unix stream sockets, UCX over shared memory),
+//! prints the summary table and writes a report folder (JSON, CSV, SVG/PNG plots, Markdown).
+//! The engine lives in the `backplane-bench` crate; this file is argument handling.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use backplane_bench::engine::{self, Config};
+use backplane_bench::peer::{self, PeerConfig, PeerKind};
+use backplane_bench::report;
+
+use super::parse_size;
+
+/// Arguments of `bench`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Paths to measure, comma separated (default: all): fabric-dgram, ucx-shm, tcp-loopback,
+    /// udp-loopback, unix-stream, tcp-veth, udp-veth (and, listed as not available yet,
+    /// fabric-verbs, fabric-raw, fabric-tcp, fabric-udp).
+    #[arg(long, value_delimiter = ',')]
+    paths: Option<Vec<String>>,
+    /// Message sizes, comma separated (e.g. 64,4K,1M; 8 B to 64 MiB). Default: 64 B to 8 MiB
+    /// in powers of two.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    sizes: Option<Vec<u64>>,
+    /// Seconds of measurement per point (per size, per repeat).
+    #[arg(long, default_value = "0.1", value_parser = parse_secs)]
+    duration: f64,
+    /// Seconds of warm-up before each point, discarded (default: a quarter of --duration, at
+    /// least 0.02).
+    #[arg(long, value_parser = parse_secs_or_zero)]
+    warmup: Option<f64>,
+    /// Runs per point; from 2 on, the report gives 95 % confidence intervals.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=100))]
+    repeat: u64,
+    /// Run a background thread writing 8 MB blocks in a loop, to measure interference.
+    #[arg(long)]
+    load: bool,
+    /// Datagram size of the loss sweep and zero-loss search (16 B to 65507 B).
+    #[arg(long, default_value = "1K", value_parser = parse_size)]
+    loss_size: u64,
+    /// Report folder (default: bench-report/<UTC timestamp>/).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Print the JSON report (version 1) on stdout instead of the summary table.
+    #[arg(long)]
+    json: bool,
+    /// No progress output on stderr.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+fn parse_secs(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 3600.0 => Ok(v),
+        _ => Err(format!("'{s}' is not a number of seconds in (0, 3600]")),
+    }
+}
+
+fn parse_secs_or_zero(s: &str) -> Result<f64, String> {
+    if s.trim().parse::<f64>() == Ok(0.0) {
+        return Ok(0.0);
+    }
+    parse_secs(s)
+}
+
+/// Arguments of the far side (`bench-peer`).
+#[derive(clap::Args, Debug)]
+pub struct PeerArgs {
+    /// fabric, udp, tcp or unix.
+    #[arg(long)]
+    kind: String,
+    /// Fabric name, `IP:PORT` to bind, or Unix socket path.
+    #[arg(long)]
+    at: String,
+    /// Fabric node slot.
+    #[arg(long, default_value_t = 2)]
+    node: u32,
+    /// Fabric port.
+    #[arg(long, default_value_t = 0)]
+    port: u32,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let (_, stamp) = report::utc_now();
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("bench-report").join(stamp));
+    let cfg = Config {
+        paths: a.paths,
+        sizes: a.sizes.unwrap_or_else(engine::default_sizes),
+        duration: Duration::from_secs_f64(a.duration),
+        warmup: Duration::from_secs_f64(a.warmup.unwrap_or((a.duration / 4.0).max(0.02))),
+        repeat: a.repeat as usize,
+        load: a.load,
+        loss_bytes: a.loss_size,
+        exe: std::env::current_exe().context("cannot find the backplane executable")?,
+        quiet: a.quiet,
+    };
+    // Fail before measuring for a minute if the report cannot be written.
+    std::fs::create_dir_all(&out)
+        .with_context(|| format!("cannot create the report folder {}", out.display()))?;
+    let r = engine::run(&cfg)?;
+    report::write_all(&r, &out)?;
+    let text = if a.json {
+        format!("{}\n", serde_json::to_string_pretty(&r)?)
+    } else {
+        format!(
+            "{}report: {}\n",
+            report::summary_text(&r),
+            out.join("summary.md").display()
+        )
+    };
+    // The engine catches SIGPIPE (see teardown): a closed stdout is an error to end quietly on.
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+        r => r.context("cannot write to stdout")?,
+    }
+    if r.summary.is_empty() {
+        bail!(
+            "no path could be measured (see {})",
+            out.join("summary.md").display()
+        );
+    }
+    Ok(())
+}
+
+pub fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
+    let Some(kind) = PeerKind::parse(&a.kind) else {
+        bail!("unknown peer kind '{}'", a.kind);
+    };
+    peer::run_peer(&PeerConfig {
+        kind,
+        at: a.at,
+        node: a.node,
+        port: a.port,
+    })
+}

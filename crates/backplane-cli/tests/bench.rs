@@ -1,0 +1,372 @@
+//! `backplane bench` through the real binary: the report folder's JSON, CSV, plots and
+//! Markdown say what was measured; bad input is reported and the run goes on; Ctrl-C in the
+//! middle of a run leaves no fabric, peer process or network namespace behind.
+
+mod common;
+use common::*;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use serde_json::Value;
+
+/// The tests look for leftover processes of this binary; one bench at a time keeps that exact.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn tmpdir(test: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("bp-bench-test-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// Processes started from this build's binary as bench peers.
+fn peers_left() -> Vec<String> {
+    let mut found = Vec::new();
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        if let Ok(cmd) = std::fs::read(p.path().join("cmdline")) {
+            let args: Vec<String> = cmd
+                .split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            if args.iter().any(|a| a == "bench-peer") && args.iter().any(|a| a == BIN) {
+                found.push(args.join(" "));
+            }
+        }
+    }
+    found
+}
+
+fn read(dir: &Path, f: &str) -> String {
+    std::fs::read_to_string(dir.join(f)).unwrap_or_else(|e| panic!("{f}: {e}"))
+}
+
+fn num(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+#[test]
+fn bench_writes_a_report_whose_json_csv_plots_and_summary_show_both_paths() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tmpdir("report");
+    let child = Command::new(BIN)
+        .args([
+            "bench",
+            "--paths",
+            "fabric-dgram,tcp-loopback",
+            "--sizes",
+            "64,4096",
+            "--duration",
+            "0.2",
+            "--out",
+        ])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let o = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "bench failed: {}", stderr(&o));
+    // Not a terminal: no progress bar escapes, one line per path.
+    assert!(!stderr(&o).contains('\u{1b}'), "{}", stderr(&o));
+
+    // The summary table on stdout, one row per path, ratios to memcpy.
+    assert!(stdout.contains("SUSTAINED MB/s"), "{stdout}");
+    assert!(stdout.contains("memcpy (single thread"), "{stdout}");
+    for p in ["fabric-dgram", "tcp-loopback"] {
+        assert!(
+            stdout.lines().any(|l| l.starts_with(p)),
+            "no {p} row:\n{stdout}"
+        );
+    }
+
+    // JSON: versioned, both paths measured at both sizes with sane numbers.
+    let j: Value = serde_json::from_str(&read(&out, "report.json")).unwrap();
+    assert_eq!(j["version"], 1);
+    assert_eq!(j["tool"], "backplane bench");
+    assert_eq!(j["config"]["sizes"], serde_json::json!([64, 4096]));
+    assert!(num(&j["memcpy"]["reference_mb_per_s"]) > 0.0);
+    let paths = j["paths"].as_array().unwrap();
+    let names: Vec<&str> = paths.iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["fabric-dgram", "tcp-loopback"]);
+    for p in paths {
+        let name = p["name"].as_str().unwrap();
+        assert_eq!(p["status"], "measured", "{name}: {}", p["reason"]);
+        let tp = p["throughput"].as_array().unwrap();
+        assert_eq!(tp.len(), 2, "{name}");
+        for (t, size) in tp.iter().zip([64, 4096]) {
+            assert_eq!(t["bytes"], size);
+            assert!(num(&t["mb_per_s"]) > 0.0, "{name} {t}");
+            assert!(num(&t["msgs_per_s"]) > 0.0, "{name} {t}");
+            let cpu = num(&t["client_cpu"]["user_pct"])
+                + num(&t["client_cpu"]["system_pct"])
+                + num(&t["server_cpu"]["user_pct"])
+                + num(&t["server_cpu"]["system_pct"]);
+            assert!(cpu > 0.0, "moving data costs CPU: {name} {t}");
+            assert!(num(&t["service_demand_us_per_mb"]) > 0.0);
+        }
+        let lat = p["latency"].as_array().unwrap();
+        assert_eq!(lat.len(), 2, "{name}");
+        for l in lat {
+            assert!(l["samples"].as_u64().unwrap() > 0, "{name} {l}");
+            let (min, p50, p99, max) = (
+                num(&l["min_us"]),
+                num(&l["p50_us"]),
+                num(&l["p99_us"]),
+                num(&l["max_us"]),
+            );
+            assert!(0.0 < min && min <= p50 && p50 <= p99 && p99 <= max, "{l}");
+            assert!(num(&l["jitter_fwhm_us"]) >= 0.0);
+        }
+        let fit = &p["latency_fit"];
+        assert_eq!(fit["points"], 2, "{name}");
+        assert!(num(&fit["memcpy_slope_us_per_byte"]) > 0.0);
+    }
+    // Fabric datagrams never lose what they accepted; refusals are counted as not accepted.
+    let loss = &paths[0]["loss"];
+    let trials: Vec<&Value> = loss["sweep"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(loss["search"].as_array().unwrap())
+        .collect();
+    assert!(trials.len() >= 7);
+    for t in &trials {
+        assert_eq!(t["lost"], 0, "{t}");
+        assert_eq!(t["duplicates"], 0, "{t}");
+        assert_eq!(t["reordered"], 0, "{t}");
+        assert!(t["offered"].as_u64().unwrap() > 0);
+    }
+    assert!(loss["method"].as_str().unwrap().contains("not accepted"));
+    assert!(paths[1]["loss"].is_null(), "TCP has no loss sweep");
+    let summary = j["summary"].as_array().unwrap();
+    assert_eq!(summary.len(), 2);
+    for s in summary {
+        assert!(num(&s["sustained_mb_per_s"]) > 0.0);
+        assert!(num(&s["ratio_to_memcpy"]) > 0.0);
+    }
+
+    // CSV: a header and one row per path and size.
+    let csv = read(&out, "throughput.csv");
+    let rows: Vec<&str> = csv.lines().collect();
+    assert!(rows[0].starts_with("path,bytes,repeats,mb_per_s"));
+    assert_eq!(rows.len(), 5, "{csv}");
+    assert!(rows[1].starts_with("fabric-dgram,64,1,"), "{csv}");
+    assert!(rows[4].starts_with("tcp-loopback,4096,1,"), "{csv}");
+    let csv = read(&out, "latency.csv");
+    assert_eq!(csv.lines().count(), 5, "{csv}");
+    assert!(csv.contains("\ntcp-loopback,64,"));
+    assert!(read(&out, "loss.csv").contains("\nfabric-dgram,1024,sweep,"));
+
+    // Plots: SVG with labelled axes and both paths; PNG that decodes to a drawn picture.
+    for (name, y) in [
+        ("throughput", "throughput (MB/s"),
+        ("latency", "one-way latency p50 (µs"),
+        ("cpu", "service demand (µs CPU per MB"),
+    ] {
+        let svg = read(&out, &format!("{name}.svg"));
+        assert!(svg.starts_with("<svg"), "{name}.svg");
+        assert!(svg.trim_end().ends_with("</svg>"), "{name}.svg");
+        for want in [
+            "message size (bytes, log scale)",
+            y,
+            "fabric-dgram",
+            "tcp-loopback",
+            "4 KiB",
+        ] {
+            assert!(svg.contains(want), "{name}.svg lacks {want:?}");
+        }
+        let png = std::fs::read(out.join(format!("{name}.png"))).unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n", "{name}.png");
+        let mut r = png::Decoder::new(std::io::Cursor::new(&png))
+            .read_info()
+            .unwrap();
+        let mut buf = vec![0; r.output_buffer_size()];
+        let info = r.next_frame(&mut buf).unwrap();
+        assert!(info.width >= 640 && info.height >= 400);
+        let dark = buf.chunks(3).filter(|c| c.iter().all(|&v| v < 100)).count();
+        assert!(dark > 2000, "{name}.png looks blank");
+    }
+    let loss_svg = read(&out, "loss.svg");
+    assert!(loss_svg.contains("offered load (MB/s") && loss_svg.contains("fabric-dgram"));
+
+    // Markdown: the summary table with both paths, every plot embedded and present.
+    let md = read(&out, "summary.md");
+    assert!(md.starts_with("# backplane bench"));
+    assert!(md.contains("| path | sustained bandwidth (MB/s) |"), "{md}");
+    for p in ["| fabric-dgram | ", "| tcp-loopback | "] {
+        assert!(md.contains(p), "summary.md lacks a {p} row");
+    }
+    let images: Vec<&str> = md
+        .match_indices("](")
+        .map(|(i, _)| {
+            let rest = &md[i + 2..];
+            &rest[..rest.find(')').unwrap()]
+        })
+        .collect();
+    for want in ["throughput.svg", "latency.svg", "cpu.svg", "loss.svg"] {
+        assert!(images.contains(&want), "summary.md does not embed {want}");
+    }
+    for img in images {
+        assert!(out.join(img).is_file(), "summary.md embeds missing {img}");
+    }
+    assert!(md.contains("Latency slope") && md.contains("memcpy equivalents"));
+    assert!(md.contains("Highest zero-loss rate"));
+
+    // Nothing left behind.
+    let left = leftovers(&format!("bench-{pid}"));
+    assert!(left.is_empty(), "{left:?}");
+    assert!(peers_left().is_empty(), "{:?}", peers_left());
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn unknown_paths_bad_sizes_and_future_paths_are_reported_and_the_run_goes_on() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tmpdir("skips");
+    let o = Command::new(BIN)
+        .args([
+            "bench",
+            "--paths",
+            "warp-drive,fabric-verbs,unix-stream",
+            "--sizes",
+            "2,64,128M",
+            "--duration",
+            "0.05",
+            "--quiet",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("warning: skipping warp-drive: unknown path"),
+        "{err}"
+    );
+    assert!(err.contains("skipping size 2: out of range"), "{err}");
+    assert!(
+        err.contains("skipping size 134217728: out of range"),
+        "{err}"
+    );
+    let j: Value = serde_json::from_str(&read(&out, "report.json")).unwrap();
+    let skipped: Vec<String> = j["skipped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["what"].as_str().unwrap().to_string())
+        .collect();
+    assert!(skipped.contains(&"warp-drive".into()), "{skipped:?}");
+    assert!(skipped.contains(&"size 2".into()), "{skipped:?}");
+    let verbs = &j["paths"][0];
+    assert_eq!(verbs["name"], "fabric-verbs");
+    assert_eq!(verbs["status"], "not-available");
+    assert_eq!(j["paths"][1]["status"], "measured");
+    assert_eq!(j["config"]["sizes"], serde_json::json!([64]));
+    let md = read(&out, "summary.md");
+    assert!(md.contains("not available yet"), "{md}");
+    assert!(md.contains("**warp-drive**: unknown path"), "{md}");
+    let _ = std::fs::remove_dir_all(&out);
+
+    // Nothing measurable at all: an error, still with a report saying why.
+    let out2 = tmpdir("nothing");
+    let o = Command::new(BIN)
+        .args(["bench", "--paths", "fabric-raw", "--quiet", "--out"])
+        .arg(&out2)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).starts_with("backplane: no path could be measured"));
+    assert!(read(&out2, "summary.md").contains("fabric-raw"));
+    let _ = std::fs::remove_dir_all(&out2);
+
+    // A size that is not a size is a usage error.
+    let o = bp(&["bench", "--sizes", "64,12Q"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+}
+
+fn interrupt_when(args: &[&str], ready: impl Fn(u32) -> bool) -> (u32, std::process::ExitStatus) {
+    let out = tmpdir("interrupt");
+    let mut child = Command::new(BIN)
+        .args(args)
+        .args(["--quiet", "--out"])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let seen = wait_for(Duration::from_secs(30), || ready(pid).then_some(()));
+    assert!(
+        seen.is_some(),
+        "the run never reached the point to interrupt"
+    );
+    std::thread::sleep(Duration::from_millis(300)); // into the measurements
+    let p = rustix::process::Pid::from_raw(pid as i32).unwrap();
+    rustix::process::kill_process(p, rustix::process::Signal::INT).unwrap();
+    let st = child.wait().unwrap();
+    let _ = std::fs::remove_dir_all(&out);
+    (pid, st)
+}
+
+#[test]
+fn ctrl_c_in_the_middle_of_the_fabric_path_leaves_no_fabric_and_no_peer() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let (pid, st) = interrupt_when(
+        &[
+            "bench",
+            "--paths",
+            "fabric-dgram",
+            "--sizes",
+            "64",
+            "--duration",
+            "10",
+        ],
+        |pid| {
+            !peers_left().is_empty()
+                && backplane::fabric::fabric_dir(&format!("bench-{pid}")).exists()
+        },
+    );
+    assert_eq!(st.code(), Some(130));
+    let gone = wait_for(Duration::from_secs(10), || {
+        (leftovers(&format!("bench-{pid}")).is_empty() && peers_left().is_empty()).then_some(())
+    });
+    assert!(
+        gone.is_some(),
+        "{:?} {:?}",
+        leftovers(&format!("bench-{pid}")),
+        peers_left()
+    );
+}
+
+#[test]
+fn ctrl_c_in_the_middle_of_a_veth_path_deletes_both_namespaces() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: the veth paths are skipped, nothing to interrupt");
+        return;
+    }
+    let ns = |pid: u32, s: &str| Path::new("/run/netns").join(format!("bpb-{pid}-{s}"));
+    let (pid, st) = interrupt_when(
+        &[
+            "bench",
+            "--paths",
+            "udp-veth",
+            "--sizes",
+            "64",
+            "--duration",
+            "10",
+        ],
+        |pid| !peers_left().is_empty() && ns(pid, "b").exists(),
+    );
+    assert_eq!(st.code(), Some(130));
+    assert!(!ns(pid, "a").exists() && !ns(pid, "b").exists());
+    let gone = wait_for(Duration::from_secs(10), || {
+        peers_left().is_empty().then_some(())
+    });
+    assert!(gone.is_some(), "{:?}", peers_left());
+}
