@@ -181,6 +181,8 @@ pub struct Config {
     pub exe: PathBuf,
     /// No progress output.
     pub quiet: bool,
+    /// Emulate this link model on the temporary fabric (`backplane up --link`).
+    pub link: Option<String>,
 }
 
 /// Splits requested names into known paths (catalogue order) and skips for unknown ones.
@@ -353,8 +355,20 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
             });
         }
     }
-    let summary = report::summarize(&reports);
+    let link_model = cfg
+        .link
+        .as_deref()
+        .map(report::LinkModelOut::new)
+        .transpose()?;
+    let mut summary = report::summarize(&reports);
+    if let Some(m) = &link_model {
+        for row in summary.iter_mut().filter(|r| r.path.starts_with("fabric")) {
+            row.model_mb_per_s = Some(m.effective_mb_per_s);
+            row.model_slope_us_per_byte = Some(m.latency_slope_us_per_byte);
+        }
+    }
     Ok(Report {
+        link_model,
         version: report::VERSION,
         tool: "backplane bench".into(),
         backplane_version: env!("CARGO_PKG_VERSION").into(),
@@ -465,7 +479,11 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
                 restart_delay_ms: 0,
                 exe: ctx.cfg.exe.clone(),
                 net: None,
-                link: None,
+                link: ctx
+                    .cfg
+                    .link
+                    .clone()
+                    .map(|m| (m, backplane::model::Forwarding::CutThrough)),
                 topology: None,
             })
             .context("cannot start a temporary fabric")?;

@@ -39,6 +39,9 @@ pub struct Report {
     pub memcpy: MemcpyOut,
     /// One entry per path, measured or not.
     pub paths: Vec<PathReport>,
+    /// The link model the fabric was emulating (`bench --link`), if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub link_model: Option<LinkModelOut>,
     /// The Figure-12 style summary, one row per measured path.
     pub summary: Vec<SummaryRow>,
     /// Everything asked for that was not measured, with the reason.
@@ -310,6 +313,34 @@ pub struct LossReport {
     pub method: String,
 }
 
+/// The emulated link model of a run, as the model predicts it.
+#[derive(Debug, Clone, Serialize)]
+pub struct LinkModelOut {
+    /// Model name, e.g. `pcie-gen3x4`.
+    pub model: String,
+    /// Effective payload bandwidth per direction, MB/s.
+    pub effective_mb_per_s: f64,
+    /// Expected latency slope (1 / effective bandwidth), µs per byte.
+    pub latency_slope_us_per_byte: f64,
+    /// Per-hop latency of the switch (cut-through), ns.
+    pub hop_ns: f64,
+}
+
+impl LinkModelOut {
+    /// What the model named `name` predicts.
+    pub fn new(name: &str) -> anyhow::Result<Self> {
+        let m: backplane::model::LinkModel = name.parse()?;
+        Ok(Self {
+            model: name.to_ascii_lowercase(),
+            effective_mb_per_s: m.effective_bandwidth_bytes_per_s() / 1e6,
+            latency_slope_us_per_byte: m.latency_slope_us_per_byte(),
+            hop_ns: m
+                .per_hop_latency(backplane::model::Forwarding::CutThrough)
+                .ns,
+        })
+    }
+}
+
 /// One row of the summary table.
 #[derive(Debug, Clone, Serialize)]
 pub struct SummaryRow {
@@ -331,6 +362,14 @@ pub struct SummaryRow {
     pub ratio_to_memcpy: f64,
     /// Highest zero-loss rate, MB/s (datagram paths).
     pub zero_loss_mb_per_s: Option<f64>,
+    /// Measured latency slope, µs per byte (from the least-squares fit).
+    pub slope_us_per_byte: Option<f64>,
+    /// With `--link`: the model's effective bandwidth, MB/s (fabric paths).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_mb_per_s: Option<f64>,
+    /// With `--link`: the model's expected latency slope, µs per byte (fabric paths).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_slope_us_per_byte: Option<f64>,
 }
 
 /// Something asked for and not measured.
@@ -362,6 +401,9 @@ pub fn summarize(paths: &[PathReport]) -> Vec<SummaryRow> {
                 latency_bytes: lat.map(|l| l.bytes),
                 ratio_to_memcpy: best.ratio_to_memcpy,
                 zero_loss_mb_per_s: p.loss.as_ref().and_then(|l| l.zero_loss_mb_per_s),
+                slope_us_per_byte: p.latency_fit.as_ref().map(|f| f.slope_us_per_byte),
+                model_mb_per_s: None,
+                model_slope_us_per_byte: None,
             })
         })
         .collect()
@@ -422,6 +464,24 @@ pub fn summary_text(r: &Report) -> String {
             s.ratio_to_memcpy,
             opt(s.zero_loss_mb_per_s, 0)
         );
+    }
+    if let Some(m) = &r.link_model {
+        let _ = writeln!(
+            o,
+            "link model {}: {:.0} MB/s effective, latency slope {:.6} us/B, hop {:.0} ns",
+            m.model, m.effective_mb_per_s, m.latency_slope_us_per_byte, m.hop_ns
+        );
+        for s in r.summary.iter().filter(|s| s.model_mb_per_s.is_some()) {
+            let _ = writeln!(
+                o,
+                "  {:<12} measured {:.0} MB/s = {:.2} x model; slope {} us/B vs model {:.6}",
+                s.path,
+                s.sustained_mb_per_s,
+                s.sustained_mb_per_s / m.effective_mb_per_s,
+                opt(s.slope_us_per_byte, 6),
+                m.latency_slope_us_per_byte
+            );
+        }
     }
     for p in &r.paths {
         if p.status != Status::Measured {

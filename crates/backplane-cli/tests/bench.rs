@@ -370,3 +370,51 @@ fn ctrl_c_in_the_middle_of_a_veth_path_deletes_both_namespaces() {
     });
     assert!(gone.is_some(), "{:?}", peers_left());
 }
+
+#[test]
+fn with_a_link_model_bench_shows_the_models_bandwidth_and_slope_beside_the_fabric() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tmpdir("link");
+    let o = Command::new(BIN)
+        .args([
+            "bench",
+            "--paths",
+            "fabric-dgram",
+            "--sizes",
+            "4K,64K",
+            "--duration",
+            "0.2",
+            "--link",
+            "pcie-gen1x4",
+            "--quiet",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "bench failed: {}", stderr(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("link model pcie-gen1x4"), "{stdout}");
+    let j: Value = serde_json::from_str(&read(&out, "report.json")).unwrap();
+    assert_eq!(j["link_model"]["model"], "pcie-gen1x4");
+    let model = num(&j["link_model"]["effective_mb_per_s"]);
+    assert!(
+        (800.0..1000.0).contains(&model),
+        "gen1 x4 is about 0.9 GB/s: {model}"
+    );
+    let row = &j["summary"][0];
+    assert_eq!(row["path"], "fabric-dgram");
+    assert_eq!(num(&row["model_mb_per_s"]), model);
+    assert!(num(&row["model_slope_us_per_byte"]) > 0.0);
+    // Pacing can only slow the fabric down: never faster than the model.
+    assert!(num(&row["sustained_mb_per_s"]) <= model * 1.10, "{row}");
+    let _ = std::fs::remove_dir_all(&out);
+    // A bad model name is refused before anything runs.
+    let o = Command::new(BIN)
+        .args(["bench", "--link", "pcie-gen9x4", "--quiet", "--out"])
+        .arg(tmpdir("badlink"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("pcie-gen9x4"), "{}", stderr(&o));
+}

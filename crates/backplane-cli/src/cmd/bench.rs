@@ -52,6 +52,10 @@ pub struct Args {
     /// No progress output on stderr.
     #[arg(long, short)]
     quiet: bool,
+    /// Emulate a link model on the temporary fabric (as `up --link`) and show the model's
+    /// bandwidth and latency slope beside the fabric's measurements.
+    #[arg(long, value_name = "MODEL")]
+    link: Option<String>,
 }
 
 fn parse_secs(s: &str) -> Result<f64, String> {
@@ -91,6 +95,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .out
         .clone()
         .unwrap_or_else(|| PathBuf::from("bench-report").join(stamp));
+    if let Some(m) = &a.link {
+        m.parse::<backplane::model::LinkModel>()?;
+    }
     let cfg = Config {
         paths: a.paths,
         sizes: a.sizes.unwrap_or_else(engine::default_sizes),
@@ -101,6 +108,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         loss_bytes: a.loss_size,
         exe: std::env::current_exe().context("cannot find the backplane executable")?,
         quiet: a.quiet,
+        link: a.link,
     };
     // Fail before measuring for a minute if the report cannot be written.
     std::fs::create_dir_all(&out)
