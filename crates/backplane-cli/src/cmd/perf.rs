@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use backplane::dgram::{Addr, DgramError, Endpoint, Wait};
 use backplane::fabric::Fabric;
-use backplane::wire::MAX_DGRAM;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
@@ -407,41 +406,14 @@ fn wait_for_peer(ep: &mut Endpoint, peer: Addr) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Sends one message of `data.len()` bytes as consecutive datagrams (at least one).
+/// Sends one message as consecutive datagrams (shared with `bench`).
 fn send_msg(ep: &mut Endpoint, to: Addr, data: &[u8], wait: Wait) -> Result<(), DgramError> {
-    if data.is_empty() {
-        return ep.send(to, data, wait);
-    }
-    for chunk in data.chunks(MAX_DGRAM) {
-        ep.send(to, chunk, wait)?;
-    }
-    Ok(())
+    backplane_bench::link::fabric_send_msg(ep, to, data, wait)
 }
 
-/// Receives one message of `size` bytes, reading every byte in place; returns a checksum so
-/// the reads cannot be optimised away.
+/// Receives one message of `size` bytes, reading every byte in place (shared with `bench`).
 fn recv_msg(ep: &mut Endpoint, size: u64) -> Result<u64, DgramError> {
-    let mut got = 0u64;
-    let mut sum = 0u64;
-    while got < size {
-        let (n, s) = ep.recv_with(Wait::Forever, |_, p| Ok((p.len() as u64, touch(p))))?;
-        sum = sum.wrapping_add(s);
-        got += n.max(1);
-    }
-    Ok(sum)
-}
-
-/// Reads every cache line of a payload (one word per line), as a consumer would.
-fn touch(p: &[u8]) -> u64 {
-    let mut s = 0u64;
-    let mut i = 0;
-    while i + 8 <= p.len() {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&p[i..i + 8]);
-        s = s.wrapping_add(u64::from_le_bytes(w));
-        i += 64;
-    }
-    s.wrapping_add(p.len() as u64)
+    backplane_bench::link::fabric_recv_msg(ep, size, Wait::Forever)
 }
 
 /// Single-thread memcpy bandwidth between two buffers of `size` bytes, `iters` copies
