@@ -1075,7 +1075,10 @@ fn run_ucx(ctx: &mut Ctx, def: &PathDef) -> PathReport {
     }
     pr.notes.push(
         "ucx_perftest reports only the median and the mean latency, so UCX has no percentiles \
-         or jitter; its bandwidth is the sender's view (overall_bw), converted to 10^6 bytes/s"
+         or jitter; its bandwidth is the sender's view (overall_bw), converted to 10^6 bytes/s; \
+         its CPU is each process's whole life (start-up and connection included) over the \
+         client's wall time, so it understates the busy polling of the measured part and \
+         overstates the service demand of short runs"
             .into(),
     );
     pr

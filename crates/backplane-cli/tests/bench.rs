@@ -418,3 +418,64 @@ fn with_a_link_model_bench_shows_the_models_bandwidth_and_slope_beside_the_fabri
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("pcie-gen9x4"), "{}", stderr(&o));
 }
+
+#[test]
+fn a_path_whose_peer_dies_mid_run_is_reported_and_the_next_path_still_runs() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tmpdir("peer-dies");
+    let child = Command::new(BIN)
+        .args([
+            "bench",
+            "--paths",
+            "tcp-loopback,unix-stream",
+            "--sizes",
+            "64",
+            "--duration",
+            "1",
+            "--quiet",
+            "--out",
+        ])
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let tcp_peer = wait_for(Duration::from_secs(30), || {
+        std::fs::read_dir("/proc").unwrap().flatten().find_map(|p| {
+            let cmd = std::fs::read(p.path().join("cmdline")).ok()?;
+            let s = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            (s.starts_with(BIN) && s.contains("bench-peer --kind tcp"))
+                .then(|| p.file_name().to_string_lossy().parse::<i32>().unwrap())
+        })
+    })
+    .expect("the TCP peer never started");
+    std::thread::sleep(Duration::from_millis(300));
+    let p = rustix::process::Pid::from_raw(tcp_peer).unwrap();
+    rustix::process::kill_process(p, rustix::process::Signal::KILL).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("warning: tcp-loopback: failed mid-run"),
+        "{}",
+        stderr(&o)
+    );
+    let j: Value = serde_json::from_str(&read(&out, "report.json")).unwrap();
+    let tcp = &j["paths"][0];
+    assert!(
+        tcp["status"] == "partial" || tcp["status"] == "failed",
+        "{tcp}"
+    );
+    assert!(tcp["reason"]
+        .as_str()
+        .unwrap()
+        .starts_with("failed mid-run"));
+    assert_eq!(j["paths"][1]["status"], "measured");
+    assert!(j["skipped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["what"] == "tcp-loopback"));
+    assert!(read(&out, "summary.md").contains("| tcp-loopback | kernel TCP over loopback | "));
+    assert!(peers_left().is_empty(), "{:?}", peers_left());
+    let _ = std::fs::remove_dir_all(&out);
+}
