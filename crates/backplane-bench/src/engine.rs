@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use backplane::dgram::Addr;
 use backplane::fabric::{launch, Fabric};
+use backplane::net::{self, NetPlan};
 use hdrhistogram::Histogram;
 
 use crate::cpu::{ProcStat, Rusage, SideCpu, Snapshot, Who};
@@ -104,17 +105,18 @@ pub const PATHS: &[PathDef] = &[
     },
     PathDef {
         name: "fabric-tcp",
-        title: "kernel TCP over the fabric's bp0 interface",
+        title: "kernel TCP over the fabric's bp0 interfaces, node 1 → node 2 namespaces",
         kind: Kind::Stream,
-        copies: 3.0,
-        not_yet: Some("IP over the fabric (bp0) is a later issue"),
+        // send() into the kernel, TAP → ring (agent), ring → TAP (agent), recv() out.
+        copies: 4.0,
+        not_yet: None,
     },
     PathDef {
         name: "fabric-udp",
-        title: "kernel UDP over the fabric's bp0 interface",
+        title: "kernel UDP over the fabric's bp0 interfaces, node 1 → node 2 namespaces",
         kind: Kind::Datagram,
-        copies: 3.0,
-        not_yet: Some("IP over the fabric (bp0) is a later issue"),
+        copies: 4.0,
+        not_yet: None,
     },
     PathDef {
         name: "ucx-shm",
@@ -434,6 +436,9 @@ fn general_notes(cfg: &Config) -> Vec<String> {
 /// then the guards that remove the resources.
 struct Setup {
     link: Box<dyn Link>,
+    /// The next datagram stamp: stamps rise over the whole life of a path, so a straggler
+    /// of an earlier operation is told apart from the current one's datagrams.
+    next_stamp: u64,
     peer: PeerProc,
     lossy: bool,
     _fabric: Option<Fabric>,
@@ -461,33 +466,44 @@ fn veth<'c>(ctx: &'c mut Ctx) -> anyhow::Result<&'c VethPair> {
     }
 }
 
+/// Brings up a temporary 2-node fabric (with IP over it when `net` is given, and the run's
+/// link model) whose removal is registered in `guards`; returns its name and a handle.
+fn start_fabric(
+    ctx: &Ctx,
+    guards: &mut Vec<Guard>,
+    net: Option<NetPlan>,
+) -> anyhow::Result<(String, Fabric)> {
+    let fname = format!("bench-{}", std::process::id());
+    let n = fname.clone();
+    guards.push(teardown::register(format!("fabric {fname}"), move || {
+        let _ = launch::stop(&n);
+    }));
+    launch::start(&launch::Options {
+        name: fname.clone(),
+        nodes: 2,
+        window_size: 64 << 20,
+        restart_delay_ms: 0,
+        exe: ctx.cfg.exe.clone(),
+        net,
+        link: ctx
+            .cfg
+            .link
+            .clone()
+            .map(|m| (m, backplane::model::Forwarding::CutThrough)),
+        topology: None,
+    })
+    .context("cannot start a temporary fabric")?;
+    let f = Fabric::attach(&fname)?;
+    Ok((fname, f))
+}
+
 fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
     use peer::PeerKind as K;
     let mut guards = Vec::new();
     let mut fabric = None;
     let (link, peer, lossy): (Box<dyn Link>, PeerProc, bool) = match name {
         "fabric-dgram" => {
-            let fname = format!("bench-{}", std::process::id());
-            let n = fname.clone();
-            guards.push(teardown::register(format!("fabric {fname}"), move || {
-                let _ = launch::stop(&n);
-            }));
-            launch::start(&launch::Options {
-                name: fname.clone(),
-                nodes: 2,
-                window_size: 64 << 20,
-                restart_delay_ms: 0,
-                exe: ctx.cfg.exe.clone(),
-                net: None,
-                link: ctx
-                    .cfg
-                    .link
-                    .clone()
-                    .map(|m| (m, backplane::model::Forwarding::CutThrough)),
-                topology: None,
-            })
-            .context("cannot start a temporary fabric")?;
-            let f = Fabric::attach(&fname)?;
+            let (fname, f) = start_fabric(ctx, &mut guards, None)?;
             let mut argv = peer_argv(ctx, None, K::Fabric, &fname);
             argv.extend(["--node", "2", "--port", &PEER_PORT.to_string()].map(String::from));
             let peer = PeerProc::spawn(&argv)?;
@@ -496,6 +512,28 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
             peer::fabric_hello(&mut ep, to)?;
             fabric = Some(f);
             (Box::new(FabricLink::new(ep, to)), peer, false)
+        }
+        "fabric-tcp" | "fabric-udp" => {
+            // Node 1's and node 2's namespaces, joined by nothing but the fabric.
+            let plan = NetPlan::new(net::DEFAULT_SUBNET, net::DEFAULT_MTU, 2)?;
+            let (fname, f) = start_fabric(ctx, &mut guards, Some(plan))?;
+            let (ns1, ns2) = (net::netns_name(&fname, 1), net::netns_name(&fname, 2));
+            let at = format!("{}:0", plan.address(2));
+            fabric = Some(f);
+            if name == "fabric-tcp" {
+                let peer = PeerProc::spawn(&peer_argv(ctx, Some(&ns2), K::Tcp, &at))?;
+                let addr: SocketAddr = peer.addr.parse()?;
+                let s = netns::in_ns(&ns1, move || Ok(TcpStream::connect(addr)?))?;
+                s.set_nodelay(true)?;
+                (Box::new(StreamLink::new(s)), peer, false)
+            } else {
+                let peer = PeerProc::spawn(&peer_argv(ctx, Some(&ns2), K::Udp, &at))?;
+                let addr: SocketAddr = peer.addr.parse()?;
+                let me = format!("{}:0", plan.address(1));
+                let s = netns::in_ns(&ns1, move || Ok(UdpSocket::bind(me)?))?;
+                peer::udp_hello(&s, addr)?;
+                (Box::new(UdpLink::new(s)), peer, true)
+            }
         }
         "tcp-loopback" => {
             let peer = PeerProc::spawn(&peer_argv(ctx, None, K::Tcp, "127.0.0.1:0"))?;
@@ -548,6 +586,7 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
     };
     Ok(Setup {
         link,
+        next_stamp: 1,
         peer,
         lossy,
         _fabric: fabric,
@@ -557,7 +596,7 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
 
 fn run_link_path(ctx: &mut Ctx, def: &PathDef) -> PathReport {
     let mut pr = PathReport::new(def.name, def.title, def.kind.as_str(), def.copies);
-    if def.name.ends_with("-veth") {
+    if def.name.ends_with("-veth") || matches!(def.name, "fabric-tcp" | "fabric-udp") {
         if let Some(why) = netns::unavailable() {
             pr.status = Status::Skipped;
             pr.reason = Some(why);
@@ -696,7 +735,8 @@ fn throughput_once(
     dur: Duration,
     warm: Duration,
 ) -> anyhow::Result<TpRun> {
-    s.peer.start(&Command::Sink)?;
+    let base = s.next_stamp;
+    s.peer.start(&Command::Sink { base })?;
     let snap = Snapshot::take(Who::Thread);
     let size_u = size as usize;
     let mut msg = vec![0x5Au8; size_u];
@@ -714,7 +754,7 @@ fn throughput_once(
         for &len in &chunks {
             let c = &mut msg[off..off + len];
             if dgram.is_some() {
-                put_stamp(c, dgrams);
+                put_stamp(c, base + dgrams);
             }
             s.link.send(c)?;
             dgrams += 1;
@@ -732,6 +772,7 @@ fn throughput_once(
             }
         }
     }
+    s.next_stamp = base + dgrams;
     let r = s.peer.stop(&Command::Stop {
         sent_bytes: sent,
         sent_dgrams: if dgram.is_some() { dgrams } else { 0 },
@@ -828,7 +869,8 @@ fn latency_once(
     dur: Duration,
     warm: Duration,
 ) -> anyhow::Result<(Histogram<u64>, u64)> {
-    s.peer.start(&Command::Echo { size })?;
+    let base = s.next_stamp;
+    s.peer.start(&Command::Echo { size, base })?;
     let mut h = stats::new_histogram();
     let size_u = size as usize;
     let mut msg = vec![0xA5u8; size_u];
@@ -842,7 +884,7 @@ fn latency_once(
     } else {
         Duration::from_secs(10)
     };
-    let (mut round, mut lost) = (0u64, 0u64);
+    let (mut round, mut lost) = (base, 0u64);
     let t0 = Instant::now();
     let (warm_end, end) = (t0 + warm, t0 + warm + dur);
     loop {
@@ -893,6 +935,7 @@ fn latency_once(
             break;
         }
     }
+    s.next_stamp = round + 1;
     s.peer.stop(&Command::Stop {
         sent_bytes: 0,
         sent_dgrams: 0,
@@ -946,7 +989,8 @@ fn loss_trial(
     rate: Option<f64>,
     dur: Duration,
 ) -> anyhow::Result<LossTrial> {
-    s.peer.start(&Command::Sink)?;
+    let base = s.next_stamp;
+    s.peer.start(&Command::Sink { base })?;
     let mut d = vec![0x3Cu8; bytes];
     let (mut offered, mut accepted) = (0u64, 0u64);
     let t0 = Instant::now();
@@ -961,7 +1005,7 @@ fn loss_trial(
         };
         let due = due.min(offered + 256);
         while offered < due {
-            put_stamp(&mut d, accepted);
+            put_stamp(&mut d, base + accepted);
             if s.link.try_send(&d)? {
                 accepted += 1;
             }
@@ -969,6 +1013,7 @@ fn loss_trial(
         }
     }
     let secs = t0.elapsed().as_secs_f64();
+    s.next_stamp = base + accepted;
     let r = s.peer.stop(&Command::Stop {
         sent_bytes: accepted * bytes as u64,
         sent_dgrams: accepted,

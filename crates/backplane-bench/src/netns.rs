@@ -93,19 +93,29 @@ impl VethPair {
         &self,
         f: impl FnOnce() -> anyhow::Result<T> + Send + 'static,
     ) -> anyhow::Result<T> {
-        let path = format!("/run/netns/{}", self.ns_a);
-        std::thread::spawn(move || {
-            let ns = std::fs::File::open(&path).with_context(|| format!("cannot open {path}"))?;
-            rustix::thread::move_into_link_name_space(
-                ns.as_fd(),
-                Some(rustix::thread::LinkNameSpaceType::Network),
-            )
-            .context("setns into the bench namespace")?;
-            f()
-        })
-        .join()
-        .map_err(|_| anyhow::anyhow!("the namespace thread panicked"))?
+        in_ns(&self.ns_a, f)
     }
+}
+
+/// Runs `f` on a fresh thread that has entered the network namespace `/run/netns/NS`, so
+/// sockets it creates live there (a socket stays in its namespace whichever thread uses it
+/// later); the calling thread stays where it is.
+pub fn in_ns<T: Send + 'static>(
+    ns: &str,
+    f: impl FnOnce() -> anyhow::Result<T> + Send + 'static,
+) -> anyhow::Result<T> {
+    let path = format!("/run/netns/{ns}");
+    std::thread::spawn(move || {
+        let ns = std::fs::File::open(&path).with_context(|| format!("cannot open {path}"))?;
+        rustix::thread::move_into_link_name_space(
+            ns.as_fd(),
+            Some(rustix::thread::LinkNameSpaceType::Network),
+        )
+        .with_context(|| format!("setns into {path}"))?;
+        f()
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the namespace thread panicked"))?
 }
 
 /// Whether a network namespace of this name exists.

@@ -85,9 +85,18 @@ pub enum Command {
     Echo {
         /// Message size.
         size: u64,
+        /// Datagram paths: the first round's stamp; lower stamps are stragglers of an
+        /// earlier operation and are ignored.
+        #[serde(default)]
+        base: u64,
     },
     /// Receive and count everything.
-    Sink,
+    Sink {
+        /// Datagram paths: the first datagram's stamp; lower stamps are stragglers of an
+        /// earlier operation and are neither counted nor tracked.
+        #[serde(default)]
+        base: u64,
+    },
     /// Finish the operation. The client sent `sent_bytes` in `sent_dgrams` datagrams (0 on
     /// streams), the first `skip_bytes` of them warm-up. `lossy`: stop draining after a quiet
     /// spell instead of waiting for every byte.
@@ -249,13 +258,13 @@ fn serve(cfg: &PeerConfig) -> anyhow::Result<()> {
     loop {
         let cmd = rx.recv().unwrap_or(Command::Quit);
         let r = match cmd {
-            Command::Echo { size } => {
+            Command::Echo { size, base } => {
                 say(&Reply::Started);
-                echo(link.as_mut(), size, &rx)?
+                echo(link.as_mut(), size, base, &rx)?
             }
-            Command::Sink => {
+            Command::Sink { base } => {
                 say(&Reply::Started);
-                sink(link.as_mut(), &rx)?
+                sink(link.as_mut(), base, &rx)?
             }
             Command::Stop { .. } => PeerResult::default(),
             Command::Quit => return Ok(()),
@@ -273,13 +282,14 @@ const POLL: Duration = Duration::from_millis(5);
 fn echo(
     link: &mut dyn Link,
     size: u64,
+    base: u64,
     rx: &mpsc::Receiver<Command>,
 ) -> anyhow::Result<PeerResult> {
     let t0 = mono_ns();
     let cpu0 = Rusage::now(Who::Process);
     let mut reply = vec![0xC3u8; size as usize];
     let dgram = link.max_dgram();
-    let (mut round, mut got, mut echoed, mut last) = (0u64, 0u64, 0u64, t0);
+    let (mut round, mut got, mut echoed, mut last) = (base, 0u64, 0u64, t0);
     let mut bytes = 0u64;
     loop {
         let want = (size - got).max(1) as usize;
@@ -377,7 +387,11 @@ impl SeqTracker {
 }
 
 /// Receives and counts until `stop`, then drains what the client says it sent.
-fn sink(link: &mut dyn Link, rx: &mpsc::Receiver<Command>) -> anyhow::Result<PeerResult> {
+fn sink(
+    link: &mut dyn Link,
+    base: u64,
+    rx: &mpsc::Receiver<Command>,
+) -> anyhow::Result<PeerResult> {
     let t0 = mono_ns();
     let cpu0 = Rusage::now(Who::Process);
     let dgram = link.max_dgram().is_some();
@@ -392,16 +406,21 @@ fn sink(link: &mut dyn Link, rx: &mpsc::Receiver<Command>) -> anyhow::Result<Pee
     let max = if dgram { MAX_UDP + 1 } else { 256 << 10 };
     let mut short = false;
     loop {
+        let mut stale = false;
         let n = link.recv(POLL, max, &mut |p| {
             if dgram {
                 match stamp_of(p) {
-                    Some(s) => seq.see(s),
+                    Some(s) if s < base => stale = true,
+                    Some(s) => seq.see(s - base),
                     None if p == b"hello" => return,
                     None => {}
                 }
             }
             touch(p);
         })?;
+        // A straggler of an earlier operation (a datagram path may deliver late) is not
+        // part of this one.
+        let n = n.filter(|_| !stale);
         match n {
             Some(n) => {
                 bytes += n as u64;

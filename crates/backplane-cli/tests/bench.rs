@@ -231,7 +231,7 @@ fn unknown_paths_bad_sizes_and_future_paths_are_reported_and_the_run_goes_on() {
         .args([
             "bench",
             "--paths",
-            "warp-drive,fabric-verbs,unix-stream",
+            "warp-drive,fabric-raw,unix-stream",
             "--sizes",
             "2,64,128M",
             "--duration",
@@ -262,9 +262,9 @@ fn unknown_paths_bad_sizes_and_future_paths_are_reported_and_the_run_goes_on() {
         .collect();
     assert!(skipped.contains(&"warp-drive".into()), "{skipped:?}");
     assert!(skipped.contains(&"size 2".into()), "{skipped:?}");
-    let verbs = &j["paths"][0];
-    assert_eq!(verbs["name"], "fabric-verbs");
-    assert_eq!(verbs["status"], "not-available");
+    let future = &j["paths"][0];
+    assert_eq!(future["name"], "fabric-raw");
+    assert_eq!(future["status"], "not-available");
     assert_eq!(j["paths"][1]["status"], "measured");
     assert_eq!(j["config"]["sizes"], serde_json::json!([64]));
     let md = read(&out, "summary.md");
@@ -476,6 +476,69 @@ fn a_path_whose_peer_dies_mid_run_is_reported_and_the_next_path_still_runs() {
         .iter()
         .any(|s| s["what"] == "tcp-loopback"));
     assert!(read(&out, "summary.md").contains("| tcp-loopback | kernel TCP over loopback | "));
+    assert!(peers_left().is_empty(), "{:?}", peers_left());
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn tcp_and_udp_over_the_fabrics_interfaces_are_measured_and_leave_no_namespace() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: IP over the fabric needs namespaces; skipped");
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tmpdir("fabric-ip");
+    let child = Command::new(BIN)
+        .args([
+            "bench",
+            "--paths",
+            "fabric-tcp,fabric-udp",
+            "--sizes",
+            "64,1K",
+            "--duration",
+            "0.2",
+            "--quiet",
+            "--out",
+        ])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "bench failed: {}", stderr(&o));
+    let j: Value = serde_json::from_str(&read(&out, "report.json")).unwrap();
+    for (p, name) in j["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(["fabric-tcp", "fabric-udp"])
+    {
+        assert_eq!(p["name"], name);
+        assert_eq!(p["status"], "measured", "{name}: {}", p["reason"]);
+        for t in p["throughput"].as_array().unwrap() {
+            assert!(num(&t["mb_per_s"]) > 0.0, "{name} {t}");
+        }
+        for l in p["latency"].as_array().unwrap() {
+            assert!(l["samples"].as_u64().unwrap() > 0, "{name} {l}");
+        }
+    }
+    // UDP over the fabric gets the loss sweep like every datagram path.
+    assert!(j["paths"][1]["loss"]["sweep"]
+        .as_array()
+        .is_some_and(|t| !t.is_empty()));
+    let left = leftovers(&format!("bench-{pid}"));
+    assert!(left.is_empty(), "{left:?}");
+    let ns: Vec<String> = std::fs::read_dir("/run/netns")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(&format!("bp-bench-{pid}-")))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(ns.is_empty(), "namespaces left: {ns:?}");
     assert!(peers_left().is_empty(), "{:?}", peers_left());
     let _ = std::fs::remove_dir_all(&out);
 }
