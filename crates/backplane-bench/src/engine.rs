@@ -29,6 +29,7 @@ use crate::report::{
 use crate::stats::{self, estimate, least_squares, LatencySummary};
 use crate::teardown::{self, Guard};
 use crate::ucx::{self, UcxTest};
+use crate::verbs_link::VerbsLink;
 
 /// Smallest message size accepted.
 pub const MIN_SIZE: u64 = 8;
@@ -91,10 +92,12 @@ pub const PATHS: &[PathDef] = &[
     },
     PathDef {
         name: "fabric-verbs",
-        title: "fabric RDMA verbs (one-sided WRITE)",
+        title: "fabric RDMA verbs: a stream of RDMA_WRITE_WITH_IMM into the peer's ring (RC QP), node 1 → node 2 in two processes",
         kind: Kind::Stream,
-        copies: 1.0,
-        not_yet: Some("RDMA verbs are a later issue"),
+        // Into the registered staging area, then the write into the peer's ring (chunks up
+        // to 256 B go inline: one copy); the receiver reads in place.
+        copies: 2.0,
+        not_yet: None,
     },
     PathDef {
         name: "fabric-raw",
@@ -512,6 +515,16 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
             peer::fabric_hello(&mut ep, to)?;
             fabric = Some(f);
             (Box::new(FabricLink::new(ep, to)), peer, false)
+        }
+        "fabric-verbs" => {
+            let (fname, f) = start_fabric(ctx, &mut guards, None)?;
+            let mut argv = peer_argv(ctx, None, K::Verbs, &fname);
+            argv.extend(["--node", "2", "--port", &PEER_PORT.to_string()].map(String::from));
+            let peer = PeerProc::spawn(&argv)?;
+            let link = VerbsLink::connect(&f.node(1)?, 2, PEER_PORT, Duration::from_secs(10))
+                .context("cannot connect to the bench peer's queue pair")?;
+            fabric = Some(f);
+            (Box::new(link), peer, false)
         }
         "fabric-tcp" | "fabric-udp" => {
             // Node 1's and node 2's namespaces, joined by nothing but the fabric.

@@ -26,3 +26,4 @@ pub mod report;
 pub mod stats;
 pub mod teardown;
 pub mod ucx;
+pub mod verbs_link;

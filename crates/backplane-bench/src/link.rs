@@ -19,7 +19,7 @@ pub const MAX_UDP: usize = 65_507;
 pub const STAMP: usize = 8;
 
 /// One side of a connected data path.
-pub trait Link: Send {
+pub trait Link {
     /// Largest datagram, or `None` for a byte stream.
     fn max_dgram(&self) -> Option<usize>;
     /// Sends one datagram (at most `max_dgram` bytes) or, on a stream, all of `data`, waiting

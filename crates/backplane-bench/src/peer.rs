@@ -26,6 +26,7 @@ use crate::cpu::{mono_ns, Rusage, Who};
 use crate::link::{
     chunk_lens, put_stamp, stamp_of, touch, FabricLink, Link, StreamLink, UdpLink, MAX_UDP,
 };
+use crate::verbs_link::VerbsLink;
 
 /// Which kind of link a peer serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -33,6 +34,8 @@ use crate::link::{
 pub enum PeerKind {
     /// Fabric datagrams.
     Fabric,
+    /// Fabric RDMA verbs (a stream over RDMA_WRITE_WITH_IMM).
+    Verbs,
     /// UDP.
     Udp,
     /// TCP.
@@ -46,6 +49,7 @@ impl PeerKind {
     pub fn as_str(self) -> &'static str {
         match self {
             PeerKind::Fabric => "fabric",
+            PeerKind::Verbs => "verbs",
             PeerKind::Udp => "udp",
             PeerKind::Tcp => "tcp",
             PeerKind::Unix => "unix",
@@ -55,6 +59,7 @@ impl PeerKind {
     pub fn parse(s: &str) -> Option<Self> {
         [
             PeerKind::Fabric,
+            PeerKind::Verbs,
             PeerKind::Udp,
             PeerKind::Tcp,
             PeerKind::Unix,
@@ -215,6 +220,16 @@ fn serve(cfg: &PeerConfig) -> anyhow::Result<()> {
             ep.send(client, b"ok", Wait::Forever)?;
             _fabric = Some(f);
             Box::new(FabricLink::new(ep, client))
+        }
+        PeerKind::Verbs => {
+            let f = Fabric::attach(&cfg.at)?;
+            say(&Reply::Ready {
+                addr: String::new(),
+            });
+            let link = VerbsLink::accept(&f.node(cfg.node)?, cfg.port, HANDSHAKE)
+                .context("the bench client never connected")?;
+            _fabric = Some(f);
+            Box::new(link)
         }
         PeerKind::Udp => {
             _fabric = None;

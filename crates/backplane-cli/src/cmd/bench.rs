@@ -18,9 +18,9 @@ use super::parse_size;
 /// Arguments of `bench`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Paths to measure, comma separated (default: all): fabric-dgram, ucx-shm, tcp-loopback,
-    /// udp-loopback, unix-stream, tcp-veth, udp-veth (and, listed as not available yet,
-    /// fabric-verbs, fabric-raw, fabric-tcp, fabric-udp).
+    /// Paths to measure, comma separated (default: all): fabric-dgram, fabric-verbs,
+    /// fabric-tcp, fabric-udp, ucx-shm, tcp-loopback, udp-loopback, unix-stream, tcp-veth,
+    /// udp-veth (and fabric-raw, listed as not available yet).
     #[arg(long, value_delimiter = ',')]
     paths: Option<Vec<String>>,
     /// Message sizes, comma separated (e.g. 64,4K,1M; 8 B to 64 MiB). Default: 64 B to 8 MiB
