@@ -91,12 +91,28 @@ pub const PATHS: &[PathDef] = &[
         not_yet: None,
     },
     PathDef {
-        name: "fabric-verbs",
-        title: "fabric RDMA verbs: a stream of RDMA_WRITE_WITH_IMM into the peer's ring (RC QP), node 1 → node 2 in two processes",
+        name: "fabric-verbs-write",
+        title: "fabric RDMA verbs: a stream of RDMA_WRITE_WITH_IMM into the peer's ring (RC QP), read in place, node 1 → node 2 in two processes",
         kind: Kind::Stream,
         // Into the registered staging area, then the write into the peer's ring (chunks up
         // to 256 B go inline: one copy); the receiver reads in place.
         copies: 2.0,
+        not_yet: None,
+    },
+    PathDef {
+        name: "fabric-verbs-read",
+        title: "fabric RDMA verbs: chunks announced with SEND_WITH_IMM and pulled by the receiver with RDMA_READ (rendezvous), node 1 → node 2",
+        kind: Kind::Stream,
+        // Into the staging area, then the receiver's READ into its ring.
+        copies: 2.0,
+        not_yet: None,
+    },
+    PathDef {
+        name: "fabric-verbs-send",
+        title: "fabric RDMA verbs: a stream of SENDs (≤ 64 KiB) into posted receive buffers, read in place, node 1 → node 2",
+        kind: Kind::Stream,
+        // Into the staging area, into the QP ring, into the posted receive.
+        copies: 3.0,
         not_yet: None,
     },
     PathDef {
@@ -516,12 +532,18 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
             fabric = Some(f);
             (Box::new(FabricLink::new(ep, to)), peer, false)
         }
-        "fabric-verbs" => {
+        "fabric-verbs-write" | "fabric-verbs-read" | "fabric-verbs-send" => {
+            let kind = match name {
+                "fabric-verbs-write" => K::VerbsWrite,
+                "fabric-verbs-read" => K::VerbsRead,
+                _ => K::VerbsSend,
+            };
+            let mode = kind.verbs_mode().expect("a verbs kind");
             let (fname, f) = start_fabric(ctx, &mut guards, None)?;
-            let mut argv = peer_argv(ctx, None, K::Verbs, &fname);
+            let mut argv = peer_argv(ctx, None, kind, &fname);
             argv.extend(["--node", "2", "--port", &PEER_PORT.to_string()].map(String::from));
             let peer = PeerProc::spawn(&argv)?;
-            let link = VerbsLink::connect(&f.node(1)?, 2, PEER_PORT, Duration::from_secs(10))
+            let link = VerbsLink::connect(&f.node(1)?, 2, PEER_PORT, mode, Duration::from_secs(10))
                 .context("cannot connect to the bench peer's queue pair")?;
             fabric = Some(f);
             (Box::new(link), peer, false)
@@ -785,6 +807,7 @@ fn throughput_once(
             }
         }
     }
+    s.link.flush()?;
     s.next_stamp = base + dgrams;
     let r = s.peer.stop(&Command::Stop {
         sent_bytes: sent,

@@ -30,6 +30,11 @@ pub trait Link {
     fn try_send(&mut self, data: &[u8]) -> io::Result<bool> {
         self.send(data).map(|()| true)
     }
+    /// Waits until everything sent so far has left (paths whose transport only moves when
+    /// called, like the verbs engine, need this before the sender goes quiet).
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
     /// Receives one datagram, or up to `max` bytes of a stream, and hands the bytes to `f`
     /// (in place where the path allows). `Ok(None)` if nothing arrived within `timeout`.
     fn recv(

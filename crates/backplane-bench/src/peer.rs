@@ -26,7 +26,7 @@ use crate::cpu::{mono_ns, Rusage, Who};
 use crate::link::{
     chunk_lens, put_stamp, stamp_of, touch, FabricLink, Link, StreamLink, UdpLink, MAX_UDP,
 };
-use crate::verbs_link::VerbsLink;
+use crate::verbs_link::{Mode, VerbsLink};
 
 /// Which kind of link a peer serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,8 +34,12 @@ use crate::verbs_link::VerbsLink;
 pub enum PeerKind {
     /// Fabric datagrams.
     Fabric,
-    /// Fabric RDMA verbs (a stream over RDMA_WRITE_WITH_IMM).
-    Verbs,
+    /// Fabric RDMA verbs: a stream of RDMA_WRITE_WITH_IMM.
+    VerbsWrite,
+    /// Fabric RDMA verbs: a stream of SENDs.
+    VerbsSend,
+    /// Fabric RDMA verbs: announced chunks pulled with RDMA_READ.
+    VerbsRead,
     /// UDP.
     Udp,
     /// TCP.
@@ -49,17 +53,30 @@ impl PeerKind {
     pub fn as_str(self) -> &'static str {
         match self {
             PeerKind::Fabric => "fabric",
-            PeerKind::Verbs => "verbs",
+            PeerKind::VerbsWrite => "verbs-write",
+            PeerKind::VerbsSend => "verbs-send",
+            PeerKind::VerbsRead => "verbs-read",
             PeerKind::Udp => "udp",
             PeerKind::Tcp => "tcp",
             PeerKind::Unix => "unix",
+        }
+    }
+    /// The verbs stream mode of a verbs kind.
+    pub fn verbs_mode(self) -> Option<Mode> {
+        match self {
+            PeerKind::VerbsWrite => Some(Mode::WriteImm),
+            PeerKind::VerbsSend => Some(Mode::Send),
+            PeerKind::VerbsRead => Some(Mode::Read),
+            _ => None,
         }
     }
     /// Parses the `--kind` spelling.
     pub fn parse(s: &str) -> Option<Self> {
         [
             PeerKind::Fabric,
-            PeerKind::Verbs,
+            PeerKind::VerbsWrite,
+            PeerKind::VerbsSend,
+            PeerKind::VerbsRead,
             PeerKind::Udp,
             PeerKind::Tcp,
             PeerKind::Unix,
@@ -221,12 +238,13 @@ fn serve(cfg: &PeerConfig) -> anyhow::Result<()> {
             _fabric = Some(f);
             Box::new(FabricLink::new(ep, client))
         }
-        PeerKind::Verbs => {
+        PeerKind::VerbsWrite | PeerKind::VerbsSend | PeerKind::VerbsRead => {
             let f = Fabric::attach(&cfg.at)?;
             say(&Reply::Ready {
                 addr: String::new(),
             });
-            let link = VerbsLink::accept(&f.node(cfg.node)?, cfg.port, HANDSHAKE)
+            let mode = cfg.kind.verbs_mode().expect("a verbs kind");
+            let link = VerbsLink::accept(&f.node(cfg.node)?, cfg.port, mode, HANDSHAKE)
                 .context("the bench client never connected")?;
             _fabric = Some(f);
             Box::new(link)

@@ -544,14 +544,14 @@ fn tcp_and_udp_over_the_fabrics_interfaces_are_measured_and_leave_no_namespace()
 }
 
 #[test]
-fn the_verbs_path_is_measured_at_inline_and_multi_chunk_sizes_and_leaves_nothing() {
+fn the_verbs_paths_are_measured_at_inline_and_multi_chunk_sizes_and_leave_nothing() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let out = tmpdir("fabric-verbs");
     let child = Command::new(BIN)
         .args([
             "bench",
             "--paths",
-            "fabric-verbs",
+            "fabric-verbs-write,fabric-verbs-read,fabric-verbs-send",
             "--sizes",
             "64,2M",
             "--duration",
@@ -568,16 +568,26 @@ fn the_verbs_path_is_measured_at_inline_and_multi_chunk_sizes_and_leaves_nothing
     let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "bench failed: {}", stderr(&o));
     let j: Value = serde_json::from_str(&read(&out, "report.json")).unwrap();
-    let p = &j["paths"][0];
-    assert_eq!(p["name"], "fabric-verbs");
-    assert_eq!(p["status"], "measured", "{}", p["reason"]);
-    assert_eq!(p["copies"], 2.0);
-    for t in p["throughput"].as_array().unwrap() {
-        assert!(num(&t["mb_per_s"]) > 0.0, "{t}");
-    }
-    for l in p["latency"].as_array().unwrap() {
-        assert!(l["samples"].as_u64().unwrap() > 0, "{l}");
-        assert_eq!(l["lost"], 0, "{l}");
+    let paths = j["paths"].as_array().unwrap();
+    let names: Vec<&str> = paths.iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "fabric-verbs-write",
+            "fabric-verbs-read",
+            "fabric-verbs-send"
+        ]
+    );
+    for (p, copies) in paths.iter().zip([2.0, 2.0, 3.0]) {
+        assert_eq!(p["status"], "measured", "{}: {}", p["name"], p["reason"]);
+        assert_eq!(p["copies"], copies);
+        for t in p["throughput"].as_array().unwrap() {
+            assert!(num(&t["mb_per_s"]) > 0.0, "{t}");
+        }
+        for l in p["latency"].as_array().unwrap() {
+            assert!(l["samples"].as_u64().unwrap() > 0, "{l}");
+            assert_eq!(l["lost"], 0, "{l}");
+        }
     }
     let left = leftovers(&format!("bench-{pid}"));
     assert!(left.is_empty(), "{left:?}");

@@ -18,8 +18,8 @@ use super::parse_size;
 /// Arguments of `bench`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Paths to measure, comma separated (default: all): fabric-dgram, fabric-verbs,
-    /// fabric-tcp, fabric-udp, ucx-shm, tcp-loopback, udp-loopback, unix-stream, tcp-veth,
+    /// Paths to measure, comma separated (default: all): fabric-dgram, fabric-verbs-write,
+    /// fabric-verbs-read, fabric-verbs-send, fabric-tcp, fabric-udp, ucx-shm, tcp-loopback, udp-loopback, unix-stream, tcp-veth,
     /// udp-veth (and fabric-raw, listed as not available yet).
     #[arg(long, value_delimiter = ',')]
     paths: Option<Vec<String>>,
