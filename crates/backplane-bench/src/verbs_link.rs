@@ -438,6 +438,24 @@ impl VerbsLink {
         self.post(wr, None)
     }
 
+    /// Makes progress until `done`, polling for [`SPIN`] and then sleeping on the channel;
+    /// gives up when 10 s pass without `done` (the peer "`what` for 10 s").
+    fn wait_for(&mut self, done: impl Fn(&Self) -> bool, what: &str) -> io::Result<()> {
+        let t0 = Instant::now();
+        let mut idle = Idle::default();
+        while !done(self) {
+            if self.progress()? {
+                idle = Idle::default();
+            } else if idle.should_sleep() {
+                if t0.elapsed() > Duration::from_secs(10) {
+                    return Err(err(format!("the peer {what} for 10 s")));
+                }
+                self.sleep(Duration::from_millis(100))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Whether the peer has room for one more chunk of `len` bytes.
     fn room(&self, len: usize) -> bool {
         let chunks = match self.mode {
@@ -471,37 +489,16 @@ impl Link for VerbsLink {
             },
         };
         self.post(marker, Some(0))?;
-        let t0 = Instant::now();
-        let mut idle = Idle::default();
-        while self.sq_used > 0 {
-            if self.progress()? {
-                idle = Idle::default();
-            } else if idle.should_sleep() {
-                if t0.elapsed() > Duration::from_secs(10) {
-                    return Err(err("the peer acknowledged nothing for 10 s"));
-                }
-                self.sleep(Duration::from_millis(100))?;
-            }
-        }
-        Ok(())
+        self.wait_for(|l| l.sq_used == 0, "acknowledged nothing")
     }
 
     fn send(&mut self, data: &[u8]) -> io::Result<()> {
         let mut off = 0;
-        let t0 = Instant::now();
         while off < data.len() {
             let pos = (self.wpos % RING as u64) as usize;
             let len = (data.len() - off).min(self.mode.chunk()).min(RING - pos);
-            let mut idle = Idle::default();
-            while !self.room(len) {
-                if self.progress()? {
-                    idle = Idle::default();
-                } else if idle.should_sleep() {
-                    if t0.elapsed() > Duration::from_secs(10) {
-                        return Err(err("the peer made no room for 10 s"));
-                    }
-                    self.sleep(Duration::from_millis(100))?;
-                }
+            if !self.room(len) {
+                self.wait_for(|l| l.room(len), "made no room")?;
             }
             let chunk = &data[off..off + len];
             let remote = pos as u64;

@@ -480,26 +480,15 @@ fn a_path_whose_peer_dies_mid_run_is_reported_and_the_next_path_still_runs() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
-#[test]
-fn tcp_and_udp_over_the_fabrics_interfaces_are_measured_and_leave_no_namespace() {
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("not root: IP over the fabric needs namespaces; skipped");
-        return;
-    }
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let out = tmpdir("fabric-ip");
+/// Runs `bench --paths PATHS --sizes 64,SIZE --duration 0.2 --quiet` into a fresh folder and
+/// checks that every path was measured at every size, with no round trip lost on streams;
+/// returns the report and the bench's pid. Also checks nothing of the run is left behind.
+fn bench_paths(test: &str, paths: &str, size: &str) -> (Value, u32) {
+    let out = tmpdir(test);
+    let sizes = format!("64,{size}");
     let child = Command::new(BIN)
-        .args([
-            "bench",
-            "--paths",
-            "fabric-tcp,fabric-udp",
-            "--sizes",
-            "64,1K",
-            "--duration",
-            "0.2",
-            "--quiet",
-            "--out",
-        ])
+        .args(["bench", "--paths", paths, "--sizes", &sizes])
+        .args(["--duration", "0.2", "--quiet", "--out"])
         .arg(&out)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -509,27 +498,47 @@ fn tcp_and_udp_over_the_fabrics_interfaces_are_measured_and_leave_no_namespace()
     let o = child.wait_with_output().unwrap();
     assert!(o.status.success(), "bench failed: {}", stderr(&o));
     let j: Value = serde_json::from_str(&read(&out, "report.json")).unwrap();
-    for (p, name) in j["paths"]
+    let names: Vec<&str> = j["paths"]
         .as_array()
         .unwrap()
         .iter()
-        .zip(["fabric-tcp", "fabric-udp"])
-    {
-        assert_eq!(p["name"], name);
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, paths.split(',').collect::<Vec<_>>());
+    for p in j["paths"].as_array().unwrap() {
+        let name = &p["name"];
         assert_eq!(p["status"], "measured", "{name}: {}", p["reason"]);
-        for t in p["throughput"].as_array().unwrap() {
+        let tp = p["throughput"].as_array().unwrap();
+        assert_eq!(tp.len(), 2, "{name}");
+        for t in tp {
             assert!(num(&t["mb_per_s"]) > 0.0, "{name} {t}");
         }
         for l in p["latency"].as_array().unwrap() {
             assert!(l["samples"].as_u64().unwrap() > 0, "{name} {l}");
+            if p["kind"] == "stream" {
+                assert_eq!(l["lost"], 0, "{name} {l}");
+            }
         }
     }
+    let left = leftovers(&format!("bench-{pid}"));
+    assert!(left.is_empty(), "{left:?}");
+    assert!(peers_left().is_empty(), "{:?}", peers_left());
+    let _ = std::fs::remove_dir_all(&out);
+    (j, pid)
+}
+
+#[test]
+fn tcp_and_udp_over_the_fabrics_interfaces_are_measured_and_leave_no_namespace() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: IP over the fabric needs namespaces; skipped");
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let (j, pid) = bench_paths("fabric-ip", "fabric-tcp,fabric-udp", "1K");
     // UDP over the fabric gets the loss sweep like every datagram path.
     assert!(j["paths"][1]["loss"]["sweep"]
         .as_array()
         .is_some_and(|t| !t.is_empty()));
-    let left = leftovers(&format!("bench-{pid}"));
-    assert!(left.is_empty(), "{left:?}");
     let ns: Vec<String> = std::fs::read_dir("/run/netns")
         .map(|d| {
             d.flatten()
@@ -539,58 +548,18 @@ fn tcp_and_udp_over_the_fabrics_interfaces_are_measured_and_leave_no_namespace()
         })
         .unwrap_or_default();
     assert!(ns.is_empty(), "namespaces left: {ns:?}");
-    assert!(peers_left().is_empty(), "{:?}", peers_left());
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 #[test]
 fn the_verbs_paths_are_measured_at_inline_and_multi_chunk_sizes_and_leave_nothing() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let out = tmpdir("fabric-verbs");
-    let child = Command::new(BIN)
-        .args([
-            "bench",
-            "--paths",
-            "fabric-verbs-write,fabric-verbs-read,fabric-verbs-send",
-            "--sizes",
-            "64,2M",
-            "--duration",
-            "0.2",
-            "--quiet",
-            "--out",
-        ])
-        .arg(&out)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id();
-    let o = child.wait_with_output().unwrap();
-    assert!(o.status.success(), "bench failed: {}", stderr(&o));
-    let j: Value = serde_json::from_str(&read(&out, "report.json")).unwrap();
-    let paths = j["paths"].as_array().unwrap();
-    let names: Vec<&str> = paths.iter().map(|p| p["name"].as_str().unwrap()).collect();
-    assert_eq!(
-        names,
-        [
-            "fabric-verbs-write",
-            "fabric-verbs-read",
-            "fabric-verbs-send"
-        ]
-    );
-    for (p, copies) in paths.iter().zip([2.0, 2.0, 3.0]) {
-        assert_eq!(p["status"], "measured", "{}: {}", p["name"], p["reason"]);
-        assert_eq!(p["copies"], copies);
-        for t in p["throughput"].as_array().unwrap() {
-            assert!(num(&t["mb_per_s"]) > 0.0, "{t}");
-        }
-        for l in p["latency"].as_array().unwrap() {
-            assert!(l["samples"].as_u64().unwrap() > 0, "{l}");
-            assert_eq!(l["lost"], 0, "{l}");
-        }
-    }
-    let left = leftovers(&format!("bench-{pid}"));
-    assert!(left.is_empty(), "{left:?}");
-    assert!(peers_left().is_empty(), "{:?}", peers_left());
-    let _ = std::fs::remove_dir_all(&out);
+    let paths = "fabric-verbs-write,fabric-verbs-read,fabric-verbs-send";
+    let (j, _) = bench_paths("fabric-verbs", paths, "2M");
+    let copies: Vec<f64> = j["paths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| num(&p["copies"]))
+        .collect();
+    assert_eq!(copies, [2.0, 2.0, 3.0]);
 }
