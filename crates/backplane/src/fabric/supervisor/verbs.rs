@@ -6,6 +6,8 @@
 //!   through `MrGrant`, only for a region of the protection domain of the QP its own QP is
 //!   connected to, and read-only (a fresh `O_RDONLY` open of the memfd, which the seal keeps
 //!   read-only even if reopened) unless the region allows remote writes or atomics.
+//!   The DMA engines of a process get a region with `DmaGrant` instead: by node and rkey, for a
+//!   process with a device context on a READY node (see `grant_dma`).
 //! - **QP blocks**: RC/UC queue pairs live in their owner's window; the supervisor allocates
 //!   them, numbers them, records who is connected to whom, and when a QP's process or node goes
 //!   away it raises the peer-gone flag in the connected QP's block and rings its bell.
@@ -196,6 +198,7 @@ impl Sup {
                 Ok((VerbsResponse::MrRegistered { key }, None))
             }
             VerbsRequest::MrGrant { slot, qpn, rkey } => self.grant_mr(id, slot, qpn, rkey),
+            VerbsRequest::DmaGrant { slot, node, rkey } => self.grant_dma(id, slot, node, rkey),
             VerbsRequest::CreateQp {
                 slot,
                 pd,
@@ -275,15 +278,56 @@ impl Sup {
                 )))
             }
         };
+        let owner = self.verbs.qps.get(&peer).map(|pq| (pq.client, pq.pd));
+        self.grant_region(rkey, "of the peer's protection domain", |mr| {
+            owner
+                .is_some_and(|(client, pd)| mr.client == client && mr.pd == pd && mr.slot == peer.0)
+        })
+    }
+
+    /// A grant for the DMA engines of client `id`: it must have a device context on the READY
+    /// node `slot`; region `rkey` must be registered on the READY node `node`. No protection
+    /// domain takes part (a DMA engine is the fabric's, not a QP's): the unpredictable rkey is
+    /// the capability, and the region's access flags decide read-only or writable, as for QPs.
+    fn grant_dma(
+        &mut self,
+        id: u64,
+        slot: u32,
+        node: u32,
+        rkey: u32,
+    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+        self.ready_slot(slot)?;
+        if !self
+            .verbs
+            .ctxs
+            .iter()
+            .any(|c| c.client == id && c.slot == slot)
+        {
+            return Err(invalid(format!(
+                "this process has no device context on node {slot}"
+            )));
+        }
+        self.ready_slot(node)?;
+        self.grant_region(rkey, &format!("on node {node}"), |mr| mr.slot == node)
+    }
+
+    /// The memfd of region `rkey` if `owner_ok` accepts it and it allows remote access:
+    /// duplicated when it allows remote writes or atomics, else reopened read-only (the seal
+    /// keeps it so).
+    fn grant_region(
+        &self,
+        rkey: u32,
+        where_: &str,
+        owner_ok: impl Fn(&MrEntry) -> bool,
+    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
         let not_found = || {
             (
                 ErrorKind::NotFound,
-                format!("rkey {rkey:#x} names no region of the peer's protection domain"),
+                format!("rkey {rkey:#x} names no region {where_}"),
             )
         };
-        let pq = self.verbs.qps.get(&peer).ok_or_else(not_found)?;
         let mr = self.verbs.mrs.get(&rkey).ok_or_else(not_found)?;
-        if mr.client != pq.client || mr.pd != pq.pd || mr.slot != peer.0 {
+        if !owner_ok(mr) {
             return Err(not_found());
         }
         if mr.access & (REMOTE_READ | REMOTE_WRITE | REMOTE_ATOMIC) == 0 {
