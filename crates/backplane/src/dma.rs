@@ -87,11 +87,13 @@ use crate::wire::NodeState;
 
 /// Jobs of at most this many bytes that may start at once are copied by the submitting thread.
 ///
-/// Measured with `backplane perf dma-bw -a --inline-threshold 0` against the same run with
-/// everything inline: handing a job to an engine and being told it completed costs the
-/// submitter about 2–4 µs (a lock, a futex wake when the engine sleeps, the completion), the
-/// time memcpy takes for 16–64 KiB on this machine; below 16 KiB the engine path is slower in
-/// latency and saves the submitter almost nothing. 16 KiB, as the README's "Raw DMA" records.
+/// Measured with `backplane perf dma-bw -s SIZE --inline-threshold 0` (every job to the engine)
+/// against `--inline-threshold 1G` (every job inline), one engine, same session (README, "Raw
+/// DMA"): up to 16 KiB the inline copy is both faster (16 KiB: 25.6 against 11.6 GB/s) and
+/// cheaper for the submitter per byte (0.036 against 0.051 CPU-s/GB: handing a job over and
+/// taking its completion costs about 1 µs, a 16 KiB memcpy less); from 32 KiB on the engine
+/// saves the submitter CPU (32 KiB: 0.019 against 0.031 s/GB; 256 KiB: 0.0025 against 0.025),
+/// which is what the offload is for. Hence 16 KiB.
 pub const DEFAULT_INLINE_THRESHOLD: u64 = 16 << 10;
 /// Default largest piece an engine copies in one go: big enough that glibc's memcpy uses its
 /// large-copy strategy, small enough that cancellation and node death are seen within ms.

@@ -5,7 +5,7 @@
 //! (`backplane_bench::memcpy`), the physical limit one copying thread reaches.
 //!
 //! Each job is `--segments` segments splitting the size evenly; jobs are kept `depth` deep
-//! (enough for 16 MiB in flight, 2..64 jobs) and the submitter sleeps in `DmaQueue::wait`
+//! (enough for 32 MiB in flight, 2..64 jobs) and the submitter sleeps in `DmaQueue::wait`
 //! until half of them completed, then tops the queue up.
 
 use std::time::{Duration, Instant};
@@ -184,9 +184,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Jobs in flight: enough for 16 MiB, 2..=64.
+/// Jobs in flight: enough for 32 MiB, 2..=64 (the submitter wakes once per half of them).
 fn depth(size: u64) -> usize {
-    ((16u64 << 20) / size).clamp(2, 64) as usize
+    ((32u64 << 20) / size).clamp(2, 64) as usize
 }
 
 /// Runs `iters` copies of `job`, keeping the queue full; sleeps while engines work.
