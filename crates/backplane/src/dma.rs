@@ -778,6 +778,10 @@ impl EngShared {
             }
             let lens: Vec<u64> = j.segs.iter().map(|s| s.len).collect();
             let pieces = plan(&lens, self.engines, self.max_piece);
+            if pieces.is_empty() {
+                self.finish(&j, &mut todo); // only reachable with no segments
+                continue;
+            }
             j.pending.store(pieces.len(), Ordering::Release);
             let wake = {
                 let mut w = lock(&self.st);
