@@ -354,6 +354,26 @@ pub(crate) fn plan(lens: &[u64], engines: usize, max_piece: u64) -> Vec<PieceSpe
     out
 }
 
+/// Checks one segment against its source (length, readable) and destination (length,
+/// writable): the direction first, then both ranges inside their regions, overflow-proof.
+/// Only a segment this accepts is ever turned into pointers.
+pub(crate) fn check_segment(
+    src: (u64, bool),
+    dst: (u64, bool),
+    src_off: u64,
+    dst_off: u64,
+    len: u64,
+) -> Result<(), DmaStatus> {
+    if !src.1 || !dst.1 {
+        return Err(DmaStatus::AccessDenied);
+    }
+    let inside = |size: u64, off: u64| off.checked_add(len).is_some_and(|e| e <= size);
+    if !inside(src.0, src_off) || !inside(dst.0, dst_off) {
+        return Err(DmaStatus::OutOfBounds);
+    }
+    Ok(())
+}
+
 /// One range of a job for the overlap check: region identity, [start, end), destination?,
 /// segment.
 #[derive(Debug, Clone, Copy)]
@@ -1160,13 +1180,14 @@ impl DmaQueue {
             };
             let (_, src) = get(s.src)?;
             let (_, dst) = get(s.dst)?;
-            if !src.readable || !dst.writable {
-                return Err((DmaStatus::AccessDenied, i));
-            }
-            let inside = |m: &Mapping, off: u64| off.checked_add(s.len).is_some_and(|e| e <= m.len);
-            if !inside(&src, s.src_off) || !inside(&dst, s.dst_off) {
-                return Err((DmaStatus::OutOfBounds, i));
-            }
+            check_segment(
+                (src.len, src.readable),
+                (dst.len, dst.writable),
+                s.src_off,
+                s.dst_off,
+                s.len,
+            )
+            .map_err(|e| (e, i))?;
             // Every mapping's data starts at the same offset of its memfd (MR_DATA_OFF), so
             // offsets into the data compare across two mappings of one region.
             ranges.push(Range {
@@ -1523,7 +1544,33 @@ mod tests {
         cov
     }
 
+    #[test]
+    fn segments_are_refused_for_direction_before_bounds_and_at_either_end() {
+        assert_eq!(check_segment((100, true), (100, true), 0, 0, 100), Ok(()));
+        assert_eq!(check_segment((100, true), (100, true), 100, 0, 0), Ok(()));
+        let oob = Err(DmaStatus::OutOfBounds);
+        assert_eq!(check_segment((100, true), (100, true), 1, 0, 100), oob);
+        assert_eq!(check_segment((100, true), (100, true), 0, 1, 100), oob);
+        assert_eq!(check_segment((100, true), (100, true), u64::MAX, 0, 2), oob);
+        assert_eq!(check_segment((100, true), (100, true), 0, 0, u64::MAX), oob);
+        let denied = Err(DmaStatus::AccessDenied);
+        assert_eq!(check_segment((100, false), (100, true), 0, 0, 1), denied);
+        assert_eq!(check_segment((100, true), (100, false), 500, 0, 1), denied);
+    }
+
     proptest! {
+        #[test]
+        fn an_accepted_segment_lies_inside_both_regions(
+            sl in 0u64..10_000, dl in 0u64..10_000,
+            so in prop_oneof![0u64..12_000, Just(u64::MAX), (u64::MAX - 100)..u64::MAX],
+            d_o in prop_oneof![0u64..12_000, Just(u64::MAX)],
+            len in prop_oneof![0u64..12_000, Just(u64::MAX)],
+        ) {
+            let inside = |size: u64, off: u64| (off as u128) + (len as u128) <= size as u128;
+            let r = check_segment((sl, true), (dl, true), so, d_o, len);
+            prop_assert_eq!(r.is_ok(), inside(sl, so) && inside(dl, d_o));
+        }
+
         #[test]
         fn pieces_cover_every_byte_of_every_segment_exactly_once(
             lens in proptest::collection::vec(
