@@ -348,7 +348,13 @@ fn role_owner() {
     n2.write_scratchpad(1, 2, rw.rkey()).unwrap();
     n2.write_scratchpad(1, 3, private.rkey()).unwrap();
     n2.write_scratchpad(1, 0, 1).unwrap(); // ready
-    std::thread::sleep(Duration::from_secs(60));
+                                           // Until killed, or until the fabric is gone (a test that failed before killing us).
+    for _ in 0..600 {
+        if f.check_supervisor().is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// This process's mappings of node 2's regions, as /proc/self/maps shows them.
@@ -368,7 +374,11 @@ fn another_process_regions_read_only_grants_are_mapped_read_only_and_ungranted_o
         return;
     }
     let fab = Fab::up("dma_grants", 2, &[]);
-    let mut child = spawn_role("role_owner", "owner", &[("BP_FABRIC", fab.name.clone())]);
+    let _child = Reap(spawn_role(
+        "role_owner",
+        "owner",
+        &[("BP_FABRIC", fab.name.clone())],
+    ));
     let f = Fabric::attach(&fab.name).unwrap();
     let n1 = f.node(1).unwrap();
     let ready = wait_for(Duration::from_secs(20), || {
@@ -420,8 +430,16 @@ fn another_process_regions_read_only_grants_are_mapped_read_only_and_ungranted_o
     assert_eq!(Sha256::digest(mine.as_slice()), sent);
     let maps = region_maps(&fab.name);
     assert!(maps.iter().any(|m| m.contains("rw-s")), "{maps:?}");
-    let _ = child.kill();
-    let _ = child.wait();
+}
+
+/// Kills and reaps a child role when the test ends, passed or failed.
+struct Reap(std::process::Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 #[test]
