@@ -374,7 +374,7 @@ fn another_process_regions_read_only_grants_are_mapped_read_only_and_ungranted_o
         return;
     }
     let fab = Fab::up("dma_grants", 2, &[]);
-    let _child = Reap(spawn_role(
+    let mut child = Reap(spawn_role(
         "role_owner",
         "owner",
         &[("BP_FABRIC", fab.name.clone())],
@@ -430,6 +430,21 @@ fn another_process_regions_read_only_grants_are_mapped_read_only_and_ungranted_o
     assert_eq!(Sha256::digest(mine.as_slice()), sent);
     let maps = region_maps(&fab.name);
     assert!(maps.iter().any(|m| m.contains("rw-s")), "{maps:?}");
+
+    // The owner dies while its node stays READY: the supervisor marks its regions gone, and a
+    // job to the still-mapped region fails instead of writing into orphaned memory.
+    let _ = child.0.kill();
+    let _ = child.0.wait();
+    let w = wait_for(Duration::from_secs(20), || {
+        let w = run(&q, 6, &[seg(l, 0, at(rw), 0, 4096)]);
+        (!w.status.is_ok()).then_some(w)
+    })
+    .expect("jobs to a dead owner's region kept succeeding");
+    assert!(
+        matches!(w.status, DmaStatus::RegionGone | DmaStatus::NoGrant),
+        "{w:?}"
+    );
+    assert_eq!(w.bytes, 0);
 }
 
 /// Kills and reaps a child role when the test ends, passed or failed.

@@ -472,16 +472,27 @@ impl Mapping {
         }
     }
 
-    /// Ok while the region is registered and its node READY in the same generation.
+    /// Ok while the region is registered and its node READY in the same generation. A node
+    /// that went DOWN is reported as such even though the supervisor also marked its regions
+    /// gone (it publishes the node's state first).
     fn live(&self) -> Result<(), DmaStatus> {
-        // SYNC POINT mr-state (acquire): the owner's deregistration, seen before each piece.
+        let node_ok = || {
+            matches!(self.fabric.node_info(self.owner.0),
+                Ok(i) if i.state == NodeState::Ready && i.generation == self.owner.1)
+        };
+        // SYNC POINT mr-state (acquire): the owner's (or the supervisor's) deregistration,
+        // seen before each piece.
         if self.state.get().load(Ordering::Acquire) != MR_STATE_VALID {
-            return Err(DmaStatus::RegionGone);
+            return Err(if node_ok() {
+                DmaStatus::RegionGone
+            } else {
+                DmaStatus::NodeDown
+            });
         }
-        match self.fabric.node_info(self.owner.0) {
-            Ok(i) if i.state == NodeState::Ready && i.generation == self.owner.1 => Ok(()),
-            _ => Err(DmaStatus::NodeDown),
+        if !node_ok() {
+            return Err(DmaStatus::NodeDown);
         }
+        Ok(())
     }
 }
 
@@ -1141,7 +1152,12 @@ impl DmaQueue {
                         rkey,
                     },
                 )
-                .ok_or(DmaStatus::NoGrant)?;
+                .ok_or_else(|| match self.fabric.node_info(node) {
+                    Ok(i) if i.state == NodeState::Ready && i.generation == info.generation => {
+                        DmaStatus::NoGrant
+                    }
+                    _ => DmaStatus::NodeDown,
+                })?;
                 debug_assert!(g.region.check(MR_DATA_OFF, g.len, 1).is_ok());
                 let writable = g.region.writable() && g.access.contains(AccessFlags::REMOTE_WRITE);
                 Ok(Mapping::new(

@@ -13,6 +13,10 @@
 //!   away it raises the peer-gone flag in the connected QP's block and rings its bell.
 //! - **Context event blocks**: one doorbell per device context.
 //!
+//! When a region's owner goes away (its process, or its node goes DOWN) the supervisor sets the
+//! region's state word to DEREGISTERED through a header mapping it made before sealing, so
+//! peers that mapped it stop, as after the owner's own deregistration.
+//!
 //! Everything a client asks for is checked against what that client owns.
 
 use std::collections::hash_map::RandomState;
@@ -24,6 +28,7 @@ use std::time::Instant;
 use super::Sup;
 use crate::fabric::ctl::{ErrorKind, Response};
 use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
+use crate::mem::Region;
 use crate::sync::{self, Ordering};
 use crate::wire::verbs::*;
 
@@ -47,6 +52,24 @@ struct MrEntry {
     len: u64,
     access: u32,
     fd: OwnedFd,
+    /// The region's header page, mapped writable before the region was sealed read-only: how
+    /// the supervisor tells mappers the region is gone when its owner or node dies.
+    header: Option<Region>,
+}
+
+impl MrEntry {
+    /// Marks the region deregistered for every process that mapped it (QPs, DMA engines), as
+    /// the owner's own deregistration does.
+    fn mark_gone(&self) {
+        if let Some(w) = self
+            .header
+            .as_ref()
+            .and_then(|h| h.u32_at(MR_STATE_OFF as u64).ok())
+        {
+            // SYNC POINT mr-state (release): mappers stop using the region when they see it.
+            w.store(MR_STATE_DEREGISTERED, Ordering::Release);
+        }
+    }
 }
 
 struct QpEntry {
@@ -176,7 +199,7 @@ impl Sup {
                     Ok([fd]) => fd,
                     Err(_) => return Err(invalid("reg_mr carries exactly one memfd")),
                 };
-                check_region_fd(&fd, len, access)?;
+                let header = check_region_fd(&fd, len, access)?;
                 let key = self.verbs.new_key();
                 self.verbs.mrs.insert(
                     key,
@@ -187,6 +210,7 @@ impl Sup {
                         len,
                         access,
                         fd,
+                        header,
                     },
                 );
                 Ok((VerbsResponse::MrRegistered { key }, None))
@@ -444,7 +468,13 @@ impl Sup {
 
     /// A client went away: its regions, QPs and contexts go with it.
     pub(super) fn verbs_drop_client(&mut self, id: u64) {
-        self.verbs.mrs.retain(|_, m| m.client != id);
+        self.verbs.mrs.retain(|_, m| {
+            let keep = m.client != id;
+            if !keep {
+                m.mark_gone();
+            }
+            keep
+        });
         let qps: Vec<_> = self
             .verbs
             .qps
@@ -460,7 +490,13 @@ impl Sup {
 
     /// A node went DOWN: the verbs objects of its processes are stale.
     pub(super) fn verbs_node_down(&mut self, slot: u32) {
-        self.verbs.mrs.retain(|_, m| m.slot != slot);
+        self.verbs.mrs.retain(|_, m| {
+            let keep = m.slot != slot;
+            if !keep {
+                m.mark_gone();
+            }
+            keep
+        });
         let qps: Vec<_> = self
             .verbs
             .qps
@@ -492,9 +528,11 @@ fn no_room(slot: u32) -> Failure {
 }
 
 /// Checks a region's memfd: sealed against shrinking (a peer's mapping can never fault), long
-/// enough for the header page and `len` data bytes; seals it against new writable mappings
-/// when the region allows neither remote writes nor remote atomics.
-fn check_region_fd(fd: &OwnedFd, len: u64, access: u32) -> Result<(), Failure> {
+/// enough for the header page and `len` data bytes; maps its header page writable (for
+/// [`MrEntry::mark_gone`]), then seals it against new writable mappings when the region allows
+/// neither remote writes nor remote atomics. The header mapping is None if the owner sealed
+/// the region read-only already.
+fn check_region_fd(fd: &OwnedFd, len: u64, access: u32) -> Result<Option<Region>, Failure> {
     use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, SealFlags};
     if len == 0 || len > MAX_MR {
         return Err(invalid(format!("a region of {len} bytes is out of range")));
@@ -511,11 +549,16 @@ fn check_region_fd(fd: &OwnedFd, len: u64, access: u32) -> Result<(), Failure> {
             "the region's memfd holds {size} bytes, fewer than its header and {len} bytes"
         )));
     }
+    // Sealed against shrinking and at least a page long: the page never faults.
+    let header = fd
+        .try_clone()
+        .ok()
+        .and_then(|f| Region::map_prefix(f, MR_DATA_OFF as usize, true).ok());
     if access & (REMOTE_WRITE | REMOTE_ATOMIC) == 0 && !seals.contains(SealFlags::FUTURE_WRITE) {
         fcntl_add_seals(fd, SealFlags::FUTURE_WRITE)
             .map_err(|e| invalid(format!("cannot seal the region read-only: {e}")))?;
     }
-    Ok(())
+    Ok(header)
 }
 
 /// A new, read-only open file description of the same memfd.
