@@ -390,6 +390,9 @@ pub(crate) struct Range {
 /// where at least one of the two is a destination; the later-numbered segment of the pair.
 /// Empty ranges overlap nothing.
 pub(crate) fn find_overlap(ranges: &mut [Range]) -> Option<u32> {
+    if plainly_disjoint(ranges) {
+        return None;
+    }
     ranges.sort_unstable_by_key(|r| (r.region, r.start, r.end, r.seg));
     let mut region = None;
     let (mut any_end, mut any_seg) = (0u64, 0u32);
@@ -413,6 +416,25 @@ pub(crate) fn find_overlap(ranges: &mut [Range]) -> Option<u32> {
         }
     }
     None
+}
+
+/// The common shape, checked in one pass without sorting: every source in one region, every
+/// destination in another, destinations in ascending order without overlap. True means no
+/// overlap; false means "look closer".
+fn plainly_disjoint(ranges: &[Range]) -> bool {
+    let (mut src, mut dst) = (None, None);
+    let mut dst_end = 0;
+    for r in ranges.iter().filter(|r| r.end > r.start) {
+        if r.dst {
+            if *dst.get_or_insert(r.region) != r.region || r.start < dst_end {
+                return false;
+            }
+            dst_end = r.end;
+        } else if *src.get_or_insert(r.region) != r.region {
+            return false;
+        }
+    }
+    src.is_none() || src != dst
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1624,6 +1646,36 @@ mod tests {
                     prop_assert!(c.len() >= engines.min((lens[i] / PIECE_ALIGN) as usize / 2).max(1));
                 }
             }
+        }
+
+        #[test]
+        fn the_one_pass_check_agrees_with_the_sort_on_jobs_between_two_regions(
+            segs in proptest::collection::vec((0u64..300, 0u64..300, 0u64..40), 1..30),
+            same in any::<bool>(),
+        ) {
+            let mut ranges = Vec::new();
+            for (i, &(so, d_o, len)) in segs.iter().enumerate() {
+                let seg = i as u32;
+                let r = |region, start: u64, dst| Range { region, start, end: start + len, dst, seg };
+                ranges.push(r((0, 1), so, false));
+                ranges.push(r((0, if same { 1 } else { 2 }), d_o, true));
+            }
+            let mut sorted = ranges.clone();
+            let quick = plainly_disjoint(&ranges);
+            let slow = {
+                // The sweep alone, without the one-pass shortcut.
+                sorted.sort_unstable_by_key(|r| (r.region, r.start, r.end, r.seg));
+                let naive = (0..sorted.len()).any(|a| (0..sorted.len()).any(|b| {
+                    let (x, y) = (&sorted[a], &sorted[b]);
+                    a != b && x.region == y.region && (x.dst || y.dst)
+                        && x.start < y.end && y.start < x.end && x.end > x.start && y.end > y.start
+                }));
+                !naive
+            };
+            if quick {
+                prop_assert!(slow, "the one-pass check missed an overlap");
+            }
+            prop_assert_eq!(find_overlap(&mut ranges).is_none(), slow);
         }
 
         #[test]
