@@ -9,7 +9,8 @@
 //! - [`dgram`]: kernel-bypass datagram endpoints;
 //! - [`net`]: IP over the fabric — addressing, frame switching, namespaces, TAP;
 //! - [`model`]: link models (pure arithmetic): what a PCIe or Ethernet link delivers;
-//! - [`verbs`]: RDMA verbs (PD, MR, CQ, QP: RC, UC, UD) over the fabric.
+//! - [`verbs`]: RDMA verbs (PD, MR, CQ, QP: RC, UC, UD) over the fabric;
+//! - [`dma`]: raw mode — scatter/gather DMA jobs run by engine threads, over verbs regions.
 //!
 //! ```no_run
 //! use backplane::{fabric::Fabric, dgram::Addr};
@@ -26,6 +27,8 @@
 
 #[cfg(not(loom))]
 pub mod dgram;
+#[cfg(not(loom))]
+pub mod dma;
 #[cfg(not(loom))]
 pub mod fabric;
 #[cfg(not(loom))]

@@ -75,13 +75,20 @@ impl Region {
 
     /// Maps a region received from another process. Its length is the file's size.
     pub fn map(fd: OwnedFd, writable: bool) -> Result<Self, MemError> {
+        Self::map_prefix(fd, usize::MAX, writable)
+    }
+
+    /// Maps the first `max` bytes of a region (all of it if it is shorter): for a process that
+    /// needs only a region's header.
+    pub fn map_prefix(fd: OwnedFd, max: usize, writable: bool) -> Result<Self, MemError> {
         use rustix::mm::{mmap, MapFlags, ProtFlags};
-        let len = rustix::fs::fstat(&fd)
+        let len = (rustix::fs::fstat(&fd)
             .map_err(|e| MemError::Create {
                 name: "received fd".into(),
                 source: e.into(),
             })?
-            .st_size as usize;
+            .st_size as usize)
+            .min(max);
         if len == 0 {
             return Err(MemError::Map {
                 len,
@@ -230,5 +237,12 @@ mod tests {
         b.read(100, &mut got).unwrap();
         assert_eq!(&got, b"fabric");
         assert!(!b.writable());
+        let fd = a.fd().try_clone_to_owned().unwrap();
+        let head = Region::map_prefix(fd, 4096, true).unwrap();
+        assert_eq!(head.len(), 4096);
+        head.write(0, b"head").unwrap();
+        let mut got = [0u8; 4];
+        a.read(0, &mut got).unwrap();
+        assert_eq!(&got, b"head");
     }
 }

@@ -32,7 +32,7 @@ enum Command {
     /// Run a program inside a node (its network namespace, BACKPLANE_FABRIC/NODE set).
     Exec(exec::Args),
     /// perftest-like micro benchmarks: dgram-lat, dgram-bw, write-lat, write-bw, read-lat,
-    /// read-bw, send-lat, send-bw, atomic-lat, ip (UCX and memcpy in the same run).
+    /// read-bw, send-lat, send-bw, atomic-lat, ip, dma-bw (UCX and memcpy in the same run).
     Perf(perf::Args),
     /// Link models: what a PCIe or Ethernet backplane link delivers.
     Model(model::Args),

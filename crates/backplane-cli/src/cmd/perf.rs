@@ -7,6 +7,7 @@
 //! datagrams. The verbs tests (`write-lat` ... `atomic-lat`, in `perf/verbs.rs`) connect one
 //! RC QP pair with the connection helper.
 
+mod dma;
 mod verbs;
 
 use std::net::TcpListener;
@@ -48,6 +49,9 @@ pub enum Test {
     AtomicLat,
     /// IP over the fabric vs a veth pair: iperf3 TCP and sockperf latency (root).
     Ip,
+    /// Raw DMA jobs node 1 -> node 2 by engine threads: bandwidth and the submitting thread's
+    /// CPU time per GB, beside single-thread memcpy (sizes 1 KiB .. 64 MiB).
+    DmaBw,
 }
 
 impl Test {
@@ -63,6 +67,7 @@ impl Test {
             Test::SendBw => "send-bw",
             Test::AtomicLat => "atomic-lat",
             Test::Ip => "ip",
+            Test::DmaBw => "dma-bw",
         }
     }
     fn ucx_test(self) -> &'static str {
@@ -73,7 +78,7 @@ impl Test {
             Test::WriteBw => "ucp_put_bw",
             Test::ReadLat | Test::ReadBw => "ucp_get",
             Test::AtomicLat => "ucp_fadd",
-            Test::Ip => "tag_bw",
+            Test::Ip | Test::DmaBw => "tag_bw",
         }
     }
     /// Latency test (else bandwidth).
@@ -99,6 +104,7 @@ impl Test {
             Test::SendLat | Test::SendBw => "SEND/RECV on an RC QP",
             Test::AtomicLat => "ATOMIC_FETCH_AND_ADD on an RC QP",
             Test::Ip => "IP over the fabric",
+            Test::DmaBw => "raw DMA jobs",
         }
     }
     fn note(self) -> &'static str {
@@ -121,6 +127,7 @@ impl Test {
                 " the receiver copies each message from its ring into the posted buffer\n"
             }
             Test::Ip => " iperf3 and sockperf over bp0 and over veth\n",
+            Test::DmaBw => " engine threads copy; the submitting thread only submits and waits\n",
         }
     }
 }
@@ -163,6 +170,19 @@ pub struct Args {
     /// Seconds per iperf3 run (ip only).
     #[arg(short = 'D', long = "duration", default_value_t = 5)]
     duration: u64,
+    /// dma-bw: segments per job (the job's bytes split evenly between them).
+    #[arg(long, default_value_t = 1)]
+    segments: u64,
+    /// dma-bw: DMA engine threads.
+    #[arg(long, default_value_t = 1)]
+    engines: usize,
+    /// dma-bw: jobs of at most this many bytes are copied by the submitter itself
+    /// (default: the library's, 16 KiB).
+    #[arg(long, value_parser = parse_size)]
+    inline_threshold: Option<u64>,
+    /// dma-bw: pin engine i to CPU PIN[i % n] (comma-separated CPU numbers).
+    #[arg(long, value_delimiter = ',')]
+    pin: Vec<usize>,
 }
 
 /// Arguments of the far side.
@@ -261,6 +281,9 @@ fn iters_for(a: &Args, size: u64) -> u64 {
 pub fn run(a: Args) -> anyhow::Result<()> {
     if a.test == Test::Ip {
         return super::perf_ip::run(a.duration, a.json);
+    }
+    if a.test == Test::DmaBw {
+        return dma::run(&a);
     }
     let sizes = sizes(&a)?;
     if a.iters == Some(0) {

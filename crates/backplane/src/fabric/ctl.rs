@@ -407,6 +407,22 @@ mod tests {
             back,
             Request::Verbs(VerbsRequest::MrGrant { rkey: 0xabcd, .. })
         ));
+        let dma = Request::Verbs(VerbsRequest::DmaGrant {
+            slot: 1,
+            node: 2,
+            rkey: 9,
+        });
+        let s = serde_json::to_string(&dma).unwrap();
+        assert!(s.contains("\"verb\":\"dma_grant\""), "{s}");
+        let back: Request = serde_json::from_str(&s).unwrap();
+        assert!(matches!(
+            back,
+            Request::Verbs(VerbsRequest::DmaGrant {
+                node: 2,
+                rkey: 9,
+                ..
+            })
+        ));
         let resp = Response::Verbs(VerbsResponse::MrRegistered { key: 5 });
         let back: Response = serde_json::from_str(&serde_json::to_string(&resp).unwrap()).unwrap();
         assert!(matches!(

@@ -48,6 +48,17 @@ pub enum VerbsRequest {
         /// The rkey.
         rkey: u32,
     },
+    /// Ask for region `rkey` of node `node` for the DMA engines of a process with a device
+    /// context on `slot`. Reply: `MrGranted` + memfd (read-only unless the region allows remote
+    /// writes or atomics).
+    DmaGrant {
+        /// Requester's slot (it must have a context open there).
+        slot: u32,
+        /// The node the region belongs to.
+        node: u32,
+        /// The rkey.
+        rkey: u32,
+    },
     /// Make an RC or UC QP block in `slot`'s window. Reply: `QpCreated`.
     CreateQp {
         /// Node slot.

@@ -201,7 +201,7 @@ impl MrTable {
     }
 
     #[inline]
-    fn get(&self, key: u32) -> Option<&LocalMr> {
+    pub(crate) fn get(&self, key: u32) -> Option<&LocalMr> {
         let (k, i) = self.last.get();
         if k == key && k != 0 {
             return self.slab[i].as_ref();
@@ -218,7 +218,7 @@ pub(crate) struct LocalMr {
     pub(crate) access: AccessFlags,
     pub(crate) data: *mut u8,
     pub(crate) len: u64,
-    pub(crate) _region: Arc<Region>,
+    pub(crate) region: Arc<Region>,
 }
 
 /// A peer's region, mapped through a grant.
@@ -228,7 +228,62 @@ struct RemoteMr {
     access: AccessFlags,
     state: W32,
     data: *mut u8,
-    region: Region,
+    region: Arc<Region>,
+}
+
+/// A region mapped through a grant the supervisor answered with `MrGranted` and a memfd:
+/// mapped (read-only unless the grant says writable), populated, its header checked against
+/// the grant (length), its state VALID. Shared by QPs (grants through a connected QP) and the
+/// DMA engines (grants by node and rkey, [`crate::dma`]).
+pub(crate) struct Granted {
+    /// The mapping; `data` and `state` point into it.
+    pub(crate) region: Arc<Region>,
+    /// Data bytes (checked against the region's header).
+    pub(crate) len: u64,
+    /// The region's access flags, as registered.
+    pub(crate) access: AccessFlags,
+    /// The region's state word (`MR_STATE_*`).
+    pub(crate) state: W32,
+    /// Byte 0 of the data, `len` bytes inside `region`.
+    pub(crate) data: *mut u8,
+}
+
+/// Asks the supervisor for a grant (`MrGrant` or `DmaGrant`) and maps it; None when the
+/// supervisor refuses or what it hands over fails a check.
+pub(crate) fn map_grant(fabric: &crate::fabric::Fabric, req: VerbsRequest) -> Option<Granted> {
+    let (resp, fds) = fabric.call(&Request::Verbs(req)).ok()?;
+    let Response::Verbs(VerbsResponse::MrGranted {
+        len,
+        access,
+        writable,
+    }) = resp
+    else {
+        return None;
+    };
+    let region = Region::map(fds.into_iter().next()?, writable).ok()?;
+    populate(
+        region.ptr_at(0, region.len() as u64).ok()?,
+        region.len() as u64,
+        writable,
+    );
+    let mut h = [0u8; 64];
+    region.read(0, &mut h).ok()?;
+    let repr = MrRepr::parse(&MrHeader::new_unchecked(&h[..]), region.len() as u64).ok()?;
+    if repr.len != len {
+        return None;
+    }
+    let state = W32::at(&region, MR_STATE_OFF as u64).ok()?;
+    // SYNC POINT mr-state (acquire): a region deregistered before we mapped it is refused.
+    if state.get().load(Ordering::Acquire) != MR_STATE_VALID {
+        return None;
+    }
+    Some(Granted {
+        len,
+        access: AccessFlags(access),
+        state,
+        data: region.ptr_at(MR_DATA_OFF, len).ok()?,
+        region: Arc::new(region),
+    })
 }
 
 impl RemoteMr {
@@ -376,7 +431,7 @@ pub(crate) fn populate(ptr: *const u8, len: u64, write: bool) {
 /// # Safety
 /// Both ranges are valid for `n` bytes.
 #[inline]
-unsafe fn copy(src: *const u8, dst: *mut u8, n: usize) {
+pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, n: usize) {
     // SAFETY: (all branches) caller contract — both ranges valid for `n` bytes. They are
     // distinct virtual ranges (two mappings, or process memory and a mapping); a misbehaving
     // peer can make them share physical pages, which changes bytes, not memory safety.
@@ -1363,45 +1418,22 @@ impl QpSt {
             self.remote.remove(i);
             return None;
         }
-        let fabric = env.node.fabric();
-        let (resp, fds) = fabric
-            .call(&Request::Verbs(VerbsRequest::MrGrant {
+        let g = map_grant(
+            env.node.fabric(),
+            VerbsRequest::MrGrant {
                 slot: env.node.slot(),
                 qpn: self.qpn,
                 rkey,
-            }))
-            .ok()?;
-        let Response::Verbs(VerbsResponse::MrGranted {
-            len,
-            access,
-            writable,
-        }) = resp
-        else {
-            return None;
-        };
-        let region = Region::map(fds.into_iter().next()?, writable).ok()?;
-        populate(
-            region.ptr_at(0, region.len() as u64).ok()?,
-            region.len() as u64,
-            writable,
-        );
-        let mut h = [0u8; 64];
-        region.read(0, &mut h).ok()?;
-        let repr = MrRepr::parse(&MrHeader::new_unchecked(&h[..]), region.len() as u64).ok()?;
-        if repr.len != len {
-            return None;
-        }
+            },
+        )?;
         let m = Rc::new(RemoteMr {
             key: rkey,
-            len,
-            access: AccessFlags(access),
-            state: W32::at(&region, MR_STATE_OFF as u64).ok()?,
-            data: region.ptr_at(MR_DATA_OFF, len).ok()?,
-            region,
+            len: g.len,
+            access: g.access,
+            state: g.state,
+            data: g.data,
+            region: g.region,
         });
-        if !m.valid() {
-            return None;
-        }
         if self.remote.len() >= REMOTE_CACHE {
             self.remote.remove(0);
         }
@@ -2814,7 +2846,7 @@ mod tests {
             access,
             data: r.ptr_at(0, len as u64).unwrap(),
             len: len as u64,
-            _region: r.clone(),
+            region: r.clone(),
         };
         (mr, r)
     }

@@ -36,7 +36,7 @@
 
 pub mod channel;
 pub mod cm;
-mod engine;
+pub(crate) mod engine;
 pub mod fsm;
 mod types;
 
@@ -92,6 +92,12 @@ impl Context {
     /// The node this context runs on.
     pub fn node(&self) -> &Node {
         &self.inner.node
+    }
+
+    /// Runs `f` on this context's region `key` (None if it has none by that key): how the DMA
+    /// queues of this context find local regions without a second table.
+    pub(crate) fn with_local_mr<R>(&self, key: u32, f: impl FnOnce(Option<&LocalMr>) -> R) -> R {
+        f(self.inner.eng.borrow().mrs.get(key))
     }
 
     /// Device attributes (`ibv_query_device`).
@@ -258,7 +264,7 @@ impl Pd {
                 access,
                 data,
                 len: len as u64,
-                _region: region.clone(),
+                region: region.clone(),
             },
         );
         Ok(Mr {

@@ -6,10 +6,16 @@
 //!   through `MrGrant`, only for a region of the protection domain of the QP its own QP is
 //!   connected to, and read-only (a fresh `O_RDONLY` open of the memfd, which the seal keeps
 //!   read-only even if reopened) unless the region allows remote writes or atomics.
+//!   The DMA engines of a process get a region with `DmaGrant` instead: by node and rkey, for a
+//!   process with a device context on a READY node (see `grant_dma`).
 //! - **QP blocks**: RC/UC queue pairs live in their owner's window; the supervisor allocates
 //!   them, numbers them, records who is connected to whom, and when a QP's process or node goes
 //!   away it raises the peer-gone flag in the connected QP's block and rings its bell.
 //! - **Context event blocks**: one doorbell per device context.
+//!
+//! When a region's owner goes away (its process, or its node goes DOWN) the supervisor sets the
+//! region's state word to DEREGISTERED through a header mapping it made before sealing, so
+//! peers that mapped it stop, as after the owner's own deregistration.
 //!
 //! Everything a client asks for is checked against what that client owns.
 
@@ -22,6 +28,7 @@ use std::time::Instant;
 use super::Sup;
 use crate::fabric::ctl::{ErrorKind, Response};
 use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
+use crate::mem::Region;
 use crate::sync::{self, Ordering};
 use crate::wire::verbs::*;
 
@@ -45,6 +52,24 @@ struct MrEntry {
     len: u64,
     access: u32,
     fd: OwnedFd,
+    /// The region's header page, mapped writable before the region was sealed read-only: how
+    /// the supervisor tells mappers the region is gone when its owner or node dies.
+    header: Option<Region>,
+}
+
+impl MrEntry {
+    /// Marks the region deregistered for every process that mapped it (QPs, DMA engines), as
+    /// the owner's own deregistration does.
+    fn mark_gone(&self) {
+        if let Some(w) = self
+            .header
+            .as_ref()
+            .and_then(|h| h.u32_at(MR_STATE_OFF as u64).ok())
+        {
+            // SYNC POINT mr-state (release): mappers stop using the region when they see it.
+            w.store(MR_STATE_DEREGISTERED, Ordering::Release);
+        }
+    }
 }
 
 struct QpEntry {
@@ -174,7 +199,7 @@ impl Sup {
                     Ok([fd]) => fd,
                     Err(_) => return Err(invalid("reg_mr carries exactly one memfd")),
                 };
-                check_region_fd(&fd, len, access)?;
+                let header = check_region_fd(&fd, len, access)?;
                 let key = self.verbs.new_key();
                 self.verbs.mrs.insert(
                     key,
@@ -185,6 +210,7 @@ impl Sup {
                         len,
                         access,
                         fd,
+                        header,
                     },
                 );
                 Ok((VerbsResponse::MrRegistered { key }, None))
@@ -196,6 +222,7 @@ impl Sup {
                 Ok((VerbsResponse::MrRegistered { key }, None))
             }
             VerbsRequest::MrGrant { slot, qpn, rkey } => self.grant_mr(id, slot, qpn, rkey),
+            VerbsRequest::DmaGrant { slot, node, rkey } => self.grant_dma(id, slot, node, rkey),
             VerbsRequest::CreateQp {
                 slot,
                 pd,
@@ -275,15 +302,56 @@ impl Sup {
                 )))
             }
         };
+        let owner = self.verbs.qps.get(&peer).map(|pq| (pq.client, pq.pd));
+        self.grant_region(rkey, "of the peer's protection domain", |mr| {
+            owner
+                .is_some_and(|(client, pd)| mr.client == client && mr.pd == pd && mr.slot == peer.0)
+        })
+    }
+
+    /// A grant for the DMA engines of client `id`: it must have a device context on the READY
+    /// node `slot`; region `rkey` must be registered on the READY node `node`. No protection
+    /// domain takes part (a DMA engine is the fabric's, not a QP's): the unpredictable rkey is
+    /// the capability, and the region's access flags decide read-only or writable, as for QPs.
+    fn grant_dma(
+        &mut self,
+        id: u64,
+        slot: u32,
+        node: u32,
+        rkey: u32,
+    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+        self.ready_slot(slot)?;
+        if !self
+            .verbs
+            .ctxs
+            .iter()
+            .any(|c| c.client == id && c.slot == slot)
+        {
+            return Err(invalid(format!(
+                "this process has no device context on node {slot}"
+            )));
+        }
+        self.ready_slot(node)?;
+        self.grant_region(rkey, &format!("on node {node}"), |mr| mr.slot == node)
+    }
+
+    /// The memfd of region `rkey` if `owner_ok` accepts it and it allows remote access:
+    /// duplicated when it allows remote writes or atomics, else reopened read-only (the seal
+    /// keeps it so).
+    fn grant_region(
+        &self,
+        rkey: u32,
+        where_: &str,
+        owner_ok: impl Fn(&MrEntry) -> bool,
+    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
         let not_found = || {
             (
                 ErrorKind::NotFound,
-                format!("rkey {rkey:#x} names no region of the peer's protection domain"),
+                format!("rkey {rkey:#x} names no region {where_}"),
             )
         };
-        let pq = self.verbs.qps.get(&peer).ok_or_else(not_found)?;
         let mr = self.verbs.mrs.get(&rkey).ok_or_else(not_found)?;
-        if mr.client != pq.client || mr.pd != pq.pd || mr.slot != peer.0 {
+        if !owner_ok(mr) {
             return Err(not_found());
         }
         if mr.access & (REMOTE_READ | REMOTE_WRITE | REMOTE_ATOMIC) == 0 {
@@ -400,7 +468,13 @@ impl Sup {
 
     /// A client went away: its regions, QPs and contexts go with it.
     pub(super) fn verbs_drop_client(&mut self, id: u64) {
-        self.verbs.mrs.retain(|_, m| m.client != id);
+        self.verbs.mrs.retain(|_, m| {
+            let keep = m.client != id;
+            if !keep {
+                m.mark_gone();
+            }
+            keep
+        });
         let qps: Vec<_> = self
             .verbs
             .qps
@@ -416,7 +490,13 @@ impl Sup {
 
     /// A node went DOWN: the verbs objects of its processes are stale.
     pub(super) fn verbs_node_down(&mut self, slot: u32) {
-        self.verbs.mrs.retain(|_, m| m.slot != slot);
+        self.verbs.mrs.retain(|_, m| {
+            let keep = m.slot != slot;
+            if !keep {
+                m.mark_gone();
+            }
+            keep
+        });
         let qps: Vec<_> = self
             .verbs
             .qps
@@ -448,9 +528,11 @@ fn no_room(slot: u32) -> Failure {
 }
 
 /// Checks a region's memfd: sealed against shrinking (a peer's mapping can never fault), long
-/// enough for the header page and `len` data bytes; seals it against new writable mappings
-/// when the region allows neither remote writes nor remote atomics.
-fn check_region_fd(fd: &OwnedFd, len: u64, access: u32) -> Result<(), Failure> {
+/// enough for the header page and `len` data bytes; maps its header page writable (for
+/// [`MrEntry::mark_gone`]), then seals it against new writable mappings when the region allows
+/// neither remote writes nor remote atomics. The header mapping is None if the owner sealed
+/// the region read-only already.
+fn check_region_fd(fd: &OwnedFd, len: u64, access: u32) -> Result<Option<Region>, Failure> {
     use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, SealFlags};
     if len == 0 || len > MAX_MR {
         return Err(invalid(format!("a region of {len} bytes is out of range")));
@@ -467,11 +549,16 @@ fn check_region_fd(fd: &OwnedFd, len: u64, access: u32) -> Result<(), Failure> {
             "the region's memfd holds {size} bytes, fewer than its header and {len} bytes"
         )));
     }
+    // Sealed against shrinking and at least a page long: the page never faults.
+    let header = fd
+        .try_clone()
+        .ok()
+        .and_then(|f| Region::map_prefix(f, MR_DATA_OFF as usize, true).ok());
     if access & (REMOTE_WRITE | REMOTE_ATOMIC) == 0 && !seals.contains(SealFlags::FUTURE_WRITE) {
         fcntl_add_seals(fd, SealFlags::FUTURE_WRITE)
             .map_err(|e| invalid(format!("cannot seal the region read-only: {e}")))?;
     }
-    Ok(())
+    Ok(header)
 }
 
 /// A new, read-only open file description of the same memfd.

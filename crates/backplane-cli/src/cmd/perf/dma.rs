@@ -1,0 +1,307 @@
+//! `backplane perf dma-bw`: raw DMA bandwidth from a region of node 1 into a region of node 2
+//! (granted and mapped as a peer would), and what the offload costs the submitting thread:
+//! its own CPU time (`CLOCK_THREAD_CPUTIME_ID`) per GB moved and in percent of one core.
+//! Beside it, single-thread memcpy of the same size measured in the same run
+//! (`backplane_bench::memcpy`), the physical limit one copying thread reaches.
+//!
+//! Each job is `--segments` segments splitting the size evenly; jobs are kept `depth` deep
+//! (enough for 64 MiB in flight, 2..64 jobs) and the submitter sleeps in `DmaQueue::wait`
+//! until three quarters of them completed, then tops the queue up. Per size, five rounds of DMA and of
+//! memcpy alternate (so both meet the same spells of a shared machine) and the medians of the
+//! rounds are compared; the submitter's CPU is summed over the DMA rounds.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use backplane::dma::*;
+use backplane::fabric::Fabric;
+use backplane::verbs::{AccessFlags, Context};
+use serde::Serialize;
+
+use super::Args;
+
+const MAX: u64 = 64 << 20;
+/// Rounds of DMA and memcpy per size.
+const ROUNDS: u64 = 5;
+
+/// CPU time of the calling thread, seconds: `CLOCK_THREAD_CPUTIME_ID`, the scheduler's exact
+/// run time. (`getrusage(RUSAGE_THREAD)` is sampled at the timer tick on this kernel: 4 ms
+/// steps, too coarse for a thread that runs a few ms per second.)
+fn thread_cpu_s() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
+}
+
+/// Median (sorts `v`).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[derive(Debug, Serialize)]
+struct DmaRow {
+    bytes: u64,
+    segments: u64,
+    iterations: u64,
+    engines: usize,
+    inline_threshold: u64,
+    /// Median of the rounds' bandwidths.
+    bw_avg_mbps: f64,
+    /// Slowest round.
+    bw_min_mbps: f64,
+    /// Fastest round.
+    bw_max_mbps: f64,
+    /// Submitting thread: CPU seconds per GB (10^9 bytes) moved.
+    submitter_cpu_s_per_gb: f64,
+    /// Submitting thread: percent of one core over the run.
+    submitter_cpu_pct: f64,
+    /// Single-thread memcpy of the same size, same run: median of the rounds' median passes.
+    memcpy_mbps: f64,
+    /// Best pass.
+    memcpy_best_mbps: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct DmaReport {
+    version: u32,
+    test: &'static str,
+    fabric: String,
+    rows: Vec<DmaRow>,
+}
+
+fn sizes(a: &Args) -> anyhow::Result<Vec<u64>> {
+    if a.all {
+        return Ok((5..=13).map(|p| 1u64 << (2 * p)).collect()); // 1 KiB, 4 KiB .. 64 MiB
+    }
+    let s = a.size.unwrap_or(1 << 20);
+    if !(1..=MAX).contains(&s) {
+        bail!("--size {s} is out of range for dma-bw: use 1 B to 64 MiB");
+    }
+    Ok(vec![s])
+}
+
+fn iters_for(a: &Args, size: u64) -> u64 {
+    a.iters.unwrap_or(((8u64 << 30) / size).clamp(16, 100_000))
+}
+
+/// Stops the temporary fabric, whatever happens.
+struct Cleanup(Option<String>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Some(n) = self.0.take() {
+            let _ = backplane::fabric::launch::stop(&n);
+        }
+    }
+}
+
+pub fn run(a: &Args) -> anyhow::Result<()> {
+    let sizes = sizes(a)?;
+    if a.iters == Some(0) {
+        bail!("--iters must be at least 1");
+    }
+    if a.segments == 0 || a.segments > 1 << 16 {
+        bail!("--segments {} is out of range: use 1..=65536", a.segments);
+    }
+    let mut cleanup = Cleanup(None);
+    let name = match &a.name {
+        Some(n) => n.clone(),
+        None => {
+            let n = format!("perf-{}", std::process::id());
+            super::super::up::start(&n, 2, 8 << 20, 0)?;
+            cleanup.0 = Some(n.clone());
+            n
+        }
+    };
+    let fabric = Fabric::attach(&name)?;
+    if fabric.nodes() < 2 {
+        bail!("fabric '{name}' has one node; perf needs nodes 1 and 2");
+    }
+    let cfg = DmaConfig {
+        engines: a.engines,
+        pin: a.pin.clone(),
+        inline_threshold: a.inline_threshold.unwrap_or(DEFAULT_INLINE_THRESHOLD),
+        ..DmaConfig::default()
+    };
+    let max = *sizes.iter().max().expect("one size at least");
+    let c1 = Context::open(&fabric.node(1)?)?;
+    let c2 = Context::open(&fabric.node(2)?)?;
+    let mut src = c1
+        .alloc_pd()
+        .alloc_mr(max as usize, AccessFlags::LOCAL_WRITE)?;
+    src.as_mut_slice().fill(0x5A);
+    let dst = c2.alloc_pd().alloc_mr(
+        max as usize,
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+    )?;
+    let engines = DmaEngines::start(&cfg)?;
+    if !a.json {
+        eprintln!(
+            "dma-bw: fabric '{name}', node 1 region -> node 2 region, {} engine(s){}, {} segment(s) per job, inline threshold {} B",
+            cfg.engines,
+            if cfg.pin.is_empty() { String::new() } else { format!(" pinned to {:?}", cfg.pin) },
+            a.segments,
+            cfg.inline_threshold
+        );
+    }
+    let mut rows = Vec::new();
+    for &size in &sizes {
+        let segs = a.segments.min(size);
+        let q = DmaQueue::new(&c1, &engines, depth(size));
+        let job: Vec<Segment> = (0..segs)
+            .map(|i| {
+                let (o, e) = (size * i / segs, size * (i + 1) / segs);
+                Segment {
+                    src: Mem::local(&src),
+                    src_off: o,
+                    dst: Mem::Remote {
+                        node: 2,
+                        rkey: dst.rkey(),
+                    },
+                    dst_off: o,
+                    len: e - o,
+                }
+            })
+            .collect();
+        let iters = iters_for(a, size);
+        pump(&q, &job, (iters / 10).clamp(2, 1000))?; // warm-up: grants mapped, caches warm
+                                                      // Rounds of DMA and memcpy in turn, so that both see the same spells of a shared
+                                                      // machine; the medians of the rounds are compared.
+        let per = (iters / ROUNDS).max(1);
+        let passes = ((512u64 << 20) / size / ROUNDS).clamp(4, 4000) as usize;
+        let (mut dma_rates, mut mc_rates, mut best) = (Vec::new(), Vec::new(), 0f64);
+        let (mut cpu, mut wall) = (0f64, 0f64);
+        for _ in 0..ROUNDS {
+            let wall0 = Instant::now();
+            let cpu0 = thread_cpu_s();
+            pump(&q, &job, per)?;
+            let c = thread_cpu_s() - cpu0;
+            let w = wall0.elapsed().as_secs_f64().max(1e-9);
+            dma_rates.push((size * per) as f64 / w / 1e6);
+            (cpu, wall) = (cpu + c, wall + w);
+            let m = backplane_bench::memcpy::measure(size as usize, passes);
+            mc_rates.push(m.median_mb_per_s);
+            best = best.max(m.mb_per_s);
+        }
+        drop(q);
+        let total = (size * per * ROUNDS) as f64;
+        rows.push(DmaRow {
+            bytes: size,
+            segments: segs,
+            iterations: per * ROUNDS,
+            engines: cfg.engines,
+            inline_threshold: cfg.inline_threshold,
+            bw_avg_mbps: median(&mut dma_rates),
+            bw_min_mbps: dma_rates[0],
+            bw_max_mbps: dma_rates[dma_rates.len() - 1],
+            submitter_cpu_s_per_gb: cpu / (total / 1e9),
+            submitter_cpu_pct: 100.0 * cpu / wall,
+            memcpy_mbps: median(&mut mc_rates),
+            memcpy_best_mbps: best,
+        });
+    }
+    drop(engines);
+    drop((src, dst, c1, c2));
+    drop(fabric);
+    drop(cleanup);
+    let report = DmaReport {
+        version: 1,
+        test: "dma-bw",
+        fabric: name,
+        rows,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", render(&report));
+    }
+    Ok(())
+}
+
+/// Jobs in flight: enough for 64 MiB, 2..=64 (the submitter wakes once per three quarters
+/// of them: each sleep and wake-up costs it several µs of CPU).
+fn depth(size: u64) -> usize {
+    ((64u64 << 20) / size).clamp(2, 64) as usize
+}
+
+/// Runs `iters` copies of `job`, keeping the queue full; sleeps while engines work.
+fn pump(q: &DmaQueue, job: &[Segment], iters: u64) -> anyhow::Result<()> {
+    let depth = depth(job.iter().map(|s| s.len).sum());
+    let mut wc = vec![DmaWc::default(); 64];
+    let (mut sent, mut done) = (0u64, 0u64);
+    while done < iters {
+        while sent < iters && sent - done < depth as u64 {
+            q.submit(&Job::new(sent, job))
+                .context("submitting a DMA job")?;
+            sent += 1;
+        }
+        let want = (depth * 3 / 4).max(1).min((sent - done) as usize);
+        q.wait(want, Some(Duration::from_secs(10)));
+        let mut got = 0;
+        loop {
+            let n = q.poll(&mut wc);
+            if n == 0 {
+                break;
+            }
+            for w in &wc[..n] {
+                if !w.status.is_ok() {
+                    bail!(
+                        "DMA job {} failed: {} at segment {:?}",
+                        w.id,
+                        w.status,
+                        w.segment
+                    );
+                }
+            }
+            got += n as u64;
+        }
+        if got == 0 {
+            bail!(
+                "no DMA completion in 10 s ({} jobs outstanding)",
+                q.outstanding()
+            );
+        }
+        done += got;
+    }
+    Ok(())
+}
+
+fn render(r: &DmaReport) -> String {
+    let line = "-".repeat(140);
+    let mut o = format!(
+        "{line}\n dma-bw over raw DMA jobs (node 1 region -> node 2 region)\n \
+         engine threads copy; the submitting thread only submits and waits. BW: median of 5 \
+         rounds (slowest-fastest);\n memcpy: single thread, same size, rounds alternating \
+         with DMA's (median)\n"
+    );
+    o += &format!(
+        "{:>9} {:>9} {:>11} {:>8} {:>19} {:>17} {:>15} {:>10} {:>20} {:>13}\n",
+        "#bytes",
+        "#segments",
+        "#iterations",
+        "engines",
+        "BW average[MB/sec]",
+        "rounds[MB/sec]",
+        "memcpy[MB/sec]",
+        "of memcpy",
+        "submitter cpu[s/GB]",
+        "submitter[%]"
+    );
+    for x in &r.rows {
+        o += &format!(
+            "{:>9} {:>9} {:>11} {:>8} {:>19.2} {:>17} {:>15.2} {:>10} {:>20.4} {:>13.2}\n",
+            x.bytes,
+            x.segments,
+            x.iterations,
+            x.engines,
+            x.bw_avg_mbps,
+            format!("{:.0}-{:.0}", x.bw_min_mbps, x.bw_max_mbps),
+            x.memcpy_mbps,
+            format!("{:.0}%", 100.0 * x.bw_avg_mbps / x.memcpy_mbps),
+            x.submitter_cpu_s_per_gb,
+            x.submitter_cpu_pct
+        );
+    }
+    o += &format!("{line}\n");
+    o
+}
