@@ -1346,6 +1346,10 @@ pub unsafe extern "C" fn bp_poll_cq(cq: *mut BpCq, num_entries: c_int, wc: *mut 
             let mut buf = [Wc::default(); 32];
             let mut n = 0usize;
             let want = num_entries as usize;
+            if want == 0 {
+                // Nothing to take, but the poll still moves the CQ's QPs along.
+                c.cq.poll(&mut []);
+            }
             while n < want {
                 let k = c.cq.poll(&mut buf[..(want - n).min(32)]);
                 for (i, w) in buf[..k].iter().enumerate() {
