@@ -154,6 +154,13 @@ static void *other_thread(void *arg)
 	return (void *)(intptr_t)(pd == NULL && e == EPERM);
 }
 
+static void *leaky_thread(void *arg)
+{
+	struct side s;
+	make_side(arg, 2, &s);
+	return (void *)(intptr_t)(s.qp != NULL);
+}
+
 int main(void)
 {
 	struct bp_fabric *f = bp_fabric_attach(NULL);
@@ -442,6 +449,52 @@ int main(void)
 		free_side(&a);
 		free_side(&b);
 	}
+
+	/* ---- UD: a datagram through an address handle; a destroyed AH is refused ---- */
+	{
+		struct side a, b;
+		make_side(f, 1, &a);
+		make_side(f, 2, &b);
+		struct bp_qp *uq[2] = { make_qp(a.pd, a.cq, BP_QPT_UD), make_qp(b.pd, b.cq, BP_QPT_UD) };
+		for (int i = 0; i < 2; i++) {
+			struct bp_qp_attr u = { .qp_state = BP_QPS_INIT, .port_num = 1, .qkey = 0x77 };
+			CHECK(bp_modify_qp(uq[i], &u, BP_QP_STATE | BP_QP_PKEY_INDEX | BP_QP_PORT |
+							      BP_QP_QKEY) == 0);
+			u.qp_state = BP_QPS_RTR;
+			CHECK(bp_modify_qp(uq[i], &u, BP_QP_STATE) == 0);
+			u.qp_state = BP_QPS_RTS;
+			CHECK(bp_modify_qp(uq[i], &u, BP_QP_STATE | BP_QP_SQ_PSN) == 0);
+		}
+		struct bp_sge rs = { .addr = 0, .length = 128, .lkey = b.mr->lkey };
+		struct bp_recv_wr r = { .wr_id = 5, .sg_list = &rs, .num_sge = 1 };
+		CHECK(bp_post_recv(uq[1], &r, &bad_r) == 0);
+		struct bp_ah_attr to2 = { .dlid = 2, .port_num = 1 };
+		struct bp_ah *ah2 = bp_create_ah(a.pd, &to2);
+		CHECK(ah2 != NULL);
+		memcpy(a.mr->addr, "udmsg", 5);
+		struct bp_sge ss = { .addr = 0, .length = 5, .lkey = a.mr->lkey };
+		struct bp_send_wr w = { .wr_id = 6, .sg_list = &ss, .num_sge = 1,
+					.opcode = BP_WR_SEND, .send_flags = BP_SEND_SIGNALED };
+		w.wr.ud.ah = ah2;
+		w.wr.ud.remote_qpn = uq[1]->qp_num;
+		w.wr.ud.remote_qkey = 0x77;
+		CHECK(bp_post_send(uq[0], &w, &bad_s) == 0);
+		CHECK(next_wc(a.cq, b.cq, &wc) == 1 && wc.wr_id == 6 && wc.status == BP_WC_SUCCESS);
+		CHECK(next_wc(b.cq, a.cq, &wc) == 1 && wc.wr_id == 5 && wc.status == BP_WC_SUCCESS &&
+		      wc.byte_len == 40 + 5 && (wc.wc_flags & BP_WC_GRH) && wc.slid == 1 &&
+		      wc.src_qp == uq[0]->qp_num &&
+		      memcmp((char *)b.mr->addr + 40, "udmsg", 5) == 0);
+		CHECK(bp_destroy_ah(ah2) == 0);
+		bad_s = NULL;
+		CHECK(bp_post_send(uq[0], &w, &bad_s) == EBADF && bad_s == &w);
+		CHECK(bp_destroy_qp(uq[0]) == 0 && bp_destroy_qp(uq[1]) == 0);
+		free_side(&a);
+		free_side(&b);
+	}
+
+	/* ---- a thread that exits with objects alive takes them with it ---- */
+	CHECK(pthread_create(&th, NULL, leaky_thread, f) == 0 && pthread_join(th, &ok) == 0);
+	CHECK(ok == (void *)1);
 
 	/* ---- address handles ---- */
 	struct bp_ah_attr aa = { .dlid = 9, .port_num = 1 };

@@ -735,12 +735,7 @@ fn inval(m: impl Into<String>) -> CErr {
 /// libibverbs' int convention: 0, or the errno value (errno is set as well).
 fn guard_rc(f: impl FnOnce() -> Result<(), CErr>) -> c_int {
     let mut code = 0;
-    let r = guard(-1, || {
-        f().map(|()| 0).map_err(|e| {
-            code = e.0;
-            e
-        })
-    });
+    let r = guard(-1, || f().map(|()| 0).inspect_err(|e| code = e.0));
     match r {
         0 => 0,
         // A panic (guard set EIO) leaves `code` at 0.
@@ -886,7 +881,7 @@ fn wc_out(w: &Wc) -> BpWc {
 /// # Safety
 /// `sg` points to `n` readable entries when `n > 0`.
 unsafe fn sges(l: &Local, ctx: usize, sg: *const BpSge, n: c_int) -> Result<Vec<Sge>, CErr> {
-    if n < 0 || n > 32 {
+    if !(0..=32).contains(&n) {
         return Err(inval(format!("num_sge {n} is not 0..=32")));
     }
     if n > 0 && sg.is_null() {
@@ -2136,8 +2131,8 @@ mod tests {
 
     #[test]
     fn status_strings_are_libibverbs_texts() {
-        // SAFETY: a static C string.
         let s = |i| {
+            // SAFETY: a static C string.
             unsafe { CStr::from_ptr(bp_wc_status_str(i)) }
                 .to_str()
                 .unwrap()
