@@ -86,11 +86,16 @@ static void write_imm(struct conn *c, size_t size, uint32_t seq, int signaled)
 /* Waits for the peer's WRITE_WITH_IMM (send completions seen meanwhile are counted). */
 static uint32_t wait_imm(struct conn *c, int *sends)
 {
+	double idle = now_us() + 10e6;
 	for (;;) {
 		struct bp_wc wc[4];
 		int n = bp_poll_cq(c->cq, 4, wc);
 		if (n < 0)
 			die("poll_cq");
+		if (n == 0 && now_us() > idle) {
+			fprintf(stderr, "verbs_pingpong: no answer for 10 s\n");
+			exit(1);
+		}
 		uint32_t imm = 0;
 		int got = 0;
 		for (int i = 0; i < n; i++) {
@@ -173,13 +178,18 @@ int main(int argc, char **argv)
 			write_imm(&c, size, seq, i == total - 1 || i % 32 == 31);
 		}
 		int sends = 0;
-		while (sends == 0) {
+		double end = now_us() + 10e6;
+		while (sends == 0 && now_us() < end) {
 			struct bp_wc wc;
 			int n = bp_poll_cq(c.cq, 1, &wc);
 			if (n < 0)
 				die("poll_cq");
 			if (n == 1 && wc.opcode == BP_WC_RDMA_WRITE && wc.wr_id == (uint64_t)total - 1)
 				sends = 1;
+		}
+		if (!sends) {
+			fprintf(stderr, "verbs_pingpong: the last reply was not taken\n");
+			return 1;
 		}
 		printf("server: answered %ld round trips of %zu B\n", total, size);
 	} else {

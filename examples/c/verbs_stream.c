@@ -112,11 +112,18 @@ int main(int argc, char **argv)
 		bp_destroy_listener(l);
 		long got = 0;
 		unsigned long long bytes = 0;
+		double idle = now() + 10;
 		while (got < count) {
 			struct bp_wc wc[16];
 			int n = bp_poll_cq(c.cq, 16, wc);
 			if (n < 0)
 				die("poll_cq");
+			if (n > 0) {
+				idle = now() + 10;
+			} else if (now() > idle) {
+				fprintf(stderr, "verbs_stream: nothing for 10 s after %ld messages\n", got);
+				return 1;
+			}
 			for (int i = 0; i < n; i++) {
 				check(&wc[i]);
 				const unsigned char *m =
@@ -169,6 +176,16 @@ int main(int argc, char **argv)
 				errno = rc;
 				die("post_send");
 			}
+			/* Take the completions of signaled sends as they come, so the CQ never
+			 * holds more than the few that can be outstanding (an overrun is an error). */
+			if (wr.send_flags & BP_SEND_SIGNALED) {
+				struct bp_wc wc[8];
+				int n = bp_poll_cq(c.cq, 8, wc);
+				if (n < 0)
+					die("poll_cq");
+				for (int k = 0; k < n; k++)
+					check(&wc[k]);
+			}
 		}
 		/* RC completes in order: the last (signaled) send done means all are. */
 		for (;;) {
@@ -180,6 +197,10 @@ int main(int argc, char **argv)
 				check(&wc);
 				if (wc.wr_id == (uint64_t)count - 1)
 					break;
+			}
+			if (now() - t0 > 60) {
+				fprintf(stderr, "verbs_stream: the last send did not complete\n");
+				return 1;
 			}
 		}
 		t1 = now();
