@@ -574,6 +574,33 @@ impl VObj {
     }
 }
 
+/// FxHash-style hasher for handle-keyed maps: the keys are our own pointers and lkeys (not
+/// attacker-chosen), and SipHash costs more than the rest of a `bp_poll_cq` lookup.
+#[derive(Default, Clone, Copy)]
+struct FastHasher(u64);
+
+impl std::hash::Hasher for FastHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(u64::from(x));
+    }
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
+    }
+}
+
+type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
+
 /// Who owns a handle: for the "another thread" error and for `bp_fabric_detach`.
 struct Owner {
     thread: ThreadId,
@@ -590,10 +617,10 @@ fn owners() -> std::sync::MutexGuard<'static, HashMap<usize, Owner>> {
 
 struct Local {
     thread: ThreadId,
-    objs: HashMap<usize, VObj>,
+    objs: FastMap<usize, VObj>,
     /// (context, lkey) -> (address, length) of this thread's regions, to turn pointers in
     /// scatter/gather entries into offsets.
-    mrs: HashMap<(usize, u32), (usize, usize)>,
+    mrs: FastMap<(usize, u32), (usize, usize)>,
     serial: u32,
 }
 
@@ -668,8 +695,8 @@ impl Drop for Local {
 thread_local! {
     static LOCAL: RefCell<Local> = RefCell::new(Local {
         thread: std::thread::current().id(),
-        objs: HashMap::new(),
-        mrs: HashMap::new(),
+        objs: FastMap::default(),
+        mrs: FastMap::default(),
         serial: 0,
     });
 }
@@ -875,12 +902,47 @@ fn wc_out(w: &Wc) -> BpWc {
     }
 }
 
+/// A scatter/gather list read from C: up to four entries without a heap allocation.
+struct SgeBuf {
+    small: [Sge; 4],
+    n: usize,
+    heap: Vec<Sge>,
+}
+
+impl SgeBuf {
+    fn new() -> Self {
+        Self {
+            small: [Sge::default(); 4],
+            n: 0,
+            heap: Vec::new(),
+        }
+    }
+    fn push(&mut self, s: Sge) {
+        if self.heap.is_empty() && self.n < 4 {
+            self.small[self.n] = s;
+            self.n += 1;
+        } else {
+            if self.heap.is_empty() {
+                self.heap.extend_from_slice(&self.small[..self.n]);
+            }
+            self.heap.push(s);
+        }
+    }
+    fn as_slice(&self) -> &[Sge] {
+        if self.heap.is_empty() {
+            &self.small[..self.n]
+        } else {
+            &self.heap
+        }
+    }
+}
+
 /// Reads a `struct bp_sge` array into offsets (pointers into a region of `ctx` become
 /// offsets; everything else is passed on for the engine to judge).
 ///
 /// # Safety
 /// `sg` points to `n` readable entries when `n > 0`.
-unsafe fn sges(l: &Local, ctx: usize, sg: *const BpSge, n: c_int) -> Result<Vec<Sge>, CErr> {
+unsafe fn sges(l: &Local, ctx: usize, sg: *const BpSge, n: c_int) -> Result<SgeBuf, CErr> {
     if !(0..=32).contains(&n) {
         return Err(inval(format!("num_sge {n} is not 0..=32")));
     }
@@ -893,24 +955,21 @@ unsafe fn sges(l: &Local, ctx: usize, sg: *const BpSge, n: c_int) -> Result<Vec<
         // SAFETY: non-null, and the caller promises `n` readable entries.
         unsafe { std::slice::from_raw_parts(sg, n as usize) }
     };
-    Ok(list
-        .iter()
-        .map(|s| {
-            let addr = match l.mrs.get(&(ctx, s.lkey)) {
-                Some(&(base, len))
-                    if s.addr >= base as u64 && s.addr <= base as u64 + len as u64 =>
-                {
-                    s.addr - base as u64
-                }
-                _ => s.addr,
-            };
-            Sge {
-                addr,
-                length: s.length,
-                lkey: s.lkey,
+    let mut out = SgeBuf::new();
+    for s in list {
+        let addr = match l.mrs.get(&(ctx, s.lkey)) {
+            Some(&(base, len)) if s.addr >= base as u64 && s.addr <= base as u64 + len as u64 => {
+                s.addr - base as u64
             }
-        })
-        .collect())
+            _ => s.addr,
+        };
+        out.push(Sge {
+            addr,
+            length: s.length,
+            lkey: s.lkey,
+        });
+    }
+    Ok(out)
 }
 
 /// Walks a C linked list (at most `max` entries, so a cycle cannot hang us).
@@ -1338,7 +1397,7 @@ pub unsafe extern "C" fn bp_poll_cq(cq: *mut BpCq, num_entries: c_int, wc: *mut 
                     ),
                 ));
             }
-            let mut buf = [Wc::default(); 32];
+            let mut buf = [Wc::default(); 16];
             let mut n = 0usize;
             let want = num_entries as usize;
             if want == 0 {
@@ -1346,13 +1405,13 @@ pub unsafe extern "C" fn bp_poll_cq(cq: *mut BpCq, num_entries: c_int, wc: *mut 
                 c.cq.poll(&mut []);
             }
             while n < want {
-                let k = c.cq.poll(&mut buf[..(want - n).min(32)]);
+                let k = c.cq.poll(&mut buf[..(want - n).min(16)]);
                 for (i, w) in buf[..k].iter().enumerate() {
                     // SAFETY: n + i < num_entries, and the caller promises that many entries.
                     unsafe { wc.add(n + i).write(wc_out(w)) };
                 }
                 n += k;
-                if k < 32 {
+                if k < 16 {
                     break;
                 }
             }
@@ -1586,7 +1645,7 @@ struct OwnedSend {
     opcode: WrOpcode,
     flags: SendFlags,
     imm: u32,
-    sges: Vec<Sge>,
+    sges: SgeBuf,
     inline: Vec<u8>,
     detail: OwnedDetail,
 }
@@ -1609,7 +1668,7 @@ unsafe fn read_send(l: &Local, q: &QpObj, w: *const BpSendWr) -> Result<OwnedSen
     let opcode = wr_opcode(w.opcode)?;
     let flags = SendFlags(w.send_flags & 0xf);
     let mut inline = Vec::new();
-    let mut list = Vec::new();
+    let mut list = SgeBuf::new();
     if flags.contains(SendFlags::INLINE) {
         if w.num_sge < 0 || w.num_sge > 32 || (w.num_sge > 0 && w.sg_list.is_null()) {
             return Err(inval("bad sg_list / num_sge"));
@@ -1664,6 +1723,32 @@ unsafe fn read_send(l: &Local, q: &QpObj, w: *const BpSendWr) -> Result<OwnedSen
     })
 }
 
+fn send_wr(o: &OwnedSend) -> SendWr<'_> {
+    SendWr {
+        wr_id: o.wr_id,
+        sg_list: o.sges.as_slice(),
+        opcode: o.opcode,
+        send_flags: o.flags,
+        imm_data: o.imm,
+        wr: match o.detail {
+            OwnedDetail::None => WrDetail::None,
+            OwnedDetail::Rdma(remote_addr, rkey) => WrDetail::Rdma { remote_addr, rkey },
+            OwnedDetail::Atomic(remote_addr, compare_add, swap, rkey) => WrDetail::Atomic {
+                remote_addr,
+                compare_add,
+                swap,
+                rkey,
+            },
+            OwnedDetail::Ud(ref ah, remote_qpn, remote_qkey) => WrDetail::Ud {
+                ah,
+                remote_qpn,
+                remote_qkey,
+            },
+        },
+        inline_data: &o.inline,
+    }
+}
+
 /// `bp_post_send`.
 ///
 /// # Safety
@@ -1683,6 +1768,17 @@ pub unsafe extern "C" fn bp_post_send(
             if wr.is_null() {
                 return Err(inval("wr is NULL"));
             }
+            // SAFETY: `wr` is readable (caller).
+            if unsafe { (*wr).next.is_null() } {
+                // One request (the common case): no list to build.
+                // SAFETY: `wr` is readable, as the rest of the request (caller).
+                let o = unsafe { read_send(l, q, wr) }?;
+                let r = q.qp.post_send(std::slice::from_ref(&send_wr(&o)));
+                set_state(q);
+                r?;
+                bad = null_mut();
+                return Ok(());
+            }
             // SAFETY: every `next` is NULL or readable (caller).
             let ptrs = unsafe { walk(wr, |p| (*p).next, MAX_LIST) };
             let mut owned = Vec::with_capacity(ptrs.len());
@@ -1697,36 +1793,7 @@ pub unsafe extern "C" fn bp_post_send(
                     }
                 }
             }
-            let wrs: Vec<SendWr<'_>> = owned
-                .iter()
-                .map(|o| SendWr {
-                    wr_id: o.wr_id,
-                    sg_list: &o.sges,
-                    opcode: o.opcode,
-                    send_flags: o.flags,
-                    imm_data: o.imm,
-                    wr: match &o.detail {
-                        OwnedDetail::None => WrDetail::None,
-                        &OwnedDetail::Rdma(remote_addr, rkey) => {
-                            WrDetail::Rdma { remote_addr, rkey }
-                        }
-                        &OwnedDetail::Atomic(remote_addr, compare_add, swap, rkey) => {
-                            WrDetail::Atomic {
-                                remote_addr,
-                                compare_add,
-                                swap,
-                                rkey,
-                            }
-                        }
-                        OwnedDetail::Ud(ah, remote_qpn, remote_qkey) => WrDetail::Ud {
-                            ah,
-                            remote_qpn: *remote_qpn,
-                            remote_qkey: *remote_qkey,
-                        },
-                    },
-                    inline_data: &o.inline,
-                })
-                .collect();
+            let wrs: Vec<SendWr<'_>> = owned.iter().map(send_wr).collect();
             let r = if wrs.is_empty() {
                 Ok(())
             } else {
@@ -1782,6 +1849,17 @@ pub unsafe extern "C" fn bp_post_recv(
             if wr.is_null() {
                 return Err(inval("wr is NULL"));
             }
+            // SAFETY: `wr` is readable (caller).
+            if unsafe { (*wr).next.is_null() } {
+                // SAFETY: `wr` is readable and its sg_list holds num_sge entries (caller).
+                let (wr_id, s) =
+                    unsafe { ((*wr).wr_id, sges(l, q.ctx, (*wr).sg_list, (*wr).num_sge)?) };
+                q.qp.post_recv(&[RecvWr {
+                    wr_id,
+                    sg_list: s.as_slice(),
+                }])?;
+                return Ok(());
+            }
             // SAFETY: every `next` is NULL or readable (caller).
             let ptrs = unsafe { walk(wr, |p| (*p).next, MAX_LIST) };
             let mut lists = Vec::with_capacity(ptrs.len());
@@ -1801,7 +1879,7 @@ pub unsafe extern "C" fn bp_post_recv(
                 .iter()
                 .map(|(wr_id, s)| RecvWr {
                     wr_id: *wr_id,
-                    sg_list: s,
+                    sg_list: s.as_slice(),
                 })
                 .collect();
             let r = if wrs.is_empty() {
