@@ -622,6 +622,8 @@ struct Local {
     /// scatter/gather entries into offsets.
     mrs: FastMap<(usize, u32), (usize, usize)>,
     serial: u32,
+    /// `bp_poll_cq`'s staging buffer, kept so a spinning poll does not clear 768 B each time.
+    wcs: RefCell<[Wc; 16]>,
 }
 
 impl Local {
@@ -698,6 +700,7 @@ thread_local! {
         objs: FastMap::default(),
         mrs: FastMap::default(),
         serial: 0,
+        wcs: RefCell::new([Wc::default(); 16]),
     });
 }
 
@@ -1397,7 +1400,7 @@ pub unsafe extern "C" fn bp_poll_cq(cq: *mut BpCq, num_entries: c_int, wc: *mut 
                     ),
                 ));
             }
-            let mut buf = [Wc::default(); 16];
+            let mut buf = l.wcs.borrow_mut();
             let mut n = 0usize;
             let want = num_entries as usize;
             if want == 0 {
