@@ -279,7 +279,8 @@ struct bp_qp_init_attr {
 	enum bp_qp_type qp_type;
 	int sq_sig_all;
 	/* Extension: bytes of an RC/UC QP's inbound ring (power of two, 256 KiB..64 MiB;
-	 * 0 = 512 KiB). Larger rings keep more SEND data in flight. */
+	 * 0 = 512 KiB). Larger rings keep more SEND data in flight. Not in libibverbs: zero the
+	 * whole struct (= {0} or memset) when porting. */
 	uint32_t ring_bytes;
 };
 
@@ -409,7 +410,8 @@ int bp_poll_cq(struct bp_cq *cq, int num_entries, struct bp_wc *wc);
 /* Created in RESET; attr->cap receives the actual capabilities. */
 struct bp_qp *bp_create_qp(struct bp_pd *pd, struct bp_qp_init_attr *qp_init_attr);
 int bp_destroy_qp(struct bp_qp *qp);
-/* EINVAL for a transition the state machine does not have or a mask missing what it needs. */
+/* EINVAL for a transition the state machine does not have or a mask missing what it needs.
+ * Only the fields attr_mask names are read. */
 int bp_modify_qp(struct bp_qp *qp, struct bp_qp_attr *attr, int attr_mask);
 /* Fills every attribute whatever attr_mask says; init_attr may be NULL. */
 int bp_query_qp(struct bp_qp *qp, struct bp_qp_attr *attr, int attr_mask,

@@ -78,7 +78,13 @@ static void make_side(struct bp_fabric *f, uint32_t node, struct side *s)
 /* RESET -> INIT -> RTR -> RTS by hand, towards (node, qpn). */
 static int connect_qp(struct bp_qp *qp, uint16_t node, uint32_t qpn)
 {
-	struct bp_qp_attr a = { .qp_state = BP_QPS_INIT, .port_num = 1, .qp_access_flags = ALL };
+	/* Fields outside the mask are never read: fill them with garbage to show it. */
+	struct bp_qp_attr a;
+	memset(&a, 0xff, sizeof a);
+	a.qp_state = BP_QPS_INIT;
+	a.pkey_index = 0;
+	a.port_num = 1;
+	a.qp_access_flags = ALL;
 	int rc = bp_modify_qp(qp, &a, BP_QP_STATE | BP_QP_PKEY_INDEX | BP_QP_PORT |
 					     BP_QP_ACCESS_FLAGS);
 	if (rc)

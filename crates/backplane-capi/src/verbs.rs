@@ -1529,46 +1529,55 @@ pub unsafe extern "C" fn bp_modify_qp(
             if attr.is_null() {
                 return Err(inval("attr is NULL"));
             }
-            // SAFETY: non-null, and the caller promises it is readable.
-            let a = unsafe { attr.read() };
             let mask = QpAttrMask(attr_mask as u32);
-            let has = |m: QpAttrMask| mask.contains(m);
+            // Only the fields the mask names are read: libibverbs callers often leave the
+            // others uninitialized, and reading those would be undefined behaviour.
+            macro_rules! field {
+                ($m:ident, $f:ident) => {
+                    if mask.contains(QpAttrMask::$m) {
+                        // SAFETY: non-null, and the caller promises the fields its mask names
+                        // are initialized and readable.
+                        Some(unsafe { std::ptr::addr_of!((*attr).$f).read() })
+                    } else {
+                        None
+                    }
+                };
+            }
+            let d = QpAttr::default();
             let r = QpAttr {
-                qp_state: if has(QpAttrMask::STATE) {
-                    qp_state(a.qp_state)?
-                } else {
-                    QpState::default()
-                },
-                cur_qp_state: if has(QpAttrMask::CUR_STATE) {
-                    qp_state(a.cur_qp_state)?
-                } else {
-                    QpState::default()
-                },
-                path_mtu: if has(QpAttrMask::PATH_MTU) {
-                    mtu(a.path_mtu)?
-                } else {
-                    Mtu::default()
-                },
-                qkey: a.qkey,
-                rq_psn: a.rq_psn,
-                sq_psn: a.sq_psn,
-                dest_qp_num: a.dest_qp_num,
-                qp_access_flags: if has(QpAttrMask::ACCESS_FLAGS) {
-                    access(a.qp_access_flags)?
-                } else {
-                    AccessFlags::empty()
-                },
-                cap: cap_in(a.cap),
-                ah_attr: ah_in(&a.ah_attr),
-                pkey_index: a.pkey_index,
-                en_sqd_async_notify: a.en_sqd_async_notify,
-                max_rd_atomic: a.max_rd_atomic,
-                max_dest_rd_atomic: a.max_dest_rd_atomic,
-                min_rnr_timer: a.min_rnr_timer,
-                port_num: a.port_num,
-                timeout: a.timeout,
-                retry_cnt: a.retry_cnt,
-                rnr_retry: a.rnr_retry,
+                qp_state: field!(STATE, qp_state)
+                    .map(qp_state)
+                    .transpose()?
+                    .unwrap_or(d.qp_state),
+                cur_qp_state: field!(CUR_STATE, cur_qp_state)
+                    .map(qp_state)
+                    .transpose()?
+                    .unwrap_or(d.cur_qp_state),
+                path_mtu: field!(PATH_MTU, path_mtu)
+                    .map(mtu)
+                    .transpose()?
+                    .unwrap_or(d.path_mtu),
+                qkey: field!(QKEY, qkey).unwrap_or(d.qkey),
+                rq_psn: field!(RQ_PSN, rq_psn).unwrap_or(d.rq_psn),
+                sq_psn: field!(SQ_PSN, sq_psn).unwrap_or(d.sq_psn),
+                dest_qp_num: field!(DEST_QPN, dest_qp_num).unwrap_or(d.dest_qp_num),
+                qp_access_flags: field!(ACCESS_FLAGS, qp_access_flags)
+                    .map(access)
+                    .transpose()?
+                    .unwrap_or(d.qp_access_flags),
+                cap: field!(CAP, cap).map(cap_in).unwrap_or(d.cap),
+                ah_attr: field!(AV, ah_attr).map(|a| ah_in(&a)).unwrap_or(d.ah_attr),
+                pkey_index: field!(PKEY_INDEX, pkey_index).unwrap_or(d.pkey_index),
+                en_sqd_async_notify: field!(EN_SQD_ASYNC_NOTIFY, en_sqd_async_notify)
+                    .unwrap_or(d.en_sqd_async_notify),
+                max_rd_atomic: field!(MAX_QP_RD_ATOMIC, max_rd_atomic).unwrap_or(d.max_rd_atomic),
+                max_dest_rd_atomic: field!(MAX_DEST_RD_ATOMIC, max_dest_rd_atomic)
+                    .unwrap_or(d.max_dest_rd_atomic),
+                min_rnr_timer: field!(MIN_RNR_TIMER, min_rnr_timer).unwrap_or(d.min_rnr_timer),
+                port_num: field!(PORT, port_num).unwrap_or(d.port_num),
+                timeout: field!(TIMEOUT, timeout).unwrap_or(d.timeout),
+                retry_cnt: field!(RETRY_CNT, retry_cnt).unwrap_or(d.retry_cnt),
+                rnr_retry: field!(RNR_RETRY, rnr_retry).unwrap_or(d.rnr_retry),
             };
             let res = q.qp.modify(&r, mask);
             set_state(q);
@@ -1696,16 +1705,29 @@ unsafe fn read_send(l: &Local, q: &QpObj, w: *const BpSendWr) -> Result<OwnedSen
         // SAFETY: `sg_list` holds `num_sge` entries (caller).
         list = unsafe { sges(l, q.ctx, w.sg_list, w.num_sge) }?;
     }
+    // Only the fields the opcode uses are read (the others may be uninitialized in C).
     let detail = match opcode {
         WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::RdmaRead => {
-            // SAFETY: an RDMA opcode: the caller filled `wr.rdma`.
-            let r = unsafe { w.wr.rdma };
-            OwnedDetail::Rdma(r.remote_addr, r.rkey)
+            // SAFETY: an RDMA opcode: the caller filled `wr.rdma`'s fields.
+            let (a, k) = unsafe { (w.wr.rdma.remote_addr, w.wr.rdma.rkey) };
+            OwnedDetail::Rdma(a, k)
         }
         WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
-            // SAFETY: an atomic opcode: the caller filled `wr.atomic`.
-            let a = unsafe { w.wr.atomic };
-            OwnedDetail::Atomic(a.remote_addr, a.compare_add, a.swap, a.rkey)
+            // SAFETY: an atomic opcode: the caller filled these fields of `wr.atomic`.
+            let (a, c, k) = unsafe {
+                (
+                    w.wr.atomic.remote_addr,
+                    w.wr.atomic.compare_add,
+                    w.wr.atomic.rkey,
+                )
+            };
+            let swap = if opcode == WrOpcode::AtomicCmpAndSwp {
+                // SAFETY: CMP_AND_SWP: the caller filled `swap` too.
+                unsafe { w.wr.atomic.swap }
+            } else {
+                0
+            };
+            OwnedDetail::Atomic(a, c, swap, k)
         }
         WrOpcode::Send | WrOpcode::SendWithImm if q.qp.qp_type() == QpType::Ud => {
             // SAFETY: a send on a UD QP: the caller filled `wr.ud`.
@@ -1719,7 +1741,10 @@ unsafe fn read_send(l: &Local, q: &QpObj, w: *const BpSendWr) -> Result<OwnedSen
         wr_id: w.wr_id,
         opcode,
         flags,
-        imm: u32::from_be(w.imm_data),
+        imm: match opcode {
+            WrOpcode::RdmaWriteWithImm | WrOpcode::SendWithImm => u32::from_be(w.imm_data),
+            _ => 0,
+        },
         sges: list,
         inline,
         detail,
