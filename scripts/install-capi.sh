@@ -21,7 +21,7 @@ libdir=\${prefix}/lib
 includedir=\${prefix}/include
 
 Name: backplane
-Description: software switch fabric: kernel-bypass datagrams over shared memory
+Description: software switch fabric: kernel-bypass datagrams and RDMA verbs over shared memory
 Version: 0.1.0
 Libs: -L\${libdir} -Wl,-rpath,\${libdir} -lbackplane_c
 Cflags: -I\${includedir}

@@ -63,7 +63,7 @@ struct bp_endpoint; /* opaque */
 
 /* Attaches to the running fabric `name` (NULL: $BACKPLANE_FABRIC, else "default"). */
 struct bp_fabric *bp_fabric_attach(const char *name);
-/* Detaches; endpoints must be closed first (EBUSY otherwise). */
+/* Detaches; endpoints and verbs devices must be closed first (EBUSY otherwise). */
 int bp_fabric_detach(struct bp_fabric *fabric);
 /* Node count, or -1. */
 int bp_fabric_nodes(const struct bp_fabric *fabric);

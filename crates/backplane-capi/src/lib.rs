@@ -1,4 +1,5 @@
-//! The C ABI of backplane (`include/backplane/dgram.h`): fabrics and datagram endpoints.
+//! The C ABI of backplane: fabrics and datagram endpoints (`include/backplane/dgram.h`, this
+//! file) and RDMA verbs (`include/backplane/verbs.h`, [`verbs`]).
 //!
 //! Conventions follow libibverbs and POSIX: NULL or -1 on error with `errno` set, and a
 //! thread-local one-line message in `bp_last_error()`.
@@ -19,6 +20,8 @@ use std::time::Duration;
 use backplane::dgram::{Addr, DgramError, Endpoint, Wait};
 use backplane::fabric::ctl::ErrorKind;
 use backplane::fabric::{Fabric, FabricError};
+
+pub mod verbs;
 
 /// `struct bp_addr`.
 #[repr(C)]
@@ -48,7 +51,7 @@ pub struct BpDgramStats {
 
 /// `struct bp_fabric` (opaque to C).
 pub struct BpFabric {
-    fabric: Fabric,
+    pub(crate) fabric: Fabric,
 }
 
 /// `struct bp_endpoint` (opaque to C).
@@ -72,9 +75,9 @@ thread_local! {
 }
 
 /// An error crossing the boundary: errno and message.
-struct CErr(c_int, String);
+pub(crate) struct CErr(pub(crate) c_int, pub(crate) String);
 
-fn fail(e: CErr) {
+pub(crate) fn fail(e: CErr) {
     LAST.with(|l| {
         *l.borrow_mut() = CString::new(e.1.replace('\0', " ")).unwrap_or_default();
     });
@@ -82,7 +85,7 @@ fn fail(e: CErr) {
     unsafe { *libc::__errno_location() = e.0 };
 }
 
-fn fabric_errno(e: &FabricError) -> c_int {
+pub(crate) fn fabric_errno(e: &FabricError) -> c_int {
     match e {
         FabricError::NotRunning(_) => libc::ENOENT,
         FabricError::BadName(_) | FabricError::NoSuchNode { .. } => libc::EINVAL,
@@ -124,14 +127,14 @@ impl From<DgramError> for CErr {
     }
 }
 
-fn bad_handle(what: &str) -> CErr {
+pub(crate) fn bad_handle(what: &str) -> CErr {
     CErr(
         libc::EBADF,
         format!("{what} is NULL, closed or not a valid handle"),
     )
 }
 
-fn get_fabric(p: *const BpFabric) -> Result<Arc<BpFabric>, CErr> {
+pub(crate) fn get_fabric(p: *const BpFabric) -> Result<Arc<BpFabric>, CErr> {
     match registry()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -154,7 +157,7 @@ fn get_endpoint(p: *const BpEndpoint) -> Result<Arc<BpEndpoint>, CErr> {
 }
 
 /// Runs an entry point: errors set errno and the message, panics become EIO.
-fn guard<T>(on_err: T, f: impl FnOnce() -> Result<T, CErr>) -> T {
+pub(crate) fn guard<T>(on_err: T, f: impl FnOnce() -> Result<T, CErr>) -> T {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(v)) => v,
         Ok(Err(e)) => {
@@ -226,6 +229,12 @@ pub extern "C" fn bp_fabric_detach(fabric: *mut BpFabric) -> c_int {
             return Err(CErr(
                 libc::EBUSY,
                 "close the fabric's endpoints before detaching it".into(),
+            ));
+        }
+        if verbs::fabric_in_use(fabric as usize) {
+            return Err(CErr(
+                libc::EBUSY,
+                "close the verbs devices opened on this fabric before detaching it".into(),
             ));
         }
         r.remove(&(fabric as usize));

@@ -271,6 +271,56 @@ fn unsignaled_work_completes_silently_and_signaled_work_reports() {
 }
 
 #[test]
+fn a_full_cq_counts_send_overruns_and_holds_receives_back_without_losing_any() {
+    let fab = Fab::up("verbs_overrun", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
+    // Small CQs beside the pair's: a 4-entry send CQ on A and a 2-entry receive CQ on B.
+    let acq = a.ctx.create_cq(4, None).unwrap();
+    let bcq = b.ctx.create_cq(2, None).unwrap();
+    let aqp =
+        a.pd.create_qp(&QpInitAttr::new(QpType::Rc, &acq, &acq))
+            .unwrap();
+    let bqp =
+        b.pd.create_qp(&QpInitAttr::new(QpType::Rc, &bcq, &bcq))
+            .unwrap();
+    let peer = |s: &Side, qp: &Qp| PeerInfo {
+        qpn: qp.qp_num(),
+        ..info(s)
+    };
+    cm::ready_qp(&aqp, &peer(&b, &bqp), &ConnParam::default()).unwrap();
+    cm::ready_qp(&bqp, &peer(&a, &aqp), &ConnParam::default()).unwrap();
+    // Six signaled WRITEs complete at post time into a CQ of four: two overruns, none lost.
+    for i in 0..6 {
+        aqp.post_send(&[SendWr::write(i, &[a.mr.sge(0, 8)], 0, b.mr.rkey()).signaled()])
+            .unwrap();
+    }
+    assert_eq!(acq.overruns(), 2);
+    let mut wc = [Wc::default(); 16];
+    assert_eq!(acq.poll(&mut wc), 6);
+    // Five SENDs towards a receive CQ of two: receives stop being taken while it is full,
+    // so it never overruns, and every message arrives once the application polls.
+    for i in 0..5 {
+        bqp.post_recv(&[RecvWr {
+            wr_id: i,
+            sg_list: &[b.mr.sge(0, 64)],
+        }])
+        .unwrap();
+        aqp.post_send(&[SendWr::send(100 + i, &[a.mr.sge(0, 8)])])
+            .unwrap();
+    }
+    let mut p = Pump::new(&[&acq, &bcq]);
+    for _ in 0..50 {
+        p.turn();
+    }
+    for i in 0..5 {
+        assert_eq!(p.next(1).wr_id, i);
+    }
+    assert_eq!(bcq.overruns(), 0);
+    drop((aqp, bqp));
+}
+
+#[test]
 fn uc_carries_sends_and_writes_refuses_reads_and_atomics_and_drops_without_a_receive() {
     let fab = Fab::up("verbs_uc", 2, &[]);
     let f = Fabric::attach(&fab.name).unwrap();

@@ -462,12 +462,20 @@ pub(crate) struct CqState {
     pub(crate) qps: Vec<usize>,
     pub(crate) channel: Option<Arc<ChannelShared>>,
     pub(crate) handle_alive: bool,
+    /// Completions that arrived while the CQ already held `cap` entries (kept, but counted:
+    /// on hardware that is a CQ overrun, `IBV_EVENT_CQ_ERR`).
+    pub(crate) overruns: u64,
 }
 
 pub(crate) type Cqs = Vec<Option<CqState>>;
 
 fn push_cqe(cqs: &mut Cqs, cq: usize, wc: Wc) {
     if let Some(Some(c)) = cqs.get_mut(cq) {
+        // Receives wait in the ring while the CQ is full (`cq_room`); send completions cannot
+        // wait, so they are kept and the overrun is counted for `Cq::overruns`.
+        if c.entries.len() >= c.cap {
+            c.overruns += 1;
+        }
         c.entries.push_back(wc);
         if let Some(ch) = &c.channel {
             ch.completion_added(cq as u32);

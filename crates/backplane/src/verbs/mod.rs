@@ -173,6 +173,7 @@ impl Context {
             qps: Vec::new(),
             channel: channel.map(|c| c.shared.clone()),
             handle_alive: true,
+            overruns: 0,
         };
         let id = match e.cqs.iter().position(|c| c.is_none()) {
             Some(i) => {
@@ -447,6 +448,19 @@ impl Cq {
     /// loop is what makes progress.
     pub fn poll(&self, wc: &mut [Wc]) -> usize {
         self.ctx.poll(self.id, wc)
+    }
+
+    /// Completions that arrived while the CQ already held its `cqe` entries. On hardware that
+    /// is a CQ overrun (the asynchronous event `IBV_EVENT_CQ_ERR`, completions lost); here the
+    /// completions are kept and counted, so the mistake is visible without losing work.
+    /// Receive completions never overrun: while the CQ is full, inbound messages wait in the
+    /// QP's ring (the sender sees back-pressure); only send completions can.
+    pub fn overruns(&self) -> u64 {
+        let eng = self.ctx.eng.borrow();
+        eng.cqs
+            .get(self.id)
+            .and_then(|c| c.as_ref())
+            .map_or(0, |c| c.overruns)
     }
 
     /// Asks for an event on the channel when the next completion arrives (`ibv_req_notify_cq`).
