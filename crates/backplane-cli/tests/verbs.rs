@@ -847,6 +847,55 @@ fn a_completion_channel_fd_wakes_a_poll_loop_for_a_peer_send() {
     ));
 }
 
+#[test]
+fn an_ack_that_came_before_arming_still_wakes_the_channel() {
+    // A's SEND completes only once B acknowledges it. B takes the message (its ack moves)
+    // while A is not polling; A then arms its CQ and waits: the channel must fire for the ack
+    // A has not taken in yet, not sleep until another one comes (none will: B is idle).
+    let fab = Fab::up("verbs_ack_arm", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let actx = Context::open(&f.node(1).unwrap()).unwrap();
+    let ch = actx.create_comp_channel().unwrap();
+    let acq = actx.create_cq(16, Some(&ch)).unwrap();
+    let apd = actx.alloc_pd();
+    let aqp = apd
+        .create_qp(&QpInitAttr::new(QpType::Rc, &acq, &acq))
+        .unwrap();
+    let ai = PeerInfo {
+        node: 1,
+        qpn: aqp.qp_num(),
+        psn: 0,
+        rkey: 0,
+        addr: 0,
+        len: 0,
+        qkey: 0,
+        private_data: vec![],
+    };
+    let b = side(&f, 2, QpType::Rc, ALL, 4096);
+    cm::ready_qp(&aqp, &info(&b), &ConnParam::default()).unwrap();
+    cm::ready_qp(&b.qp, &ai, &ConnParam::default()).unwrap();
+    recv(&b, 5, 0, 64);
+    let mut wr = SendWr::send_inline(1, b"ack me");
+    wr.send_flags = SendFlags(SendFlags::INLINE.0 | SendFlags::SIGNALED.0);
+    aqp.post_send(&[wr]).unwrap();
+    let mut pump = Pump::new(&[&b.cq]);
+    let w = pump.next(0);
+    assert_eq!((w.wr_id, w.status), (5, WcStatus::Success));
+    acq.req_notify(false).unwrap();
+    let ev = ch.get_cq_event(Some(Duration::from_secs(5)));
+    assert!(
+        ev.is_ok(),
+        "no event for an ack given before arming: {ev:?}"
+    );
+    ch.ack_cq_events(1);
+    let mut wc = [Wc::default()];
+    let end = Instant::now() + Duration::from_secs(20);
+    while acq.poll(&mut wc) == 0 {
+        assert!(Instant::now() < end, "the SEND never completed");
+    }
+    assert_eq!((wc[0].wr_id, wc[0].status), (1, WcStatus::Success));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Two processes: the test process is node 1, a child plays the server on node 2.
 // ---------------------------------------------------------------------------------------------

@@ -2456,10 +2456,19 @@ impl QpSt {
                 // SYNC POINT ring-publish (acquire, watched): what the peer published so far.
                 seen: o.tail.get().load(Ordering::Acquire),
             });
+            // SYNC POINT qp-ack (acquire, watched).
+            let ack = o.ack.get().load(Ordering::Acquire);
+            // Work waiting for an acknowledgement the peer already gave (polls look at the ack
+            // word only every so often, see `complete_acked`) must wake the channel at once:
+            // compare with what this QP has taken in, not with the word as it is now, or the
+            // watcher sleeps through an ack that moved before arming.
+            let waiting = self
+                .sq
+                .front()
+                .is_some_and(|e| matches!(e.st, SqSt::Ack { end, .. } if end > self.acked));
             out.push(Watch::Moved {
                 word: o.ack,
-                // SYNC POINT qp-ack (acquire, watched).
-                seen: o.ack.get().load(Ordering::Acquire),
+                seen: if waiting { ack.min(self.acked) } else { ack },
             });
             out.push(Watch::Flag(o.peer_err));
             if self.rnr.is_some() {
