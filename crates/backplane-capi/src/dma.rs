@@ -147,13 +147,14 @@ pub fn status_c(s: DmaStatus) -> u32 {
     }
 }
 
-
 fn wc_out(w: &DmaWc) -> BpDmaWc {
     BpDmaWc {
         wr_id: w.id,
         bytes: w.bytes,
         status: status_c(w.status),
-        segment: w.segment.map_or(-1, |s| i32::try_from(s).unwrap_or(i32::MAX)),
+        segment: w
+            .segment
+            .map_or(-1, |s| i32::try_from(s).unwrap_or(i32::MAX)),
     }
 }
 
@@ -357,9 +358,7 @@ pub extern "C" fn bp_dma_queue_create(
         local(|l| {
             let ctx = get_ctx(l, context as usize)?.ctx.clone();
             if !(1..=BP_DMA_MAX_DEPTH).contains(&depth) {
-                return Err(inval(format!(
-                    "depth {depth}: use 1..={BP_DMA_MAX_DEPTH}"
-                )));
+                return Err(inval(format!("depth {depth}: use 1..={BP_DMA_MAX_DEPTH}")));
             }
             // Count the queue under the registry lock, so a racing stop sees it.
             let eng = {
@@ -545,7 +544,7 @@ pub extern "C" fn bp_dma_status_str(status: c_int) -> *const c_char {
 mod tests {
     use super::*;
 
-const STATUSES: [DmaStatus; 9] = [
+    const STATUSES: [DmaStatus; 9] = [
         DmaStatus::Success,
         DmaStatus::Cancelled,
         DmaStatus::InvalidRegion,
@@ -643,10 +642,7 @@ const STATUSES: [DmaStatus; 9] = [
             max_piece: 0,
         };
         assert_eq!(
-            bad(BpDmaConfig {
-                engines: 65,
-                ..ok
-            }),
+            bad(BpDmaConfig { engines: 65, ..ok }),
             (true, Some(libc::EINVAL))
         );
         assert_eq!(
@@ -656,7 +652,10 @@ const STATUSES: [DmaStatus; 9] = [
             }),
             (true, Some(libc::EINVAL))
         );
-        assert_eq!(bad(BpDmaConfig { npin: 1, ..ok }), (true, Some(libc::EINVAL)));
+        assert_eq!(
+            bad(BpDmaConfig { npin: 1, ..ok }),
+            (true, Some(libc::EINVAL))
+        );
         let pins = [0u32];
         let c = BpDmaConfig {
             npin: 1,

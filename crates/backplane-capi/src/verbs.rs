@@ -687,11 +687,9 @@ impl Drop for Local {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
             let mut v: Vec<VObj> = objs.into_values().collect();
             v.sort_by_key(|o| match o {
-                VObj::Qp(_)
-                | VObj::Mr(_)
-                | VObj::Ah(_)
-                | VObj::Listener(_)
-                | VObj::DmaQueue(_) => 0,
+                VObj::Qp(_) | VObj::Mr(_) | VObj::Ah(_) | VObj::Listener(_) | VObj::DmaQueue(_) => {
+                    0
+                }
                 VObj::Cq(_) => 1,
                 VObj::Channel(_) | VObj::Pd(_) => 2,
                 VObj::Ctx(_) => 3,
