@@ -28,9 +28,10 @@
  * mapped through a grant of the supervisor (read-only unless the region has REMOTE_WRITE).
  * Offsets are zero-based. Only a malformed job is refused by bp_dma_submit: a bad key, an
  * out-of-bounds range, a missing access right, overlapping segments or a node going down
- * complete the job with an error status naming the segment to blame, and then nothing of the
- * job was copied (checks happen before any byte moves), except for BP_DMA_NODE_DOWN and
- * BP_DMA_REGION_GONE, which can interrupt a running job.
+ * complete the job with an error status naming the segment to blame. Every segment is checked
+ * before any byte moves, so a job failing the checks copies nothing; BP_DMA_NODE_DOWN,
+ * BP_DMA_REGION_GONE and BP_DMA_CANCELLED can also stop a running job part-way (wc.bytes
+ * says how much was copied).
  *
  * Ordering: jobs of a queue run concurrently unless flagged: BP_DMA_FENCE starts a job after
  * every job submitted before it completed; BP_DMA_CHAIN (implies FENCE) runs it only if the job
