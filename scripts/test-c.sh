@@ -19,6 +19,8 @@ cc "${cflags[@]}" examples/c/dgram_example.c $(pkg-config --cflags --libs backpl
 cc "${cflags[@]}" tests/c/verbs_errors.c $(pkg-config --cflags --libs backplane) -pthread -o "$work/verbs_errors"
 cc "${cflags[@]}" examples/c/verbs_pingpong.c $(pkg-config --cflags --libs backplane) -lm -o "$work/verbs_pingpong"
 cc "${cflags[@]}" examples/c/verbs_stream.c $(pkg-config --cflags --libs backplane) -o "$work/verbs_stream"
+cc "${cflags[@]}" tests/c/dma_errors.c $(pkg-config --cflags --libs backplane) -pthread -o "$work/dma_errors"
+cc "${cflags[@]}" -O2 examples/c/dma_copy.c $(pkg-config --cflags --libs backplane) -o "$work/dma_copy"
 cargo build -p backplane-cli
 "$bp" up --name "$name" --nodes 2 --no-net >/dev/null
 export BACKPLANE_FABRIC="$name" ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1
@@ -49,4 +51,10 @@ timeout 120 "$work/verbs_stream" client 2 1 7001 5000 65536 > "$work/st-client.o
 wait "$srv"
 cat "$work/st-client.out" "$work/st-server.out"
 grep -q "received 5000 x 65536 B in order" "$work/st-server.out"
+
+# Raw DMA: the error paths, then a 64 MiB scattered copy beside a memcpy of the same size.
+timeout 120 "$work/dma_errors"
+timeout 120 "$work/dma_copy" 1 64 > "$work/dma-copy.out"
+cat "$work/dma-copy.out"
+grep -q "bytes checked" "$work/dma-copy.out"
 echo "C API: examples and error-path tests passed under ASan/UBSan"

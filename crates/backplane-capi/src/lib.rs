@@ -21,6 +21,7 @@ use backplane::dgram::{Addr, DgramError, Endpoint, Wait};
 use backplane::fabric::ctl::ErrorKind;
 use backplane::fabric::{Fabric, FabricError};
 
+pub mod dma;
 pub mod verbs;
 
 /// `struct bp_addr`.

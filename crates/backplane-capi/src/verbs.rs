@@ -478,16 +478,16 @@ const _: () = {
 
 /// A struct handed to C: allocated here, freed here, never borrowed by Rust across calls
 /// (C may write its `*_context` fields at any time between calls).
-struct Owned<T>(NonNull<T>);
+pub(crate) struct Owned<T>(NonNull<T>);
 
 impl<T> Owned<T> {
-    fn new(v: T) -> Self {
+    pub(crate) fn new(v: T) -> Self {
         Self(NonNull::from(Box::leak(Box::new(v))))
     }
-    fn ptr(&self) -> *mut T {
+    pub(crate) fn ptr(&self) -> *mut T {
         self.0.as_ptr()
     }
-    fn key(&self) -> usize {
+    pub(crate) fn key(&self) -> usize {
         self.0.as_ptr() as usize
     }
 }
@@ -499,35 +499,35 @@ impl<T> Drop for Owned<T> {
     }
 }
 
-struct CtxObj {
+pub(crate) struct CtxObj {
     _c: Owned<BpContext>,
-    ctx: Context,
+    pub(crate) ctx: Context,
 }
-struct PdObj {
+pub(crate) struct PdObj {
     _c: Owned<BpPd>,
     pd: Pd,
     ctx: usize,
 }
-struct MrObj {
+pub(crate) struct MrObj {
     _c: Owned<BpMr>,
     _mr: Mr,
     pd: usize,
     ctx: usize,
     key: u32,
 }
-struct ChObj {
+pub(crate) struct ChObj {
     c: Owned<BpCompChannel>,
     ch: CompChannel,
     ctx: usize,
 }
-struct CqObj {
+pub(crate) struct CqObj {
     c: Owned<BpCq>,
     cq: Cq,
     ctx: usize,
     channel: usize,
     unacked: Cell<u32>,
 }
-struct QpObj {
+pub(crate) struct QpObj {
     c: Owned<BpQp>,
     qp: Qp,
     pd: usize,
@@ -536,18 +536,18 @@ struct QpObj {
     recv_cq: usize,
     sq_sig_all: bool,
 }
-struct AhObj {
+pub(crate) struct AhObj {
     _c: Owned<BpAh>,
     ah: Ah,
     pd: usize,
 }
-struct ListenerObj {
+pub(crate) struct ListenerObj {
     _c: Owned<BpListener>,
     l: RefCell<Listener>,
     ctx: usize,
 }
 
-enum VObj {
+pub(crate) enum VObj {
     Ctx(CtxObj),
     Pd(PdObj),
     Mr(MrObj),
@@ -556,6 +556,8 @@ enum VObj {
     Qp(QpObj),
     Ah(AhObj),
     Listener(ListenerObj),
+    /// A raw-DMA queue (`dma.h`): it uses its context, so it lives in the same registry.
+    DmaQueue(crate::dma::DmaQueueObj),
 }
 
 impl VObj {
@@ -570,6 +572,7 @@ impl VObj {
             VObj::Qp(q) => [q.ctx, q.pd, q.send_cq, q.recv_cq],
             VObj::Ah(a) => [a.pd, 0, 0, 0],
             VObj::Listener(l) => [l.ctx, 0, 0, 0],
+            VObj::DmaQueue(q) => [q.ctx, 0, 0, 0],
         }
     }
 }
@@ -615,7 +618,7 @@ fn owners() -> std::sync::MutexGuard<'static, HashMap<usize, Owner>> {
         .unwrap_or_else(|e| e.into_inner())
 }
 
-struct Local {
+pub(crate) struct Local {
     thread: ThreadId,
     objs: FastMap<usize, VObj>,
     /// (context, lkey) -> (address, length) of this thread's regions, to turn pointers in
@@ -627,7 +630,7 @@ struct Local {
 }
 
 impl Local {
-    fn insert(&mut self, key: usize, obj: VObj, fabric: usize) {
+    pub(crate) fn insert(&mut self, key: usize, obj: VObj, fabric: usize) {
         owners().insert(
             key,
             Owner {
@@ -638,12 +641,12 @@ impl Local {
         self.objs.insert(key, obj);
     }
 
-    fn serial(&mut self) -> u32 {
+    pub(crate) fn serial(&mut self) -> u32 {
         self.serial = self.serial.wrapping_add(1);
         self.serial
     }
 
-    fn get(&self, h: usize, what: &str) -> Result<&VObj, CErr> {
+    pub(crate) fn get(&self, h: usize, what: &str) -> Result<&VObj, CErr> {
         if let Some(o) = self.objs.get(&h) {
             return Ok(o);
         }
@@ -660,7 +663,7 @@ impl Local {
     }
 
     /// Removes `h` unless another object still depends on it (EBUSY, naming `users`).
-    fn remove(&mut self, h: usize, users: &str) -> Result<VObj, CErr> {
+    pub(crate) fn remove(&mut self, h: usize, users: &str) -> Result<VObj, CErr> {
         if self.objs.values().any(|o| o.parents().contains(&h)) {
             return Err(CErr(libc::EBUSY, format!("destroy its {users} first")));
         }
@@ -684,7 +687,9 @@ impl Drop for Local {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
             let mut v: Vec<VObj> = objs.into_values().collect();
             v.sort_by_key(|o| match o {
-                VObj::Qp(_) | VObj::Mr(_) | VObj::Ah(_) | VObj::Listener(_) => 0,
+                VObj::Qp(_) | VObj::Mr(_) | VObj::Ah(_) | VObj::Listener(_) | VObj::DmaQueue(_) => {
+                    0
+                }
                 VObj::Cq(_) => 1,
                 VObj::Channel(_) | VObj::Pd(_) => 2,
                 VObj::Ctx(_) => 3,
@@ -705,7 +710,7 @@ thread_local! {
 }
 
 /// Runs `f` on this thread's registry.
-fn local<R>(f: impl FnOnce(&mut Local) -> Result<R, CErr>) -> Result<R, CErr> {
+pub(crate) fn local<R>(f: impl FnOnce(&mut Local) -> Result<R, CErr>) -> Result<R, CErr> {
     LOCAL
         .try_with(|l| f(&mut l.borrow_mut()))
         .unwrap_or_else(|_| Err(CErr(libc::EPERM, "this thread is exiting".into())))
@@ -718,7 +723,7 @@ pub(crate) fn fabric_in_use(fabric: usize) -> bool {
 
 macro_rules! getter {
     ($name:ident, $var:ident, $ty:ty, $what:literal) => {
-        fn $name(l: &Local, h: usize) -> Result<&$ty, CErr> {
+        pub(crate) fn $name(l: &Local, h: usize) -> Result<&$ty, CErr> {
             match l.get(h, $what)? {
                 VObj::$var(o) => Ok(o),
                 _ => Err(bad_handle($what)),
@@ -774,7 +779,7 @@ fn guard_rc(f: impl FnOnce() -> Result<(), CErr>) -> c_int {
     }
 }
 
-fn ms(timeout_ms: c_int) -> Result<Option<Duration>, CErr> {
+pub(crate) fn ms(timeout_ms: c_int) -> Result<Option<Duration>, CErr> {
     match timeout_ms {
         -1 => Ok(None),
         t if t >= 0 => Ok(Some(Duration::from_millis(t as u64))),
@@ -1019,7 +1024,7 @@ pub extern "C" fn bp_close_device(context: *mut BpContext) -> c_int {
             get_ctx(l, context as usize)?;
             l.remove(
                 context as usize,
-                "PDs, CQs, completion channels and listeners",
+                "PDs, CQs, completion channels, listeners and DMA queues",
             )?;
             Ok(0)
         })
