@@ -59,6 +59,20 @@ fn info(s: &Side) -> PeerInfo {
     }
 }
 
+/// What a peer needs to connect to `qp` on `node` when it offers no region.
+fn bare_info(node: u32, qp: &Qp) -> PeerInfo {
+    PeerInfo {
+        node,
+        qpn: qp.qp_num(),
+        psn: 0,
+        rkey: 0,
+        addr: 0,
+        len: 0,
+        qkey: 0,
+        private_data: vec![],
+    }
+}
+
 /// Two connected sides on nodes 1 and 2.
 fn pair(f: &Fabric, ty: QpType, access: AccessFlags, len: usize) -> (Side, Side) {
     let a = side(f, 1, ty, access, len);
@@ -644,16 +658,7 @@ fn a_peer_node_going_down_fails_outstanding_work_within_a_second() {
         .unwrap();
     let amr = apd.alloc_mr(4096, ALL).unwrap();
     let b = side(&f, 2, QpType::Rc, ALL, 4096);
-    let ai = PeerInfo {
-        node: 1,
-        qpn: aqp.qp_num(),
-        psn: 0,
-        rkey: 0,
-        addr: 0,
-        len: 0,
-        qkey: 0,
-        private_data: vec![],
-    };
+    let ai = bare_info(1, &aqp);
     cm::ready_qp(&aqp, &info(&b), &ConnParam::default()).unwrap();
     cm::ready_qp(&b.qp, &ai, &ConnParam::default()).unwrap();
     // Outstanding: sends waiting for a receive node 2 will never post.
@@ -792,16 +797,7 @@ fn a_completion_channel_fd_wakes_a_poll_loop_for_a_peer_send() {
         .create_qp(&QpInitAttr::new(QpType::Rc, &bcq, &bcq))
         .unwrap();
     let bmr = bpd.alloc_mr(4096, ALL).unwrap();
-    let bi = PeerInfo {
-        node: 2,
-        qpn: bqp.qp_num(),
-        psn: 0,
-        rkey: 0,
-        addr: 0,
-        len: 0,
-        qkey: 0,
-        private_data: vec![],
-    };
+    let bi = bare_info(2, &bqp);
     cm::ready_qp(&a.qp, &bi, &ConnParam::default()).unwrap();
     cm::ready_qp(&bqp, &info(&a), &ConnParam::default()).unwrap();
     bqp.post_recv(&[RecvWr {
@@ -861,16 +857,7 @@ fn an_ack_that_came_before_arming_still_wakes_the_channel() {
     let aqp = apd
         .create_qp(&QpInitAttr::new(QpType::Rc, &acq, &acq))
         .unwrap();
-    let ai = PeerInfo {
-        node: 1,
-        qpn: aqp.qp_num(),
-        psn: 0,
-        rkey: 0,
-        addr: 0,
-        len: 0,
-        qkey: 0,
-        private_data: vec![],
-    };
+    let ai = bare_info(1, &aqp);
     let b = side(&f, 2, QpType::Rc, ALL, 4096);
     cm::ready_qp(&aqp, &info(&b), &ConnParam::default()).unwrap();
     cm::ready_qp(&b.qp, &ai, &ConnParam::default()).unwrap();
