@@ -26,6 +26,8 @@ struct Side {
     cq: Cq,
     qp: Qp,
     mr: Mr,
+    /// The CQ's completion channel ([`watched_side`] only).
+    ch: Option<CompChannel>,
 }
 
 fn side(f: &Fabric, slot: u32, ty: QpType, access: AccessFlags, len: usize) -> Side {
@@ -43,6 +45,27 @@ fn side(f: &Fabric, slot: u32, ty: QpType, access: AccessFlags, len: usize) -> S
         cq,
         qp,
         mr,
+        ch: None,
+    }
+}
+
+/// An RC side whose small CQ (16) has a completion channel: for tests that sleep on it.
+fn watched_side(f: &Fabric, slot: u32) -> Side {
+    let ctx = Context::open(&f.node(slot).unwrap()).unwrap();
+    let ch = ctx.create_comp_channel().unwrap();
+    let cq = ctx.create_cq(16, Some(&ch)).unwrap();
+    let pd = ctx.alloc_pd();
+    let qp = pd
+        .create_qp(&QpInitAttr::new(QpType::Rc, &cq, &cq))
+        .unwrap();
+    let mr = pd.alloc_mr(4096, ALL).unwrap();
+    Side {
+        ctx,
+        pd,
+        cq,
+        qp,
+        mr,
+        ch: Some(ch),
     }
 }
 
@@ -56,20 +79,6 @@ fn info(s: &Side) -> PeerInfo {
         len: s.mr.len() as u64,
         qkey: cm::DEFAULT_QKEY,
         private_data: Vec::new(),
-    }
-}
-
-/// What a peer needs to connect to `qp` on `node` when it offers no region.
-fn bare_info(node: u32, qp: &Qp) -> PeerInfo {
-    PeerInfo {
-        node,
-        qpn: qp.qp_num(),
-        psn: 0,
-        rkey: 0,
-        addr: 0,
-        len: 0,
-        qkey: 0,
-        private_data: vec![],
     }
 }
 
@@ -649,18 +658,11 @@ fn a_peer_node_going_down_fails_outstanding_work_within_a_second() {
     let fab = Fab::up("verbs_down", 2, &["--restart-delay-ms", "0"]);
     let f = Fabric::attach(&fab.name).unwrap();
     // The requester sleeps on a completion channel: the watcher must notice the death.
-    let actx = Context::open(&f.node(1).unwrap()).unwrap();
-    let ch = actx.create_comp_channel().unwrap();
-    let acq = actx.create_cq(16, Some(&ch)).unwrap();
-    let apd = actx.alloc_pd();
-    let aqp = apd
-        .create_qp(&QpInitAttr::new(QpType::Rc, &acq, &acq))
-        .unwrap();
-    let amr = apd.alloc_mr(4096, ALL).unwrap();
+    let a = watched_side(&f, 1);
     let b = side(&f, 2, QpType::Rc, ALL, 4096);
-    let ai = bare_info(1, &aqp);
-    cm::ready_qp(&aqp, &info(&b), &ConnParam::default()).unwrap();
-    cm::ready_qp(&b.qp, &ai, &ConnParam::default()).unwrap();
+    cm::ready_qp(&a.qp, &info(&b), &ConnParam::default()).unwrap();
+    cm::ready_qp(&b.qp, &info(&a), &ConnParam::default()).unwrap();
+    let (aqp, acq, amr, ch) = (&a.qp, &a.cq, &a.mr, a.ch.as_ref().unwrap());
     // Outstanding: sends waiting for a receive node 2 will never post.
     aqp.post_send(&[
         SendWr::send(1, &[amr.sge(0, 8)]).signaled(),
@@ -789,17 +791,10 @@ fn a_completion_channel_fd_wakes_a_poll_loop_for_a_peer_send() {
     let fab = Fab::up("verbs_channel", 2, &[]);
     let f = Fabric::attach(&fab.name).unwrap();
     let a = side(&f, 1, QpType::Rc, ALL, 4096);
-    let bctx = Context::open(&f.node(2).unwrap()).unwrap();
-    let ch = bctx.create_comp_channel().unwrap();
-    let bcq = bctx.create_cq(16, Some(&ch)).unwrap();
-    let bpd = bctx.alloc_pd();
-    let bqp = bpd
-        .create_qp(&QpInitAttr::new(QpType::Rc, &bcq, &bcq))
-        .unwrap();
-    let bmr = bpd.alloc_mr(4096, ALL).unwrap();
-    let bi = bare_info(2, &bqp);
-    cm::ready_qp(&a.qp, &bi, &ConnParam::default()).unwrap();
-    cm::ready_qp(&bqp, &info(&a), &ConnParam::default()).unwrap();
+    let b = watched_side(&f, 2);
+    cm::ready_qp(&a.qp, &info(&b), &ConnParam::default()).unwrap();
+    cm::ready_qp(&b.qp, &info(&a), &ConnParam::default()).unwrap();
+    let (bqp, bcq, bmr, ch) = (&b.qp, &b.cq, &b.mr, b.ch.as_ref().unwrap());
     bqp.post_recv(&[RecvWr {
         wr_id: 5,
         sg_list: &[bmr.sge(0, 64)],
@@ -850,21 +845,14 @@ fn an_ack_that_came_before_arming_still_wakes_the_channel() {
     // A has not taken in yet, not sleep until another one comes (none will: B is idle).
     let fab = Fab::up("verbs_ack_arm", 2, &[]);
     let f = Fabric::attach(&fab.name).unwrap();
-    let actx = Context::open(&f.node(1).unwrap()).unwrap();
-    let ch = actx.create_comp_channel().unwrap();
-    let acq = actx.create_cq(16, Some(&ch)).unwrap();
-    let apd = actx.alloc_pd();
-    let aqp = apd
-        .create_qp(&QpInitAttr::new(QpType::Rc, &acq, &acq))
-        .unwrap();
-    let ai = bare_info(1, &aqp);
+    let a = watched_side(&f, 1);
     let b = side(&f, 2, QpType::Rc, ALL, 4096);
-    cm::ready_qp(&aqp, &info(&b), &ConnParam::default()).unwrap();
-    cm::ready_qp(&b.qp, &ai, &ConnParam::default()).unwrap();
+    cm::ready_qp(&a.qp, &info(&b), &ConnParam::default()).unwrap();
+    cm::ready_qp(&b.qp, &info(&a), &ConnParam::default()).unwrap();
+    let (acq, ch) = (&a.cq, a.ch.as_ref().unwrap());
     recv(&b, 5, 0, 64);
-    let mut wr = SendWr::send_inline(1, b"ack me");
-    wr.send_flags = SendFlags(SendFlags::INLINE.0 | SendFlags::SIGNALED.0);
-    aqp.post_send(&[wr]).unwrap();
+    a.qp.post_send(&[SendWr::send_inline(1, b"ack me").signaled()])
+        .unwrap();
     let mut pump = Pump::new(&[&b.cq]);
     let w = pump.next(0);
     assert_eq!((w.wr_id, w.status), (5, WcStatus::Success));
