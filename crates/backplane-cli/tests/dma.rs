@@ -357,17 +357,6 @@ fn role_owner() {
     }
 }
 
-/// This process's mappings of node 2's regions, as /proc/self/maps shows them.
-fn region_maps(fab: &str) -> Vec<String> {
-    let tag = format!("bp-{fab}-mr-n2");
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .filter(|l| l.contains(&tag))
-        .map(str::to_owned)
-        .collect()
-}
-
 #[test]
 fn another_process_regions_read_only_grants_are_mapped_read_only_and_ungranted_ones_not_at_all() {
     if role().is_some() {

@@ -1074,17 +1074,6 @@ impl Client {
     }
 }
 
-/// The mapping of node 2's region in this process, as /proc/self/maps shows it.
-fn region_maps(fab: &str) -> Vec<String> {
-    let tag = format!("bp-{fab}-mr-n2");
-    std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .filter(|l| l.contains(&tag))
-        .map(str::to_owned)
-        .collect()
-}
-
 #[test]
 fn two_processes_connect_with_the_helper_and_run_every_rc_operation() {
     if role().is_some() {

@@ -157,3 +157,14 @@ pub fn role() -> Option<String> {
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
+
+/// This process's mappings of node 2's regions, as /proc/self/maps shows them.
+pub fn region_maps(fab: &str) -> Vec<String> {
+    let tag = format!("bp-{fab}-mr-n2");
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(&tag))
+        .map(str::to_owned)
+        .collect()
+}
