@@ -1223,3 +1223,34 @@ fn a_read_only_grant_is_mapped_read_only_and_the_os_refuses_writes() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// `perf write-lat --rounds` through the binary: every round kept in the JSON, medians on top,
+/// the temporary fabrics of all rounds gone afterwards.
+#[test]
+fn perf_rounds_keep_every_round_and_report_medians() {
+    let out = bp(&[
+        "perf",
+        "write-lat",
+        "-n",
+        "300",
+        "--rounds",
+        "3",
+        "--ucx",
+        "off",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rounds = v["rounds"].as_array().unwrap();
+    assert_eq!(rounds.len(), 3);
+    let typical: Vec<f64> = rounds
+        .iter()
+        .map(|r| r["backplane"][0]["t_typical_us"].as_f64().unwrap())
+        .collect();
+    let mut sorted = typical.clone();
+    sorted.sort_by(f64::total_cmp);
+    assert_eq!(v["backplane"][0]["t_typical_us"].as_f64(), Some(sorted[1]));
+    assert!(typical.iter().all(|&t| t > 0.0 && t < 1e6), "{typical:?}");
+    let bad = bp(&["perf", "write-lat", "--rounds", "0", "--ucx", "off"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
+}

@@ -164,6 +164,11 @@ pub struct Args {
     /// Run `ucx_perftest` (UCX_TLS=posix,cma,self) with the same sizes in the same run.
     #[arg(long, value_enum, default_value = "auto")]
     ucx: UcxMode,
+    /// Repeat the whole comparison this many times, backplane and UCX alternating, and report
+    /// each field's median over the rounds with every round's ratio (a shared, noisy machine
+    /// moves single runs by tens of percent).
+    #[arg(short = 'r', long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
+    rounds: u32,
     /// Print a JSON document (version 1) instead of tables.
     #[arg(long)]
     json: bool,
@@ -236,6 +241,17 @@ struct Report {
     backplane: Vec<Row>,
     ucx: Option<Vec<Row>>,
     ucx_note: Option<String>,
+    /// With `--rounds` > 1: every round's rows (`backplane` and `ucx` above are then each
+    /// field's median over these).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    rounds: Vec<Round>,
+}
+
+/// One round of a `--rounds` run.
+#[derive(Debug, Clone, Serialize)]
+struct Round {
+    backplane: Vec<Row>,
+    ucx: Option<Vec<Row>>,
 }
 
 /// Tears down what a run started, whatever happens.
@@ -289,6 +305,80 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.iters == Some(0) {
         bail!("--iters must be at least 1");
     }
+    let ucx_path = match (a.ucx, which("ucx_perftest")) {
+        (UcxMode::Require, None) => {
+            bail!("ucx_perftest is not installed (Debian package ucx-utils)")
+        }
+        (UcxMode::Off, _) => Err("UCX comparison disabled (--ucx off)".to_string()),
+        (UcxMode::Auto, None) => Err(
+            "ucx_perftest not found (install Debian package ucx-utils); UCX comparison skipped"
+                .to_string(),
+        ),
+        (_, Some(path)) => Ok(path),
+    };
+    let mut rounds = Vec::new();
+    let mut fabric_name = String::new();
+    let mut ucx_note = ucx_path.as_ref().err().cloned();
+    for round in 0..a.rounds {
+        let (name, rows) = measure_backplane(&a, &sizes, round == 0)?;
+        fabric_name = name;
+        let ucx = match &ucx_path {
+            Ok(path) => {
+                let mut out = Vec::new();
+                for &size in &sizes {
+                    match ucx_run(path, a.test, size, iters_for(&a, size)) {
+                        Ok(r) => out.push(r),
+                        Err(e) => {
+                            ucx_note = Some(format!("ucx_perftest failed at {size} B: {e:#}"));
+                            break;
+                        }
+                    }
+                }
+                Some(out)
+            }
+            Err(_) => None,
+        };
+        if a.rounds > 1 && !a.json {
+            eprintln!(
+                "{}: round {} of {} done",
+                a.test.name(),
+                round + 1,
+                a.rounds
+            );
+        }
+        rounds.push(Round {
+            backplane: rows,
+            ucx,
+        });
+    }
+    let (rows, ucx) = if rounds.len() == 1 {
+        let r = rounds.pop().expect("one round");
+        (r.backplane, r.ucx)
+    } else {
+        let bp: Vec<&[Row]> = rounds.iter().map(|r| &r.backplane[..]).collect();
+        let ucx: Option<Vec<&[Row]>> = rounds.iter().map(|r| r.ucx.as_deref()).collect();
+        (median_rows(&bp), ucx.map(|u| median_rows(&u)))
+    };
+    let report = Report {
+        version: 1,
+        test: a.test,
+        fabric: fabric_name,
+        backplane: rows,
+        ucx,
+        ucx_note,
+        rounds,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", render(&report));
+    }
+    Ok(())
+}
+
+/// One backplane measurement of every size: a temporary fabric (unless `--name`), the peer
+/// process, the rows (with same-run memcpy for bandwidth), everything torn down after.
+fn measure_backplane(a: &Args, sizes: &[u64], first: bool) -> anyhow::Result<(String, Vec<Row>)> {
     let mut cleanup = Cleanup {
         fabric: None,
         peer: None,
@@ -325,7 +415,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .context("cannot start the perf peer")?,
     );
     let announce_run = || {
-        if !a.json {
+        if !a.json && first {
             eprintln!(
                 "{}: fabric '{name}', node 1 <-> node 2, sizes {}..{} B",
                 a.test.name(),
@@ -336,15 +426,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let mut rows = Vec::new();
     if a.test.is_verbs() {
-        let iters: Vec<u64> = sizes.iter().map(|&s| iters_for(&a, s)).collect();
-        rows = verbs::client(&fabric, a.test, PEER_PORT, &sizes, &iters, announce_run)?;
+        let iters: Vec<u64> = sizes.iter().map(|&s| iters_for(a, s)).collect();
+        rows = verbs::client(&fabric, a.test, PEER_PORT, sizes, &iters, announce_run)?;
     } else {
         let mut ep = fabric.node(1)?.bind(0)?;
         let peer = Addr::new(2, PEER_PORT);
         wait_for_peer(&mut ep, peer)?;
         announce_run();
-        for &size in &sizes {
-            let iters = iters_for(&a, size);
+        for &size in sizes {
+            let iters = iters_for(a, size);
             let row = match a.test {
                 Test::DgramLat => lat_client(&mut ep, peer, size, iters)?,
                 _ => bw_client(&mut ep, peer, size, iters)?,
@@ -365,51 +455,52 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             r.memcpy_mbps = Some(memcpy_mbps(r.bytes, r.iterations));
         }
     }
+    Ok((name, rows))
+}
 
-    let (ucx, ucx_note) = match (a.ucx, which("ucx_perftest")) {
-        (UcxMode::Off, _) => (
-            None,
-            Some("UCX comparison disabled (--ucx off)".to_string()),
-        ),
-        (UcxMode::Require, None) => {
-            bail!("ucx_perftest is not installed (Debian package ucx-utils)")
-        }
-        (UcxMode::Auto, None) => (
-            None,
-            Some(
-                "ucx_perftest not found (install Debian package ucx-utils); UCX comparison skipped"
-                    .into(),
-            ),
-        ),
-        (_, Some(path)) => {
-            let mut out = Vec::new();
-            let mut note = None;
-            for &size in &sizes {
-                match ucx_run(&path, a.test, size, iters_for(&a, size)) {
-                    Ok(r) => out.push(r),
-                    Err(e) => {
-                        note = Some(format!("ucx_perftest failed at {size} B: {e:#}"));
-                        break;
-                    }
-                }
+/// Each field's median over rounds, size by size (rounds missing a size are skipped).
+fn median_rows(rounds: &[&[Row]]) -> Vec<Row> {
+    let Some(first) = rounds.first() else {
+        return Vec::new();
+    };
+    first
+        .iter()
+        .enumerate()
+        .map(|(i, r0)| {
+            let rows: Vec<&Row> = rounds.iter().filter_map(|r| r.get(i)).collect();
+            let med = |get: fn(&Row) -> Option<f64>| median(rows.iter().filter_map(|r| get(r)));
+            Row {
+                bytes: r0.bytes,
+                iterations: r0.iterations,
+                t_min_us: med(|r| r.t_min_us),
+                t_max_us: med(|r| r.t_max_us),
+                t_typical_us: med(|r| r.t_typical_us),
+                t_avg_us: med(|r| r.t_avg_us),
+                t_stdev_us: med(|r| r.t_stdev_us),
+                p99_us: med(|r| r.p99_us),
+                p999_us: med(|r| r.p999_us),
+                bw_peak_mbps: med(|r| r.bw_peak_mbps),
+                bw_avg_mbps: med(|r| r.bw_avg_mbps),
+                msg_rate_mpps: med(|r| r.msg_rate_mpps),
+                memcpy_mbps: med(|r| r.memcpy_mbps),
             }
-            (Some(out), note)
-        }
-    };
-    let report = Report {
-        version: 1,
-        test: a.test,
-        fabric: name,
-        backplane: rows,
-        ucx,
-        ucx_note,
-    };
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", render(&report));
+        })
+        .collect()
+}
+
+/// The median (mean of the middle two for an even count); `None` for no values.
+fn median(v: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = v.filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
     }
-    Ok(())
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
 }
 
 fn wait_for_peer(ep: &mut Endpoint, peer: Addr) -> anyhow::Result<()> {
@@ -678,8 +769,15 @@ pub fn parse_ucx_csv(text: &str, test: Test, size: u64) -> anyhow::Result<Row> {
     Ok(r)
 }
 
+/// Two decimals as perftest prints them, three below 1 (sub-microsecond latencies).
 fn f(x: Option<f64>) -> String {
-    x.map_or("-".into(), |v| format!("{v:.2}"))
+    x.map_or("-".into(), |v| {
+        if v.abs() < 1.0 {
+            format!("{v:.3}")
+        } else {
+            format!("{v:.2}")
+        }
+    })
 }
 
 fn render(r: &Report) -> String {
@@ -792,8 +890,59 @@ fn render(r: &Report) -> String {
         }
         o += &format!("{line}\n");
     }
+    if !r.rounds.is_empty() {
+        o += &render_rounds(r);
+    }
     if let Some(n) = &r.ucx_note {
         o += &format!(" note: {n}\n");
+    }
+    o
+}
+
+/// The `--rounds` block: every round's ratio, the ratio of the medians, and in how many rounds
+/// the fabric was at least as good as UCX.
+fn render_rounds(r: &Report) -> String {
+    let lat = r.test.is_lat();
+    let value = |x: &Row| if lat { x.t_typical_us } else { x.bw_avg_mbps };
+    let mut o = format!(
+        " {} rounds, backplane and UCX alternating; the tables above hold each field's median\n",
+        r.rounds.len()
+    );
+    if r.ucx.is_none() {
+        return o;
+    }
+    o += &format!(
+        " per-round ratio of {} (backplane / UCX, {} is better):\n",
+        if lat { "t_typical" } else { "BW average" },
+        if lat { "<=1" } else { ">=1" }
+    );
+    for (i, x) in r.backplane.iter().enumerate() {
+        let ratios: Vec<f64> = r
+            .rounds
+            .iter()
+            .filter_map(|rd| {
+                let b = value(rd.backplane.get(i)?)?;
+                let u = value(rd.ucx.as_ref()?.get(i)?)?;
+                Some(b / u)
+            })
+            .collect();
+        let good = ratios
+            .iter()
+            .filter(|&&q| if lat { q <= 1.0 } else { q >= 1.0 })
+            .count();
+        let med = value(x).zip(r.ucx.as_ref().and_then(|u| u.get(i)).and_then(value));
+        o += &format!(
+            "{:>9} B: {}  | ratio of medians {}  | as good as UCX in {} of {} rounds\n",
+            x.bytes,
+            ratios
+                .iter()
+                .map(|q| format!("{q:.2}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+            f(med.map(|(b, u)| b / u)),
+            good,
+            ratios.len()
+        );
     }
     o
 }
@@ -801,6 +950,28 @@ fn render(r: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rounds_are_summarised_field_by_field_with_medians() {
+        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), Some(2.0));
+        assert_eq!(median([4.0, 1.0, 3.0, 2.0].into_iter()), Some(2.5));
+        assert_eq!(median([f64::NAN].into_iter()), None);
+        let row = |t: f64, bw: Option<f64>| Row {
+            bytes: 8,
+            iterations: 10,
+            t_typical_us: Some(t),
+            bw_avg_mbps: bw,
+            ..Row::default()
+        };
+        let a = [row(0.1, None)];
+        let b = [row(0.3, Some(5.0))];
+        let c = [row(0.2, None)];
+        let m = median_rows(&[&a, &b, &c]);
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].t_typical_us, Some(0.2));
+        assert_eq!(m[0].bw_avg_mbps, Some(5.0)); // only the rounds that have the field
+        assert_eq!(m[0].t_min_us, None);
+    }
 
     #[test]
     fn ucx_csv_is_parsed_into_latency_and_bandwidth_rows() {

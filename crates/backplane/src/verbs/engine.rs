@@ -200,12 +200,22 @@ impl MrTable {
         self.last.set((0, 0));
     }
 
-    #[inline]
+    /// The region with `key`; the last key looked up is answered without hashing (the hot
+    /// path posts from the same region again and again).
+    #[inline(always)]
     pub(crate) fn get(&self, key: u32) -> Option<&LocalMr> {
         let (k, i) = self.last.get();
         if k == key && k != 0 {
-            return self.slab[i].as_ref();
+            if let Some(Some(m)) = self.slab.get(i) {
+                return Some(m);
+            }
         }
+        self.get_slow(key)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn get_slow(&self, key: u32) -> Option<&LocalMr> {
         let i = *self.index.get(&key)?;
         self.last.set((key, i));
         self.slab[i].as_ref()
@@ -293,7 +303,7 @@ impl RemoteMr {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn resolve(mrs: &MrTable, pd: u32, sge: &Sge, write: bool) -> Result<*mut u8, WcStatus> {
     let mr = mrs.get(sge.lkey).ok_or(WcStatus::LocProtErr)?;
     let end = sge.addr.checked_add(u64::from(sge.length));
@@ -977,9 +987,7 @@ impl QpSt {
         unsafe {
             let remote = m.data.add(remote_addr as usize);
             match (wc_op, wr.wr) {
-                (WcOpcode::RdmaWrite, _) => {
-                    ordered_write(&Src::Ptr(local, len), env.mrs, self.pd, remote, len)
-                }
+                (WcOpcode::RdmaWrite, _) => ordered_copy(local, remote, len),
                 (WcOpcode::RdmaRead, _) => copy(remote, local, len),
                 (
                     op,
@@ -1018,8 +1026,8 @@ impl QpSt {
 
     /// The SEND fast path (RC/UC): one request, nothing waiting ahead, one source range or
     /// inline data, one fragment, a credit and ring room at hand. Anything else goes the
-    /// general way.
-    #[inline]
+    /// general way. Kept out of line so the one-sided path stays small (registers, spills).
+    #[inline(never)]
     fn fast_send(&mut self, wr: &SendWr<'_>, env: &Env<'_>, cqs: &mut Cqs) -> bool {
         let mop = match wr.opcode {
             WrOpcode::Send => MsgOp::Send,
@@ -1112,6 +1120,7 @@ impl QpSt {
         true
     }
 
+    #[inline(never)]
     fn post_send_general(
         &mut self,
         wrs: &[SendWr<'_>],
@@ -2603,6 +2612,26 @@ unsafe fn ordered_write(src: &Src<'_>, mrs: &MrTable, pd: u32, dst: *mut u8, n: 
     fence(Ordering::Release);
     // SAFETY: as above.
     unsafe { src.gather(mrs, pd, head as u64, dst.add(head), 8) };
+}
+
+/// [`ordered_write`] from one resolved local range, without the source walk: the fast path's.
+///
+/// # Safety
+/// `src` is valid for `n` bytes of reads and `dst` for `n` bytes of writes.
+#[inline(always)]
+unsafe fn ordered_copy(src: *const u8, dst: *mut u8, n: usize) {
+    // SAFETY: (both branches) caller contract; the two copies split `[0, n)`.
+    unsafe {
+        if n <= 8 {
+            copy(src, dst, n);
+            return;
+        }
+        let head = n - 8;
+        copy(src, dst, head);
+        // SYNC POINT write-order (release): the body is visible before the last 8 bytes.
+        fence(Ordering::Release);
+        copy(src.add(head), dst.add(head), 8);
+    }
 }
 
 fn byte_len_of(wr: &SendWr<'_>) -> u32 {
