@@ -87,9 +87,20 @@ int main(void)
 	CHECK(bp_dgram_close(rx) == 0, "close");
 	EXPECT_ERR(bp_dgram_close(rx), EBADF); /* stale handle */
 	EXPECT_ERR(bp_dgram_send(rx, a, "x", 1, 0), EBADF);
+	/* A stale handle never names an endpoint made after it was closed. */
+	for (int i = 0; i < 100; i++) {
+		struct bp_endpoint *again = bp_dgram_bind(f, 2, 4242);
+		CHECK(again != NULL && again != rx, "a new endpoint gets a new handle");
+		EXPECT_ERR(bp_dgram_close(rx), EBADF);
+		CHECK(bp_dgram_close(again) == 0, "close the new endpoint");
+	}
 	CHECK(bp_dgram_close(tx) == 0, "close tx");
 	CHECK(bp_fabric_detach(f) == 0, "detach");
 	EXPECT_ERR(bp_fabric_detach(f), EBADF);
+	struct bp_fabric *f2 = bp_fabric_attach(NULL);
+	CHECK(f2 != NULL && f2 != f, "a new attach gets a new handle");
+	EXPECT_ERR(bp_fabric_detach(f), EBADF);
+	CHECK(bp_fabric_detach(f2) == 0, "detach the new one");
 
 	printf("%d passed, %d failed\n", passed, failed);
 	return failed ? 1 : 0;

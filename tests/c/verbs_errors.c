@@ -209,6 +209,25 @@ int main(void)
 	      port.active_mtu == BP_MTU_4096);
 	CHECK(bp_query_port(ctx, 2, &port) == EINVAL);
 	CHECK(bp_fabric_detach(f) == -1 && errno == EBUSY);
+	/* A destroyed object's handle never names an object made after it (the allocator would
+	 * otherwise hand the same address to the next PD at once). */
+	enum { N_STALE = 64 };
+	struct bp_pd *gone[N_STALE], *fresh[N_STALE];
+	for (int i = 0; i < N_STALE; i++)
+		CHECK((gone[i] = bp_alloc_pd(ctx)) != NULL);
+	for (int i = 0; i < N_STALE; i++)
+		CHECK(bp_dealloc_pd(gone[i]) == 0);
+	int aliased = 0;
+	for (int i = 0; i < N_STALE; i++) {
+		CHECK((fresh[i] = bp_alloc_pd(ctx)) != NULL);
+		for (int j = 0; j < N_STALE; j++)
+			aliased += fresh[i] == gone[j];
+	}
+	CHECK(aliased == 0);
+	for (int i = 0; i < N_STALE; i++)
+		CHECK(bp_dealloc_pd(gone[i]) == EBADF);
+	for (int i = 0; i < N_STALE; i++)
+		CHECK(bp_dealloc_pd(fresh[i]) == 0);
 	struct bp_pd *pd = bp_alloc_pd(ctx);
 	CHECK(pd != NULL);
 	char buf[64];

@@ -317,7 +317,7 @@ pub unsafe extern "C" fn bp_dma_engines_start(cfg: *const BpDmaConfig) -> *mut B
             engines: DmaEngines::start(&cfg)?,
             queues: AtomicUsize::new(0),
         });
-        let p = Arc::as_ptr(&e).cast_mut();
+        let p = crate::new_handle::<BpDmaEngines>();
         engines_reg().insert(p as usize, e);
         Ok(p)
     })

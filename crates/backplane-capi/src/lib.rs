@@ -8,6 +8,10 @@
 //! registry of live objects before it is touched, so a NULL, closed or made-up handle is
 //! `EBADF`, not a crash. The registry holds an `Arc` per object and a call clones it, so a
 //! close racing with a call on another thread frees the object only when the call is done.
+//! Opaque handles (fabrics, endpoints, DMA engine sets) are never-reused numbers shaped like
+//! pointers, not addresses, so a stale handle can never name an object created after it was
+//! closed. (Verbs objects are structs C reads, as in libibverbs, so their handles are
+//! addresses.)
 //! No panic crosses the boundary: each entry point runs under `catch_unwind`.
 
 use std::cell::RefCell;
@@ -64,6 +68,15 @@ pub struct BpEndpoint {
 enum Obj {
     Fabric(Arc<BpFabric>),
     Endpoint(Arc<BpEndpoint>),
+}
+
+/// A fresh opaque handle: a number no other handle of this process had or will have, aligned
+/// and non-NULL like a pointer. Never dereferenced: it is only a registry key.
+pub(crate) fn new_handle<T>() -> *mut T {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(1);
+    // 2^60 handles before wrapping: not reachable.
+    (NEXT.fetch_add(1, Ordering::Relaxed) << 4) as *mut T
 }
 
 fn registry() -> &'static Mutex<HashMap<usize, Obj>> {
@@ -206,7 +219,7 @@ pub unsafe extern "C" fn bp_fabric_attach(name: *const c_char) -> *mut BpFabric 
         let f = Arc::new(BpFabric {
             fabric: Fabric::attach(&name)?,
         });
-        let p = Arc::as_ptr(&f) as *mut BpFabric;
+        let p = new_handle::<BpFabric>();
         registry()
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -259,7 +272,7 @@ pub extern "C" fn bp_dgram_bind(fabric: *mut BpFabric, node: u32, port: u32) -> 
             ep: Mutex::new(ep),
             fabric: fabric as usize,
         });
-        let p = Arc::as_ptr(&e) as *mut BpEndpoint;
+        let p = new_handle::<BpEndpoint>();
         registry()
             .lock()
             .unwrap_or_else(|e| e.into_inner())

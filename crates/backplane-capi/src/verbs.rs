@@ -492,10 +492,44 @@ impl<T> Owned<T> {
     }
 }
 
+/// How many destroyed handle structs are kept before their memory goes back to the allocator.
+/// A freed struct's address would otherwise soon come back for the next object of the same
+/// size, and a stale handle would then name that new object instead of failing with EBADF.
+const QUARANTINE: usize = 4096;
+
+/// Destroyed handle structs, oldest first, with the function that frees each.
+fn quarantine() -> std::sync::MutexGuard<'static, std::collections::VecDeque<(usize, Free)>> {
+    static Q: OnceLock<Mutex<std::collections::VecDeque<(usize, Free)>>> = OnceLock::new();
+    Q.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+type Free = unsafe fn(usize);
+
+/// # Safety
+/// `p` came from `Box::leak` of a `Box<T>` and is freed once.
+unsafe fn free_boxed<T>(p: usize) {
+    // SAFETY: caller contract.
+    drop(unsafe { Box::from_raw(p as *mut T) });
+}
+
 impl<T> Drop for Owned<T> {
     fn drop(&mut self) {
-        // SAFETY: the pointer came from `Box::leak` in `new` and is freed only here, once.
-        drop(unsafe { Box::from_raw(self.0.as_ptr()) });
+        let oldest = {
+            let mut q = quarantine();
+            q.push_back((self.0.as_ptr() as usize, free_boxed::<T> as Free));
+            if q.len() > QUARANTINE {
+                q.pop_front()
+            } else {
+                None
+            }
+        };
+        if let Some((p, free)) = oldest {
+            // SAFETY: every entry is a leaked box of the type its function frees, queued once
+            // by the drop of the one `Owned` that held it.
+            unsafe { free(p) };
+        }
     }
 }
 
