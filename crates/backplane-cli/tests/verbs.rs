@@ -293,6 +293,34 @@ fn unsignaled_work_completes_silently_and_signaled_work_reports() {
     }
 }
 
+/// Completions come in posting order: a signaled WRITE (done at once, on the fast path) posted
+/// behind a SEND still waiting for its acknowledgement completes after that SEND, not before.
+#[test]
+fn a_write_behind_an_unacknowledged_send_completes_after_it() {
+    let fab = Fab::up("verbs_order", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
+    // A first write maps B's region, so the one under test takes the fast path.
+    a.qp.post_send(&[SendWr::write(0, &[a.mr.sge(8, 8)], 64, b.mr.rkey())])
+        .unwrap();
+    recv(&b, 7, 0, 64);
+    a.qp.post_send(&[SendWr::send(1, &[a.mr.sge(0, 8)]).signaled()])
+        .unwrap();
+    a.qp.post_send(&[SendWr::write(2, &[a.mr.sge(8, 8)], 64, b.mr.rkey()).signaled()])
+        .unwrap();
+    // B has not polled: the SEND is unacknowledged, so nothing may complete on A yet.
+    let mut wc = [Wc::default(); 4];
+    for _ in 0..100 {
+        assert_eq!(a.cq.poll(&mut wc), 0, "{:?}", &wc[0]);
+    }
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    assert_eq!(p.next(1).wr_id, 7);
+    let (first, second) = (p.next(0), p.next(0));
+    assert_eq!((first.wr_id, first.opcode), (1, WcOpcode::Send));
+    assert_eq!((second.wr_id, second.opcode), (2, WcOpcode::RdmaWrite));
+    assert_eq!(second.status, WcStatus::Success);
+}
+
 #[test]
 fn a_full_cq_counts_send_overruns_and_holds_receives_back_without_losing_any() {
     let fab = Fab::up("verbs_overrun", 2, &[]);

@@ -631,8 +631,29 @@ impl Qp {
     /// available on the transport, too many SGEs or outstanding requests) are refused here with
     /// `Post { bad_wr }`; everything else — bad keys, remote access, RNR, a dead peer — ends
     /// as a completion with an error status.
+    #[inline]
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
+        if let [wr] = wrs {
+            if wr.opcode == WrOpcode::RdmaWrite && self.post_write_fast(wr) {
+                return Ok(());
+            }
+        }
         self.with(|q, env, cqs| q.post_send(wrs, env, cqs))
+    }
+
+    /// One RDMA_WRITE on the fast path, or `false` (nothing done) for the general way. A
+    /// function of its own, answering a bool, so the latency-critical path keeps its values in
+    /// registers.
+    #[inline(never)]
+    fn post_write_fast(&self, wr: &SendWr<'_>) -> bool {
+        let Ok(mut eng) = self.ctx.eng.try_borrow_mut() else {
+            return false;
+        };
+        let Engine { qps, cqs, mrs, .. } = &mut *eng;
+        let Some(Some(q)) = qps.get_mut(self.id) else {
+            return false;
+        };
+        q.fast_rdma_write(wr, mrs, cqs)
     }
 
     /// Posts receive work requests (`ibv_post_recv`).
