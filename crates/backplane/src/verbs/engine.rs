@@ -891,11 +891,12 @@ impl QpSt {
         cqs: &mut Cqs,
     ) -> Result<(), VerbsError> {
         if let [wr] = wrs {
-            if wr.opcode == WrOpcode::RdmaWrite {
-                if self.fast_rdma_write(wr, env.mrs, cqs) {
-                    return Ok(());
-                }
-            } else if self.fast_write(wr, env, cqs) || self.fast_send(wr, env, cqs) {
+            let fast = match wr.opcode {
+                WrOpcode::RdmaWrite => self.fast_rdma_write(wr, env.mrs, cqs),
+                WrOpcode::Send | WrOpcode::SendWithImm => self.fast_send(wr, env.mrs, cqs),
+                _ => self.fast_write(wr, env, cqs),
+            };
+            if fast {
                 return Ok(());
             }
         }
@@ -1101,7 +1102,7 @@ impl QpSt {
     /// inline data, one fragment, a credit and ring room at hand. Anything else goes the
     /// general way. Kept out of line so the one-sided path stays small (registers, spills).
     #[inline(never)]
-    fn fast_send(&mut self, wr: &SendWr<'_>, env: &Env<'_>, cqs: &mut Cqs) -> bool {
+    pub(crate) fn fast_send(&mut self, wr: &SendWr<'_>, mrs: &MrTable, cqs: &mut Cqs) -> bool {
         let mop = match wr.opcode {
             WrOpcode::Send => MsgOp::Send,
             WrOpcode::SendWithImm => MsgOp::SendImm,
@@ -1119,7 +1120,7 @@ impl QpSt {
         let inline = wr.send_flags.contains(SendFlags::INLINE);
         let (src, len) = match (inline, wr.inline_data, wr.sg_list) {
             (true, d, _) if !d.is_empty() => (d.as_ptr(), d.len()),
-            (_, _, [one]) => match resolve(env.mrs, self.pd, one, false) {
+            (_, _, [one]) => match resolve(mrs, self.pd, one, false) {
                 Ok(p) => (p as *const u8, one.length as usize),
                 Err(_) => return false,
             },
