@@ -82,6 +82,17 @@ pub fn run(
     iters: u64,
     warmup: u64,
 ) -> anyhow::Result<UcxResult> {
+    run_named(path, test.name(), size, iters, warmup)
+}
+
+/// [`run`] with any `ucx_perftest -t` test (`ucp_put_lat`, `ucp_get`, ... for `backplane perf`).
+pub fn run_named(
+    path: &Path,
+    test: &str,
+    size: u64,
+    iters: u64,
+    warmup: u64,
+) -> anyhow::Result<UcxResult> {
     let port = free_port()?.to_string();
     let mut server = Command::new(path)
         .args(["-p", &port])
@@ -105,7 +116,7 @@ pub fn run(
                 "-p",
                 &port,
                 "-t",
-                test.name(),
+                test,
                 "-s",
                 &size.to_string(),
                 "-n",

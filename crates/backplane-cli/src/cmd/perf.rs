@@ -10,7 +10,6 @@
 mod dma;
 mod verbs;
 
-use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -19,6 +18,8 @@ use backplane::dgram::{Addr, DgramError, Endpoint, Wait};
 use backplane::fabric::Fabric;
 use hdrhistogram::Histogram;
 use serde::Serialize;
+
+use backplane_bench::ucx;
 
 use super::parse_size;
 
@@ -305,7 +306,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.iters == Some(0) {
         bail!("--iters must be at least 1");
     }
-    let ucx_path = match (a.ucx, which("ucx_perftest")) {
+    let ucx_path = match (a.ucx, ucx::which("ucx_perftest")) {
         (UcxMode::Require, None) => {
             bail!("ucx_perftest is not installed (Debian package ucx-utils)")
         }
@@ -671,102 +672,32 @@ fn announce(ep: &mut Endpoint, peer: Addr, size: u64, count: u64) -> Result<(), 
     ep.send_to(peer, &c)
 }
 
-fn which(prog: &str) -> Option<std::path::PathBuf> {
-    std::env::var_os("PATH").and_then(|p| {
-        std::env::split_paths(&p)
-            .map(|d| d.join(prog))
-            .find(|f| f.is_file())
-    })
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// Runs one `ucx_perftest` client/server pair over loopback and parses its CSV line.
+/// One `ucx_perftest` run (the bench crate's runner) as a row of this test's table.
 fn ucx_run(path: &std::path::Path, test: Test, size: u64, iters: u64) -> anyhow::Result<Row> {
-    let port = free_port()?.to_string();
-    let env = [
-        ("UCX_TLS", "posix,cma,self"),
-        ("UCX_WARN_UNUSED_ENV_VARS", "n"),
-    ];
-    let mut server = Command::new(path)
-        .args(["-p", &port])
-        .envs(env)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let _guard = KillOnDrop(&mut server);
-    let mut last_err = String::new();
-    for _ in 0..100 {
-        std::thread::sleep(Duration::from_millis(50));
-        let out = Command::new(path)
-            .args([
-                "127.0.0.1",
-                "-p",
-                &port,
-                "-t",
-                test.ucx_test(),
-                "-s",
-                &size.to_string(),
-                "-n",
-                &iters.to_string(),
-                "-w",
-                &(iters / 10).clamp(10, 10_000).to_string(),
-                "-f",
-                "-v",
-            ])
-            .envs(env)
-            .output()?;
-        if !out.status.success() {
-            last_err = String::from_utf8_lossy(&out.stderr)
-                .lines()
-                .last()
-                .unwrap_or("")
-                .to_string();
-            continue; // the server may not be listening yet
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        return parse_ucx_csv(&text, test, size);
-    }
-    bail!("ucx_perftest client never connected: {last_err}")
+    let r = ucx::run_named(
+        path,
+        test.ucx_test(),
+        size,
+        iters,
+        (iters / 10).clamp(10, 10_000),
+    )?;
+    Ok(ucx_row(&r, test, size))
 }
 
-struct KillOnDrop<'a>(&'a mut Child);
-impl Drop for KillOnDrop<'_> {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Parses `ucx_perftest -f -v` output: a header line then
-/// `iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr`.
-pub fn parse_ucx_csv(text: &str, test: Test, size: u64) -> anyhow::Result<Row> {
-    let line = text
-        .lines()
-        .rev()
-        .find(|l| l.split(',').count() >= 8 && l.starts_with(|c: char| c.is_ascii_digit()))
-        .context("no result line in ucx_perftest output")?;
-    let v: Vec<f64> = line
-        .split(',')
-        .map(|f| f.trim().parse::<f64>())
-        .collect::<Result<_, _>>()
-        .context("malformed ucx_perftest result line")?;
-    let mut r = Row {
+fn ucx_row(r: &ucx::UcxResult, test: Test, size: u64) -> Row {
+    let mut row = Row {
         bytes: size,
-        iterations: v[0] as u64,
+        iterations: r.iterations,
         ..Row::default()
     };
     if test.is_lat() {
-        r.t_typical_us = Some(v[1]);
-        r.t_avg_us = Some(v[2]);
+        row.t_typical_us = Some(r.typical_lat_us);
+        row.t_avg_us = Some(r.avg_lat_us);
     } else {
-        // ucx_perftest reports MB/s as 2^20 bytes per second; convert to 10^6 like perftest.
-        r.bw_avg_mbps = Some(v[5] * 1_048_576.0 / 1e6);
-        r.msg_rate_mpps = Some(v[7] / 1e6);
+        row.bw_avg_mbps = Some(r.bw_mb_per_s);
+        row.msg_rate_mpps = Some(r.msg_rate / 1e6);
     }
-    Ok(r)
+    row
 }
 
 /// Two decimals as perftest prints them, three below 1 (sub-microsecond latencies).
@@ -974,14 +905,16 @@ mod tests {
     }
 
     #[test]
-    fn ucx_csv_is_parsed_into_latency_and_bandwidth_rows() {
+    fn ucx_results_become_latency_or_bandwidth_rows() {
         let text = "iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr\n\
                     100000,0.135,0.140,0.140,54.65,54.65,7162588,7162588\n";
-        let r = parse_ucx_csv(text, Test::DgramLat, 8).unwrap();
-        assert_eq!(r.iterations, 100000);
+        let u = ucx::parse_csv(text).unwrap();
+        let r = ucx_row(&u, Test::DgramLat, 8);
+        assert_eq!((r.bytes, r.iterations), (8, 100000));
         assert_eq!(r.t_typical_us, Some(0.135));
-        let r = parse_ucx_csv(text, Test::DgramBw, 8).unwrap();
+        assert_eq!(r.bw_avg_mbps, None);
+        let r = ucx_row(&u, Test::DgramBw, 8);
         assert!((r.bw_avg_mbps.unwrap() - 54.65 * 1.048576).abs() < 1e-6);
-        assert!(parse_ucx_csv("garbage\n", Test::DgramBw, 8).is_err());
+        assert_eq!(r.msg_rate_mpps, Some(7.162588));
     }
 }
