@@ -883,6 +883,17 @@ impl QpSt {
         Ok(())
     }
 
+    /// A request posted now may run at once, on a fast path: RTS, nothing queued or waiting
+    /// for an RNR retry ahead of it, the peer there, a connected transport.
+    #[inline(always)]
+    fn runs_now(&self) -> bool {
+        self.state == QpState::Rts
+            && self.exec == self.sq.len()
+            && self.rnr.is_none()
+            && !self.peer_gone
+            && self.ty != QpType::Ud
+    }
+
     #[inline]
     pub(crate) fn post_send(
         &mut self,
@@ -917,12 +928,7 @@ impl QpSt {
         let WrDetail::Rdma { remote_addr, rkey } = wr.wr else {
             return false;
         };
-        if self.state != QpState::Rts
-            || self.exec != self.sq.len()
-            || self.rnr.is_some()
-            || self.peer_gone
-            || self.ty == QpType::Ud
-        {
+        if !self.runs_now() {
             return false;
         }
         let inline = wr.send_flags.contains(SendFlags::INLINE);
@@ -1014,13 +1020,7 @@ impl QpSt {
             ),
             _ => return false,
         };
-        if self.state != QpState::Rts
-            || self.exec != self.sq.len()
-            || self.rnr.is_some()
-            || self.peer_gone
-            || self.ty == QpType::Ud
-            || (self.ty == QpType::Uc && wc_op != WcOpcode::RdmaWrite)
-        {
+        if !self.runs_now() || (self.ty == QpType::Uc && wc_op != WcOpcode::RdmaWrite) {
             return false;
         }
         let write = wc_op == WcOpcode::RdmaWrite;
@@ -1108,13 +1108,7 @@ impl QpSt {
             WrOpcode::SendWithImm => MsgOp::SendImm,
             _ => return false,
         };
-        if !matches!(wr.wr, WrDetail::None)
-            || self.state != QpState::Rts
-            || self.exec != self.sq.len()
-            || self.rnr.is_some()
-            || self.peer_gone
-            || self.ty == QpType::Ud
-        {
+        if !matches!(wr.wr, WrDetail::None) || !self.runs_now() {
             return false;
         }
         let inline = wr.send_flags.contains(SendFlags::INLINE);
