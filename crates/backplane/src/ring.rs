@@ -232,6 +232,14 @@ impl Consumer {
         self.head
     }
 
+    /// True when no record waits: none seen and not yet taken, and the producer index (one
+    /// load) still at our head. Anything else — records, or an index that moved in a way
+    /// [`Consumer::peek`] would call corrupt — is false: a cheap test before a full look.
+    #[inline]
+    pub fn is_drained(&self, mem: &impl RingMemory) -> bool {
+        self.head == self.tail_cache && mem.load_tail() == self.head
+    }
+
     /// The producer index as last loaded.
     pub fn tail_seen(&self) -> u64 {
         self.tail_cache
