@@ -165,9 +165,9 @@ pub struct Args {
     /// Run `ucx_perftest` (UCX_TLS=posix,cma,self) with the same sizes in the same run.
     #[arg(long, value_enum, default_value = "auto")]
     ucx: UcxMode,
-    /// Repeat the whole comparison this many times, backplane and UCX alternating, and report
-    /// each field's median over the rounds with every round's ratio (a shared, noisy machine
-    /// moves single runs by tens of percent).
+    /// Repeat the whole comparison this many times, backplane and its peer (UCX; veth for
+    /// `ip`) alternating, and report each field's median over the rounds with every round's
+    /// ratio (a shared, noisy machine moves single runs by tens of percent).
     #[arg(short = 'r', long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
     rounds: u32,
     /// Print a JSON document (version 1) instead of tables.
@@ -297,7 +297,7 @@ fn iters_for(a: &Args, size: u64) -> u64 {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     if a.test == Test::Ip {
-        return super::perf_ip::run(a.duration, a.json);
+        return super::perf_ip::run(a.duration, a.json, a.rounds);
     }
     if a.test == Test::DmaBw {
         return dma::run(&a);
@@ -490,7 +490,7 @@ fn median_rows(rounds: &[&[Row]]) -> Vec<Row> {
 }
 
 /// The median (mean of the middle two for an even count); `None` for no values.
-fn median(v: impl Iterator<Item = f64>) -> Option<f64> {
+pub(super) fn median(v: impl Iterator<Item = f64>) -> Option<f64> {
     let mut v: Vec<f64> = v.filter(|x| x.is_finite()).collect();
     if v.is_empty() {
         return None;

@@ -37,6 +37,27 @@ struct IpReport {
     rows: Vec<IpRow>,
     ratio_tcp: f64,
     ratio_lat_p50: f64,
+    /// With `--rounds` > 1: each round's rows (fabric, veth); `rows` then holds each field's
+    /// median over the rounds.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    rounds: Vec<Vec<IpRow>>,
+}
+
+/// Each field's median over rounds of one path.
+fn median_row(rows: &[&IpRow]) -> IpRow {
+    let med =
+        |get: fn(&IpRow) -> f64| super::perf::median(rows.iter().map(|r| get(r))).unwrap_or(0.0);
+    IpRow {
+        path: rows.first().map(|r| r.path.clone()).unwrap_or_default(),
+        tcp_gbps: med(|r| r.tcp_gbps),
+        cpu_client_pct: med(|r| r.cpu_client_pct),
+        cpu_server_pct: med(|r| r.cpu_server_pct),
+        cpu_agents_pct: super::perf::median(rows.iter().filter_map(|r| r.cpu_agents_pct)),
+        lat_avg_us: med(|r| r.lat_avg_us),
+        lat_p50_us: med(|r| r.lat_p50_us),
+        lat_p99_us: med(|r| r.lat_p99_us),
+        lat_p999_us: med(|r| r.lat_p999_us),
+    }
 }
 
 struct Cleanup {
@@ -229,7 +250,7 @@ fn measure(
 }
 
 /// Runs the comparison; `secs` per iperf3 run.
-pub fn run(secs: u64, json: bool) -> anyhow::Result<()> {
+pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
     if !rustix::process::geteuid().is_root() {
         bail!("perf ip needs root: it creates network namespaces and TAP devices");
     }
@@ -290,23 +311,37 @@ pub fn run(secs: u64, json: bool) -> anyhow::Result<()> {
         );
     }
     let plan = NetPlan::new(net::DEFAULT_SUBNET, mtu, 2)?;
-    let fabric_row = measure(
-        "fabric bp0",
-        (&fa, &fb),
-        &plan.address(2).to_string(),
-        secs,
-        &agents,
-    )?;
-    let veth_row = measure("veth pair", (&va, &vb), "10.255.255.2", secs, &[])?;
+    let mut all = Vec::new();
+    for round in 0..rounds {
+        let fabric_row = measure(
+            "fabric bp0",
+            (&fa, &fb),
+            &plan.address(2).to_string(),
+            secs,
+            &agents,
+        )?;
+        let veth_row = measure("veth pair", (&va, &vb), "10.255.255.2", secs, &[])?;
+        if rounds > 1 && !json {
+            eprintln!("perf ip: round {} of {rounds} done", round + 1);
+        }
+        all.push(vec![fabric_row, veth_row]);
+    }
     drop(cleanup);
+    let (rows, rounds_kept) = if all.len() == 1 {
+        (all.pop().expect("one round"), Vec::new())
+    } else {
+        let path = |i: usize| all.iter().map(|r| &r[i]).collect::<Vec<_>>();
+        (vec![median_row(&path(0)), median_row(&path(1))], all)
+    };
     let report = IpReport {
         version: 1,
         test: "ip",
         mtu,
         seconds: secs,
-        ratio_tcp: fabric_row.tcp_gbps / veth_row.tcp_gbps.max(1e-9),
-        ratio_lat_p50: fabric_row.lat_p50_us / veth_row.lat_p50_us.max(1e-9),
-        rows: vec![fabric_row, veth_row],
+        ratio_tcp: rows[0].tcp_gbps / rows[1].tcp_gbps.max(1e-9),
+        ratio_lat_p50: rows[0].lat_p50_us / rows[1].lat_p50_us.max(1e-9),
+        rows,
+        rounds: rounds_kept,
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -344,6 +379,22 @@ pub fn run(secs: u64, json: bool) -> anyhow::Result<()> {
         "{line}\n ratio fabric / veth: TCP throughput {:.2} (>=1 is better), latency p50 {:.2} (<=1 is better)",
         report.ratio_tcp, report.ratio_lat_p50
     );
+    if !report.rounds.is_empty() {
+        let per = |f: fn(&[IpRow]) -> f64| {
+            report
+                .rounds
+                .iter()
+                .map(|r| format!("{:.2}", f(r)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        println!(
+            " {} rounds, fabric and veth alternating; the table holds each field's median\n per-round TCP ratio: {}\n per-round latency p50 ratio: {}",
+            report.rounds.len(),
+            per(|r| r[0].tcp_gbps / r[1].tcp_gbps.max(1e-9)),
+            per(|r| r[0].lat_p50_us / r[1].lat_p50_us.max(1e-9)),
+        );
+    }
     Ok(())
 }
 
