@@ -411,4 +411,22 @@ mod tests {
         assert_eq!(parse_sockperf(text), Some((7.717, 7.173, 13.7, 19.501)));
         assert_eq!(parse_sockperf("nothing"), None);
     }
+
+    #[test]
+    fn rounds_of_a_path_are_summarised_by_medians() {
+        let row = |g: f64, a: Option<f64>| IpRow {
+            path: "fabric bp0".into(),
+            tcp_gbps: g,
+            lat_p50_us: g * 10.0,
+            cpu_agents_pct: a,
+            ..IpRow::default()
+        };
+        let (a, b, c) = (row(3.0, Some(50.0)), row(1.0, None), row(2.0, Some(70.0)));
+        let m = median_row(&[&a, &b, &c]);
+        assert_eq!(
+            (m.path.as_str(), m.tcp_gbps, m.lat_p50_us),
+            ("fabric bp0", 2.0, 20.0)
+        );
+        assert_eq!(m.cpu_agents_pct, Some(60.0)); // the rounds that measured agents
+    }
 }
