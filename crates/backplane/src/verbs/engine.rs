@@ -905,7 +905,7 @@ impl QpSt {
             let fast = match wr.opcode {
                 WrOpcode::RdmaWrite => self.fast_rdma_write(wr, env.mrs, cqs),
                 WrOpcode::Send | WrOpcode::SendWithImm => self.fast_send(wr, env.mrs, cqs),
-                _ => self.fast_write(wr, env, cqs),
+                _ => self.fast_read_atomic(wr, env, cqs),
             };
             if fast {
                 return Ok(());
@@ -917,7 +917,7 @@ impl QpSt {
     /// The RDMA_WRITE fast path — the latency-critical operation (a peer polling memory) — on
     /// its own so it compiles to a short straight line: one request, nothing waiting ahead, a
     /// single local range or inline data, the region last used for this QP's one-sided work,
-    /// every check [`QpSt::fast_write`] makes. Anything else goes the general way.
+    /// the same checks as [`QpSt::fast_read_atomic`]. Anything else goes the general way.
     #[inline(always)]
     pub(crate) fn fast_rdma_write(
         &mut self,
@@ -978,18 +978,13 @@ impl QpSt {
         true
     }
 
-    /// The one-sided fast path (RDMA_WRITE, RDMA_READ, atomics): one request, nothing waiting
-    /// ahead of it, a single local range (or inline data for a write), a region already
-    /// mapped. Anything else — including every error — goes the general way (which reports it).
+    /// The fast path of RDMA_READ and the atomics (RC): one request, nothing waiting ahead of
+    /// it, a single local range, a region already mapped. Anything else — including every
+    /// error — goes the general way (which reports it). RDMA_WRITE has its own,
+    /// [`QpSt::fast_rdma_write`].
     #[inline(never)]
-    fn fast_write(&mut self, wr: &SendWr<'_>, env: &Env<'_>, cqs: &mut Cqs) -> bool {
+    fn fast_read_atomic(&mut self, wr: &SendWr<'_>, env: &Env<'_>, cqs: &mut Cqs) -> bool {
         let (remote_addr, rkey, need, wc_op) = match (wr.opcode, wr.wr) {
-            (WrOpcode::RdmaWrite, WrDetail::Rdma { remote_addr, rkey }) => (
-                remote_addr,
-                rkey,
-                AccessFlags::REMOTE_WRITE,
-                WcOpcode::RdmaWrite,
-            ),
             (WrOpcode::RdmaRead, WrDetail::Rdma { remote_addr, rkey }) => (
                 remote_addr,
                 rkey,
@@ -1020,20 +1015,16 @@ impl QpSt {
             ),
             _ => return false,
         };
-        if !self.runs_now() || (self.ty == QpType::Uc && wc_op != WcOpcode::RdmaWrite) {
+        // UC has neither: the general way refuses them.
+        if !self.runs_now() || self.ty == QpType::Uc {
             return false;
         }
-        let write = wc_op == WcOpcode::RdmaWrite;
-        let inline = wr.send_flags.contains(SendFlags::INLINE);
-        let (local, len) = match (inline && write, wr.inline_data, wr.sg_list) {
-            (true, d, _) if !d.is_empty() => (d.as_ptr() as *mut u8, d.len()),
-            (_, _, [one]) => match resolve(env.mrs, self.pd, one, !write) {
-                Ok(p) => (p, one.length as usize),
-                Err(_) => return false,
-            },
-            _ => return false,
+        let [one] = wr.sg_list else { return false };
+        let Ok(local) = resolve(env.mrs, self.pd, one, true) else {
+            return false;
         };
-        if inline && len > self.cap.max_inline_data as usize {
+        let len = one.length as usize;
+        if wr.send_flags.contains(SendFlags::INLINE) && len > self.cap.max_inline_data as usize {
             return false;
         }
         let atomic = matches!(wc_op, WcOpcode::FetchAdd | WcOpcode::CompSwap);
@@ -1054,14 +1045,12 @@ impl QpSt {
             return false;
         }
         // SAFETY: [remote_addr, +len) is inside the mapping of the region (checked just above;
-        // writes and atomics only on regions granted writable, which REMOTE_WRITE and
-        // REMOTE_ATOMIC regions are); `local` is inline data or a range resolved inside a
-        // local region (writable for reads and atomics). The region's data starts on a page,
-        // so an 8-aligned offset is 8-aligned in memory.
+        // atomics only on regions granted writable, which REMOTE_ATOMIC regions are); `local`
+        // is a range resolved writable inside a local region. The region's data starts on a
+        // page, so an 8-aligned offset is 8-aligned in memory.
         unsafe {
             let remote = m.data.add(remote_addr as usize);
             match (wc_op, wr.wr) {
-                (WcOpcode::RdmaWrite, _) => ordered_copy(local, remote, len),
                 (WcOpcode::RdmaRead, _) => copy(remote, local, len),
                 (
                     op,
