@@ -894,24 +894,15 @@ impl QpSt {
             && self.ty != QpType::Ud
     }
 
-    #[inline]
-    pub(crate) fn post_send(
-        &mut self,
-        wrs: &[SendWr<'_>],
-        env: &Env<'_>,
-        cqs: &mut Cqs,
-    ) -> Result<(), VerbsError> {
-        if let [wr] = wrs {
-            let fast = match wr.opcode {
-                WrOpcode::RdmaWrite => self.fast_rdma_write(wr, env.mrs, cqs),
-                WrOpcode::Send | WrOpcode::SendWithImm => self.fast_send(wr, env.mrs, cqs),
-                _ => self.fast_read_atomic(wr, env, cqs),
-            };
-            if fast {
-                return Ok(());
-            }
+    /// One request on its fast path (RDMA_WRITE, SEND, READ, atomics), or `false` with nothing
+    /// done: the caller then takes the general way, which also reports every error.
+    #[inline(always)]
+    pub(crate) fn post_one_fast(&mut self, wr: &SendWr<'_>, mrs: &MrTable, cqs: &mut Cqs) -> bool {
+        match wr.opcode {
+            WrOpcode::RdmaWrite => self.fast_rdma_write(wr, mrs, cqs),
+            WrOpcode::Send | WrOpcode::SendWithImm => self.fast_send(wr, mrs, cqs),
+            _ => self.fast_read_atomic(wr, mrs, cqs),
         }
-        self.post_send_general(wrs, env, cqs)
     }
 
     /// The RDMA_WRITE fast path — the latency-critical operation (a peer polling memory) — on
@@ -919,12 +910,7 @@ impl QpSt {
     /// single local range or inline data, the region last used for this QP's one-sided work,
     /// the same checks as [`QpSt::fast_read_atomic`]. Anything else goes the general way.
     #[inline(always)]
-    pub(crate) fn fast_rdma_write(
-        &mut self,
-        wr: &SendWr<'_>,
-        mrs: &MrTable,
-        cqs: &mut Cqs,
-    ) -> bool {
+    fn fast_rdma_write(&mut self, wr: &SendWr<'_>, mrs: &MrTable, cqs: &mut Cqs) -> bool {
         let WrDetail::Rdma { remote_addr, rkey } = wr.wr else {
             return false;
         };
@@ -983,7 +969,7 @@ impl QpSt {
     /// error — goes the general way (which reports it). RDMA_WRITE has its own,
     /// [`QpSt::fast_rdma_write`].
     #[inline(never)]
-    fn fast_read_atomic(&mut self, wr: &SendWr<'_>, env: &Env<'_>, cqs: &mut Cqs) -> bool {
+    fn fast_read_atomic(&mut self, wr: &SendWr<'_>, mrs: &MrTable, cqs: &mut Cqs) -> bool {
         let (remote_addr, rkey, need, wc_op) = match (wr.opcode, wr.wr) {
             (WrOpcode::RdmaRead, WrDetail::Rdma { remote_addr, rkey }) => (
                 remote_addr,
@@ -1020,7 +1006,7 @@ impl QpSt {
             return false;
         }
         let [one] = wr.sg_list else { return false };
-        let Ok(local) = resolve(env.mrs, self.pd, one, true) else {
+        let Ok(local) = resolve(mrs, self.pd, one, true) else {
             return false;
         };
         let len = one.length as usize;
@@ -1091,7 +1077,7 @@ impl QpSt {
     /// inline data, one fragment, a credit and ring room at hand. Anything else goes the
     /// general way. Kept out of line so the one-sided path stays small (registers, spills).
     #[inline(never)]
-    pub(crate) fn fast_send(&mut self, wr: &SendWr<'_>, mrs: &MrTable, cqs: &mut Cqs) -> bool {
+    fn fast_send(&mut self, wr: &SendWr<'_>, mrs: &MrTable, cqs: &mut Cqs) -> bool {
         let mop = match wr.opcode {
             WrOpcode::Send => MsgOp::Send,
             WrOpcode::SendWithImm => MsgOp::SendImm,
@@ -1177,8 +1163,8 @@ impl QpSt {
         true
     }
 
-    #[inline(never)]
-    fn post_send_general(
+    /// `ibv_post_send` the general way (every request kind, lists, errors).
+    pub(crate) fn post_send(
         &mut self,
         wrs: &[SendWr<'_>],
         env: &Env<'_>,

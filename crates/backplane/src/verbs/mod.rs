@@ -634,20 +634,16 @@ impl Qp {
     #[inline]
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
         if let [wr] = wrs {
-            if matches!(
-                wr.opcode,
-                WrOpcode::RdmaWrite | WrOpcode::Send | WrOpcode::SendWithImm
-            ) && self.post_one_fast(wr)
-            {
+            if self.post_one_fast(wr) {
                 return Ok(());
             }
         }
         self.with(|q, env, cqs| q.post_send(wrs, env, cqs))
     }
 
-    /// One RDMA_WRITE or SEND on its fast path, or `false` (nothing done) for the general way.
-    /// A function of its own, answering a bool, so the latency-critical paths keep their values
-    /// in registers.
+    /// One request on its fast path, or `false` (nothing done) for the general way. A function
+    /// of its own, answering a bool, so the latency-critical paths keep their values in
+    /// registers.
     #[inline(never)]
     fn post_one_fast(&self, wr: &SendWr<'_>) -> bool {
         let Ok(mut eng) = self.ctx.eng.try_borrow_mut() else {
@@ -657,11 +653,7 @@ impl Qp {
         let Some(Some(q)) = qps.get_mut(self.id) else {
             return false;
         };
-        if wr.opcode == WrOpcode::RdmaWrite {
-            q.fast_rdma_write(wr, mrs, cqs)
-        } else {
-            q.fast_send(wr, mrs, cqs)
-        }
+        q.post_one_fast(wr, mrs, cqs)
     }
 
     /// Posts receive work requests (`ibv_post_recv`).
