@@ -952,16 +952,23 @@ impl QpSt {
         // which is mapped writable (REMOTE_WRITE); `local` is inline data or a range resolved
         // inside a local region.
         unsafe { ordered_copy(local, m.data.add(remote_addr as usize), len) };
-        if self.signaled(wr.send_flags) {
-            if self.sq.is_empty() {
-                let wc = self.wc(wr.wr_id, WcStatus::Success, WcOpcode::RdmaWrite, len as u32);
-                push_cqe(cqs, self.send_cq, wc);
-            } else {
-                // Completions come in order: after the SENDs still waiting for their acks.
-                self.push_executed(wr, true, len as u32, SqSt::Done(WcStatus::Success));
-            }
-        }
+        self.done_at_once(wr, WcOpcode::RdmaWrite, len, cqs);
         true
+    }
+
+    /// A request a fast path carried out entirely: a signaled one completes now, or — if work
+    /// posted before it still waits for its acknowledgement — right after that work (in order).
+    #[inline(always)]
+    fn done_at_once(&mut self, wr: &SendWr<'_>, op: WcOpcode, len: usize, cqs: &mut Cqs) {
+        if !self.signaled(wr.send_flags) {
+            return;
+        }
+        if self.sq.is_empty() {
+            let wc = self.wc(wr.wr_id, WcStatus::Success, op, len as u32);
+            push_cqe(cqs, self.send_cq, wc);
+        } else {
+            self.push_executed(wr, true, len as u32, SqSt::Done(WcStatus::Success));
+        }
     }
 
     /// The fast path of RDMA_READ and the atomics (RC): one request, nothing waiting ahead of
@@ -1062,14 +1069,7 @@ impl QpSt {
                 _ => {}
             }
         }
-        if self.signaled(wr.send_flags) {
-            let wc = self.wc(wr.wr_id, WcStatus::Success, wc_op, len as u32);
-            if self.sq.is_empty() {
-                push_cqe(cqs, self.send_cq, wc);
-            } else {
-                self.push_executed(wr, true, len as u32, SqSt::Done(WcStatus::Success));
-            }
-        }
+        self.done_at_once(wr, wc_op, len, cqs);
         true
     }
 
@@ -1141,8 +1141,8 @@ impl QpSt {
         let msg = self.msgs_out;
         self.msgs_out += 1;
         self.ring_peer();
-        let signaled = self.signaled(wr.send_flags);
         if rc {
+            let signaled = self.signaled(wr.send_flags);
             self.push_executed(
                 wr,
                 signaled,
@@ -1152,13 +1152,8 @@ impl QpSt {
                     msg,
                 },
             );
-        } else if signaled {
-            let wc = self.wc(wr.wr_id, WcStatus::Success, WcOpcode::Send, len as u32);
-            if self.sq.is_empty() {
-                push_cqe(cqs, self.send_cq, wc);
-            } else {
-                self.push_executed(wr, true, len as u32, SqSt::Done(WcStatus::Success));
-            }
+        } else {
+            self.done_at_once(wr, WcOpcode::Send, len, cqs);
         }
         true
     }
