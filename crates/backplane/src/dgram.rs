@@ -217,6 +217,11 @@ impl RingMemory for ShmRing {
             std::ptr::copy_nonoverlapping(self.data.add(pos as usize), dst.as_mut_ptr(), dst.len())
         }
     }
+    fn prefetch(&self, pos: u64) {
+        if pos < self.data_len {
+            crate::sync::prefetch(self.data.wrapping_add(pos as usize));
+        }
+    }
 }
 
 /// One link of a route through a distributed topology, resolved for stamping.

@@ -38,6 +38,8 @@ pub trait RingMemory {
     fn write(&self, pos: u64, src: &[u8]);
     /// Copies from the data area at `pos` into `dst`.
     fn read(&self, pos: u64, dst: &mut [u8]);
+    /// Hints that the data area at `pos` will be read soon (a cache prefetch; default: none).
+    fn prefetch(&self, _pos: u64) {}
 }
 
 /// What went wrong on a ring.
@@ -237,6 +239,9 @@ impl Consumer {
     /// [`Consumer::peek`] would call corrupt — is false: a cheap test before a full look.
     #[inline]
     pub fn is_drained(&self, mem: &impl RingMemory) -> bool {
+        // The record the producer index will announce sits at our head: ask for its line now,
+        // so that when a message arrives the index and the record are fetched side by side.
+        mem.prefetch(wrap(self.head, mem.data_len()));
         self.head == self.tail_cache && mem.load_tail() == self.head
     }
 
@@ -255,6 +260,8 @@ impl Consumer {
     pub fn peek(&mut self, mem: &impl RingMemory) -> Result<Option<Record>, RingError> {
         let data_len = mem.data_len();
         if self.head == self.tail_cache {
+            // As in `is_drained`: the next record's line travels beside the producer index.
+            mem.prefetch(wrap(self.head, data_len));
             // SYNC POINT ring-publish (acquire): records before tail are complete.
             let tail = mem.load_tail();
             if tail < self.tail_cache

@@ -138,6 +138,11 @@ impl RingMemory for QRing {
             std::ptr::copy_nonoverlapping(self.data.add(pos as usize), dst.as_mut_ptr(), dst.len())
         }
     }
+    fn prefetch(&self, pos: u64) {
+        if pos < self.len {
+            crate::sync::prefetch(self.data.wrapping_add(pos as usize));
+        }
+    }
 }
 
 impl QRing {
