@@ -321,6 +321,49 @@ fn a_write_behind_an_unacknowledged_send_completes_after_it() {
     assert_eq!(second.status, WcStatus::Success);
 }
 
+/// A poll that takes a message hands it over first and leaves the send side for the next poll
+/// — only once: a signaled SEND that the peer's messages acknowledge completes within two polls
+/// that take messages, however many keep coming.
+#[test]
+fn a_send_acknowledged_by_a_stream_of_messages_completes_while_they_keep_coming() {
+    let fab = Fab::up("verbs_settle", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
+    for i in 0..64 {
+        recv(&a, 1000 + i, 64, 64);
+    }
+    recv(&b, 7, 0, 64);
+    a.qp.post_send(&[SendWr::send_inline(1, b"ping").signaled()])
+        .unwrap();
+    let mut wc = [Wc::default(); 4];
+    let end = Instant::now() + Duration::from_secs(20);
+    while b.cq.poll(&mut wc) == 0 {
+        assert!(Instant::now() < end, "B never got the SEND");
+    }
+    assert_eq!((wc[0].wr_id, wc[0].status), (7, WcStatus::Success));
+    // Every message B sends from now on acknowledges A's SEND.
+    let mut polls_with_receives = 0;
+    for i in 0..64 {
+        b.qp.post_send(&[SendWr::send_inline(2000 + i, b"more")])
+            .unwrap();
+        b.cq.poll(&mut wc);
+        let n = a.cq.poll(&mut wc);
+        let got = &wc[..n];
+        if let Some(w) = got.iter().find(|w| w.opcode == WcOpcode::Send) {
+            assert_eq!((w.wr_id, w.status), (1, WcStatus::Success));
+            assert!(
+                polls_with_receives < 2,
+                "{polls_with_receives} polls before"
+            );
+            return;
+        }
+        if got.iter().any(|w| w.opcode == WcOpcode::Recv) {
+            polls_with_receives += 1;
+        }
+    }
+    panic!("the SEND never completed while messages kept coming");
+}
+
 #[test]
 fn a_full_cq_counts_send_overruns_and_holds_receives_back_without_losing_any() {
     let fab = Fab::up("verbs_overrun", 2, &[]);

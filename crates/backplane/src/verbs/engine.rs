@@ -724,6 +724,8 @@ pub(crate) struct QpSt {
     /// gone) are read only when they cannot arrive piggybacked, to keep from pulling the
     /// cache line the peer is about to write on every poll.
     idle: u32,
+    /// The last progress took a message and left the send side for this one.
+    settle_later: bool,
     /// How far piggybacked acknowledgements reached.
     acked_piggy: u64,
     /// Posted-receive count last written into the peer's block.
@@ -1752,7 +1754,22 @@ impl QpSt {
         }
         if self.idle > 0 {
             self.publish_credits();
+        } else if !self.settle_later
+            && self.ty != QpType::Ud
+            && cqs
+                .get(self.send_cq)
+                .is_some_and(|c| c.as_ref().is_some_and(|c| c.channel.is_none()))
+        {
+            // A receive just completed and whoever polls is waiting for it: the send side
+            // (typically the SEND this very message acknowledged) can wait for the next poll
+            // — once, so a stream of messages cannot hold it back, and not on a CQ with a
+            // completion channel, whose waiter sleeps until a watched word moves (an ack
+            // already seen will not). The send queue is not empty or there is nothing to do,
+            // so that next poll comes here ([`QpSt::quiet`] is false).
+            self.settle_later = true;
+            return;
         }
+        self.settle_later = false;
         if self.state == QpState::Rts && !self.sq.is_empty() {
             // Idle for a while (about 5-10 µs of polls) or the send queue filling up.
             let look = self.idle >= IDLE_LOOK || self.sq.len() * 2 >= self.cap.max_send_wr as usize;
@@ -2855,6 +2872,7 @@ impl Ctx {
             drops: 0,
             error: None,
             idle: 0,
+            settle_later: false,
             acked_piggy: 0,
             published: 0,
         };
