@@ -943,6 +943,11 @@ impl QpSt {
         let Some(m) = self.remote.last() else {
             return false;
         };
+        // The line the write ends in (the one a peer polls) starts coming while the checks run.
+        crate::sync::prefetch_write(
+            m.data
+                .wrapping_add((remote_addr as usize).wrapping_add(len).wrapping_sub(1)),
+        );
         let Some(p) = &self.peer else { return false };
         if m.key != rkey
             || !m.access.contains(AccessFlags::REMOTE_WRITE)
