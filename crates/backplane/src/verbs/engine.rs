@@ -687,6 +687,8 @@ struct Rnr {
 }
 
 pub(crate) struct QpSt {
+    /// Where the last fast-path RDMA_WRITE went, for the handle's early prefetch.
+    pub(crate) write_hint: WriteHint,
     pub(crate) qpn: u32,
     pub(crate) ty: QpType,
     pub(crate) state: QpState,
@@ -944,10 +946,7 @@ impl QpSt {
             return false;
         };
         // The line the write ends in (the one a peer polls) starts coming while the checks run.
-        crate::sync::prefetch_write(
-            m.data
-                .wrapping_add((remote_addr as usize).wrapping_add(len).wrapping_sub(1)),
-        );
+        crate::sync::prefetch_write(write_end(m.data, remote_addr, len));
         let Some(p) = &self.peer else { return false };
         if m.key != rkey
             || !m.access.contains(AccessFlags::REMOTE_WRITE)
@@ -964,6 +963,11 @@ impl QpSt {
         // which is mapped writable (REMOTE_WRITE); `local` is inline data or a range resolved
         // inside a local region.
         unsafe { ordered_copy(local, m.data.add(remote_addr as usize), len) };
+        self.write_hint = WriteHint {
+            rkey,
+            remote_addr,
+            line: write_end(m.data, remote_addr, len),
+        };
         self.done_at_once(wr, WcOpcode::RdmaWrite, len, cqs);
         true
     }
@@ -2707,6 +2711,32 @@ unsafe fn ordered_write(src: &Src<'_>, mrs: &MrTable, pd: u32, dst: *mut u8, n: 
     unsafe { src.gather(mrs, pd, head as u64, dst.add(head), 8) };
 }
 
+/// Where a QP's last fast-path RDMA_WRITE went: a WRITE to the same `(rkey, remote_addr)`
+/// prefetches `line` for writing before anything else. A hint only: it may be stale (the
+/// region gone), since a prefetch never faults it is never dereferenced.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WriteHint {
+    pub(crate) rkey: u32,
+    pub(crate) remote_addr: u64,
+    pub(crate) line: *const u8,
+}
+
+impl WriteHint {
+    pub(crate) const NONE: WriteHint = WriteHint {
+        rkey: 0,
+        remote_addr: u64::MAX,
+        line: std::ptr::null(),
+    };
+}
+
+/// The address of the last byte an RDMA_WRITE of `len` bytes at `remote_addr` lands on, in a
+/// region mapped at `base` — for a prefetch only: computed with wrapping arithmetic, it may
+/// point anywhere (a prefetch does not fault) and must not be dereferenced.
+#[inline(always)]
+pub(crate) fn write_end(base: *const u8, remote_addr: u64, len: usize) -> *const u8 {
+    base.wrapping_add((remote_addr as usize).wrapping_add(len).wrapping_sub(1))
+}
+
 /// [`ordered_write`] from one resolved local range, without the source walk: the fast path's.
 ///
 /// # Safety
@@ -2843,6 +2873,7 @@ impl Ctx {
             }
         };
         let st = QpSt {
+            write_hint: WriteHint::NONE,
             qpn,
             ty,
             state: QpState::Reset,

@@ -40,7 +40,7 @@ pub(crate) mod engine;
 pub mod fsm;
 mod types;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -338,6 +338,7 @@ impl Pd {
         Ok(Qp {
             ctx: self.ctx.clone(),
             id,
+            write_hint: Cell::new(engine::WriteHint::NONE),
             qpn,
             ty: init.qp_type,
         })
@@ -567,6 +568,10 @@ impl Ah {
 pub struct Qp {
     ctx: Rc<Ctx>,
     id: usize,
+    /// Where this QP's last fast-path RDMA_WRITE went (rkey, region mapping): the next WRITE
+    /// with that rkey asks for its destination line before anything else (see `post_send`).
+    /// A hint only: it may be stale, and is never dereferenced.
+    write_hint: Cell<engine::WriteHint>,
     qpn: u32,
     ty: QpType,
 }
@@ -634,6 +639,15 @@ impl Qp {
     #[inline]
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
         if let [wr] = wrs {
+            if let WrDetail::Rdma { remote_addr, rkey } = wr.wr {
+                // A WRITE to where the last one went: its destination line starts its trip to
+                // this core now, while the engine is looked up and the request checked (which
+                // the store must wait for), so a peer polling it sees the data sooner.
+                let h = self.write_hint.get();
+                if h.rkey == rkey && h.remote_addr == remote_addr {
+                    crate::sync::prefetch_write(h.line);
+                }
+            }
             if self.post_one_fast(wr) {
                 return Ok(());
             }
@@ -653,7 +667,9 @@ impl Qp {
         let Some(Some(q)) = qps.get_mut(self.id) else {
             return false;
         };
-        q.post_one_fast(wr, mrs, cqs)
+        let r = q.post_one_fast(wr, mrs, cqs);
+        self.write_hint.set(q.write_hint);
+        r
     }
 
     /// Posts receive work requests (`ibv_post_recv`).
