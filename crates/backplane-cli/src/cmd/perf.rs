@@ -830,8 +830,14 @@ fn render(r: &Report) -> String {
     o
 }
 
-/// The `--rounds` block: every round's ratio, the ratio of the medians, and in how many rounds
-/// the fabric was at least as good as UCX.
+/// The `--rounds` block: every round's ratio, their median, the ratio of the medians, and in
+/// how many rounds the fabric was at least as good as UCX.
+///
+/// The median of the per-round ratios is the paired figure: each round runs both back to back,
+/// so it compares them under the same conditions. The ratio of the medians does not pair them;
+/// where the machine moves between placement bands (latencies here sit in bands a factor of
+/// three apart, depending on where the host put the two vCPUs) it follows whichever side
+/// happened to draw more slow rounds.
 fn render_rounds(r: &Report) -> String {
     let lat = r.test.is_lat();
     let value = |x: &Row| if lat { x.t_typical_us } else { x.bw_avg_mbps };
@@ -863,13 +869,14 @@ fn render_rounds(r: &Report) -> String {
             .count();
         let med = value(x).zip(r.ucx.as_ref().and_then(|u| u.get(i)).and_then(value));
         o += &format!(
-            "{:>9} B: {}  | ratio of medians {}  | as good as UCX in {} of {} rounds\n",
+            "{:>9} B: {}  | median ratio {}  | ratio of medians {}  | as good as UCX in {} of {} rounds\n",
             x.bytes,
             ratios
                 .iter()
                 .map(|q| format!("{q:.2}"))
                 .collect::<Vec<_>>()
                 .join(" "),
+            f(median(ratios.iter().copied())),
             f(med.map(|(b, u)| b / u)),
             good,
             ratios.len()
@@ -902,6 +909,48 @@ mod tests {
         assert_eq!(m[0].t_typical_us, Some(0.2));
         assert_eq!(m[0].bw_avg_mbps, Some(5.0)); // only the rounds that have the field
         assert_eq!(m[0].t_min_us, None);
+    }
+
+    #[test]
+    fn the_paired_ratio_is_not_fooled_by_which_side_drew_more_slow_rounds() {
+        let row = |t: f64| Row {
+            bytes: 8,
+            iterations: 10,
+            t_typical_us: Some(t),
+            ..Row::default()
+        };
+        // backplane 0.06 against UCX 0.07 in the fast band, 0.19 against 0.26 in the slow one;
+        // backplane drew the slow band in 3 rounds of 5, UCX in 2.
+        let pairs = [
+            (0.06, 0.07),
+            (0.19, 0.26),
+            (0.19, 0.07),
+            (0.06, 0.26),
+            (0.19, 0.07),
+        ];
+        let rounds: Vec<Round> = pairs
+            .iter()
+            .map(|&(b, u)| Round {
+                backplane: vec![row(b)],
+                ucx: Some(vec![row(u)]),
+            })
+            .collect();
+        let bp: Vec<Vec<Row>> = rounds.iter().map(|r| r.backplane.clone()).collect();
+        let ux: Vec<Vec<Row>> = rounds.iter().map(|r| r.ucx.clone().unwrap()).collect();
+        let r = Report {
+            version: 1,
+            test: Test::WriteLat,
+            fabric: "t".into(),
+            backplane: median_rows(&bp.iter().map(|v| &v[..]).collect::<Vec<_>>()),
+            ucx: Some(median_rows(&ux.iter().map(|v| &v[..]).collect::<Vec<_>>())),
+            ucx_note: None,
+            rounds,
+        };
+        let text = render_rounds(&r);
+        // Per round: 0.857 0.731 2.71 0.231 2.71 -> median 0.857; medians 0.19 / 0.07 = 2.71.
+        assert!(text.contains("| median ratio 0.857 "), "{text}");
+        assert!(text.contains("| ratio of medians 2.71 "), "{text}");
+        assert!(text.contains("as good as UCX in 3 of 5 rounds"), "{text}");
     }
 
     #[test]
