@@ -689,6 +689,9 @@ struct Rnr {
 pub(crate) struct QpSt {
     /// Where the last fast-path RDMA_WRITE went, for the handle's early prefetch.
     pub(crate) write_hint: WriteHint,
+    /// Where the next SEND goes (the ring's next record and its producer index), for the
+    /// handle's early prefetch; never dereferenced.
+    pub(crate) send_hint: [*const u8; 2],
     pub(crate) qpn: u32,
     pub(crate) ty: QpType,
     pub(crate) state: QpState,
@@ -1151,6 +1154,14 @@ impl QpSt {
             copy(src, base.add(HDR), len);
         }
         self.prod.commit(&p.out, r);
+        self.send_hint = [
+            // The ring's data length is a power of two; if a peer lied about it, this is a
+            // wrong hint, not a wrong access (it is never dereferenced).
+            p.out
+                .data
+                .wrapping_add((self.prod.tail() & p.out.len.wrapping_sub(1)) as usize),
+            std::ptr::from_ref(p.out.tail.get()).cast::<u8>(),
+        ];
         if rc {
             self.used_credits += 1;
         }
@@ -2874,6 +2885,7 @@ impl Ctx {
         };
         let st = QpSt {
             write_hint: WriteHint::NONE,
+            send_hint: [std::ptr::null(); 2],
             qpn,
             ty,
             state: QpState::Reset,

@@ -339,6 +339,7 @@ impl Pd {
             ctx: self.ctx.clone(),
             id,
             write_hint: Cell::new(engine::WriteHint::NONE),
+            send_hint: Cell::new([std::ptr::null(); 2]),
             qpn,
             ty: init.qp_type,
         })
@@ -572,6 +573,9 @@ pub struct Qp {
     /// with that rkey asks for its destination line before anything else (see `post_send`).
     /// A hint only: it may be stale, and is never dereferenced.
     write_hint: Cell<engine::WriteHint>,
+    /// Where this QP's next SEND goes in the ring to the peer (record, producer index), as
+    /// the last fast-path SEND left it; null before. A hint only, never dereferenced.
+    send_hint: Cell<[*const u8; 2]>,
     qpn: u32,
     ty: QpType,
 }
@@ -639,14 +643,26 @@ impl Qp {
     #[inline]
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
         if let [wr] = wrs {
-            if let WrDetail::Rdma { remote_addr, rkey } = wr.wr {
-                // A WRITE to where the last one went: its destination line starts its trip to
-                // this core now, while the engine is looked up and the request checked (which
-                // the store must wait for), so a peer polling it sees the data sooner.
-                let h = self.write_hint.get();
-                if h.rkey == rkey && h.remote_addr == remote_addr {
-                    crate::sync::prefetch_write(h.line);
+            // The lines this request will write in the peer's memory start their trip to this
+            // core now, while the engine is looked up and the request checked (which the
+            // stores must wait for), so a peer polling them sees the data sooner.
+            match (wr.opcode, wr.wr) {
+                (WrOpcode::RdmaWrite, WrDetail::Rdma { remote_addr, rkey }) => {
+                    // A WRITE to where the last one went.
+                    let h = self.write_hint.get();
+                    if h.rkey == rkey && h.remote_addr == remote_addr {
+                        crate::sync::prefetch_write(h.line);
+                    }
                 }
+                (WrOpcode::Send | WrOpcode::SendWithImm, _) => {
+                    // The next record of the ring to the peer, and its producer index.
+                    let [rec, tail] = self.send_hint.get();
+                    if !rec.is_null() {
+                        crate::sync::prefetch_write(rec);
+                        crate::sync::prefetch_write(tail);
+                    }
+                }
+                _ => {}
             }
             if self.post_one_fast(wr) {
                 return Ok(());
@@ -669,6 +685,7 @@ impl Qp {
         };
         let r = q.post_one_fast(wr, mrs, cqs);
         self.write_hint.set(q.write_hint);
+        self.send_hint.set(q.send_hint);
         r
     }
 
