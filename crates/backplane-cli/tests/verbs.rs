@@ -610,6 +610,30 @@ fn bad_deregistered_out_of_bounds_or_unflagged_remote_access_is_rem_access_err_a
 }
 
 #[test]
+fn a_write_alone_to_where_the_last_one_went_after_the_region_is_gone_is_rem_access_err() {
+    // The handle remembers the line the last WRITE went to and prefetches it for the next
+    // WRITE to the same rkey and address, before any check: that hint is stale here.
+    let fab = Fab::up("verbs_stalehint", 2, &[]);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (a, b) = pair(&f, QpType::Rc, ALL, 8192);
+    let m = b.pd.alloc_mr(4096, ALL).unwrap();
+    let k = m.rkey();
+    let sge = [a.mr.sge(0, 8)];
+    let mut p = Pump::new(&[&a.cq]);
+    for id in [1, 2] {
+        a.qp.post_send(&[SendWr::write(id, &sge, 4088, k).signaled()])
+            .unwrap();
+        assert_eq!(p.next(0).status, WcStatus::Success);
+    }
+    drop(m);
+    a.qp.post_send(&[SendWr::write(3, &sge, 4088, k).signaled()])
+        .unwrap();
+    let w = p.next(0);
+    assert_eq!((w.wr_id, w.status), (3, WcStatus::RemAccessErr));
+    assert_eq!(a.qp.state(), QpState::Err);
+}
+
+#[test]
 fn bad_lkey_is_loc_prot_err_and_a_short_receive_is_loc_len_err_with_rem_inv_req_err() {
     let fab = Fab::up("verbs_local", 2, &[]);
     let f = Fabric::attach(&fab.name).unwrap();
