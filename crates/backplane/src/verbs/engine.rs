@@ -2722,6 +2722,13 @@ unsafe fn ordered_write(src: &Src<'_>, mrs: &MrTable, pd: u32, dst: *mut u8, n: 
     unsafe { src.gather(mrs, pd, head as u64, dst.add(head), 8) };
 }
 
+/// The bytes a SEND of `len` bytes takes in the ring from its record's start (record header,
+/// message header, payload).
+#[inline(always)]
+pub(crate) fn send_record_len(len: usize) -> usize {
+    crate::wire::RECORD_HEADER_LEN as usize + HDR + len
+}
+
 /// Where a QP's last fast-path RDMA_WRITE went: a WRITE to the same `(rkey, remote_addr)`
 /// prefetches `line` for writing before anything else. A hint only: it may be stale (the
 /// region gone), since a prefetch never faults it is never dereferenced.

@@ -655,11 +655,22 @@ impl Qp {
                     }
                 }
                 (WrOpcode::Send | WrOpcode::SendWithImm, _) => {
-                    // The next record of the ring to the peer, and its producer index.
+                    // The next record of the ring to the peer (its first lines: a small
+                    // message's), and the producer index.
                     let [rec, tail] = self.send_hint.get();
                     if !rec.is_null() {
-                        crate::sync::prefetch_write(rec);
                         crate::sync::prefetch_write(tail);
+                        let n = match (wr.inline_data, wr.sg_list) {
+                            (d, _) if !d.is_empty() => d.len(),
+                            (_, [s, ..]) => s.length as usize,
+                            _ => 0,
+                        };
+                        let end = engine::send_record_len(n).min(4 * crate::wire::CACHE_LINE);
+                        let mut off = 0;
+                        while off < end {
+                            crate::sync::prefetch_write(rec.wrapping_add(off));
+                            off += crate::wire::CACHE_LINE;
+                        }
                     }
                 }
                 _ => {}
