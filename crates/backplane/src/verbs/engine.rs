@@ -2731,7 +2731,7 @@ pub(crate) fn send_record_len(len: usize) -> usize {
 
 /// Where a QP's last fast-path RDMA_WRITE went: a WRITE to the same `(rkey, remote_addr)`
 /// prefetches `line` for writing before anything else. A hint only: it may be stale (the
-/// region gone), since a prefetch never faults it is never dereferenced.
+/// region gone), so it is only ever prefetched (which never faults), never dereferenced.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct WriteHint {
     pub(crate) rkey: u32,

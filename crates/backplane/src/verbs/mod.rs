@@ -569,9 +569,9 @@ impl Ah {
 pub struct Qp {
     ctx: Rc<Ctx>,
     id: usize,
-    /// Where this QP's last fast-path RDMA_WRITE went (rkey, region mapping): the next WRITE
-    /// with that rkey asks for its destination line before anything else (see `post_send`).
-    /// A hint only: it may be stale, and is never dereferenced.
+    /// Where this QP's last fast-path RDMA_WRITE went (rkey, address, the line it ended in):
+    /// the next WRITE to the same rkey and address asks for that line before anything else
+    /// (`prefetch_targets`). A hint only: it may be stale, and is never dereferenced.
     write_hint: Cell<engine::WriteHint>,
     /// Where this QP's next SEND goes in the ring to the peer (record, producer index), as
     /// the last fast-path SEND left it; null before. A hint only, never dereferenced.
@@ -643,43 +643,49 @@ impl Qp {
     #[inline]
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
         if let [wr] = wrs {
-            // The lines this request will write in the peer's memory start their trip to this
-            // core now, while the engine is looked up and the request checked (which the
-            // stores must wait for), so a peer polling them sees the data sooner.
-            match (wr.opcode, wr.wr) {
-                (WrOpcode::RdmaWrite, WrDetail::Rdma { remote_addr, rkey }) => {
-                    // A WRITE to where the last one went.
-                    let h = self.write_hint.get();
-                    if h.rkey == rkey && h.remote_addr == remote_addr {
-                        crate::sync::prefetch_write(h.line);
-                    }
-                }
-                (WrOpcode::Send | WrOpcode::SendWithImm, _) => {
-                    // The next record of the ring to the peer (its first lines: a small
-                    // message's), and the producer index.
-                    let [rec, tail] = self.send_hint.get();
-                    if !rec.is_null() {
-                        crate::sync::prefetch_write(tail);
-                        let n = match (wr.inline_data, wr.sg_list) {
-                            (d, _) if !d.is_empty() => d.len(),
-                            (_, [s, ..]) => s.length as usize,
-                            _ => 0,
-                        };
-                        let end = engine::send_record_len(n).min(4 * crate::wire::CACHE_LINE);
-                        let mut off = 0;
-                        while off < end {
-                            crate::sync::prefetch_write(rec.wrapping_add(off));
-                            off += crate::wire::CACHE_LINE;
-                        }
-                    }
-                }
-                _ => {}
-            }
+            self.prefetch_targets(wr);
             if self.post_one_fast(wr) {
                 return Ok(());
             }
         }
         self.with(|q, env, cqs| q.post_send(wrs, env, cqs))
+    }
+
+    /// Asks for the lines `wr` will write in the peer's memory, as the handle's hints predict
+    /// them (PREFETCHW; a hint never faults and is never dereferenced), so they start their
+    /// trip to this core while the engine is looked up and the request checked — which the
+    /// stores must wait for — and a peer polling them sees the data sooner.
+    #[inline(always)]
+    fn prefetch_targets(&self, wr: &SendWr<'_>) {
+        match (wr.opcode, wr.wr) {
+            (WrOpcode::RdmaWrite, WrDetail::Rdma { remote_addr, rkey }) => {
+                // A WRITE to where the last one went.
+                let h = self.write_hint.get();
+                if h.rkey == rkey && h.remote_addr == remote_addr {
+                    crate::sync::prefetch_write(h.line);
+                }
+            }
+            (WrOpcode::Send | WrOpcode::SendWithImm, _) => {
+                // The next record of the ring to the peer (its first lines: a small
+                // message's), and the producer index.
+                let [rec, tail] = self.send_hint.get();
+                if !rec.is_null() {
+                    crate::sync::prefetch_write(tail);
+                    let n = match (wr.inline_data, wr.sg_list) {
+                        (d, _) if !d.is_empty() => d.len(),
+                        (_, [s, ..]) => s.length as usize,
+                        _ => 0,
+                    };
+                    let end = engine::send_record_len(n).min(4 * crate::wire::CACHE_LINE);
+                    let mut off = 0;
+                    while off < end {
+                        crate::sync::prefetch_write(rec.wrapping_add(off));
+                        off += crate::wire::CACHE_LINE;
+                    }
+                }
+            }
+            _ => {}
+        }
     }
 
     /// One request on its fast path, or `false` (nothing done) for the general way. A function
