@@ -949,7 +949,8 @@ impl QpSt {
             return false;
         };
         // The line the write ends in (the one a peer polls) starts coming while the checks run.
-        crate::sync::prefetch_write(write_end(m.data, remote_addr, len));
+        let end_line = write_end(m.data, remote_addr, len);
+        crate::sync::prefetch_write(end_line);
         let Some(p) = &self.peer else { return false };
         if m.key != rkey
             || !m.access.contains(AccessFlags::REMOTE_WRITE)
@@ -969,7 +970,7 @@ impl QpSt {
         self.write_hint = WriteHint {
             rkey,
             remote_addr,
-            line: write_end(m.data, remote_addr, len),
+            line: end_line,
         };
         self.done_at_once(wr, WcOpcode::RdmaWrite, len, cqs);
         true
