@@ -725,7 +725,7 @@ fn measure_link(
     if def.name == "fabric-dgram" {
         pr.notes.push(
             "messages over 64 KiB travel as consecutive 64 KiB datagrams; the receiver reads \
-             them in place (zero-copy receive) through 1 MiB rings in its own window"
+             them in place (zero-copy receive) through rings of a sixteenth of its window (1 to 4 MiB) in its own window"
                 .into(),
         );
     }

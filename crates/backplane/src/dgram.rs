@@ -522,7 +522,7 @@ impl Endpoint {
         let mem = ShmRing::new(
             dst_win.clone(),
             ring_off,
-            DEFAULT_RING_DATA,
+            ring_data_for_window(fabric.window_size()),
             me.clone(),
             credit_off,
         )?;

@@ -99,6 +99,12 @@ pub const DEFAULT_INLINE_THRESHOLD: u64 = 16 << 10;
 /// Default largest piece an engine copies in one go: big enough that glibc's memcpy uses its
 /// large-copy strategy, small enough that cancellation and node death are seen within ms.
 pub const DEFAULT_MAX_PIECE: u64 = 8 << 20;
+/// Jobs of at least this many bytes are copied with stores that bypass the cache
+/// ([`crate::mem::copy_streaming`]), as a DMA engine's writes do: such a job cannot stay in
+/// the last-level cache (32 MiB on the development machine) anyway, and an ordinary copy
+/// would read every destination line before overwriting it. `perf dma-bw -r 5` at 64 MiB:
+/// 0.85 of memcpy with ordinary stores, see the README for the figure with streaming ones.
+pub const STREAM_MIN: u64 = 32 << 20;
 /// Segments at least this long are split (one piece per engine at least).
 pub const SPLIT_MIN: u64 = 256 << 10;
 /// Small segments are grouped into pieces of about this many bytes.
@@ -542,6 +548,8 @@ struct JobRun {
     /// The distinct mappings the segments point into (keeps them alive).
     maps: Vec<Arc<Mapping>>,
     segs: Vec<Resolved>,
+    /// Copy with cache-bypassing stores (the job is at least [`STREAM_MIN`] bytes).
+    stream: bool,
     /// Set when validation failed: (status, segment); the job never runs.
     rejected: Option<(DmaStatus, u32)>,
     /// Pieces handed to engines and not yet finished.
@@ -580,6 +588,7 @@ impl JobRun {
             after: Mutex::new(after),
             q: q.clone(),
             maps,
+            stream: segs.iter().map(|s| s.len).sum::<u64>() >= STREAM_MIN,
             segs,
             rejected,
             pending: AtomicUsize::new(0),
@@ -633,11 +642,12 @@ impl JobRun {
             // (`maps`), the destination mapping is writable, and no destination range of the
             // job overlaps another range of it.
             unsafe {
-                engine::copy(
-                    s.src.add(off as usize),
-                    s.dst.add(off as usize),
-                    len as usize,
-                )
+                let (src, dst) = (s.src.add(off as usize), s.dst.add(off as usize));
+                if self.stream {
+                    crate::mem::copy_streaming(src, dst, len as usize)
+                } else {
+                    engine::copy(src, dst, len as usize)
+                }
             };
             n += len;
         }

@@ -211,6 +211,62 @@ impl Drop for Region {
     }
 }
 
+/// Copies `n` bytes from `src` to `dst` with stores that bypass the cache (non-temporal), as
+/// a DMA engine's writes do: for copies far larger than the last-level cache this saves the
+/// read of every destination line before it is overwritten (a third of the memory traffic of
+/// an ordinary copy), and leaves the cache to the program. Elsewhere than on x86-64 it is an
+/// ordinary copy.
+///
+/// Written here rather than taken from a crate because glibc's `memcpy` switches to such
+/// stores only above `x86_non_temporal_threshold` (240 MiB on the development machine, so
+/// never for a 64 MiB job) and no well-kept crate offers a streaming copy.
+///
+/// # Safety
+/// `src` must be valid for reads and `dst` for writes of `n` bytes, and the ranges must not
+/// overlap.
+pub unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        // Head: an ordinary copy up to the destination's next 16-byte boundary.
+        let head = dst.align_offset(16).min(n);
+        // SAFETY: caller contract; `head <= n`.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+        let mut i = head;
+        while i + 64 <= n {
+            // SAFETY: `i + 64 <= n`, so all four 16-byte loads and stores are inside the
+            // ranges; `dst + i` is 16-byte aligned (the head aligned it, and `i - head` is a
+            // multiple of 64); SSE2 is part of x86-64.
+            unsafe {
+                let s = src.add(i).cast::<__m128i>();
+                let d = dst.add(i).cast::<__m128i>();
+                let (a, b, c, e) = (
+                    _mm_loadu_si128(s),
+                    _mm_loadu_si128(s.add(1)),
+                    _mm_loadu_si128(s.add(2)),
+                    _mm_loadu_si128(s.add(3)),
+                );
+                _mm_stream_si128(d, a);
+                _mm_stream_si128(d.add(1), b);
+                _mm_stream_si128(d.add(2), c);
+                _mm_stream_si128(d.add(3), e);
+            }
+            i += 64;
+        }
+        // SAFETY: the tail `[i, n)` is inside both ranges. The fence orders the streaming
+        // stores before whatever publishes the copy (a completion), as ordinary stores are.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i);
+            _mm_sfence();
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: caller contract.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, n)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -244,5 +300,25 @@ mod tests {
         let mut got = [0u8; 4];
         a.read(0, &mut got).unwrap();
         assert_eq!(&got, b"head");
+    }
+
+    #[test]
+    fn a_streaming_copy_moves_every_byte_whatever_the_alignment_and_length() {
+        let src: Vec<u8> = (0..5000u32).map(|i| (i * 7 + 3) as u8).collect();
+        for (so, doff, n) in [
+            (0, 0, 4096),
+            (1, 3, 4000),
+            (5, 0, 63),
+            (0, 9, 64),
+            (7, 1, 0),
+            (2, 15, 129),
+        ] {
+            let mut dst = vec![0xEEu8; 4200];
+            // SAFETY: both ranges are inside their vectors and distinct.
+            unsafe { copy_streaming(src.as_ptr().add(so), dst.as_mut_ptr().add(doff), n) };
+            assert_eq!(&dst[doff..doff + n], &src[so..so + n], "{so} {doff} {n}");
+            assert!(dst[..doff].iter().all(|&b| b == 0xEE));
+            assert!(dst[doff + n..].iter().all(|&b| b == 0xEE));
+        }
     }
 }

@@ -166,9 +166,10 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "auto")]
     ucx: UcxMode,
     /// Repeat the whole comparison this many times, backplane and its peer (UCX; veth for
-    /// `ip`) alternating, and report each field's median over the rounds with every round's
-    /// ratio (a shared, noisy machine moves single runs by tens of percent).
-    #[arg(short = 'r', long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
+    /// `ip`; memcpy for `dma-bw`) alternating, and report each field's median over the rounds
+    /// with every round's ratio and their median (a shared, noisy machine moves single runs
+    /// by tens of percent, so one run is never the figure to quote; `-r 1` for a quick look).
+    #[arg(short = 'r', long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=50))]
     rounds: u32,
     /// Print a JSON document (version 1) instead of tables.
     #[arg(long)]

@@ -1091,15 +1091,12 @@ impl Sup {
                 format!("node {slot}'s window is full; use a larger --window-size"),
             )
         };
+        let ring_bytes = RingRepr::footprint(self.ring_data());
         let ring_off = self.allocs[dst.0 as usize - 1]
-            .alloc(RingRepr::footprint(DEFAULT_RING_DATA), 4096, now)
+            .alloc(ring_bytes, 4096, now)
             .ok_or_else(|| no_room(dst.0))?;
         let Some(credit_off) = self.allocs[src.0 as usize - 1].alloc(CREDIT_LEN, 64, now) else {
-            self.allocs[dst.0 as usize - 1].free(
-                ring_off,
-                RingRepr::footprint(DEFAULT_RING_DATA),
-                now,
-            );
+            self.allocs[dst.0 as usize - 1].free(ring_off, ring_bytes, now);
             return Err(no_room(src.0));
         };
         let ring_id = self.next_ring;
@@ -1112,7 +1109,7 @@ impl Sup {
         dst_w.zero(ring_off, RING_DATA_OFF).expect("allocated");
         let mut h = [0u8; 64];
         RingRepr {
-            data_len: DEFAULT_RING_DATA,
+            data_len: self.ring_data(),
             src_slot: src.0,
             src_port: src.1,
             dst_port: dst.1,
@@ -1258,12 +1255,14 @@ impl Sup {
                 .u32_at(rec + EP_RING_SEQ_OFF as u64)
                 .map(|a| a.fetch_add(1, Ordering::Release));
         }
-        self.allocs[r.dst.0 as usize - 1].free(
-            r.ring_off,
-            RingRepr::footprint(DEFAULT_RING_DATA),
-            now,
-        );
+        let ring_bytes = RingRepr::footprint(self.ring_data());
+        self.allocs[r.dst.0 as usize - 1].free(r.ring_off, ring_bytes, now);
         self.allocs[r.src.0 as usize - 1].free(r.credit_off, CREDIT_LEN, now);
+    }
+
+    /// Ring data size of every datagram ring of this fabric (see [`wire::ring_data_for_window`]).
+    fn ring_data(&self) -> u32 {
+        wire::ring_data_for_window(self.cfg.window_size)
     }
 
     fn status(&self) -> StatusReport {
