@@ -19,44 +19,20 @@ pub const SPIN_POLLS: u32 = 4000;
 /// Spurious returns are allowed; callers re-check their condition.
 #[cfg(not(loom))]
 pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
-    let ts = timeout.map(|d| libc::timespec {
-        tv_sec: d.as_secs().min(i64::MAX as u64) as libc::time_t,
-        tv_nsec: d.subsec_nanos() as libc::c_long,
+    use rustix::thread::futex;
+    let ts = timeout.map(|d| rustix::time::Timespec {
+        tv_sec: d.as_secs().min(i64::MAX as u64) as _,
+        tv_nsec: d.subsec_nanos().into(),
     });
-    let ts_ptr = ts
-        .as_ref()
-        .map_or(std::ptr::null(), |t| t as *const libc::timespec);
-    // SAFETY: `word` is a valid, aligned u32 for the duration of the call; FUTEX_WAIT only reads
-    // it; `ts_ptr` is null or points to a live timespec. Errors (EAGAIN, EINTR, ETIMEDOUT) are
-    // all "go and re-check", so the return value is deliberately ignored.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            expected,
-            ts_ptr,
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
+    // Errors (EAGAIN: the word already changed, EINTR, ETIMEDOUT) all mean "go and re-check".
+    let _ = futex::wait(word, futex::Flags::empty(), expected, ts.as_ref());
 }
 
 /// Wakes every waiter sleeping on `word`.
 #[cfg(not(loom))]
 pub fn futex_wake(word: &AtomicU32) {
-    // SAFETY: `word` is a valid, aligned u32; FUTEX_WAKE does not access memory beyond it.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAKE,
-            i32::MAX,
-            std::ptr::null::<libc::timespec>(),
-            std::ptr::null::<u32>(),
-            0u32,
-        );
-    }
+    use rustix::thread::futex;
+    let _ = futex::wake(word, futex::Flags::empty(), i32::MAX as u32);
 }
 
 /// Asks the CPU to start loading the cache line at `p` (a hint: never faults, never blocks,

@@ -193,46 +193,31 @@ impl ChannelShared {
 
 /// Sleeps until one of `words` no longer holds its value, a wake, or `timeout`.
 fn wait_any(words: &[(&AtomicU32, u32)], timeout: Duration) {
-    #[repr(C)]
-    struct FutexWaitv {
-        val: u64,
-        uaddr: u64,
-        flags: u32,
-        reserved: u32,
-    }
-    const FUTEX2_SIZE_U32: u32 = 2;
-    let v: Vec<FutexWaitv> = words
+    use rustix::thread::futex::{self, WaitFlags, WaitPtr, WaitvFlags};
+    use rustix::time::{clock_gettime, ClockId, Timespec};
+    let v: Vec<futex::Wait> = words
         .iter()
         .take(128)
-        .map(|(w, val)| FutexWaitv {
-            val: u64::from(*val),
-            uaddr: w.as_ptr() as u64,
-            flags: FUTEX2_SIZE_U32,
-            reserved: 0,
+        .map(|(w, val)| {
+            let mut e = futex::Wait::new();
+            e.val = u64::from(*val);
+            e.uaddr = WaitPtr::new(w.as_ptr().cast());
+            e.flags = WaitFlags::SIZE_U32;
+            e
         })
         .collect();
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
+    // futex_waitv takes an absolute deadline.
+    let now = clock_gettime(ClockId::Monotonic);
+    let ns = now.tv_nsec as u64 + u64::from(timeout.subsec_nanos());
+    let until = Timespec {
+        tv_sec: now.tv_sec + timeout.as_secs() as i64 + (ns / 1_000_000_000) as i64,
+        tv_nsec: (ns % 1_000_000_000) as _,
     };
-    // SAFETY: `ts` is a live, writable timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    let ns = ts.tv_nsec as u64 + timeout.subsec_nanos() as u64;
-    ts.tv_sec += timeout.as_secs() as libc::time_t + (ns / 1_000_000_000) as libc::time_t;
-    ts.tv_nsec = (ns % 1_000_000_000) as libc::c_long;
-    // SAFETY: `v` is an array of `v.len()` futex_waitv entries whose addresses point to live,
-    // aligned u32 atomics (the words are borrowed for this call); `ts` is a live timespec.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_futex_waitv,
-            v.as_ptr(),
-            v.len() as libc::c_uint,
-            0u32,
-            &ts as *const libc::timespec,
-            libc::CLOCK_MONOTONIC,
-        )
-    };
-    if r < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
+    // The words are borrowed for the whole call, so every address stays valid while the
+    // kernel reads it. Other errors (EAGAIN: a word already changed, EINTR, ETIMEDOUT) mean
+    // "go and re-check".
+    let r = futex::waitv(&v, WaitvFlags::empty(), Some(&until), ClockId::Monotonic);
+    if r == Err(rustix::io::Errno::NOSYS) {
         // Kernels before 5.16: sleep on the bell, briefly if there are other words to watch.
         let t = if words.len() > 2 {
             timeout.min(Duration::from_millis(1))
