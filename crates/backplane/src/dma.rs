@@ -999,16 +999,13 @@ impl Drop for DmaEngines {
 
 /// Pins the calling thread to `cpu` (best effort: a CPU outside the allowed set is ignored).
 fn pin_to(cpu: usize) {
-    if cpu >= libc::CPU_SETSIZE as usize {
+    use rustix::thread::{sched_setaffinity, CpuSet};
+    if cpu >= CpuSet::MAX_CPU {
         return;
     }
-    // SAFETY: cpu_set_t is plain data, zero is a valid (empty) set; CPU_SET writes inside it
-    // (cpu < CPU_SETSIZE checked); sched_setaffinity reads the set we pass with its size.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-    }
+    let mut set = CpuSet::new();
+    set.set(cpu);
+    let _ = sched_setaffinity(None, &set);
 }
 
 // ---------------------------------------------------------------------------------------------

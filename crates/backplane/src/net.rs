@@ -274,10 +274,10 @@ pub fn enter_netns(name: &str) -> std::io::Result<()> {
         OFlags::RDONLY | OFlags::CLOEXEC,
         Mode::empty(),
     )?;
-    // SAFETY: setns on an fd we own; it affects only the calling thread's namespace.
-    if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    rustix::thread::move_into_link_name_space(
+        std::os::fd::AsFd::as_fd(&fd),
+        Some(rustix::thread::LinkNameSpaceType::Network),
+    )?;
     Ok(())
 }
 

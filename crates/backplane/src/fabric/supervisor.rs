@@ -277,24 +277,21 @@ struct Sup {
     verbs: verbs::Registry,
 }
 
-static SIGNALLED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    SIGNALLED.store(true, std::sync::atomic::Ordering::Relaxed);
+/// Set by SIGTERM, SIGINT or SIGHUP; the event loop (whose `poll` has a timeout and is never
+/// restarted after a signal) sees it and shuts down.
+fn signalled() -> &'static Arc<AtomicBool> {
+    static FLAG: std::sync::OnceLock<Arc<AtomicBool>> = std::sync::OnceLock::new();
+    FLAG.get_or_init(|| Arc::new(AtomicBool::new(false)))
 }
 
 fn install_signal_handlers() {
-    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
-        // SAFETY: a zeroed sigaction with a handler that only stores to an atomic is
-        // async-signal-safe; no SA_RESTART so `poll` returns EINTR promptly.
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = on_signal as *const () as usize;
-            libc::sigemptyset(&mut sa.sa_mask);
-            libc::sigaction(sig, &sa, std::ptr::null_mut());
-        }
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    for sig in [SIGTERM, SIGINT, SIGHUP] {
+        // Cannot fail for these signals (only the forbidden ones, such as SIGKILL, are refused).
+        let _ = signal_hook::flag::register(sig, Arc::clone(signalled()));
     }
     // SAFETY: ignoring SIGPIPE is always sound; writes to closed sockets then return EPIPE.
+    // (signal-hook has no call that ignores a signal; the CLI's `main` restores the default.)
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
 }
 
@@ -402,7 +399,7 @@ fn run_inner(
     let mut booted = false;
     let mut buf = Vec::new();
     loop {
-        if SIGNALLED.load(std::sync::atomic::Ordering::Relaxed) {
+        if signalled().load(std::sync::atomic::Ordering::Relaxed) {
             sup.say("signal received: shutting down");
             sup.stopping = true;
         }
@@ -503,12 +500,13 @@ impl Sup {
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2);
-        // SAFETY: the closure only calls async-signal-safe prctl between fork and exec.
+        // SAFETY: the closure only makes the prctl system call (async-signal-safe, no
+        // allocation) between fork and exec.
         unsafe {
             cmd.pre_exec(|| {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))?;
                 Ok(())
             });
         }
