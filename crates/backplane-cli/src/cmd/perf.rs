@@ -454,7 +454,7 @@ fn measure_backplane(a: &Args, sizes: &[u64], first: bool) -> anyhow::Result<(St
     if !a.test.is_lat() {
         // The physical limit, same sizes, same machine, same run, nothing else running.
         for r in &mut rows {
-            r.memcpy_mbps = Some(memcpy_mbps(r.bytes, r.iterations));
+            r.memcpy_mbps = Some(memcpy_mbps(r.bytes));
         }
     }
     Ok((name, rows))
@@ -532,33 +532,12 @@ fn recv_msg(ep: &mut Endpoint, size: u64) -> Result<u64, DgramError> {
     backplane_bench::link::fabric_recv_msg(ep, size, Wait::Forever)
 }
 
-/// Single-thread memcpy bandwidth between two buffers of `size` bytes, `iters` copies
-/// (at least 256 MiB in all), MB/s (10^6).
-fn memcpy_mbps(size: u64, iters: u64) -> f64 {
-    // Page-aligned buffers, as regions are: a heap pair a few bytes apart modulo 4 KiB makes
-    // `rep movsb` crawl on some CPUs (measured: 2.7 instead of 40 GB/s at 64 KiB).
-    let n = size as usize;
-    let a = vec![0x5Au8; n + 4096];
-    let mut b = vec![0u8; n + 4096];
-    let ao = a.as_ptr().align_offset(4096);
-    let bo = b.as_ptr().align_offset(4096);
-    let src = &a[ao..ao + n];
-    let dst = &mut b[bo..bo + n];
-    let n = iters.max((256 << 20) / size.max(1)).max(48) / 3;
-    for _ in 0..n.min(1000) / 10 {
-        dst.copy_from_slice(std::hint::black_box(src));
-    }
-    // Best of three: the limit the machine can reach, not its noise.
-    (0..3)
-        .map(|_| {
-            let t0 = Instant::now();
-            for _ in 0..n {
-                dst.copy_from_slice(std::hint::black_box(src));
-                std::hint::black_box(&mut *dst);
-            }
-            (n * size) as f64 / t0.elapsed().as_secs_f64() / 1e6
-        })
-        .fold(0.0, f64::max)
+/// Single-thread memcpy bandwidth between two page-aligned buffers of `size` bytes, about
+/// 256 MiB copied in all (the bench's toolkit): the best pass, the limit the machine reaches.
+fn memcpy_mbps(size: u64) -> f64 {
+    let per_pass = size.max(65536);
+    let passes = ((256u64 << 20) / per_pass).clamp(8, 4096) as usize;
+    backplane_bench::memcpy::measure(size as usize, passes).mb_per_s
 }
 
 /// A latency row from a histogram of round trips (ns); `halve` for ping-pong tests.
