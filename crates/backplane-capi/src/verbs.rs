@@ -611,32 +611,9 @@ impl VObj {
     }
 }
 
-/// FxHash-style hasher for handle-keyed maps: the keys are our own pointers and lkeys (not
+/// Handle-keyed maps hash with FxHash: the keys are our own numbers and lkeys (not
 /// attacker-chosen), and SipHash costs more than the rest of a `bp_poll_cq` lookup.
-#[derive(Default, Clone, Copy)]
-struct FastHasher(u64);
-
-impl std::hash::Hasher for FastHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x517c_c1b7_2722_0a95);
-    }
-    fn write_u32(&mut self, x: u32) {
-        self.write_u64(u64::from(x));
-    }
-    fn write_usize(&mut self, x: usize) {
-        self.write_u64(x as u64);
-    }
-}
-
-type FastMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<FastHasher>>;
+type FastMap<K, V> = rustc_hash::FxHashMap<K, V>;
 
 /// Who owns a handle: for the "another thread" error and for `bp_fabric_detach`.
 struct Owner {

@@ -19,8 +19,7 @@
 //!   `min_rnr_timer` per retry, `rnr_retry` times, as after an RNR NAK.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::VecDeque;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -156,23 +155,9 @@ impl QRing {
 // Memory regions.
 // ---------------------------------------------------------------------------------------------
 
-/// A cheap hasher for 32-bit keys (keys are random already).
-#[derive(Default)]
-pub(crate) struct KeyHasher(u64);
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, b: &[u8]) {
-        for &x in b {
-            self.0 = (self.0 << 8 | u64::from(x)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u32(&mut self, k: u32) {
-        self.0 = u64::from(k).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-type KeyMap<T> = HashMap<u32, T, BuildHasherDefault<KeyHasher>>;
+/// Keys are random 32-bit numbers already: FxHash's one multiply is all a lookup needs
+/// (SipHash would cost more than the rest of a post's key check).
+type KeyMap<T> = rustc_hash::FxHashMap<u32, T>;
 
 /// This process's regions by key, with the last key looked up remembered (most work requests
 /// of a QP use the same region).
