@@ -424,6 +424,77 @@ fn opt(x: Option<f64>, prec: usize) -> String {
     x.map_or_else(|| "-".into(), |v| format!("{v:.prec$}"))
 }
 
+/// The summary table's columns: the terminal's short heading and the Markdown one.
+const SUMMARY_HEADERS: [(&str, &str); 8] = [
+    ("PATH", "path"),
+    ("SUSTAINED MB/s", "sustained bandwidth (MB/s)"),
+    ("AT", "at size"),
+    ("CPU %", "CPU load (% of one CPU, both sides)"),
+    ("CPU us/MB", "service demand (µs CPU/MB)"),
+    ("LATENCY p50 us", "latency p50 (µs, one-way)"),
+    ("/MEMCPY", "bandwidth / memcpy"),
+    ("0-LOSS MB/s", "zero-loss rate (MB/s)"),
+];
+
+/// The summary table's cells, one row per summarised path, in [`SUMMARY_HEADERS`] order: the
+/// terminal and the Markdown summary show the same columns from the same strings.
+fn summary_cells(r: &Report) -> Vec<Vec<String>> {
+    r.summary
+        .iter()
+        .map(|s| {
+            let lat = match (s.latency_us, s.latency_bytes) {
+                (Some(l), Some(b)) => format!("{l:.2} at {}", human_bytes(b)),
+                _ => "-".into(),
+            };
+            vec![
+                s.path.clone(),
+                format!("{:.0}", s.sustained_mb_per_s),
+                human_bytes(s.at_bytes),
+                format!("{:.0}", s.cpu_pct),
+                format!("{:.1}", s.service_demand_us_per_mb),
+                lat,
+                format!("{:.2}", s.ratio_to_memcpy),
+                opt(s.zero_loss_mb_per_s, 0),
+            ]
+        })
+        .collect()
+}
+
+/// A plain-text table whose columns are as wide as their widest cell: the first column left
+/// aligned (names), the others right aligned (numbers), two spaces between columns.
+pub fn aligned(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let width = |c: &str| c.chars().count();
+    let mut w: Vec<usize> = headers.iter().map(|h| width(h)).collect();
+    for row in rows {
+        for (i, c) in row.iter().enumerate() {
+            if i < w.len() {
+                w[i] = w[i].max(width(c));
+            }
+        }
+    }
+    let line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut l = String::new();
+        for (i, c) in cells.enumerate().take(w.len()) {
+            let pad = " ".repeat(w[i] - width(c));
+            if i == 0 {
+                l += c;
+                l += &pad;
+            } else {
+                l += "  ";
+                l += &pad;
+                l += c;
+            }
+        }
+        l.truncate(l.trim_end().len());
+        l + "\n"
+    };
+    let mut o = line(&mut headers.iter().copied());
+    for row in rows {
+        o += &line(&mut row.iter().map(String::as_str));
+    }
+    o
+}
+
 /// The summary table as plain text (what the command prints).
 pub fn summary_text(r: &Report) -> String {
     let mut o = String::new();
@@ -435,36 +506,7 @@ pub fn summary_text(r: &Report) -> String {
         r.memcpy.reference_mb_per_s,
         r.memcpy.in_cache.mb_per_s
     );
-    let _ = writeln!(
-        o,
-        "{:<14} {:>14} {:>9} {:>9} {:>12} {:>18} {:>9} {:>14}",
-        "PATH",
-        "SUSTAINED MB/s",
-        "AT",
-        "CPU %",
-        "CPU us/MB",
-        "LATENCY p50 us",
-        "/MEMCPY",
-        "0-LOSS MB/s"
-    );
-    for s in &r.summary {
-        let lat = match (s.latency_us, s.latency_bytes) {
-            (Some(l), Some(b)) => format!("{l:.2} @{}", human_bytes(b)),
-            _ => "-".into(),
-        };
-        let _ = writeln!(
-            o,
-            "{:<14} {:>14.0} {:>9} {:>9.0} {:>12.1} {:>18} {:>9.2} {:>14}",
-            s.path,
-            s.sustained_mb_per_s,
-            human_bytes(s.at_bytes),
-            s.cpu_pct,
-            s.service_demand_us_per_mb,
-            lat,
-            s.ratio_to_memcpy,
-            opt(s.zero_loss_mb_per_s, 0)
-        );
-    }
+    o += &aligned(&SUMMARY_HEADERS.map(|(t, _)| t), &summary_cells(r));
     if let Some(m) = &r.link_model {
         let _ = writeln!(
             o,
@@ -663,31 +705,10 @@ pub fn markdown(r: &Report, plots: &[(String, String)]) -> String {
         r.memcpy.in_cache.mb_per_s
     );
     let _ = writeln!(o, "## Summary\n");
-    let _ = writeln!(
-        o,
-        "| path | sustained bandwidth (MB/s) | at size | CPU load (% of one CPU, both sides) | service demand (µs CPU/MB) | latency p50 (µs, one-way) | bandwidth / memcpy | zero-loss rate (MB/s) |"
-    );
-    let _ = writeln!(
-        o,
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-    );
-    for s in &r.summary {
-        let lat = match (s.latency_us, s.latency_bytes) {
-            (Some(l), Some(b)) => format!("{l:.2} at {}", human_bytes(b)),
-            _ => "-".into(),
-        };
-        let _ = writeln!(
-            o,
-            "| {} | {:.0} | {} | {:.0} | {:.1} | {} | {:.2} | {} |",
-            s.path,
-            s.sustained_mb_per_s,
-            human_bytes(s.at_bytes),
-            s.cpu_pct,
-            s.service_demand_us_per_mb,
-            lat,
-            s.ratio_to_memcpy,
-            opt(s.zero_loss_mb_per_s, 0)
-        );
+    let _ = writeln!(o, "| {} |", SUMMARY_HEADERS.map(|(_, md)| md).join(" | "));
+    let _ = writeln!(o, "| --- |{}", " ---: |".repeat(SUMMARY_HEADERS.len() - 1));
+    for row in summary_cells(r) {
+        let _ = writeln!(o, "| {} |", row.join(" | "));
     }
     let _ = writeln!(o);
     let _ = writeln!(o, "## Paths\n");
@@ -934,5 +955,27 @@ mod tests {
         assert_eq!(human_bytes(4096), "4 KiB");
         assert_eq!(human_bytes(8 << 20), "8 MiB");
         assert_eq!(human_bytes(1000), "1000 B");
+    }
+
+    #[test]
+    fn a_long_path_name_does_not_push_the_columns_of_the_terminal_table() {
+        let rows = vec![
+            vec!["fabric-verbs-write".into(), "31000".into(), "1 MiB".into()],
+            vec!["tcp".into(), "2".into(), "64 B".into()],
+        ];
+        let t = aligned(&["PATH", "SUSTAINED MB/s", "AT"], &rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 3);
+        // Right-aligned columns end at the same offset on every line.
+        let ends = |l: &str| l.chars().count();
+        assert!(lines.iter().all(|l| ends(l) == ends(lines[0])), "{t}");
+        let col = |l: &str, cell: &str| l.find(cell).unwrap() + cell.len();
+        assert_eq!(
+            col(lines[0], "SUSTAINED MB/s"),
+            col(lines[1], "31000"),
+            "{t}"
+        );
+        assert_eq!(col(lines[1], "31000"), col(lines[2], " 2"), "{t}");
+        assert!(lines[1].starts_with("fabric-verbs-write  "), "{t}");
     }
 }
