@@ -81,6 +81,21 @@ pub struct PathDef {
     pub not_yet: Option<&'static str>,
 }
 
+/// The largest UDP payload (65535 − 8 − 20): kernel UDP carries no larger message.
+pub const MAX_UDP: u64 = 65507;
+
+impl PathDef {
+    /// The largest message the path can carry, and why, for paths that have one: kernel UDP
+    /// sends a message as one datagram, and a datagram holds at most [`MAX_UDP`] bytes. (The
+    /// fabric's own datagram path carries larger messages as several lossless datagrams.)
+    pub fn largest_message(&self) -> Option<(u64, &'static str)> {
+        matches!(self.name, "fabric-udp" | "udp-loopback" | "udp-veth").then_some((
+            MAX_UDP,
+            "larger than the largest UDP datagram (65507 B): kernel UDP cannot carry it as one message",
+        ))
+    }
+}
+
 /// Every path, in report order.
 pub const PATHS: &[PathDef] = &[
     PathDef {
@@ -674,7 +689,21 @@ fn measure_link(
     pr: &mut PathReport,
 ) -> anyhow::Result<()> {
     let cfg = ctx.cfg;
-    for &size in &ctx.sizes.clone() {
+    let (sizes, too_big): (Vec<u64>, Vec<u64>) = ctx
+        .sizes
+        .iter()
+        .partition(|&&s| def.largest_message().is_none_or(|(max, _)| s <= max));
+    if let (Some((_, why)), false) = (def.largest_message(), too_big.is_empty()) {
+        for &bytes in &too_big {
+            pr.not_applicable.push(report::NotApplicable {
+                bytes,
+                reason: why.into(),
+            });
+        }
+        ctx.progress
+            .inc(too_big.len() as u64 * cfg.repeat as u64 * 2);
+    }
+    for &size in &sizes {
         ctx.progress.step(&format!(
             "{} throughput {}",
             def.name,
@@ -688,7 +717,7 @@ fn measure_link(
         pr.throughput
             .push(throughput_point(size, &runs, ctx.memcpy.mb_per_s, def.kind));
     }
-    for &size in &ctx.sizes.clone() {
+    for &size in &sizes {
         ctx.progress.step(&format!(
             "{} latency {}",
             def.name,
@@ -729,11 +758,11 @@ fn measure_link(
                 .into(),
         );
     }
-    if def.kind == Kind::Datagram && def.name.starts_with("udp") {
+    if def.largest_message().is_some() {
         pr.notes.push(
-            "messages over 65507 B travel as several UDP datagrams; the sockets keep the \
-             kernel's default buffer sizes, so bursts larger than the receive buffer lose \
-             datagrams (a lost round trip is counted in `lost` after 200 ms)"
+            "sizes over 65507 B are not measured (n/a): a UDP datagram holds no more; the \
+             sockets keep the kernel's default buffer sizes, so bursts larger than the receive \
+             buffer lose datagrams (a lost round trip is counted in `lost` after 200 ms)"
                 .into(),
         );
     }

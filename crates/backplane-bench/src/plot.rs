@@ -14,8 +14,10 @@ use plotters::prelude::*;
 
 use crate::report::{human_bytes, Report};
 
-const W: u32 = 1000;
-const H: u32 = 620;
+const W: u32 = 1200;
+const H: u32 = 640;
+/// Width of the legend column right of the plot (the legend never covers data).
+const LEGEND_W: u32 = 250;
 
 /// One line of a chart.
 #[derive(Debug, Clone)]
@@ -42,6 +44,19 @@ pub struct Chart {
     pub log_y: bool,
     /// The lines.
     pub series: Vec<Series>,
+    /// A labelled horizontal band behind the lines (the memcpy reference), not a path.
+    pub band: Option<Band>,
+}
+
+/// A horizontal reference band: from `lo` to `hi` on the Y axis, labelled on the plot.
+#[derive(Debug, Clone)]
+pub struct Band {
+    /// Lower edge.
+    pub lo: f64,
+    /// Upper edge.
+    pub hi: f64,
+    /// Text drawn on the band.
+    pub label: String,
 }
 
 fn register_font() {
@@ -55,18 +70,95 @@ fn register_font() {
     });
 }
 
-const COLORS: [RGBColor; 10] = [
-    RGBColor(0x1f, 0x77, 0xb4),
-    RGBColor(0xd6, 0x27, 0x28),
-    RGBColor(0x2c, 0xa0, 0x2c),
-    RGBColor(0xff, 0x7f, 0x0e),
-    RGBColor(0x94, 0x67, 0xbd),
-    RGBColor(0x8c, 0x56, 0x4b),
-    RGBColor(0xe3, 0x77, 0xc2),
-    RGBColor(0x7f, 0x7f, 0x7f),
-    RGBColor(0xbc, 0xbd, 0x22),
-    RGBColor(0x17, 0xbe, 0xcf),
+/// How a path's line looks: a colour of its own, solid for the fabric's paths and dashed for
+/// the baselines (kernel sockets, UCX), and a marker per family (fabric ●, kernel ▲, UCX ✕),
+/// so lines stay apart in colour, in grey print and for colour-blind readers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LineStyle {
+    /// Line and marker colour.
+    pub color: RGBColor,
+    /// Dashed line (a baseline) or solid (the fabric).
+    pub dashed: bool,
+    /// Marker shape.
+    pub marker: Marker,
+}
+
+/// Marker shapes, one per family of paths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Marker {
+    /// The fabric's own paths.
+    Circle,
+    /// The kernel's sockets.
+    Triangle,
+    /// UCX.
+    Cross,
+}
+
+/// Okabe & Ito's colour-blind-safe palette without its yellow (too light on white), then Paul
+/// Tol's "muted" palette: thirteen colours no two of which are confused by the common forms
+/// of colour blindness, in the order the paths are listed.
+const PALETTE: [RGBColor; 13] = [
+    RGBColor(0x00, 0x72, 0xB2), // blue
+    RGBColor(0xD5, 0x5E, 0x00), // vermillion
+    RGBColor(0x00, 0x9E, 0x73), // bluish green
+    RGBColor(0xCC, 0x79, 0xA7), // reddish purple
+    RGBColor(0xE6, 0x9F, 0x00), // orange
+    RGBColor(0x56, 0xB4, 0xE9), // sky blue
+    RGBColor(0x00, 0x00, 0x00), // black
+    RGBColor(0x88, 0x22, 0x55), // wine
+    RGBColor(0x33, 0x22, 0x88), // indigo
+    RGBColor(0x44, 0xAA, 0x99), // teal
+    RGBColor(0x99, 0x99, 0x33), // olive
+    RGBColor(0xAA, 0x44, 0x99), // purple
+    RGBColor(0x88, 0x88, 0x88), // grey
 ];
+
+/// Paths in the order their colours are handed out: a path keeps its colour in every plot and
+/// every run, whichever paths a run measures.
+const KNOWN: [&str; 13] = [
+    "fabric-dgram",
+    "fabric-verbs-write",
+    "fabric-verbs-read",
+    "fabric-verbs-send",
+    "fabric-raw",
+    "fabric-tcp",
+    "fabric-udp",
+    "ucx-shm",
+    "tcp-veth",
+    "udp-veth",
+    "tcp-loopback",
+    "udp-loopback",
+    "unix-stream",
+];
+
+/// The style of the line of path `name`.
+pub fn style_of(name: &str) -> LineStyle {
+    let color = match KNOWN.iter().position(|&k| k == name) {
+        Some(i) => PALETTE[i],
+        // Another name (tests, future paths): a stable pick from the palette.
+        None => PALETTE[name.bytes().map(usize::from).sum::<usize>() % PALETTE.len()],
+    };
+    let (dashed, marker) = if name.starts_with("fabric-") {
+        (false, Marker::Circle)
+    } else if name.starts_with("ucx") {
+        (true, Marker::Cross)
+    } else {
+        (true, Marker::Triangle)
+    };
+    LineStyle {
+        color,
+        dashed,
+        marker,
+    }
+}
+
+/// Every `step`-th power of two gets a label on a size axis, so that `ticks` labels of about
+/// 60 px (e.g. "128 KiB" in 15 px type) fit side by side in `width_px` with room between.
+pub fn size_label_step(ticks: usize, width_px: u32) -> usize {
+    const LABEL_PX: usize = 70;
+    let fit = (width_px as usize / LABEL_PX).max(1);
+    ticks.div_ceil(fit).max(1)
+}
 
 fn err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow!("plotting failed: {e:?}")
@@ -94,12 +186,20 @@ fn bounds(vals: impl Iterator<Item = f64>, log: bool) -> (f64, f64) {
     }
 }
 
-/// Draws `c` on any plotters backend.
+/// Draws `c` on any plotters backend: the plot on the left, the legend in a column of its
+/// own on the right.
 pub fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, c: &Chart) -> anyhow::Result<()> {
     register_font();
     root.fill(&WHITE).map_err(err)?;
+    let (w, _) = root.dim_in_pixel();
+    let (plot_area, legend_area) = root.split_horizontally(w.saturating_sub(LEGEND_W));
     let all_x = || c.series.iter().flat_map(|s| s.points.iter().map(|p| p.0));
-    let all_y = || c.series.iter().flat_map(|s| s.points.iter().map(|p| p.1));
+    let all_y = || {
+        c.series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.1))
+            .chain(c.band.iter().flat_map(|b| [b.lo, b.hi]))
+    };
     let (x0, x1) = if c.x_is_size {
         let (a, b) = bounds(all_x(), true);
         let (a, b) = (a * 1.5, b / 1.5); // sizes are exact: pad by half a power of two
@@ -109,30 +209,46 @@ pub fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, c: &Chart) -> any
     };
     let (y0, y1) = bounds(all_y(), c.log_y);
     let font = ("sans-serif", 15).into_font();
-    let mut b = ChartBuilder::on(root);
+    let mut b = ChartBuilder::on(&plot_area);
     b.caption(&c.title, ("sans-serif", 22))
         .margin(14)
-        .margin_right(36)
+        .margin_right(20)
         .x_label_area_size(52)
         .y_label_area_size(84);
     let to_x = |x: f64| if c.x_is_size { x.log2() } else { x };
+    let ticks = if c.x_is_size {
+        ((x1 - x0) as usize + 1).min(32)
+    } else {
+        10
+    };
+    let step = if c.x_is_size {
+        size_label_step(ticks, w.saturating_sub(LEGEND_W + 120))
+    } else {
+        1
+    };
     let x_fmt = |x: &f64| {
         if c.x_is_size {
-            human_bytes(2f64.powf(x.round()) as u64)
+            let e = x.round();
+            if (e as i64).rem_euclid(step as i64) == 0 {
+                human_bytes(2f64.powf(e) as u64)
+            } else {
+                String::new()
+            }
         } else {
             short_num(*x)
         }
     };
     let y_fmt = |y: &f64| short_num(*y);
-    // The four combinations of axis kinds share the series drawing below through a macro.
+    let styles: Vec<LineStyle> = c.series.iter().map(|s| style_of(&s.name)).collect();
+    // The four combinations of axis kinds share the drawing below through a macro.
     macro_rules! plot {
-        ($chart:expr, $xn:expr) => {{
+        ($chart:expr) => {{
             let mut chart = $chart;
             chart
                 .configure_mesh()
                 .x_desc(&c.x_label)
                 .y_desc(&c.y_label)
-                .x_labels($xn)
+                .x_labels(ticks)
                 .y_labels(10)
                 .x_label_formatter(&x_fmt)
                 .y_label_formatter(&y_fmt)
@@ -141,59 +257,142 @@ pub fn draw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, c: &Chart) -> any
                 .light_line_style(RGBColor(235, 235, 235))
                 .draw()
                 .map_err(err)?;
-            for (i, s) in c.series.iter().enumerate() {
-                let color = COLORS[i % COLORS.len()];
+            if let Some(band) = &c.band {
+                let grey = RGBColor(0xBB, 0xBB, 0xBB);
+                let (xa, xb) = (x0, x1);
+                let (lo, hi) = (band.lo.min(band.hi), band.lo.max(band.hi));
+                chart
+                    .draw_series(std::iter::once(Rectangle::new(
+                        [(xa, lo), (xb, hi)],
+                        grey.mix(0.35).filled(),
+                    )))
+                    .map_err(err)?;
+                chart
+                    .draw_series(std::iter::once(PathElement::new(
+                        vec![(xa, hi), (xb, hi)],
+                        grey.stroke_width(1),
+                    )))
+                    .map_err(err)?;
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        band.label.clone(),
+                        (xa + (xb - xa) * 0.02, hi),
+                        ("sans-serif", 14)
+                            .into_font()
+                            .color(&RGBColor(0x55, 0x55, 0x55)),
+                    )))
+                    .map_err(err)?;
+            }
+            for (s, st) in c.series.iter().zip(&styles) {
+                let color = st.color;
                 let pts: Vec<(f64, f64)> = s
                     .points
                     .iter()
                     .filter(|p| p.1.is_finite() && (!c.log_y || p.1 > 0.0) && p.0 > 0.0)
                     .map(|p| (to_x(p.0), p.1))
                     .collect();
-                chart
-                    .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
-                    .map_err(err)?
-                    .label(s.name.as_str())
-                    .legend(move |(x, y)| {
-                        PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
-                    });
-                chart
-                    .draw_series(pts.iter().map(|&p| Circle::new(p, 3, color.filled())))
-                    .map_err(err)?;
-            }
-            chart
-                .configure_series_labels()
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .label_font(font.clone())
-                .position(SeriesLabelPosition::UpperLeft)
-                .draw()
+                if st.dashed {
+                    chart
+                        .draw_series(DashedLineSeries::new(
+                            pts.clone(),
+                            9,
+                            6,
+                            color.stroke_width(2),
+                        ))
+                        .map_err(err)?;
+                } else {
+                    chart
+                        .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+                        .map_err(err)?;
+                }
+                match st.marker {
+                    Marker::Circle => chart
+                        .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
+                        .map(|_| ()),
+                    Marker::Triangle => chart
+                        .draw_series(
+                            pts.iter()
+                                .map(|&p| TriangleMarker::new(p, 5, color.filled())),
+                        )
+                        .map(|_| ()),
+                    Marker::Cross => chart
+                        .draw_series(pts.iter().map(|&p| Cross::new(p, 4, color.stroke_width(2))))
+                        .map(|_| ()),
+                }
                 .map_err(err)?;
+            }
         }};
     }
-    let xn = if c.x_is_size {
-        ((x1 - x0) as usize + 1).min(24)
-    } else {
-        10
-    };
     match (c.x_is_size, c.log_y) {
-        (true, true) => plot!(
-            b.build_cartesian_2d(x0..x1, (y0..y1).log_scale())
-                .map_err(err)?,
-            xn
-        ),
-        (true, false) => plot!(b.build_cartesian_2d(x0..x1, y0..y1).map_err(err)?, xn),
-        (false, true) => plot!(
-            b.build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
-                .map_err(err)?,
-            xn
-        ),
-        (false, false) => plot!(
-            b.build_cartesian_2d((x0..x1).log_scale(), y0..y1)
-                .map_err(err)?,
-            xn
-        ),
+        (true, true) => plot!(b
+            .build_cartesian_2d(x0..x1, (y0..y1).log_scale())
+            .map_err(err)?),
+        (true, false) => plot!(b.build_cartesian_2d(x0..x1, y0..y1).map_err(err)?),
+        (false, true) => plot!(b
+            .build_cartesian_2d((x0..x1).log_scale(), (y0..y1).log_scale())
+            .map_err(err)?),
+        (false, false) => plot!(b
+            .build_cartesian_2d((x0..x1).log_scale(), y0..y1)
+            .map_err(err)?),
     }
+    draw_legend(&legend_area, c, &styles)?;
     root.present().map_err(err)?;
+    Ok(())
+}
+
+/// The legend, in its own column: a sample of each line (dash and marker) and the path name.
+fn draw_legend<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    c: &Chart,
+    styles: &[LineStyle],
+) -> anyhow::Result<()> {
+    let font = ("sans-serif", 15).into_font();
+    let (x, mut y) = (8i32, 60i32);
+    for (s, st) in c.series.iter().zip(styles) {
+        let color = st.color.stroke_width(2);
+        if st.dashed {
+            for k in 0..3 {
+                area.draw(&PathElement::new(
+                    vec![(x + k * 12, y), (x + k * 12 + 8, y)],
+                    color,
+                ))
+                .map_err(err)?;
+            }
+        } else {
+            area.draw(&PathElement::new(vec![(x, y), (x + 32, y)], color))
+                .map_err(err)?;
+        }
+        let m = (x + 16, y);
+        match st.marker {
+            Marker::Circle => area.draw(&Circle::new(m, 4, st.color.filled())),
+            Marker::Triangle => area.draw(&TriangleMarker::new(m, 5, st.color.filled())),
+            Marker::Cross => area.draw(&Cross::new(m, 4, st.color.stroke_width(2))),
+        }
+        .map_err(err)?;
+        area.draw(&Text::new(s.name.clone(), (x + 42, y - 8), font.clone()))
+            .map_err(err)?;
+        y += 24;
+    }
+    if c.band.is_some() {
+        area.draw(&Rectangle::new(
+            [(x, y - 6), (x + 32, y + 6)],
+            RGBColor(0xBB, 0xBB, 0xBB).mix(0.35).filled(),
+        ))
+        .map_err(err)?;
+        area.draw(&Text::new(
+            "memcpy, 1 thread",
+            (x + 42, y - 8),
+            font.clone(),
+        ))
+        .map_err(err)?;
+        y += 24;
+    }
+    let _ = y;
+    let small = ("sans-serif", 13).into_font();
+    area.draw(&Text::new("solid ●: the fabric", (x, 14), small.clone()))
+        .map_err(err)?;
+    area.draw(&Text::new("dashed ▲ kernel, ✕ UCX", (x, 32), small))
+        .map_err(err)?;
     Ok(())
 }
 
@@ -267,14 +466,23 @@ pub fn charts(r: &Report) -> Vec<(String, Chart)> {
             .collect()
     });
     if !tp.is_empty() {
-        let mut series = tp;
-        let sizes: Vec<f64> = r.config.sizes.iter().map(|&s| s as f64).collect();
-        series.push(Series {
-            name: "memcpy (1 thread)".into(),
-            points: sizes
-                .iter()
-                .map(|&s| (s, r.memcpy.reference_mb_per_s))
-                .collect(),
+        let series = tp;
+        let m = &r.memcpy;
+        let (lo, hi) = match m.end {
+            Some(e) => (
+                m.start.mb_per_s.min(e.mb_per_s),
+                m.start.mb_per_s.max(e.mb_per_s),
+            ),
+            None => (m.start.mb_per_s, m.start.mb_per_s),
+        };
+        let band = Some(Band {
+            lo,
+            hi,
+            label: format!(
+                "memcpy, 1 thread, {}: {:.0} MB/s",
+                human_bytes(m.start.bytes),
+                m.reference_mb_per_s
+            ),
         });
         out.push((
             "throughput".into(),
@@ -285,6 +493,7 @@ pub fn charts(r: &Report) -> Vec<(String, Chart)> {
                 x_is_size: true,
                 log_y: true,
                 series,
+                band,
             },
         ));
     }
@@ -305,6 +514,7 @@ pub fn charts(r: &Report) -> Vec<(String, Chart)> {
                 x_is_size: true,
                 log_y: true,
                 series: lat,
+                band: None,
             },
         ));
     }
@@ -324,6 +534,7 @@ pub fn charts(r: &Report) -> Vec<(String, Chart)> {
                 x_is_size: true,
                 log_y: true,
                 series: p99,
+                band: None,
             },
         ));
     }
@@ -343,6 +554,7 @@ pub fn charts(r: &Report) -> Vec<(String, Chart)> {
                 x_is_size: true,
                 log_y: true,
                 series: cpu,
+                band: None,
             },
         ));
     }
@@ -379,6 +591,7 @@ pub fn charts(r: &Report) -> Vec<(String, Chart)> {
                 x_is_size: false,
                 log_y: false,
                 series: loss,
+                band: None,
             },
         ));
     }
@@ -418,7 +631,60 @@ mod tests {
                     points: vec![(64.0, 0.0), (4096.0, 500.0)],
                 },
             ],
+            band: Some(Band {
+                lo: 9000.0,
+                hi: 11000.0,
+                label: "memcpy reference".into(),
+            }),
         }
+    }
+
+    #[test]
+    fn every_known_path_has_its_own_colour_and_baselines_are_dashed() {
+        let styles: Vec<LineStyle> = KNOWN.iter().map(|n| style_of(n)).collect();
+        for (i, a) in styles.iter().enumerate() {
+            for b in &styles[i + 1..] {
+                assert_ne!(
+                    a.color, b.color,
+                    "{} and another path share a colour",
+                    KNOWN[i]
+                );
+            }
+        }
+        let fabric = style_of("fabric-dgram");
+        assert!(!fabric.dashed && fabric.marker == Marker::Circle);
+        let veth = style_of("tcp-veth");
+        assert!(veth.dashed && veth.marker == Marker::Triangle);
+        let ucx = style_of("ucx-shm");
+        assert!(ucx.dashed && ucx.marker == Marker::Cross);
+        // Stable: the same path gets the same colour whatever else is plotted.
+        assert_eq!(style_of("udp-veth"), style_of("udp-veth"));
+    }
+
+    #[test]
+    fn size_labels_never_overlap_from_8_bytes_to_64_mib() {
+        let plot_px = W - LEGEND_W - 120;
+        for ticks in 1..=24usize {
+            let step = size_label_step(ticks, plot_px);
+            let labels = ticks.div_ceil(step);
+            // "128 KiB" in 15 px type is about 60 px wide: each label needs that much room.
+            assert!(
+                labels * 60 <= plot_px as usize,
+                "{ticks} ticks, step {step}"
+            );
+            assert!(step == 1 || (ticks.div_ceil(step - 1)) * 70 > plot_px as usize);
+        }
+    }
+
+    #[test]
+    fn the_memcpy_band_is_drawn_and_labelled_but_is_not_a_path() {
+        let s = to_svg(&chart()).unwrap();
+        assert!(s.contains("memcpy reference"));
+        let r = crate::report::tests_support::report_with_paths(&["fabric-dgram", "udp-veth"]);
+        let c = charts(&r);
+        let tp = &c.iter().find(|(n, _)| n == "throughput").unwrap().1;
+        assert!(tp.series.iter().all(|s| !s.name.contains("memcpy")));
+        assert!(tp.band.as_ref().unwrap().label.contains("memcpy"));
     }
 
     #[test]

@@ -135,8 +135,19 @@ pub struct PathReport {
     pub latency_fit: Option<FitOut>,
     /// Loss against offered rate, and the highest zero-loss rate (datagram paths).
     pub loss: Option<LossReport>,
+    /// Sizes of the sweep this path cannot carry (not measured, "n/a" in the tables).
+    pub not_applicable: Vec<NotApplicable>,
     /// Remarks specific to this path.
     pub notes: Vec<String>,
+}
+
+/// A size of the sweep a path cannot carry.
+#[derive(Debug, Clone, Serialize)]
+pub struct NotApplicable {
+    /// Message size.
+    pub bytes: u64,
+    /// Why the path cannot carry it.
+    pub reason: String,
 }
 
 impl PathReport {
@@ -153,13 +164,14 @@ impl PathReport {
             latency: Vec::new(),
             latency_fit: None,
             loss: None,
+            not_applicable: Vec::new(),
             notes: Vec::new(),
         }
     }
 }
 
 /// Throughput at one message size.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Default)]
 pub struct ThroughputPoint {
     /// Message size.
     pub bytes: u64,
@@ -495,6 +507,50 @@ pub fn aligned(headers: &[&str], rows: &[Vec<String>]) -> String {
     o
 }
 
+/// A Markdown table of one figure per (size, path): `cell` gives the figure where the path
+/// measured that size; a size the path cannot carry reads "n/a", one it did not reach "-".
+/// Notes under the table say why each "n/a" is one.
+fn size_grid(r: &Report, title: &str, cell: impl Fn(&PathReport, u64) -> Option<String>) -> String {
+    let paths: Vec<&PathReport> = r
+        .paths
+        .iter()
+        .filter(|p| !p.throughput.is_empty() || !p.latency.is_empty())
+        .collect();
+    let mut o = String::new();
+    if paths.is_empty() {
+        return o;
+    }
+    let _ = writeln!(o, "## {title}\n");
+    let names: Vec<&str> = paths.iter().map(|p| p.name.as_str()).collect();
+    let _ = writeln!(o, "| size | {} |", names.join(" | "));
+    let _ = writeln!(o, "| ---: |{}", " ---: |".repeat(paths.len()));
+    let mut why: Vec<(String, String)> = Vec::new();
+    for &b in &r.config.sizes {
+        let cells: Vec<String> = paths
+            .iter()
+            .map(|p| {
+                if let Some(v) = cell(p, b) {
+                    v
+                } else if let Some(na) = p.not_applicable.iter().find(|n| n.bytes == b) {
+                    if !why.iter().any(|(n, _)| *n == p.name) {
+                        why.push((p.name.clone(), na.reason.clone()));
+                    }
+                    "n/a".into()
+                } else {
+                    "-".into()
+                }
+            })
+            .collect();
+        let _ = writeln!(o, "| {} | {} |", human_bytes(b), cells.join(" | "));
+    }
+    let _ = writeln!(o);
+    for (name, reason) in why {
+        let _ = writeln!(o, "n/a on {name}: {reason}.  ");
+    }
+    let _ = writeln!(o);
+    o
+}
+
 /// The summary table as plain text (what the command prints).
 pub fn summary_text(r: &Report) -> String {
     let mut o = String::new();
@@ -729,6 +785,18 @@ pub fn markdown(r: &Report, plots: &[(String, String)]) -> String {
         }
         let _ = writeln!(o);
     }
+    o += &size_grid(r, "Throughput by size (MB/s)", |p, b| {
+        p.throughput
+            .iter()
+            .find(|t| t.bytes == b)
+            .map(|t| format!("{:.0}", t.mb_per_s))
+    });
+    o += &size_grid(r, "Median one-way latency by size (µs)", |p, b| {
+        p.latency
+            .iter()
+            .find(|l| l.bytes == b && l.p50_us > 0.0)
+            .map(|l| format!("{:.2}", l.p50_us))
+    });
     let _ = writeln!(o, "## Plots\n");
     for (title, file) in plots {
         let _ = writeln!(o, "### {title}\n\n![{title}]({file})\n");
@@ -938,6 +1006,87 @@ pub fn host() -> Host {
     }
 }
 
+/// Synthetic reports for the tests of this crate's formatting and plots.
+#[cfg(test)]
+pub(crate) mod tests_support {
+    use super::*;
+
+    /// A report over sizes 64 B, 4 KiB and 1 MiB in which every path measured 10 MB/s × size
+    /// in KiB and 1 µs × size in KiB, except that paths named `udp-*` cannot carry 1 MiB.
+    pub(crate) fn report_with_paths(names: &[&str]) -> Report {
+        let sizes = vec![64u64, 4096, 1 << 20];
+        let mc = Memcpy {
+            bytes: 64 << 20,
+            mb_per_s: 10_000.0,
+            median_mb_per_s: 9_900.0,
+            slope_us_per_byte: 1e-4,
+        };
+        let paths: Vec<PathReport> = names
+            .iter()
+            .map(|&n| {
+                let mut p = PathReport::new(n, n, "stream", 1.0);
+                for &b in &sizes {
+                    if n.starts_with("udp") && b > 65507 {
+                        p.not_applicable.push(NotApplicable {
+                            bytes: b,
+                            reason: "larger than the largest UDP datagram".into(),
+                        });
+                        continue;
+                    }
+                    let kib = (b as f64 / 1024.0).max(1.0);
+                    p.throughput.push(ThroughputPoint {
+                        bytes: b,
+                        repeats: 1,
+                        mb_per_s: 10.0 * kib,
+                        ratio_to_memcpy: 10.0 * kib / 10_000.0,
+                        ..ThroughputPoint::default()
+                    });
+                    p.latency.push(LatencyPoint {
+                        bytes: b,
+                        repeats: 1,
+                        samples: 100,
+                        p50_us: kib,
+                        ..LatencyPoint::default()
+                    });
+                }
+                p
+            })
+            .collect();
+        Report {
+            version: VERSION,
+            tool: "backplane bench".into(),
+            backplane_version: "test".into(),
+            started_utc: "2026-01-01T00:00:00Z".into(),
+            elapsed_s: 1.0,
+            host: Host::default(),
+            config: ConfigOut {
+                sizes,
+                duration_s: 0.1,
+                warmup_s: 0.02,
+                repeat: 1,
+                load: false,
+                loss_bytes: 1024,
+                paths_requested: names.iter().map(|n| n.to_string()).collect(),
+            },
+            memcpy: MemcpyOut {
+                start: mc,
+                end: Some(Memcpy {
+                    mb_per_s: 11_000.0,
+                    ..mc
+                }),
+                in_cache: mc,
+                reference_mb_per_s: 11_000.0,
+                slope_us_per_byte: 1e-4,
+            },
+            summary: summarize(&paths),
+            paths,
+            link_model: None,
+            skipped: Vec::new(),
+            notes: Vec::new(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -977,5 +1126,23 @@ mod tests {
         );
         assert_eq!(col(lines[1], "31000"), col(lines[2], " 2"), "{t}");
         assert!(lines[1].starts_with("fabric-verbs-write  "), "{t}");
+    }
+
+    #[test]
+    fn sizes_a_path_cannot_carry_read_n_a_in_the_tables_with_the_reason() {
+        let r = tests_support::report_with_paths(&["fabric-dgram", "udp-veth"]);
+        let md = markdown(&r, &[]);
+        let grid = md
+            .split("## Throughput by size (MB/s)")
+            .nth(1)
+            .expect("throughput grid");
+        let row = grid
+            .lines()
+            .find(|l| l.starts_with("| 1 MiB |"))
+            .expect("1 MiB row");
+        assert_eq!(row, "| 1 MiB | 10240 | n/a |", "{grid}");
+        assert!(grid.contains("n/a on udp-veth: larger than the largest UDP datagram"));
+        let small = grid.lines().find(|l| l.starts_with("| 4 KiB |")).unwrap();
+        assert_eq!(small, "| 4 KiB | 40 | 40 |");
     }
 }

@@ -242,8 +242,13 @@ fn unknown_paths_bad_sizes_and_future_paths_are_reported_and_the_run_goes_on() {
         .arg(&out)
         .output()
         .unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+    // Sizes the user asked for were not measured: the run is partial (exit 3), and says why.
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     let err = stderr(&o);
+    assert!(
+        err.contains("backplane: partial run: size 2 not measured; size 134217728 not measured"),
+        "{err}"
+    );
     assert!(
         err.contains("warning: skipping warp-drive: unknown path"),
         "{err}"
@@ -453,7 +458,12 @@ fn a_path_whose_peer_dies_mid_run_is_reported_and_the_next_path_still_runs() {
     let p = rustix::process::Pid::from_raw(tcp_peer).unwrap();
     rustix::process::kill_process(p, rustix::process::Signal::KILL).unwrap();
     let o = child.wait_with_output().unwrap();
-    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("backplane: partial run: tcp-loopback "),
+        "{}",
+        stderr(&o)
+    );
     assert!(
         stderr(&o).contains("warning: tcp-loopback: failed mid-run"),
         "{}",
@@ -562,4 +572,65 @@ fn the_verbs_paths_are_measured_at_inline_and_multi_chunk_sizes_and_leave_nothin
         .map(|p| num(&p["copies"]))
         .collect();
     assert_eq!(copies, [2.0, 2.0, 3.0]);
+}
+
+/// Kernel UDP carries no message over 65507 B: such sizes are not measured but listed as n/a
+/// with the reason; asked for by the user, they make the run partial (exit 3). A report folder
+/// that cannot be created fails before anything is measured.
+#[test]
+fn sizes_a_path_cannot_carry_are_n_a_and_a_report_folder_that_cannot_be_made_is_refused() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tmpdir("n-a");
+    let o = Command::new(BIN)
+        .args([
+            "bench",
+            "--paths",
+            "udp-loopback",
+            "--sizes",
+            "64,128K",
+            "--duration",
+            "0.05",
+            "--quiet",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("partial run: udp-loopback cannot carry 128 KiB"),
+        "{}",
+        stderr(&o)
+    );
+    let j: Value = serde_json::from_str(&read(&out, "report.json")).unwrap();
+    let udp = &j["paths"][0];
+    assert_eq!(udp["status"], "measured");
+    let sizes: Vec<u64> = udp["throughput"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sizes, [64]);
+    assert_eq!(udp["not_applicable"][0]["bytes"], 131072);
+    let md = read(&out, "summary.md");
+    assert!(md.contains("| 128 KiB | n/a |"), "{md}");
+    assert!(md.contains("n/a on udp-loopback: larger than the largest UDP datagram"));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("udp-loopback"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&out);
+
+    let o = bp(&[
+        "bench",
+        "--paths",
+        "unix-stream",
+        "--out",
+        "/proc/version/report",
+    ]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(
+        stderr(&o).starts_with("backplane: cannot create the report folder /proc/version/report"),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -98,6 +98,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if let Some(m) = &a.link {
         m.parse::<backplane::model::LinkModel>()?;
     }
+    let user_sizes = a.sizes.is_some();
     let cfg = Config {
         paths: a.paths,
         sizes: a.sizes.unwrap_or_else(engine::default_sizes),
@@ -114,15 +115,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     std::fs::create_dir_all(&out)
         .with_context(|| format!("cannot create the report folder {}", out.display()))?;
     let r = engine::run(&cfg)?;
-    report::write_all(&r, &out)?;
+    // Write the report, but show the measurements whatever happens to the folder.
+    let written = report::write_all(&r, &out);
     let text = if a.json {
         format!("{}\n", serde_json::to_string_pretty(&r)?)
-    } else {
+    } else if written.is_ok() {
         format!(
             "{}report: {}\n",
             report::summary_text(&r),
             out.join("summary.md").display()
         )
+    } else {
+        report::summary_text(&r)
     };
     // The engine catches SIGPIPE (see teardown): a closed stdout is an error to end quietly on.
     let mut stdout = std::io::stdout().lock();
@@ -133,13 +137,70 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
         r => r.context("cannot write to stdout")?,
     }
+    written.with_context(|| {
+        format!(
+            "the measurements above were taken, but the report folder {} could not be written",
+            out.display()
+        )
+    })?;
     if r.summary.is_empty() {
         bail!(
             "no path could be measured (see {})",
             out.join("summary.md").display()
         );
     }
+    if let Some(why) = partial(&r, user_sizes) {
+        eprintln!(
+            "backplane: partial run: {why} (see {})",
+            out.join("summary.md").display()
+        );
+        std::process::exit(PARTIAL_EXIT);
+    }
     Ok(())
+}
+
+/// Exit status of a run that measured something but not everything it was asked for.
+pub const PARTIAL_EXIT: i32 = 3;
+
+/// Why the run is partial, if it is: a path failed or stopped part-way, or (when the user
+/// chose the sizes) a size was out of range or one a path cannot carry. Paths skipped for a
+/// missing tool or privilege, and the sizes of the default sweep a path cannot carry, are
+/// reported but do not make a run partial.
+fn partial(r: &report::Report, user_sizes: bool) -> Option<String> {
+    use report::Status;
+    let mut why = Vec::new();
+    for p in &r.paths {
+        match p.status {
+            Status::Partial | Status::Failed => why.push(format!(
+                "{} {}",
+                p.name,
+                if p.status == Status::Partial {
+                    "stopped part-way"
+                } else {
+                    "failed"
+                }
+            )),
+            _ if user_sizes && !p.not_applicable.is_empty() => why.push(format!(
+                "{} cannot carry {}",
+                p.name,
+                p.not_applicable
+                    .iter()
+                    .map(|n| report::human_bytes(n.bytes))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )),
+            _ => {}
+        }
+    }
+    if user_sizes {
+        why.extend(
+            r.skipped
+                .iter()
+                .filter(|s| s.what.starts_with("size "))
+                .map(|s| format!("{} not measured", s.what)),
+        );
+    }
+    (!why.is_empty()).then(|| why.join("; "))
 }
 
 pub fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
