@@ -7,6 +7,7 @@
 //! - [`stats`]: percentiles, jitter (FWHM), least-squares fits, confidence intervals;
 //! - [`cpu`]: /proc/stat and getrusage accounting;
 //! - [`memcpy`]: the physical limit (single-thread memcpy) and the `--load` writer;
+//! - [`dma_path`]: the `fabric-raw` path, DMA jobs through the engine threads;
 //! - [`netns`]: the veth pair between two namespaces;
 //! - [`ucx`]: `ucx_perftest` runs (shared with `backplane perf`);
 //! - [`report`] and [`plot`]: JSON, CSV, Markdown, SVG and PNG;
@@ -15,6 +16,7 @@
 #![deny(unsafe_code)]
 
 pub mod cpu;
+pub mod dma_path;
 pub mod engine;
 pub mod link;
 pub mod memcpy;
