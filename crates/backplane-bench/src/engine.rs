@@ -85,16 +85,13 @@ pub struct PathDef {
     pub not_yet: Option<&'static str>,
 }
 
-/// The largest UDP payload (65535 − 8 − 20): kernel UDP carries no larger message.
-pub const MAX_UDP: u64 = 65507;
-
 impl PathDef {
     /// The largest message the path can carry, and why, for paths that have one: kernel UDP
     /// sends a message as one datagram, and a datagram holds at most [`MAX_UDP`] bytes. (The
     /// fabric's own datagram path carries larger messages as several lossless datagrams.)
     pub fn largest_message(&self) -> Option<(u64, &'static str)> {
         matches!(self.name, "fabric-udp" | "udp-loopback" | "udp-veth").then_some((
-            MAX_UDP,
+            crate::link::MAX_UDP as u64,
             "larger than the largest UDP datagram (65507 B): kernel UDP cannot carry it as one message",
         ))
     }
@@ -409,8 +406,9 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
             row.model_slope_us_per_byte = Some(m.latency_slope_us_per_byte);
         }
     }
-    Ok(Report {
+    let mut report = Report {
         link_model,
+        published: Vec::new(),
         version: report::VERSION,
         tool: "backplane bench".into(),
         backplane_version: env!("CARGO_PKG_VERSION").into(),
@@ -437,7 +435,9 @@ pub fn run(cfg: &Config) -> anyhow::Result<Report> {
         summary,
         skipped,
         notes: general_notes(cfg),
-    })
+    };
+    report.published = crate::published::rows(&report);
+    Ok(report)
 }
 
 fn link_max_loss_bytes() -> u64 {
@@ -705,6 +705,13 @@ fn run_dma_path(ctx: &mut Ctx, def: &PathDef) -> PathReport {
          throughput point the destination region is compared with the source byte for byte"
             .into(),
     );
+    if ctx.cfg.link.is_some() {
+        pr.notes.push(
+            "the link model paces datagrams, not DMA jobs: this path runs at memory speed \
+             whatever --link says (DMA link emulation is not built yet)"
+                .into(),
+        );
+    }
     drop(path);
     pr
 }

@@ -11,6 +11,7 @@
 //! - [`netns`]: the veth pair between two namespaces;
 //! - [`ucx`]: `ucx_perftest` runs (shared with `backplane perf`);
 //! - [`report`] and [`plot`]: JSON, CSV, Markdown, SVG and PNG;
+//! - [`published`]: the seed documents' figures beside a `--link` run;
 //! - [`teardown`]: nothing left behind, on error or Ctrl-C;
 //! - [`progress`]: the progress bar.
 #![deny(unsafe_code)]
@@ -24,6 +25,7 @@ pub mod netns;
 pub mod peer;
 pub mod plot;
 pub mod progress;
+pub mod published;
 pub mod report;
 pub mod stats;
 pub mod teardown;

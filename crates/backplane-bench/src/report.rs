@@ -44,6 +44,9 @@ pub struct Report {
     pub link_model: Option<LinkModelOut>,
     /// The Figure-12 style summary, one row per measured path.
     pub summary: Vec<SummaryRow>,
+    /// With `--link`: the seed documents' published figures for that link beside this run's.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub published: Vec<crate::published::PublishedRow>,
     /// Everything asked for that was not measured, with the reason.
     pub skipped: Vec<Skip>,
     /// Remarks on methods that apply to the whole report.
@@ -432,6 +435,18 @@ pub fn human_bytes(n: u64) -> String {
     }
 }
 
+/// A figure with as many decimals as its size needs: 4400, 22.0, 0.0028.
+fn num(v: f64) -> String {
+    let a = v.abs();
+    if a >= 100.0 {
+        format!("{v:.0}")
+    } else if a >= 1.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.5}")
+    }
+}
+
 fn opt(x: Option<f64>, prec: usize) -> String {
     x.map_or_else(|| "-".into(), |v| format!("{v:.prec$}"))
 }
@@ -578,6 +593,29 @@ pub fn summary_text(r: &Report) -> String {
                 s.sustained_mb_per_s / m.effective_mb_per_s,
                 opt(s.slope_us_per_byte, 6),
                 m.latency_slope_us_per_byte
+            );
+        }
+    }
+    if !r.published.is_empty() {
+        let _ = writeln!(
+            o,
+            "published figures for {} (the seeds' hardware) beside this run:",
+            r.published[0].link
+        );
+        for x in &r.published {
+            let _ = writeln!(
+                o,
+                "  {}: published {} {}, here {}",
+                x.what,
+                num(x.published),
+                x.unit,
+                x.measured.map_or_else(
+                    || format!(
+                        "not measured ({})",
+                        x.not_measured.as_deref().unwrap_or("-")
+                    ),
+                    |m| format!("{} ({:.2}x) on {}", num(m), m / x.published, x.path)
+                )
             );
         }
     }
@@ -797,6 +835,39 @@ pub fn markdown(r: &Report, plots: &[(String, String)]) -> String {
             .find(|l| l.bytes == b && l.p50_us > 0.0)
             .map(|l| format!("{:.2}", l.p50_us))
     });
+    if !r.published.is_empty() {
+        let _ = writeln!(
+            o,
+            "## Published figures for {}\n\nWhat the seed documents measured on this link's \
+             hardware, beside what this run measured on the emulated link and what the link \
+             model predicts. Each row names its source; `data/published.toml` in the \
+             backplane-bench crate holds them all.\n",
+            r.published[0].link
+        );
+        let _ = writeln!(
+            o,
+            "| published figure | published | here (path) | here / published | model | source | note |"
+        );
+        let _ = writeln!(o, "| --- | ---: | --- | ---: | ---: | --- | --- |");
+        for x in &r.published {
+            let _ = writeln!(
+                o,
+                "| {} | {} {} | {} | {} | {} | {} | {} |",
+                x.what,
+                num(x.published),
+                x.unit,
+                x.measured.map_or_else(
+                    || format!("not measured: {}", x.not_measured.as_deref().unwrap_or("-")),
+                    |m| format!("{} ({})", num(m), x.path)
+                ),
+                opt(x.ratio, 2),
+                x.model.map_or("-".into(), num),
+                x.source,
+                x.note.as_deref().unwrap_or("")
+            );
+        }
+        let _ = writeln!(o);
+    }
     let _ = writeln!(o, "## Plots\n");
     for (title, file) in plots {
         let _ = writeln!(o, "### {title}\n\n![{title}]({file})\n");
@@ -1079,6 +1150,7 @@ pub(crate) mod tests_support {
                 slope_us_per_byte: 1e-4,
             },
             summary: summarize(&paths),
+            published: Vec::new(),
             paths,
             link_model: None,
             skipped: Vec::new(),

@@ -416,6 +416,31 @@ fn with_a_link_model_bench_shows_the_models_bandwidth_and_slope_beside_the_fabri
     assert!(num(&row["model_slope_us_per_byte"]) > 0.0);
     // Pacing can only slow the fabric down: never faster than the model.
     assert!(num(&row["sustained_mb_per_s"]) <= model * 1.10, "{row}");
+    // VXFabric's Figure 12 row for gen1 x4 beside it, with its source: TCP and raw bandwidth,
+    // neither measured in this run (only fabric-dgram was asked for), and the model's figure.
+    let published = j["published"].as_array().expect("published rows");
+    assert_eq!(published.len(), 2, "{published:?}");
+    let tcp = published
+        .iter()
+        .find(|p| p["path"] == "fabric-tcp")
+        .unwrap();
+    assert_eq!(num(&tcp["published"]), 600.0);
+    assert!(
+        tcp["source"].as_str().unwrap().contains("Figure 12"),
+        "{tcp}"
+    );
+    assert!(tcp["measured"].is_null());
+    assert!(tcp["not_measured"]
+        .as_str()
+        .unwrap()
+        .contains("not in this run"));
+    assert_eq!(num(&tcp["model"]), model);
+    let md = read(&out, "summary.md");
+    assert!(md.contains("## Published figures for pcie-gen1x4"), "{md}");
+    assert!(
+        md.contains("| VXFabric sustained raw-mode bandwidth | 800 MB/s |"),
+        "{md}"
+    );
     let _ = std::fs::remove_dir_all(&out);
     // A bad model name is refused before anything runs.
     let o = Command::new(BIN)
