@@ -514,10 +514,7 @@ fn start_fabric(
     net: Option<NetPlan>,
 ) -> anyhow::Result<(String, Fabric)> {
     let fname = format!("bench-{}", std::process::id());
-    let n = fname.clone();
-    guards.push(teardown::register(format!("fabric {fname}"), move || {
-        let _ = launch::stop(&n);
-    }));
+    guards.push(teardown::fabric(&fname));
     launch::start(&launch::Options {
         name: fname.clone(),
         nodes: 2,

@@ -14,6 +14,8 @@ type Action = Box<dyn FnOnce() + Send>;
 static ACTIONS: Mutex<BTreeMap<u64, (String, Action)>> = Mutex::new(BTreeMap::new());
 static NEXT: AtomicU64 = AtomicU64::new(1);
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// Actions being run by a dropped guard right now (on whichever thread).
+static RUNNING: AtomicU64 = AtomicU64::new(0);
 
 /// Whether a signal is ending the run (output from the measuring thread is noise by then).
 pub fn interrupted() -> bool {
@@ -36,9 +38,12 @@ impl Guard {
 
 impl Drop for Guard {
     fn drop(&mut self) {
-        if let Some((_, f)) = take(self.id) {
-            f();
-        }
+        // Counted while it runs, so a signal's clean-up waits for it before the process exits.
+        let Some((_, f)) = take_counted(self.id) else {
+            return;
+        };
+        f();
+        RUNNING.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -47,6 +52,16 @@ fn take(id: u64) -> Option<(String, Action)> {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .remove(&id)
+}
+
+/// [`take`], counting the action as running in the same critical section.
+fn take_counted(id: u64) -> Option<(String, Action)> {
+    let mut a = ACTIONS.lock().unwrap_or_else(|e| e.into_inner());
+    let got = a.remove(&id);
+    if got.is_some() {
+        RUNNING.fetch_add(1, Ordering::SeqCst);
+    }
+    got
 }
 
 /// Registers `f` to remove a resource described by `what`.
@@ -59,7 +74,8 @@ pub fn register(what: impl Into<String>, f: impl FnOnce() + Send + 'static) -> G
     Guard { id }
 }
 
-/// Runs every registered action, newest first. Returns what was removed.
+/// Runs every registered action, newest first, then waits (up to 30 s) for actions other
+/// threads' guards are running at that moment. Returns what it removed itself.
 pub fn run_all() -> Vec<String> {
     let mut done = Vec::new();
     loop {
@@ -72,9 +88,14 @@ pub fn run_all() -> Vec<String> {
                 f();
                 done.push(what);
             }
-            None => return done,
+            None => break,
         }
     }
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while RUNNING.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    done
 }
 
 /// Descriptions of the actions registered now.
@@ -87,11 +108,46 @@ pub fn pending() -> Vec<String> {
         .collect()
 }
 
-/// Sends SIGKILL to a process we started (by its pid, never by name).
+/// Sends SIGKILL to a process we started (by its pid, never by name) and reaps it, so no
+/// zombie is left while this process goes on. Call it only while the child has not been
+/// waited for (its pid cannot have been reused): disarm the guard after waiting yourself.
 pub fn kill_pid(pid: u32) {
     if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
         let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+        let _ = rustix::process::waitpid(Some(p), rustix::process::WaitOptions::empty());
     }
+}
+
+/// Registers a child process to be killed and reaped (see [`kill_pid`]).
+pub fn child(what: impl Into<String>, pid: u32) -> Guard {
+    register(what, move || kill_pid(pid))
+}
+
+/// `Command::output` for a child that must not outlive an interrupted run: while it runs it is
+/// registered to be killed and reaped.
+pub trait OutputGuarded {
+    /// Runs the command to completion like `output()`, stdout and stderr captured.
+    fn output_guarded(&mut self, what: &str) -> std::io::Result<std::process::Output>;
+}
+
+impl OutputGuarded for std::process::Command {
+    fn output_guarded(&mut self, what: &str) -> std::io::Result<std::process::Output> {
+        use std::process::Stdio;
+        let c = self.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+        let guard = child(format!("{what} {}", c.id()), c.id());
+        let out = c.wait_with_output();
+        guard.disarm(); // reaped by wait_with_output
+        out
+    }
+}
+
+/// Registers the temporary fabric `name` to be stopped (supervisor, agents, namespaces,
+/// shared memory). Register it before starting the fabric, so no moment is uncovered.
+pub fn fabric(name: &str) -> Guard {
+    let n = name.to_string();
+    register(format!("fabric {name}"), move || {
+        let _ = backplane::fabric::launch::stop(&n);
+    })
 }
 
 /// Installs the SIGINT/SIGTERM/SIGHUP watcher (once per process). SIGPIPE is caught too, so

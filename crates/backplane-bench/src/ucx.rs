@@ -11,6 +11,7 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 use crate::cpu::{Rusage, Who};
+use crate::teardown::OutputGuarded as _;
 
 /// The environment `ucx_perftest` runs with: shared memory transports only.
 pub const UCX_ENV: [(&str, &str); 2] = [
@@ -102,9 +103,7 @@ pub fn run_named(
         .spawn()
         .context("cannot start ucx_perftest")?;
     let pid = server.id();
-    let _guard = crate::teardown::register(format!("ucx_perftest server {pid}"), move || {
-        crate::teardown::kill_pid(pid)
-    });
+    let guard = crate::teardown::child(format!("ucx_perftest server {pid}"), pid);
     let mut last_err = String::new();
     for _ in 0..100 {
         std::thread::sleep(Duration::from_millis(20));
@@ -128,7 +127,7 @@ pub fn run_named(
             ])
             .envs(UCX_ENV)
             .stdin(Stdio::null())
-            .output()?;
+            .output_guarded("ucx_perftest client")?;
         let wall_ns = crate::cpu::mono_ns() - t0;
         let client_cpu = before.until(&Rusage::now(Who::Children));
         if !out.status.success() {
@@ -138,6 +137,7 @@ pub fn run_named(
                 .unwrap_or("")
                 .to_string();
             if let Ok(Some(_)) = server.try_wait() {
+                guard.disarm(); // reaped by try_wait
                 bail!("ucx_perftest server exited: {last_err}");
             }
             continue; // the server may not be listening yet
@@ -152,6 +152,7 @@ pub fn run_named(
         }
         let _ = server.kill();
         let _ = server.wait();
+        guard.disarm(); // reaped: its pid may be reused from now on
         let server_cpu = before.until(&Rusage::now(Who::Children));
         let text = String::from_utf8_lossy(&out.stdout);
         let mut r = parse_csv(&text)?;
@@ -162,6 +163,7 @@ pub fn run_named(
     }
     let _ = server.kill();
     let _ = server.wait();
+    guard.disarm();
     bail!("ucx_perftest client never connected: {last_err}")
 }
 

@@ -9,7 +9,15 @@ fn main() {
     // SAFETY: restoring the default disposition of SIGPIPE is always sound.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let cli = cmd::Cli::parse();
-    if let Err(e) = cmd::run(cli) {
+    let r = cmd::run(cli);
+    if backplane_bench::teardown::interrupted() {
+        // A signal ended the run and the clean-up thread is removing what it started (which
+        // is likely why the command failed): it exits with 130 when done.
+        loop {
+            std::thread::park();
+        }
+    }
+    if let Err(e) = r {
         eprintln!("backplane: {e:#}");
         std::process::exit(1);
     }

@@ -52,6 +52,17 @@ enum Command {
     BenchPeer(bench::PeerArgs),
 }
 
+/// Writes a command's result to stdout. A closed stdout (`backplane perf ... | head`) is not
+/// an error: commands that clean up on signals catch SIGPIPE, so it shows up here as EPIPE.
+pub fn emit(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => Ok(r?),
+    }
+}
+
 /// Runs the parsed command.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {

@@ -10,7 +10,7 @@
 mod dma;
 mod verbs;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -19,7 +19,7 @@ use backplane::fabric::Fabric;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use backplane_bench::ucx;
+use backplane_bench::{teardown, ucx};
 
 use super::parse_size;
 
@@ -256,24 +256,6 @@ struct Round {
     ucx: Option<Vec<Row>>,
 }
 
-/// Tears down what a run started, whatever happens.
-struct Cleanup {
-    fabric: Option<String>,
-    peer: Option<Child>,
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        if let Some(mut p) = self.peer.take() {
-            let _ = p.kill();
-            let _ = p.wait();
-        }
-        if let Some(name) = self.fabric.take() {
-            let _ = backplane::fabric::launch::stop(&name);
-        }
-    }
-}
-
 fn sizes(a: &Args) -> anyhow::Result<Vec<u64>> {
     if a.test == Test::AtomicLat {
         return Ok(vec![8]); // atomics are 8 bytes
@@ -297,6 +279,7 @@ fn iters_for(a: &Args, size: u64) -> u64 {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    teardown::install_signal_handler();
     if a.test == Test::Ip {
         return super::perf_ip::run(a.duration, a.json, a.rounds);
     }
@@ -371,9 +354,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         rounds,
     };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        super::emit(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
     } else {
-        print!("{}", render(&report));
+        super::emit(&render(&report))?;
     }
     Ok(())
 }
@@ -381,16 +364,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 /// One backplane measurement of every size: a temporary fabric (unless `--name`), the peer
 /// process, the rows (with same-run memcpy for bandwidth), everything torn down after.
 fn measure_backplane(a: &Args, sizes: &[u64], first: bool) -> anyhow::Result<(String, Vec<Row>)> {
-    let mut cleanup = Cleanup {
-        fabric: None,
-        peer: None,
-    };
+    // Everything this round starts is registered with the bench's teardown, so an error, a
+    // return or Ctrl-C/SIGTERM (the handler `run` installs) removes it.
+    let mut fabric_guard = None;
     let name = match &a.name {
         Some(n) => n.clone(),
         None => {
             let n = format!("perf-{}", std::process::id());
+            fabric_guard = Some(teardown::fabric(&n));
             super::up::start(&n, 2, 64 << 20, 0)?;
-            cleanup.fabric = Some(n.clone());
             n
         }
     };
@@ -399,23 +381,22 @@ fn measure_backplane(a: &Args, sizes: &[u64], first: bool) -> anyhow::Result<(St
         bail!("fabric '{name}' has one node; perf needs nodes 1 and 2");
     }
     let exe = std::env::current_exe()?;
-    cleanup.peer = Some(
-        Command::new(exe)
-            .args([
-                "perf-peer",
-                "--name",
-                &name,
-                "--test",
-                a.test.name(),
-                "--node",
-                "2",
-                "--port",
-                &PEER_PORT.to_string(),
-            ])
-            .stdin(Stdio::null())
-            .spawn()
-            .context("cannot start the perf peer")?,
-    );
+    let mut peer = Command::new(exe)
+        .args([
+            "perf-peer",
+            "--name",
+            &name,
+            "--test",
+            a.test.name(),
+            "--node",
+            "2",
+            "--port",
+            &PEER_PORT.to_string(),
+        ])
+        .stdin(Stdio::null())
+        .spawn()
+        .context("cannot start the perf peer")?;
+    let peer_guard = teardown::child("perf peer", peer.id());
     let announce_run = || {
         if !a.json && first {
             eprintln!(
@@ -446,11 +427,10 @@ fn measure_backplane(a: &Args, sizes: &[u64], first: bool) -> anyhow::Result<(St
         // Stop the peer before UCX runs so the two never compete for the CPUs.
         announce(&mut ep, peer, 0, 0)?;
     }
-    if let Some(mut p) = cleanup.peer.take() {
-        let _ = p.wait();
-    }
+    let _ = peer.wait();
+    peer_guard.disarm(); // reaped
     drop(fabric);
-    drop(cleanup);
+    drop(fabric_guard);
     if !a.test.is_lat() {
         // The physical limit, same sizes, same machine, same run, nothing else running.
         for r in &mut rows {

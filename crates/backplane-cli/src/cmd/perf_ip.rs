@@ -5,13 +5,15 @@
 //! both ends, sockperf ping-pong for latency. The fabric's agents do work veth does in the
 //! kernel, so their CPU is measured too (from /proc) and shown beside iperf3's.
 
-use std::process::{Child, Command, Stdio};
+use std::fmt::Write as _;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use backplane::fabric::launch::{self, Options};
 use backplane::fabric::Fabric;
 use backplane::net::{self, NetPlan};
+use backplane_bench::teardown::{self, OutputGuarded as _};
 use serde::Serialize;
 
 /// One path's figures.
@@ -57,27 +59,6 @@ fn median_row(rows: &[&IpRow]) -> IpRow {
         lat_p50_us: med(|r| r.lat_p50_us),
         lat_p99_us: med(|r| r.lat_p99_us),
         lat_p999_us: med(|r| r.lat_p999_us),
-    }
-}
-
-struct Cleanup {
-    fabric: Option<String>,
-    netns: Vec<String>,
-    children: Vec<Child>,
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        for ns in &self.netns {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
-        }
-        if let Some(f) = self.fabric.take() {
-            let _ = launch::stop(&f);
-        }
     }
 }
 
@@ -131,6 +112,7 @@ fn iperf(
         .stderr(Stdio::null())
         .spawn()
         .context("cannot start iperf3 (install Debian package iperf3)")?;
+    let guard = teardown::child("iperf3 server", server.id());
     let mut last = String::new();
     for _ in 0..50 {
         std::thread::sleep(Duration::from_millis(100));
@@ -144,9 +126,10 @@ fn iperf(
                 &secs.to_string(),
                 "-J",
             ])
-            .output()?;
+            .output_guarded("iperf3 client")?;
         if o.status.success() {
             let _ = server.wait();
+            guard.disarm(); // reaped
             return Ok(serde_json::from_slice(&o.stdout)?);
         }
         last = String::from_utf8_lossy(&o.stdout)
@@ -156,6 +139,7 @@ fn iperf(
     }
     let _ = server.kill();
     let _ = server.wait();
+    guard.disarm(); // reaped
     bail!("iperf3 over {addr} never ran: {last}")
 }
 
@@ -191,6 +175,7 @@ fn sockperf(
         .stderr(Stdio::null())
         .spawn()
         .context("cannot start sockperf (install Debian package sockperf)")?;
+    let guard = teardown::child("sockperf server", server.id());
     std::thread::sleep(Duration::from_millis(300));
     let o = in_ns(ns_client, "sockperf")
         .args([
@@ -204,9 +189,10 @@ fn sockperf(
             "-m",
             "64",
         ])
-        .output();
+        .output_guarded("sockperf client");
     let _ = server.kill();
     let _ = server.wait();
+    guard.disarm(); // reaped
     let o = o?;
     let text = format!(
         "{}{}",
@@ -257,11 +243,9 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
     let mtu = net::DEFAULT_MTU;
     let pid = std::process::id();
     let name = format!("perfip-{pid}");
-    let mut cleanup = Cleanup {
-        fabric: None,
-        netns: Vec::new(),
-        children: Vec::new(),
-    };
+    // Everything started here is registered with the bench's teardown: an error, a return or
+    // Ctrl-C/SIGTERM removes it (servers, namespaces, the fabric), newest first.
+    let mut guards = vec![teardown::fabric(&name)];
     launch::start(&Options {
         name: name.clone(),
         nodes: 2,
@@ -272,17 +256,27 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
         link: None,
         topology: None,
     })?;
-    cleanup.fabric = Some(name.clone());
     let fabric = Fabric::attach(&name)?;
     let agents = [fabric.node_info(1)?.pid, fabric.node_info(2)?.pid];
     drop(fabric);
     let (va, vb) = (format!("bpv-{pid}-1"), format!("bpv-{pid}-2"));
     for ns in [&va, &vb] {
+        let n = ns.clone();
+        guards.push(teardown::register(format!("namespace {ns}"), move || {
+            let _ = Command::new("ip").args(["netns", "del", &n]).status();
+        }));
         ip(&["netns", "add", ns])?;
-        cleanup.netns.push(ns.clone());
         ip(&["-n", ns, "link", "set", "lo", "up"])?;
     }
     let (ia, ib) = (format!("bpv{pid}a"), format!("bpv{pid}b"));
+    // Until the pair moves into the namespaces it lives in the host's: remove it from there.
+    let link = ia.clone();
+    guards.push(teardown::register(format!("veth {ia}"), move || {
+        let _ = Command::new("ip")
+            .args(["link", "del", &link])
+            .stderr(Stdio::null())
+            .status();
+    }));
     ip(&[
         "link",
         "add",
@@ -326,7 +320,7 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
         }
         all.push(vec![fabric_row, veth_row]);
     }
-    drop(cleanup);
+    drop(guards);
     let (rows, rounds_kept) = if all.len() == 1 {
         (all.pop().expect("one round"), Vec::new())
     } else {
@@ -344,12 +338,13 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
         rounds: rounds_kept,
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(());
+        return super::emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
     }
+    let mut o = String::new();
     let line = "-".repeat(112);
-    println!("{line}\n ip: TCP (iperf3) and UDP ping-pong latency (sockperf, 64 B, one-way) between two nodes, same run\n{line}");
-    println!(
+    let _ = writeln!(o, "{line}\n ip: TCP (iperf3) and UDP ping-pong latency (sockperf, 64 B, one-way) between two nodes, same run\n{line}");
+    let _ = writeln!(
+        o,
         "{:<12} {:>10} {:>12} {:>12} {:>12} {:>11} {:>11} {:>11} {:>12}",
         "path",
         "TCP Gbit/s",
@@ -362,7 +357,8 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
         "lat p99.9 us"
     );
     for r in &report.rows {
-        println!(
+        let _ = writeln!(
+            o,
             "{:<12} {:>10.2} {:>12.1} {:>12.1} {:>12} {:>11.2} {:>11.2} {:>11.2} {:>12.2}",
             r.path,
             r.tcp_gbps,
@@ -375,7 +371,7 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
             r.lat_p999_us
         );
     }
-    println!(
+    let _ = writeln!(o, 
         "{line}\n ratio fabric / veth: TCP throughput {:.2} (>=1 is better), latency p50 {:.2} (<=1 is better)",
         report.ratio_tcp, report.ratio_lat_p50
     );
@@ -388,14 +384,14 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
                 .collect::<Vec<_>>()
                 .join(" ")
         };
-        println!(
+        let _ = writeln!(o, 
             " {} rounds, fabric and veth alternating; the table holds each field's median\n per-round TCP ratio: {}\n per-round latency p50 ratio: {}",
             report.rounds.len(),
             per(|r| r[0].tcp_gbps / r[1].tcp_gbps.max(1e-9)),
             per(|r| r[0].lat_p50_us / r[1].lat_p50_us.max(1e-9)),
         );
     }
-    Ok(())
+    super::emit(&o)
 }
 
 #[cfg(test)]

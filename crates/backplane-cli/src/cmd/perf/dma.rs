@@ -84,17 +84,6 @@ fn iters_for(a: &Args, size: u64) -> u64 {
     a.iters.unwrap_or(((8u64 << 30) / size).clamp(16, 100_000))
 }
 
-/// Stops the temporary fabric, whatever happens.
-struct Cleanup(Option<String>);
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        if let Some(n) = self.0.take() {
-            let _ = backplane::fabric::launch::stop(&n);
-        }
-    }
-}
-
 pub fn run(a: &Args) -> anyhow::Result<()> {
     let sizes = sizes(a)?;
     if a.iters == Some(0) {
@@ -103,13 +92,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     if a.segments == 0 || a.segments > 1 << 16 {
         bail!("--segments {} is out of range: use 1..=65536", a.segments);
     }
-    let mut cleanup = Cleanup(None);
+    let mut cleanup = None;
     let name = match &a.name {
         Some(n) => n.clone(),
         None => {
             let n = format!("perf-{}", std::process::id());
+            cleanup = Some(backplane_bench::teardown::fabric(&n));
             super::super::up::start(&n, 2, 8 << 20, 0)?;
-            cleanup.0 = Some(n.clone());
             n
         }
     };
@@ -217,9 +206,9 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         rows,
     };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        super::super::emit(&format!("{}\n", serde_json::to_string_pretty(&report)?))?;
     } else {
-        print!("{}", render(&report));
+        super::super::emit(&render(&report))?;
     }
     Ok(())
 }
