@@ -371,7 +371,8 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
             r.lat_p999_us
         );
     }
-    let _ = writeln!(o, 
+    let _ = writeln!(
+        o,
         "{line}\n ratio fabric / veth: TCP throughput {:.2} (>=1 is better), latency p50 {:.2} (<=1 is better)",
         report.ratio_tcp, report.ratio_lat_p50
     );
@@ -384,7 +385,8 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
                 .collect::<Vec<_>>()
                 .join(" ")
         };
-        let _ = writeln!(o, 
+        let _ = writeln!(
+        o,
             " {} rounds, fabric and veth alternating; the table holds each field's median\n per-round TCP ratio: {}\n per-round latency p50 ratio: {}",
             report.rounds.len(),
             per(|r| r[0].tcp_gbps / r[1].tcp_gbps.max(1e-9)),
