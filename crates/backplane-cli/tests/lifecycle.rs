@@ -169,3 +169,80 @@ fn bad_input_gets_one_line_errors_and_leaves_nothing() {
     }
     assert_eq!(leftovers(&n), Vec::<String>::new());
 }
+
+/// Processes whose environment names fabric `name` (what `exec` sets), other than us.
+fn exec_processes(name: &str) -> Vec<u32> {
+    let want = format!("BACKPLANE_FABRIC={name}");
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|p| {
+            let pid: u32 = p.file_name().to_str()?.parse().ok()?;
+            let env = std::fs::read(p.path().join("environ")).ok()?;
+            let stat = std::fs::read_to_string(p.path().join("stat")).ok()?;
+            let zombie = stat
+                .rsplit_once(") ")
+                .is_some_and(|(_, r)| r.starts_with('Z'));
+            (!zombie && env.split(|&b| b == 0).any(|kv| kv == want.as_bytes())).then_some(pid)
+        })
+        .filter(|&p| p != std::process::id())
+        .collect()
+}
+
+/// Programs started with `exec` are counted per node by `status` and stopped by `down`:
+/// SIGTERM, then SIGKILL after the grace for one that ignores SIGTERM; `down` says so.
+#[test]
+fn down_stops_what_exec_started_in_the_nodes_and_status_counts_it() {
+    let fab = Fab::up("lifecycle_exec_procs", 2, &[]);
+    let spawn = |node: &str, cmd: &[&str]| {
+        let mut args = vec!["exec", "--name", &fab.name, node, "--"];
+        args.extend_from_slice(cmd);
+        std::process::Command::new(BIN)
+            .args(&args)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut a = spawn("1", &["sleep", "1000"]);
+    let mut b = spawn("2", &["sh", "-c", "trap '' TERM; sleep 1000"]);
+    let counted = wait_for(std::time::Duration::from_secs(10), || {
+        let s = fab.status();
+        let n: Vec<u64> = s["slots"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["procs"].as_u64().unwrap())
+            .collect();
+        (n == [1, 2]).then_some(())
+    });
+    assert!(
+        counted.is_some(),
+        "status never counted 1 and 2: {}",
+        fab.status()
+    );
+    let table = String::from_utf8_lossy(&bp(&["status", "--name", &fab.name]).stdout).to_string();
+    assert!(table.contains("PROCS"), "{table}");
+    let out = bp(&["down", "--name", &fab.name, "--grace", "0.5"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("stopped 3 processes running in nodes 1, 2 (2 killed after the 0.5s grace"),
+        "{text}"
+    );
+    assert!(text.contains("is down"), "{text}");
+    // The exec wrappers report their programs' deaths by signal.
+    assert_eq!(a.wait().unwrap().code(), Some(128 + 15));
+    assert_eq!(b.wait().unwrap().code(), Some(128 + 9));
+    assert!(
+        exec_processes(&fab.name).is_empty(),
+        "{:?}",
+        exec_processes(&fab.name)
+    );
+    assert!(
+        leftovers(&fab.name).is_empty(),
+        "{:?}",
+        leftovers(&fab.name)
+    );
+    let bad = bp(&["down", "--name", &fab.name, "--grace", "-1"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
+}

@@ -313,6 +313,45 @@ fn down_leaves_no_namespace_interface_or_process() {
     let fab = Fab::up_net("net_down", 3, &[]);
     let name = fab.name.clone();
     assert!(std::path::Path::new(&format!("/run/netns/bp-{name}-3")).exists());
+    // A daemon that double-forks away from `exec` (iperf3 -D): found by its namespace.
+    let port = (5300 + std::process::id() % 500).to_string();
+    let o = bp(&[
+        "exec", "--name", &name, "3", "--", "iperf3", "-s", "-D", "-p", &port,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ns_ino = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(format!("/run/netns/bp-{name}-3"))
+            .unwrap()
+            .ino()
+    };
+    let in_ns = || -> Vec<String> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter(|p| {
+                std::fs::read_link(p.path().join("ns/net"))
+                    .is_ok_and(|l| l.to_string_lossy() == format!("net:[{ns_ino}]"))
+            })
+            .map(|p| p.file_name().to_string_lossy().to_string())
+            .collect()
+    };
+    let running = wait_for(Duration::from_secs(10), || {
+        (fab.status()["slots"][2]["procs"] == 1).then_some(())
+    });
+    assert!(running.is_some(), "{}", fab.status());
+    let out = bp(&["down", "--name", &name]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("stopped 1 process running in node 3"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        in_ns().is_empty(),
+        "left in node 3's namespace: {:?}",
+        in_ns()
+    );
     drop(fab);
     assert_eq!(leftovers(&name), Vec::<String>::new());
     let list = Command::new("ip").args(["netns", "list"]).output().unwrap();

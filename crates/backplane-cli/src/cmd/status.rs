@@ -48,11 +48,12 @@ pub fn render(r: &StatusReport) -> String {
         out += &format!("topology {}: {}\n", t.kind, t.links.join(", "));
     }
     out += &format!(
-        "{:>4} {:<8} {:>3} {:>7} {:<26} {:<13} {:>9} {:>3} {:>10} {:>12} {:>10} {:>12} {:>6} {:>8}\n",
+        "{:>4} {:<8} {:>3} {:>7} {:>5} {:<26} {:<13} {:>9} {:>3} {:>10} {:>12} {:>10} {:>12} {:>6} {:>8}\n",
         "SLOT",
         "STATE",
         "GEN",
         "PID",
+        "PROCS",
         "WINDOW(SIZE)",
         "DOORBELL",
         "UPTIME",
@@ -71,11 +72,12 @@ pub fn render(r: &StatusReport) -> String {
             _ => s.state.to_string(),
         };
         out += &format!(
-            "{:>4} {:<8} {:>3} {:>7} {:<26} {:<13} {:>8.1}s {:>3} {:>10} {:>12} {:>10} {:>12} {:>6} {:>8}\n",
+            "{:>4} {:<8} {:>3} {:>7} {:>5} {:<26} {:<13} {:>8.1}s {:>3} {:>10} {:>12} {:>10} {:>12} {:>6} {:>8}\n",
             s.slot,
             state,
             s.generation,
             s.pid,
+            s.procs,
             format!("{:#011x}({:#x})", s.window_base, s.window_size),
             format!("{:#x}", s.doorbell),
             s.uptime_s,

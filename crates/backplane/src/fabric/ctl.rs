@@ -262,6 +262,10 @@ pub struct SlotStatus {
     pub rx_bytes: u64,
     /// Datagrams dropped (refused, corrupt, undeliverable).
     pub drops: u64,
+    /// Programs running in the node besides its agent (counted by the process asking for the
+    /// status: see `fabric::members`).
+    #[serde(default)]
+    pub procs: u32,
     /// Datagrams this node forwarded for others (distributed topologies).
     #[serde(default)]
     pub fwd_msgs: u64,

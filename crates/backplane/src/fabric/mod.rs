@@ -10,6 +10,7 @@ pub mod ctl;
 pub mod ctl_verbs;
 pub mod launch;
 pub mod life;
+pub mod members;
 pub mod supervisor;
 pub mod topology;
 
@@ -35,6 +36,14 @@ pub const LOCK_FILE: &str = "supervisor.lock";
 pub const LOG_FILE: &str = "supervisor.log";
 /// Default fabric name.
 pub const DEFAULT_NAME: &str = "default";
+
+/// The fabric's own processes: its supervisor and its nodes' agents.
+fn own_pids(s: &StatusReport) -> Vec<u32> {
+    std::iter::once(s.supervisor_pid)
+        .chain(s.slots.iter().map(|x| x.pid))
+        .filter(|&p| p != 0)
+        .collect()
+}
 
 /// Where fabric directories live: `$BACKPLANE_RUN_DIR`, else `/run/backplane` for root, else
 /// `$XDG_RUNTIME_DIR/backplane`, else `/tmp/backplane-$UID`.
@@ -321,9 +330,23 @@ impl Fabric {
     /// The fabric report (what `backplane status` shows).
     pub fn status(&self) -> Result<StatusReport, FabricError> {
         match self.call(&Request::Status)?.0 {
-            Response::Status(s) => Ok(s),
+            Response::Status(mut s) => {
+                // Counted here, by the asking process, not by the supervisor's event loop.
+                for m in members::find(&s.fabric, s.nodes, &own_pids(&s)) {
+                    if let Some(slot) = s.slots.iter_mut().find(|x| x.slot == m.slot) {
+                        slot.procs += 1;
+                    }
+                }
+                Ok(s)
+            }
             other => Err(FabricError::Protocol(format!("{other:?}"))),
         }
+    }
+
+    /// The programs running in this fabric's nodes (not its supervisor and agents).
+    pub fn members(&self) -> Result<Vec<members::Member>, FabricError> {
+        let s = self.status()?;
+        Ok(members::find(&s.fabric, s.nodes, &own_pids(&s)))
     }
 
     /// Asks the supervisor to stop the fabric.

@@ -1314,6 +1314,7 @@ impl Sup {
                     down_reason: entry_reason,
                     generation: self.life[i].generation(),
                     pid: self.agent_pid(slot),
+                    procs: 0, // counted by the asking process
                     window_base: wire::window_base(slot),
                     window_size: self.cfg.window_size,
                     doorbell: wire::window_base(slot) + WIN_DOORBELL_BITS_OFF as u64,
