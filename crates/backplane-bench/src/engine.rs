@@ -657,20 +657,13 @@ fn run_link_path(ctx: &mut Ctx, def: &PathDef) -> PathReport {
             return pr;
         }
     }
-    let mut s = match setup(ctx, def.name) {
-        Ok(s) => s,
-        Err(e) => {
-            pr.status = Status::Failed;
-            pr.reason = Some(format!("set-up failed: {e:#}"));
-            ctx.progress.inc(steps_of(ctx, def));
-            return pr;
-        }
-    };
-    if let Err(e) = measure_link(ctx, def, &mut s, &mut pr) {
-        let any = !pr.throughput.is_empty() || !pr.latency.is_empty();
-        pr.status = if any { Status::Partial } else { Status::Failed };
-        pr.reason = Some(format!("failed mid-run: {e:#}"));
-    }
+    set_up_and_measure(
+        ctx,
+        def,
+        &mut pr,
+        |ctx| setup(ctx, def.name),
+        |ctx, s, pr| measure_link(ctx, def, s, pr),
+    );
     pr
 }
 
@@ -678,21 +671,19 @@ fn run_dma_path(ctx: &mut Ctx, def: &PathDef) -> PathReport {
     let mut pr = PathReport::new(def.name, def.title, def.kind.as_str(), def.copies);
     let mut guards = Vec::new();
     let max = ctx.sizes.iter().copied().max().unwrap_or(MIN_SIZE);
-    let path = start_fabric(ctx, &mut guards, None)
-        .and_then(|(_, f)| DmaPath::new(&f, max).map(|p| (f, p)));
-    let (_fabric, mut path) = match path {
-        Ok(p) => p,
-        Err(e) => {
-            pr.status = Status::Failed;
-            pr.reason = Some(format!("set-up failed: {e:#}"));
-            ctx.progress.inc(steps_of(ctx, def));
-            return pr;
-        }
-    };
-    if let Err(e) = measure_dma(ctx, def, &mut path, &mut pr) {
-        let any = !pr.throughput.is_empty() || !pr.latency.is_empty();
-        pr.status = if any { Status::Partial } else { Status::Failed };
-        pr.reason = Some(format!("failed mid-run: {e:#}"));
+    let set_up = set_up_and_measure(
+        ctx,
+        def,
+        &mut pr,
+        |ctx| {
+            let (_, f) = start_fabric(ctx, &mut guards, None)?;
+            let path = DmaPath::new(&f, max)?;
+            Ok((f, path))
+        },
+        |ctx, (_, path), pr| measure_dma(ctx, def, path, pr),
+    );
+    if set_up.is_none() {
+        return pr;
     }
     pr.notes.push(
         "client CPU is the submitting thread, server CPU the engine thread (the process's CPU \
@@ -709,7 +700,8 @@ fn run_dma_path(ctx: &mut Ctx, def: &PathDef) -> PathReport {
                 .into(),
         );
     }
-    drop(path);
+    drop(set_up); // the regions and engines before the fabric
+    drop(guards);
     pr
 }
 
@@ -719,17 +711,16 @@ fn measure_dma(
     path: &mut DmaPath,
     pr: &mut PathReport,
 ) -> anyhow::Result<()> {
-    let cfg = ctx.cfg;
-    for &size in &ctx.sizes.clone() {
-        ctx.progress.step(&format!(
-            "{} throughput {}",
-            def.name,
-            report::human_bytes(size)
-        ));
-        let mut runs = Vec::new();
-        for _ in 0..cfg.repeat {
-            let r = path.throughput(size, cfg.duration, cfg.warmup)?;
-            runs.push(TpRun {
+    let sizes = ctx.sizes.clone();
+    sweep(
+        ctx,
+        def,
+        pr,
+        &sizes,
+        path,
+        |path, size, dur, warm| {
+            let r = path.throughput(size, dur, warm)?;
+            Ok(TpRun {
                 mb_per_s: r.mb_per_s,
                 msgs_per_s: r.jobs_per_s,
                 client: r.submitter,
@@ -741,13 +732,39 @@ fn measure_dma(
                 op_bytes: r.bytes,
                 sent_dgrams: 0,
                 peer: PeerResult::default(),
-            });
+            })
+        },
+        |path, size, dur, warm| Ok((path.latency(size, dur, warm)?, 0)),
+    )
+}
+
+/// The size sweep every path shares: `repeat` throughput runs per size, then `repeat`
+/// latency runs per size (histograms merged, lost round trips summed), then the latency fit.
+fn sweep<S: ?Sized>(
+    ctx: &mut Ctx,
+    def: &PathDef,
+    pr: &mut PathReport,
+    sizes: &[u64],
+    s: &mut S,
+    mut tp: impl FnMut(&mut S, u64, Duration, Duration) -> anyhow::Result<TpRun>,
+    mut lat: impl FnMut(&mut S, u64, Duration, Duration) -> anyhow::Result<(Histogram<u64>, u64)>,
+) -> anyhow::Result<()> {
+    let cfg = ctx.cfg;
+    for &size in sizes {
+        ctx.progress.step(&format!(
+            "{} throughput {}",
+            def.name,
+            report::human_bytes(size)
+        ));
+        let mut runs = Vec::new();
+        for _ in 0..cfg.repeat {
+            runs.push(tp(s, size, cfg.duration, cfg.warmup)?);
             ctx.progress.inc(1);
         }
         pr.throughput
             .push(throughput_point(size, &runs, ctx.memcpy.mb_per_s, def.kind));
     }
-    for &size in &ctx.sizes.clone() {
+    for &size in sizes {
         ctx.progress.step(&format!(
             "{} latency {}",
             def.name,
@@ -755,19 +772,47 @@ fn measure_dma(
         ));
         let mut merged = stats::new_histogram();
         let mut p50s = Vec::new();
+        let mut lost = 0;
         for _ in 0..cfg.repeat {
-            let h = path.latency(size, cfg.duration, cfg.warmup)?;
+            let (h, l) = lat(s, size, cfg.duration, cfg.warmup)?;
             if let Some(sum) = LatencySummary::from_histogram(&h) {
                 p50s.push(sum.p50_us);
             }
             merged.add(&h).context("merging histograms")?;
+            lost += l;
             ctx.progress.inc(1);
         }
         pr.latency
-            .push(latency_point(size, cfg.repeat, &merged, &p50s, 0));
+            .push(latency_point(size, cfg.repeat, &merged, &p50s, lost));
     }
     pr.latency_fit = fit(&pr.latency, ctx.memcpy.slope_us_per_byte, def.copies);
     Ok(())
+}
+
+/// Sets a path up and measures it; a failed set-up makes the path `failed`, a failure
+/// part-way `partial` (or `failed` when nothing was measured), with the reason.
+fn set_up_and_measure<S>(
+    ctx: &mut Ctx,
+    def: &PathDef,
+    pr: &mut PathReport,
+    setup: impl FnOnce(&mut Ctx) -> anyhow::Result<S>,
+    measure: impl FnOnce(&mut Ctx, &mut S, &mut PathReport) -> anyhow::Result<()>,
+) -> Option<S> {
+    let mut s = match setup(ctx) {
+        Ok(s) => s,
+        Err(e) => {
+            pr.status = Status::Failed;
+            pr.reason = Some(format!("set-up failed: {e:#}"));
+            ctx.progress.inc(steps_of(ctx, def));
+            return None;
+        }
+    };
+    if let Err(e) = measure(ctx, &mut s, pr) {
+        let any = !pr.throughput.is_empty() || !pr.latency.is_empty();
+        pr.status = if any { Status::Partial } else { Status::Failed };
+        pr.reason = Some(format!("failed mid-run: {e:#}"));
+    }
+    Some(s)
 }
 
 fn steps_of(ctx: &Ctx, def: &PathDef) -> u64 {
@@ -800,42 +845,7 @@ fn measure_link(
         ctx.progress
             .inc(too_big.len() as u64 * cfg.repeat as u64 * 2);
     }
-    for &size in &sizes {
-        ctx.progress.step(&format!(
-            "{} throughput {}",
-            def.name,
-            report::human_bytes(size)
-        ));
-        let mut runs = Vec::new();
-        for _ in 0..cfg.repeat {
-            runs.push(throughput_once(s, size, cfg.duration, cfg.warmup)?);
-            ctx.progress.inc(1);
-        }
-        pr.throughput
-            .push(throughput_point(size, &runs, ctx.memcpy.mb_per_s, def.kind));
-    }
-    for &size in &sizes {
-        ctx.progress.step(&format!(
-            "{} latency {}",
-            def.name,
-            report::human_bytes(size)
-        ));
-        let mut merged = stats::new_histogram();
-        let mut p50s = Vec::new();
-        let mut lost = 0;
-        for _ in 0..cfg.repeat {
-            let (h, l) = latency_once(s, size, cfg.duration, cfg.warmup)?;
-            if let Some(sum) = LatencySummary::from_histogram(&h) {
-                p50s.push(sum.p50_us);
-            }
-            merged.add(&h).context("merging histograms")?;
-            lost += l;
-            ctx.progress.inc(1);
-        }
-        pr.latency
-            .push(latency_point(size, cfg.repeat, &merged, &p50s, lost));
-    }
-    pr.latency_fit = fit(&pr.latency, ctx.memcpy.slope_us_per_byte, def.copies);
+    sweep(ctx, def, pr, &sizes, s, throughput_once, latency_once)?;
     if def.kind == Kind::Datagram {
         match &ctx.loss_ok {
             Ok(()) => {

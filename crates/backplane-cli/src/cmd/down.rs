@@ -42,27 +42,45 @@ fn nodes_of(m: &[Member]) -> String {
 pub fn run(a: Args) -> anyhow::Result<()> {
     let name = &a.name.name;
     // Programs left running in the nodes would outlive the fabric, unreachable in deleted
-    // namespaces and invisible to `status`: stop them first.
-    if let Ok(found) = Fabric::attach(name).and_then(|f| f.members()) {
-        if !found.is_empty() {
-            let s = members::stop(&found, Duration::from_secs_f64(a.grace));
-            let mut line = format!(
-                "stopped {} process{} running in {}",
-                found.len(),
-                if found.len() == 1 { "" } else { "es" },
-                nodes_of(&found)
-            );
-            if !s.killed.is_empty() {
-                let pids: Vec<String> = s.killed.iter().map(|m| m.pid.to_string()).collect();
-                line += &format!(
-                    " ({} killed after the {}s grace: pid {})",
-                    s.killed.len(),
-                    a.grace,
-                    pids.join(", ")
-                );
-            }
-            println!("{line}");
+    // namespaces and invisible to `status`: stop them first. Looked for twice: a program caught in the middle of its exec shows no environment yet,
+    // and one being stopped may have started another.
+    let mut found = Vec::new();
+    let mut s = members::Stopped::default();
+    for _ in 0..2 {
+        let Ok(more) = Fabric::attach(name).and_then(|f| f.members()) else {
+            break;
+        };
+        if more.is_empty() {
+            break;
         }
+        let stopped = members::stop(&more, Duration::from_secs_f64(a.grace));
+        s.terminated.extend(stopped.terminated);
+        s.killed.extend(stopped.killed);
+        found.extend(more);
+    }
+    for v in [&mut found, &mut s.terminated, &mut s.killed] {
+        v.sort_by_key(|m| (m.slot, m.pid));
+        v.dedup_by_key(|m| m.pid); // one SIGKILLed on the first pass may show on the second
+    }
+    s.terminated
+        .retain(|t| !s.killed.iter().any(|k| k.pid == t.pid));
+    if !found.is_empty() {
+        let mut line = format!(
+            "stopped {} process{} running in {}",
+            found.len(),
+            if found.len() == 1 { "" } else { "es" },
+            nodes_of(&found)
+        );
+        if !s.killed.is_empty() {
+            let pids: Vec<String> = s.killed.iter().map(|m| m.pid.to_string()).collect();
+            line += &format!(
+                " ({} killed after the {}s grace: pid {})",
+                s.killed.len(),
+                a.grace,
+                pids.join(", ")
+            );
+        }
+        println!("{line}");
     }
     match launch::stop(name)? {
         Stopped::Clean => println!("fabric '{name}' is down"),

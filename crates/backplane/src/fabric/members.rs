@@ -7,7 +7,8 @@
 //! (`BACKPLANE_FABRIC=F` and `BACKPLANE_NODE=N`, which `exec` sets on every fabric); daemons
 //! that double-fork keep both. The fabric's own supervisor and agents are left out by pid.
 //! Everything read from `/proc` is another process's and may vanish or change under us: a
-//! process that cannot be read is simply not counted.
+//! process that cannot be read is simply not counted (nor one caught in the middle of its
+//! `exec`, before its new environment is laid out: [`stop`]'s callers look twice).
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -157,7 +158,14 @@ mod tests {
             .env("BACKPLANE_NODE", "2")
             .spawn()
             .unwrap();
-        let found = find(&fabric, 4, &[]);
+        // Until the child's exec has laid out its new environment, /proc shows none: wait
+        // for it (a bound on a hang, not a timing claim).
+        let until = Instant::now() + Duration::from_secs(10);
+        let mut found = find(&fabric, 4, &[]);
+        while found.is_empty() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+            found = find(&fabric, 4, &[]);
+        }
         assert_eq!(
             found,
             [Member {
