@@ -648,115 +648,172 @@ fn status_word(s: Status) -> &'static str {
     }
 }
 
+/// Rows as CSV with a header named after the row's fields (empty when there are no rows).
+/// Figures are rounded to what the measurement supports.
+fn to_csv<R: Serialize>(rows: impl IntoIterator<Item = R>) -> String {
+    let mut w = csv::Writer::from_writer(Vec::new());
+    for row in rows {
+        // Names and numbers into memory: nothing can fail.
+        w.serialize(row).expect("a CSV row in memory");
+    }
+    String::from_utf8(w.into_inner().expect("CSV in memory")).expect("CSV of UTF-8 fields")
+}
+
+/// `x` rounded to `digits` decimals.
+fn round(x: f64, digits: i32) -> f64 {
+    let m = 10f64.powi(digits);
+    (x * m).round() / m
+}
+
+#[derive(Serialize)]
+struct ThroughputCsv<'a> {
+    path: &'a str,
+    bytes: u64,
+    repeats: usize,
+    mb_per_s: f64,
+    mb_per_s_ci95_low: f64,
+    mb_per_s_ci95_high: f64,
+    msgs_per_s: f64,
+    ratio_to_memcpy: f64,
+    client_user_pct: f64,
+    client_system_pct: f64,
+    server_user_pct: f64,
+    server_system_pct: f64,
+    machine_user_pct: Option<f64>,
+    machine_system_pct: Option<f64>,
+    machine_irq_pct: Option<f64>,
+    machine_softirq_pct: Option<f64>,
+    service_demand_us_per_mb: f64,
+    machine_service_demand_us_per_mb: Option<f64>,
+    sent_dgrams: Option<u64>,
+    lost_dgrams: Option<u64>,
+    loss_pct: Option<f64>,
+    duplicates: Option<u64>,
+    reordered: Option<u64>,
+}
+
 /// The throughput table as CSV.
 pub fn throughput_csv(r: &Report) -> String {
-    let mut o = String::from(
-        "path,bytes,repeats,mb_per_s,mb_per_s_ci95_low,mb_per_s_ci95_high,msgs_per_s,ratio_to_memcpy,\
-         client_user_pct,client_system_pct,server_user_pct,server_system_pct,\
-         machine_user_pct,machine_system_pct,machine_irq_pct,machine_softirq_pct,\
-         service_demand_us_per_mb,machine_service_demand_us_per_mb,sent_dgrams,lost_dgrams,loss_pct,duplicates,reordered\n",
-    );
-    let u = |x: Option<u64>| x.map_or(String::new(), |v| v.to_string());
-    let f = |x: Option<f64>| x.map_or(String::new(), |v| format!("{v:.4}"));
-    for p in &r.paths {
-        for t in &p.throughput {
+    let r4 = |x: Option<f64>| x.map(|v| round(v, 4));
+    to_csv(r.paths.iter().flat_map(|p| {
+        p.throughput.iter().map(move |t| {
             let m = t.machine_cpu;
-            let _ = writeln!(
-                o,
-                "{},{},{},{:.3},{:.3},{:.3},{:.1},{:.5},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{:.3},{},{},{},{},{},{}",
-                p.name,
-                t.bytes,
-                t.repeats,
-                t.mb_per_s,
-                t.mb_per_s_ci95[0],
-                t.mb_per_s_ci95[1],
-                t.msgs_per_s,
-                t.ratio_to_memcpy,
-                t.client_cpu.user_pct,
-                t.client_cpu.system_pct,
-                t.server_cpu.user_pct,
-                t.server_cpu.system_pct,
-                f(m.map(|m| m.user_pct)),
-                f(m.map(|m| m.system_pct)),
-                f(m.map(|m| m.irq_pct)),
-                f(m.map(|m| m.softirq_pct)),
-                t.service_demand_us_per_mb,
-                f(t.machine_service_demand_us_per_mb),
-                u(t.sent_dgrams),
-                u(t.lost_dgrams),
-                f(t.loss_pct),
-                u(t.duplicates),
-                u(t.reordered),
-            );
-        }
-    }
-    o
+            ThroughputCsv {
+                path: &p.name,
+                bytes: t.bytes,
+                repeats: t.repeats,
+                mb_per_s: round(t.mb_per_s, 3),
+                mb_per_s_ci95_low: round(t.mb_per_s_ci95[0], 3),
+                mb_per_s_ci95_high: round(t.mb_per_s_ci95[1], 3),
+                msgs_per_s: round(t.msgs_per_s, 1),
+                ratio_to_memcpy: round(t.ratio_to_memcpy, 5),
+                client_user_pct: round(t.client_cpu.user_pct, 2),
+                client_system_pct: round(t.client_cpu.system_pct, 2),
+                server_user_pct: round(t.server_cpu.user_pct, 2),
+                server_system_pct: round(t.server_cpu.system_pct, 2),
+                machine_user_pct: r4(m.map(|m| m.user_pct)),
+                machine_system_pct: r4(m.map(|m| m.system_pct)),
+                machine_irq_pct: r4(m.map(|m| m.irq_pct)),
+                machine_softirq_pct: r4(m.map(|m| m.softirq_pct)),
+                service_demand_us_per_mb: round(t.service_demand_us_per_mb, 3),
+                machine_service_demand_us_per_mb: r4(t.machine_service_demand_us_per_mb),
+                sent_dgrams: t.sent_dgrams,
+                lost_dgrams: t.lost_dgrams,
+                loss_pct: r4(t.loss_pct),
+                duplicates: t.duplicates,
+                reordered: t.reordered,
+            }
+        })
+    }))
+}
+
+#[derive(Serialize)]
+struct LatencyCsv<'a> {
+    path: &'a str,
+    bytes: u64,
+    repeats: usize,
+    samples: u64,
+    lost: u64,
+    min_us: Option<f64>,
+    p50_us: f64,
+    p50_ci95_low_us: f64,
+    p50_ci95_high_us: f64,
+    p90_us: Option<f64>,
+    p99_us: Option<f64>,
+    p999_us: Option<f64>,
+    p9999_us: Option<f64>,
+    max_us: Option<f64>,
+    mean_us: f64,
+    jitter_fwhm_us: Option<f64>,
 }
 
 /// The latency table as CSV.
 pub fn latency_csv(r: &Report) -> String {
-    let mut o = String::from(
-        "path,bytes,repeats,samples,lost,min_us,p50_us,p50_ci95_low_us,p50_ci95_high_us,p90_us,p99_us,p999_us,p9999_us,max_us,mean_us,jitter_fwhm_us\n",
-    );
-    let f = |x: Option<f64>| x.map_or(String::new(), |v| format!("{v:.3}"));
-    for p in &r.paths {
-        for l in &p.latency {
-            let _ = writeln!(
-                o,
-                "{},{},{},{},{},{},{:.3},{:.3},{:.3},{},{},{},{},{},{:.3},{}",
-                p.name,
-                l.bytes,
-                l.repeats,
-                l.samples,
-                l.lost,
-                f(l.min_us),
-                l.p50_us,
-                l.p50_ci95_us[0],
-                l.p50_ci95_us[1],
-                f(l.p90_us),
-                f(l.p99_us),
-                f(l.p999_us),
-                f(l.p9999_us),
-                f(l.max_us),
-                l.mean_us,
-                f(l.jitter_fwhm_us)
-            );
-        }
-    }
-    o
+    let r3 = |x: Option<f64>| x.map(|v| round(v, 3));
+    to_csv(r.paths.iter().flat_map(|p| {
+        p.latency.iter().map(move |l| LatencyCsv {
+            path: &p.name,
+            bytes: l.bytes,
+            repeats: l.repeats,
+            samples: l.samples,
+            lost: l.lost,
+            min_us: r3(l.min_us),
+            p50_us: round(l.p50_us, 3),
+            p50_ci95_low_us: round(l.p50_ci95_us[0], 3),
+            p50_ci95_high_us: round(l.p50_ci95_us[1], 3),
+            p90_us: r3(l.p90_us),
+            p99_us: r3(l.p99_us),
+            p999_us: r3(l.p999_us),
+            p9999_us: r3(l.p9999_us),
+            max_us: r3(l.max_us),
+            mean_us: round(l.mean_us, 3),
+            jitter_fwhm_us: r3(l.jitter_fwhm_us),
+        })
+    }))
+}
+
+#[derive(Serialize)]
+struct LossCsv<'a> {
+    path: &'a str,
+    bytes: u64,
+    phase: &'static str,
+    target_msgs_per_s: Option<f64>,
+    offered_msgs_per_s: f64,
+    offered_mb_per_s: f64,
+    offered: u64,
+    not_accepted: u64,
+    lost: u64,
+    duplicates: u64,
+    reordered: u64,
+    received: u64,
+    loss_pct: f64,
 }
 
 /// The loss trials as CSV.
 pub fn loss_csv(r: &Report) -> String {
-    let mut o = String::from(
-        "path,bytes,phase,target_msgs_per_s,offered_msgs_per_s,offered_mb_per_s,offered,not_accepted,lost,duplicates,reordered,received,loss_pct\n",
-    );
-    for p in &r.paths {
-        let Some(l) = &p.loss else { continue };
-        for (phase, trials) in [("sweep", &l.sweep), ("search", &l.search)] {
-            for t in trials.iter() {
-                let _ = writeln!(
-                    o,
-                    "{},{},{},{},{:.1},{:.3},{},{},{},{},{},{},{:.4}",
-                    p.name,
-                    l.bytes,
-                    phase,
-                    t.target_msgs_per_s
-                        .map_or(String::new(), |v| format!("{v:.1}")),
-                    t.offered_msgs_per_s,
-                    t.offered_mb_per_s,
-                    t.offered,
-                    t.not_accepted,
-                    t.lost,
-                    t.duplicates,
-                    t.reordered,
-                    t.received,
-                    t.loss_pct
-                );
-            }
-        }
-    }
-    o
+    to_csv(r.paths.iter().flat_map(|p| {
+        p.loss.iter().flat_map(move |l| {
+            [("sweep", &l.sweep), ("search", &l.search)]
+                .into_iter()
+                .flat_map(move |(phase, trials)| {
+                    trials.iter().map(move |t| LossCsv {
+                        path: &p.name,
+                        bytes: l.bytes,
+                        phase,
+                        target_msgs_per_s: t.target_msgs_per_s.map(|v| round(v, 1)),
+                        offered_msgs_per_s: round(t.offered_msgs_per_s, 1),
+                        offered_mb_per_s: round(t.offered_mb_per_s, 3),
+                        offered: t.offered,
+                        not_accepted: t.not_accepted,
+                        lost: t.lost,
+                        duplicates: t.duplicates,
+                        reordered: t.reordered,
+                        received: t.received,
+                        loss_pct: round(t.loss_pct, 4),
+                    })
+                })
+        })
+    }))
 }
 
 /// The Markdown summary, embedding the plots written beside it.
@@ -1021,39 +1078,15 @@ pub fn write_all(r: &Report, dir: &Path) -> anyhow::Result<()> {
 
 /// UTC time as RFC 3339 (`2025-01-31T12:34:56Z`) and as a folder name (`20250131-123456`).
 pub fn utc_now() -> (String, String) {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let (y, mo, d, h, mi, s) = civil(secs);
-    (
-        format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}Z"),
-        format!("{y:04}{mo:02}{d:02}-{h:02}{mi:02}{s:02}"),
-    )
+    let rfc = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+    (rfc.clone(), folder_name(&rfc))
 }
 
-/// Seconds since the epoch to (year, month, day, hour, minute, second), proleptic Gregorian.
-fn civil(secs: u64) -> (i64, u32, u32, u32, u32, u32) {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Days to civil date (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (
-        y,
-        m,
-        d,
-        (rem / 3600) as u32,
-        (rem / 60 % 60) as u32,
-        (rem % 60) as u32,
-    )
+/// `2025-01-31T12:34:56Z` → `20250131-123456`.
+fn folder_name(rfc3339: &str) -> String {
+    let (date, time) = rfc3339.split_once('T').unwrap_or((rfc3339, ""));
+    let keep = |s: &str| s.chars().filter(char::is_ascii_digit).collect::<String>();
+    format!("{}-{}", keep(date), keep(time))
 }
 
 /// The machine's description.
@@ -1164,10 +1197,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn civil_dates_are_right_on_known_days() {
-        assert_eq!(civil(0), (1970, 1, 1, 0, 0, 0));
-        assert_eq!(civil(951_782_400), (2000, 2, 29, 0, 0, 0));
-        assert_eq!(civil(1_735_689_599), (2024, 12, 31, 23, 59, 59));
+    fn timestamps_are_rfc_3339_and_folder_names_follow_them() {
+        assert_eq!(folder_name("2024-12-31T23:59:59Z"), "20241231-235959");
+        let (rfc, folder) = utc_now();
+        assert_eq!(rfc.len(), 20, "{rfc}");
+        assert!(rfc.ends_with('Z') && rfc.as_bytes()[10] == b'T', "{rfc}");
+        assert_eq!(folder, folder_name(&rfc));
+    }
+
+    #[test]
+    fn csv_tables_have_named_columns_and_empty_fields_for_what_was_not_measured() {
+        let r = tests_support::report_with_paths(&["fabric-dgram", "udp-veth"]);
+        let t = throughput_csv(&r);
+        let mut lines = t.lines();
+        let head = lines.next().unwrap();
+        assert!(
+            head.starts_with("path,bytes,repeats,mb_per_s,mb_per_s_ci95_low,"),
+            "{head}"
+        );
+        assert!(head.ends_with(",loss_pct,duplicates,reordered"), "{head}");
+        let row = lines.next().unwrap();
+        assert!(row.starts_with("fabric-dgram,64,1,10.0,"), "{row}");
+        assert!(
+            row.ends_with(",,,,,"),
+            "no datagram counts on this path: {row}"
+        );
+        assert_eq!(t.lines().count(), 1 + 3 + 2, "{t}");
+        let l = latency_csv(&r);
+        assert!(l.contains("\nudp-veth,4096,1,100,0,,4.0,"), "{l}");
+        assert!(loss_csv(&r).is_empty());
     }
 
     #[test]

@@ -177,8 +177,10 @@ impl VerbsLink {
             max_inline_data: INLINE as u32,
         };
         let qp = pd.create_qp(&init).map_err(err)?;
-        let access = AccessFlags(
-            AccessFlags::LOCAL_WRITE.0 | AccessFlags::REMOTE_WRITE.0 | AccessFlags::REMOTE_READ.0,
+        let access = AccessFlags::from_bits_retain(
+            AccessFlags::LOCAL_WRITE.bits()
+                | AccessFlags::REMOTE_WRITE.bits()
+                | AccessFlags::REMOTE_READ.bits(),
         );
         let region = 2 * RING + (mode.rx_depth() as u64 * mode.rx_slot()) as usize;
         let mr = pd.alloc_mr(region, access).map_err(err)?;
@@ -409,7 +411,7 @@ impl VerbsLink {
         self.unsignaled += 1;
         if self.unsignaled == SIGNAL_EVERY || tag.is_some() {
             wr.wr_id = u64::from(self.unsignaled) | tag.unwrap_or(0);
-            wr.send_flags = SendFlags(wr.send_flags.0 | SendFlags::SIGNALED.0);
+            wr.send_flags |= SendFlags::SIGNALED;
             self.unsignaled = 0;
         }
         self.sq_used += 1;

@@ -843,7 +843,7 @@ fn access(v: c_uint) -> Result<AccessFlags, CErr> {
             "access flags {v:#x}: only LOCAL_WRITE, REMOTE_WRITE/READ/ATOMIC and ZERO_BASED exist"
         )));
     }
-    Ok(AccessFlags(v & 0xf))
+    Ok(AccessFlags::from_bits_retain(v & 0xf))
 }
 
 fn wr_opcode(v: u32) -> Result<WrOpcode, CErr> {
@@ -1545,7 +1545,7 @@ pub unsafe extern "C" fn bp_modify_qp(
             if attr.is_null() {
                 return Err(inval("attr is NULL"));
             }
-            let mask = QpAttrMask(attr_mask as u32);
+            let mask = QpAttrMask::from_bits_retain(attr_mask as u32);
             // Only the fields the mask names are read: libibverbs callers often leave the
             // others uninitialized, and reading those would be undefined behaviour.
             macro_rules! field {
@@ -1694,7 +1694,7 @@ unsafe fn read_send(l: &Local, q: &QpObj, w: *const BpSendWr) -> Result<OwnedSen
     // SAFETY: readable (caller). Only the union member the opcode names is read below.
     let w = unsafe { &*w };
     let opcode = wr_opcode(w.opcode)?;
-    let flags = SendFlags(w.send_flags & 0xf);
+    let flags = SendFlags::from_bits_retain(w.send_flags & 0xf);
     let mut inline = Vec::new();
     let mut list = SgeBuf::new();
     if flags.contains(SendFlags::INLINE) {

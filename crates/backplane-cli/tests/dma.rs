@@ -12,8 +12,10 @@ use backplane::fabric::Fabric;
 use backplane::verbs::*;
 use sha2::{Digest, Sha256};
 
-const RW: AccessFlags = AccessFlags(
-    AccessFlags::LOCAL_WRITE.0 | AccessFlags::REMOTE_WRITE.0 | AccessFlags::REMOTE_READ.0,
+const RW: AccessFlags = AccessFlags::from_bits_retain(
+    AccessFlags::LOCAL_WRITE.bits()
+        | AccessFlags::REMOTE_WRITE.bits()
+        | AccessFlags::REMOTE_READ.bits(),
 );
 
 fn engines(n: usize) -> DmaEngines {

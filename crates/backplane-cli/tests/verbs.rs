@@ -12,11 +12,11 @@ use backplane::fabric::Fabric;
 use backplane::verbs::cm::{self, ConnParam, PeerInfo};
 use backplane::verbs::*;
 
-const ALL: AccessFlags = AccessFlags(
-    AccessFlags::LOCAL_WRITE.0
-        | AccessFlags::REMOTE_WRITE.0
-        | AccessFlags::REMOTE_READ.0
-        | AccessFlags::REMOTE_ATOMIC.0,
+const ALL: AccessFlags = AccessFlags::from_bits_retain(
+    AccessFlags::LOCAL_WRITE.bits()
+        | AccessFlags::REMOTE_WRITE.bits()
+        | AccessFlags::REMOTE_READ.bits()
+        | AccessFlags::REMOTE_ATOMIC.bits(),
 );
 
 /// One end: a context on a node, a PD, one CQ for both queues, a QP and a region.

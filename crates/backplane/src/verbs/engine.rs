@@ -279,7 +279,7 @@ pub(crate) fn map_grant(fabric: &crate::fabric::Fabric, req: VerbsRequest) -> Op
     }
     Some(Granted {
         len,
-        access: AccessFlags(access),
+        access: AccessFlags::from_bits_retain(access),
         state,
         data: region.ptr_at(MR_DATA_OFF, len).ok()?,
         region: Arc::new(region),
@@ -943,7 +943,7 @@ impl QpSt {
                 .checked_add(len as u64)
                 .is_none_or(|e| e > m.len)
             || !m.valid()
-            || !AccessFlags(p.access.get().load(Ordering::Relaxed))
+            || !AccessFlags::from_bits_retain(p.access.get().load(Ordering::Relaxed))
                 .contains(AccessFlags::REMOTE_WRITE)
         {
             return false;
@@ -1035,7 +1035,7 @@ impl QpSt {
         let Some(p) = &self.peer else { return false };
         if !m.valid()
             || !m.access.contains(need)
-            || !AccessFlags(p.access.get().load(Ordering::Relaxed)).contains(need)
+            || !AccessFlags::from_bits_retain(p.access.get().load(Ordering::Relaxed)).contains(need)
             || remote_addr
                 .checked_add(len as u64)
                 .is_none_or(|e| e > m.len)
@@ -1523,7 +1523,7 @@ impl QpSt {
             .peer
             .as_ref()
             // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
-            .map(|p| AccessFlags(p.access.get().load(Ordering::Relaxed)))
+            .map(|p| AccessFlags::from_bits_retain(p.access.get().load(Ordering::Relaxed)))
             .ok_or(WcStatus::LocQpOpErr)?;
         let m = self.remote_mr(rkey, env).ok_or(WcStatus::RemAccessErr)?;
         let inside = addr.checked_add(len).is_some_and(|e| e <= m.len);
@@ -2373,7 +2373,7 @@ impl QpSt {
                 .get()
                 // SYNC POINT qp-access (release): requesters read the flags before each
                 // one-sided operation.
-                .store(self.attr.qp_access_flags.0, Ordering::Release);
+                .store(self.attr.qp_access_flags.bits(), Ordering::Release);
         }
         self.state = next;
         Ok(())

@@ -85,14 +85,14 @@ pub fn check(ty: QpType, cur: S, attr: &QpAttr, mask: M) -> Result<S, String> {
     let Some((req, opt)) = table(ty, cur, next) else {
         return Err(format!("{ty:?} QP cannot move from {cur:?} to {next:?}"));
     };
-    let given = M(mask.0 & !(M::STATE.0 | M::CUR_STATE.0));
-    let missing = M(req.0 & !given.0);
+    let given = mask.difference(M::STATE | M::CUR_STATE);
+    let missing = req.difference(given);
     if missing != M::empty() {
         return Err(format!(
             "{cur:?} -> {next:?} on a {ty:?} QP needs attributes {missing:?}"
         ));
     }
-    let extra = M(given.0 & !(req.0 | opt.0));
+    let extra = given.difference(req | opt);
     if extra != M::empty() {
         return Err(format!(
             "{cur:?} -> {next:?} on a {ty:?} QP does not take attributes {extra:?}"
@@ -108,10 +108,10 @@ pub fn check(ty: QpType, cur: S, attr: &QpAttr, mask: M) -> Result<S, String> {
         | AccessFlags::REMOTE_WRITE
         | AccessFlags::REMOTE_READ
         | AccessFlags::REMOTE_ATOMIC;
-    if mask.contains(M::ACCESS_FLAGS) && attr.qp_access_flags.0 & !remote.0 != 0 {
+    if mask.contains(M::ACCESS_FLAGS) && !remote.contains(attr.qp_access_flags) {
         return Err(format!(
             "unknown access flags {:#x}",
-            attr.qp_access_flags.0
+            attr.qp_access_flags.bits()
         ));
     }
     if mask.contains(M::MIN_RNR_TIMER) && attr.min_rnr_timer > 31 {
@@ -161,13 +161,15 @@ mod tests {
         }
     }
 
-    const RC_RTR: M = M(M::STATE.0
-        | M::AV.0
-        | M::PATH_MTU.0
-        | M::DEST_QPN.0
-        | M::RQ_PSN.0
-        | M::MAX_DEST_RD_ATOMIC.0
-        | M::MIN_RNR_TIMER.0);
+    const RC_RTR: M = M::from_bits_retain(
+        M::STATE.bits()
+            | M::AV.bits()
+            | M::PATH_MTU.bits()
+            | M::DEST_QPN.bits()
+            | M::RQ_PSN.bits()
+            | M::MAX_DEST_RD_ATOMIC.bits()
+            | M::MIN_RNR_TIMER.bits(),
+    );
 
     #[test]
     fn the_rc_path_reset_init_rtr_rts_is_accepted_with_its_attributes() {
@@ -197,7 +199,7 @@ mod tests {
         };
         assert!(check(QpType::Rc, S::Reset, &rts, M::STATE).is_err());
         assert!(check(QpType::Rc, S::Init, &rts, M::STATE).is_err());
-        let missing = M(RC_RTR.0 & !M::MIN_RNR_TIMER.0);
+        let missing = M::from_bits_retain(RC_RTR.bits() & !M::MIN_RNR_TIMER.bits());
         let e = check(QpType::Rc, S::Init, &rtr_attr(), missing).unwrap_err();
         assert!(e.contains("MIN_RNR_TIMER"), "{e}");
         // UC does not take the RC-only responder attributes.

@@ -248,7 +248,7 @@ impl Pd {
                 slot: node.slot(),
                 pd: self.id,
                 len: len as u64,
-                access: access.0,
+                access: access.bits(),
             }),
             &[region.fd()],
         )?;

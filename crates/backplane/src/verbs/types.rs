@@ -7,142 +7,95 @@ use std::fmt;
 use crate::fabric::FabricError;
 use crate::mem::MemError;
 
-macro_rules! flags {
-    ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* $f:ident = $v:expr),* $(,)? }) => {
-        $(#[$m])*
-        #[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
-        pub struct $name(pub u32);
-        impl $name {
-            $($(#[$fm])* pub const $f: Self = Self($v);)*
-            /// No flag set.
-            pub const fn empty() -> Self {
-                Self(0)
-            }
-            /// The raw bits (libibverbs values).
-            pub const fn bits(self) -> u32 {
-                self.0
-            }
-            /// True if every flag of `other` is set.
-            pub const fn contains(self, other: Self) -> bool {
-                self.0 & other.0 == other.0
-            }
-            /// True if any flag of `other` is set.
-            pub const fn intersects(self, other: Self) -> bool {
-                self.0 & other.0 != 0
-            }
-        }
-        impl std::ops::BitOr for $name {
-            type Output = Self;
-            fn bitor(self, o: Self) -> Self {
-                Self(self.0 | o.0)
-            }
-        }
-        impl std::ops::BitOrAssign for $name {
-            fn bitor_assign(&mut self, o: Self) {
-                self.0 |= o.0;
-            }
-        }
-        impl fmt::Debug for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                let mut first = true;
-                write!(f, "{}(", stringify!($name))?;
-                $(if self.0 & $v != 0 {
-                    if !first { f.write_str(" | ")?; }
-                    first = false;
-                    f.write_str(stringify!($f))?;
-                })*
-                let _ = first;
-                f.write_str(")")
-            }
-        }
-    };
+bitflags::bitflags! {
+    /// Memory region access (`IBV_ACCESS_*`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct AccessFlags: u32 {
+        /// The local side may write the region (receives, READ results, atomic results).
+        const LOCAL_WRITE = 1;
+        /// Peers may RDMA_WRITE into the region (granted writable).
+        const REMOTE_WRITE = 2;
+        /// Peers may RDMA_READ the region (granted read-only unless also remotely writable).
+        const REMOTE_READ = 4;
+        /// Peers may run atomics on the region (granted writable).
+        const REMOTE_ATOMIC = 8;
+    }
 }
 
-flags!(
-    /// Memory region access (`IBV_ACCESS_*`).
-    AccessFlags {
-        /// The local side may write the region (receives, READ results, atomic results).
-        LOCAL_WRITE = 1,
-        /// Peers may RDMA_WRITE into the region (granted writable).
-        REMOTE_WRITE = 2,
-        /// Peers may RDMA_READ the region (granted read-only unless also remotely writable).
-        REMOTE_READ = 4,
-        /// Peers may run atomics on the region (granted writable).
-        REMOTE_ATOMIC = 8,
-    }
-);
-
-flags!(
+bitflags::bitflags! {
     /// Send work-request flags (`IBV_SEND_*`).
-    SendFlags {
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct SendFlags: u32 {
         /// Wait for earlier READs and atomics (they complete in order here anyway).
-        FENCE = 1,
+        const FENCE = 1;
         /// Generate a completion on success.
-        SIGNALED = 2,
+        const SIGNALED = 2;
         /// Ask for a solicited event at the receiver.
-        SOLICITED = 4,
+        const SOLICITED = 4;
         /// Copy the data at post time; the buffer is free when `post_send` returns.
-        INLINE = 8,
+        const INLINE = 8;
     }
-);
+}
 
-flags!(
+bitflags::bitflags! {
     /// Work completion flags (`IBV_WC_*`).
-    WcFlags {
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct WcFlags: u32 {
         /// A 40-byte GRH precedes the data in the receive buffer (UD).
-        GRH = 1,
+        const GRH = 1;
         /// `imm_data` is valid.
-        WITH_IMM = 2,
+        const WITH_IMM = 2;
     }
-);
+}
 
-flags!(
+bitflags::bitflags! {
     /// Which attributes `Qp::modify` applies (`IBV_QP_*`).
-    QpAttrMask {
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+    pub struct QpAttrMask: u32 {
         /// `qp_state`.
-        STATE = 1 << 0,
+        const STATE = 1 << 0;
         /// `cur_qp_state`.
-        CUR_STATE = 1 << 1,
+        const CUR_STATE = 1 << 1;
         /// `en_sqd_async_notify`.
-        EN_SQD_ASYNC_NOTIFY = 1 << 2,
+        const EN_SQD_ASYNC_NOTIFY = 1 << 2;
         /// `qp_access_flags`.
-        ACCESS_FLAGS = 1 << 3,
+        const ACCESS_FLAGS = 1 << 3;
         /// `pkey_index`.
-        PKEY_INDEX = 1 << 4,
+        const PKEY_INDEX = 1 << 4;
         /// `port_num`.
-        PORT = 1 << 5,
+        const PORT = 1 << 5;
         /// `qkey`.
-        QKEY = 1 << 6,
+        const QKEY = 1 << 6;
         /// `ah_attr` (the address vector: the remote node).
-        AV = 1 << 7,
+        const AV = 1 << 7;
         /// `path_mtu`.
-        PATH_MTU = 1 << 8,
+        const PATH_MTU = 1 << 8;
         /// `timeout`.
-        TIMEOUT = 1 << 9,
+        const TIMEOUT = 1 << 9;
         /// `retry_cnt`.
-        RETRY_CNT = 1 << 10,
+        const RETRY_CNT = 1 << 10;
         /// `rnr_retry`.
-        RNR_RETRY = 1 << 11,
+        const RNR_RETRY = 1 << 11;
         /// `rq_psn`.
-        RQ_PSN = 1 << 12,
+        const RQ_PSN = 1 << 12;
         /// `max_rd_atomic`.
-        MAX_QP_RD_ATOMIC = 1 << 13,
+        const MAX_QP_RD_ATOMIC = 1 << 13;
         /// `alt_ah_attr` (not supported).
-        ALT_PATH = 1 << 14,
+        const ALT_PATH = 1 << 14;
         /// `min_rnr_timer`.
-        MIN_RNR_TIMER = 1 << 15,
+        const MIN_RNR_TIMER = 1 << 15;
         /// `sq_psn`.
-        SQ_PSN = 1 << 16,
+        const SQ_PSN = 1 << 16;
         /// `max_dest_rd_atomic`.
-        MAX_DEST_RD_ATOMIC = 1 << 17,
+        const MAX_DEST_RD_ATOMIC = 1 << 17;
         /// `path_mig_state` (not supported).
-        PATH_MIG_STATE = 1 << 18,
+        const PATH_MIG_STATE = 1 << 18;
         /// `cap`.
-        CAP = 1 << 19,
+        const CAP = 1 << 19;
         /// `dest_qp_num`.
-        DEST_QPN = 1 << 20,
+        const DEST_QPN = 1 << 20;
     }
-);
+}
 
 /// Queue pair transport (`IBV_QPT_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -28,11 +28,11 @@ const INLINE: u64 = 256;
 const RING: u32 = 4 << 20;
 const SRC: u64 = MAX_SIZE;
 const RX: u64 = 2 * MAX_SIZE;
-const ALL: AccessFlags = AccessFlags(
-    AccessFlags::LOCAL_WRITE.0
-        | AccessFlags::REMOTE_WRITE.0
-        | AccessFlags::REMOTE_READ.0
-        | AccessFlags::REMOTE_ATOMIC.0,
+const ALL: AccessFlags = AccessFlags::from_bits_retain(
+    AccessFlags::LOCAL_WRITE.bits()
+        | AccessFlags::REMOTE_WRITE.bits()
+        | AccessFlags::REMOTE_READ.bits()
+        | AccessFlags::REMOTE_ATOMIC.bits(),
 );
 
 /// One side's verbs objects.
