@@ -14,6 +14,7 @@
 //!
 //! All integers are little-endian (the only byte order this crate runs on; checked at compile
 //! time below).
+#![forbid(unsafe_code)]
 
 use core::fmt;
 

@@ -4,6 +4,7 @@
 //! Freed ranges sit in quarantine for [`QUARANTINE`] before reuse, so a peer that has not yet
 //! seen a "closed" flag and writes one last record lands in memory nobody else owns yet.
 //! Sans-IO: time comes in as `now`.
+#![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -5,6 +5,7 @@
 //! Every connection starts with `Hello` carrying [`PROTOCOL_VERSION`]; a mismatch is refused.
 //! The connection lives as long as the client process: when it closes (exit, crash, SIGKILL),
 //! the supervisor releases everything the client held.
+#![forbid(unsafe_code)]
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;

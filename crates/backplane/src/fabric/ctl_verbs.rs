@@ -3,6 +3,7 @@
 //! The supervisor keeps the fabric's registries of verbs objects that peers must find or be
 //! allowed to touch: memory regions (the memfd of each, by key), QP blocks (by node and QP
 //! number) and context event blocks. Data never passes here.
+#![forbid(unsafe_code)]
 
 use serde::{Deserialize, Serialize};
 

@@ -4,6 +4,7 @@
 //! heartbeat value at a tick) with the current time, and applies the transitions it returns to
 //! the node table. Generation is bumped on every entry into READY, so work stamped with an
 //! older generation is recognised as stale.
+#![forbid(unsafe_code)]
 
 use std::time::{Duration, Instant};
 

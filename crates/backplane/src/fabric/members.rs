@@ -9,6 +9,7 @@
 //! Everything read from `/proc` is another process's and may vanish or change under us: a
 //! process that cannot be read is simply not counted (nor one caught in the middle of its
 //! `exec`, before its new environment is laid out: [`stop`]'s callers look twice).
+#![forbid(unsafe_code)]
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;

@@ -22,6 +22,7 @@
 //! ```
 //!
 //! Errors name the line. Sans-IO: parsing and routing only.
+#![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
 

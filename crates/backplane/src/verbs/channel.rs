@@ -10,6 +10,7 @@
 //! liveness at least every 100 ms. When something moved for an armed CQ it queues an event and
 //! writes the eventfd. As with libibverbs, an event means "poll this CQ": the completion may
 //! already have been taken by an earlier poll.
+#![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};

@@ -3,6 +3,7 @@
 //! datagram endpoints, and each side's QP is taken RESET → INIT → RTR → RTS with sensible
 //! attributes. The listener binds a datagram port of its choice on its node ([`DEFAULT_PORT`]
 //! is 4791, RoCE v2's UDP port); the client sends a request there and waits for the reply.
+#![forbid(unsafe_code)]
 
 use std::time::{Duration, Instant};
 

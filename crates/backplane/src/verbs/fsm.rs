@@ -1,6 +1,7 @@
 //! The queue pair state machine of `ibv_modify_qp`: which transitions exist and which
 //! attributes each one requires or allows, per transport (the table of the IB specification
 //! that the kernel's `ib_modify_qp_is_ok` implements). Sans-IO: a pure check.
+#![forbid(unsafe_code)]
 
 use super::types::{AccessFlags, QpAttr, QpAttrMask as M, QpState as S, QpType};
 

@@ -1,6 +1,7 @@
 //! The verbs vocabulary: flags, enums and work-request / work-completion structs, named and
 //! numbered as in libibverbs (`IBV_ACCESS_*`, `IBV_WC_*`, `IBV_WR_*`, `IBV_QP_*`, ...), so that
 //! code and habits carry over.
+#![forbid(unsafe_code)]
 
 use std::fmt;
 
