@@ -71,7 +71,12 @@ impl W32 {
     pub(crate) fn at(r: &Region, off: u64) -> Result<Self, FabricError> {
         Ok(Self(r.u32_at(off)?))
     }
-    pub(crate) fn from_ptr(p: *const AtomicU32) -> Self {
+    /// A word at `p`.
+    ///
+    /// # Safety
+    /// `p` must point to an aligned `AtomicU32` in a mapping that stays alive as long as the
+    /// returned word is used (the type's invariant, which `at` checks and this cannot).
+    pub(crate) unsafe fn from_ptr(p: *const AtomicU32) -> Self {
         Self(p)
     }
     pub(crate) fn get(&self) -> &AtomicU32 {
@@ -2584,7 +2589,11 @@ impl QpSt {
         }
         if let Some(ep) = &self.ud {
             let (bell, armed) = ep.doorbell_words();
-            let (bell, armed) = (W32::from_ptr(bell), W32::from_ptr(armed));
+            // SAFETY: the endpoint resolved both words (bounds and alignment checked) in this
+            // node's window, which the context's node handle keeps mapped for the context's
+            // whole life — as it does for every other word a watch names — and the completion
+            // channel that receives the watches is that context's.
+            let (bell, armed) = unsafe { (W32::from_ptr(bell), W32::from_ptr(armed)) };
             // Senders ring a UD QP's endpoint only while it is armed: keep it armed while a
             // channel watches (each datagram then costs its sender one wake-up call).
             armed.get().store(1, Ordering::Relaxed);
