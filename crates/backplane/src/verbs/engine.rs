@@ -943,13 +943,16 @@ impl QpSt {
         crate::sync::prefetch_write(end_line);
         let Some(p) = &self.peer else { return false };
         if m.key != rkey
-            || !m.access.contains(AccessFlags::REMOTE_WRITE)
-            || remote_addr
-                .checked_add(len as u64)
-                .is_none_or(|e| e > m.len)
             || !m.valid()
-            || !AccessFlags::from_bits_retain(p.access.get().load(Ordering::Relaxed))
-                .contains(AccessFlags::REMOTE_WRITE)
+            || !remote_access_allowed(
+                m.len,
+                m.access,
+                // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
+                AccessFlags::from_bits_retain(p.access.get().load(Ordering::Relaxed)),
+                AccessFlags::REMOTE_WRITE,
+                remote_addr,
+                len as u64,
+            )
         {
             return false;
         }
@@ -1039,11 +1042,15 @@ impl QpSt {
         };
         let Some(p) = &self.peer else { return false };
         if !m.valid()
-            || !m.access.contains(need)
-            || !AccessFlags::from_bits_retain(p.access.get().load(Ordering::Relaxed)).contains(need)
-            || remote_addr
-                .checked_add(len as u64)
-                .is_none_or(|e| e > m.len)
+            || !remote_access_allowed(
+                m.len,
+                m.access,
+                // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
+                AccessFlags::from_bits_retain(p.access.get().load(Ordering::Relaxed)),
+                need,
+                remote_addr,
+                len as u64,
+            )
         {
             return false;
         }
@@ -1531,8 +1538,7 @@ impl QpSt {
             .map(|p| AccessFlags::from_bits_retain(p.access.get().load(Ordering::Relaxed)))
             .ok_or(WcStatus::LocQpOpErr)?;
         let m = self.remote_mr(rkey, env).ok_or(WcStatus::RemAccessErr)?;
-        let inside = addr.checked_add(len).is_some_and(|e| e <= m.len);
-        if !inside || !m.access.contains(need) || !peer_access.contains(need) {
+        if !remote_access_allowed(m.len, m.access, peer_access, need, addr, len) {
             return Err(WcStatus::RemAccessErr);
         }
         Ok(m)
