@@ -530,12 +530,14 @@ struct RqEntry {
     total: u64,
 }
 
-/// The owned form of a send work request, for work that waits in the send queue.
-#[derive(Debug, Clone)]
-struct Work {
+/// A send work request as the engine runs it: the opcode and its parameters, with the
+/// payload's source `S` — borrowed from the caller's request ([`OpView`], the usual case,
+/// executed at once) or owned while the request waits in the send queue ([`Work`]). One type,
+/// so the two forms cannot disagree on what a request carries.
+#[derive(Debug, Clone, Copy)]
+struct Op<S> {
     opcode: WrOpcode,
-    sges: SgeList,
-    inline: Option<Vec<u8>>,
+    src: S,
     imm: u32,
     solicited: bool,
     remote_addr: u64,
@@ -545,14 +547,24 @@ struct Work {
     ud: Option<(u32, u32, u32)>,
 }
 
-impl Work {
-    fn from_wr(wr: &SendWr<'_>) -> Self {
-        let inline = (wr.send_flags.contains(SendFlags::INLINE) && !wr.inline_data.is_empty())
-            .then(|| wr.inline_data.to_vec());
-        let mut w = Self {
+/// A request executed from the caller's memory.
+type OpView<'a> = Op<Src<'a>>;
+/// A request that waits in the send queue: its gather list or inline bytes copied.
+type Work = Op<OwnedSrc>;
+
+/// The payload source of a queued request.
+#[derive(Debug, Clone)]
+enum OwnedSrc {
+    Sges(SgeList),
+    Inline(Vec<u8>),
+}
+
+impl<S> Op<S> {
+    /// The parameters of `wr`, with the payload from `src`.
+    fn of(wr: &SendWr<'_>, src: S) -> Self {
+        let mut v = Self {
             opcode: wr.opcode,
-            sges: SgeList::new(if inline.is_some() { &[] } else { wr.sg_list }),
-            inline,
+            src,
             imm: wr.imm_data,
             solicited: wr.send_flags.contains(SendFlags::SOLICITED),
             remote_addr: 0,
@@ -564,8 +576,8 @@ impl Work {
         match wr.wr {
             WrDetail::None => {}
             WrDetail::Rdma { remote_addr, rkey } => {
-                w.remote_addr = remote_addr;
-                w.rkey = rkey;
+                v.remote_addr = remote_addr;
+                v.rkey = rkey;
             }
             WrDetail::Atomic {
                 remote_addr,
@@ -573,25 +585,52 @@ impl Work {
                 swap,
                 rkey,
             } => {
-                w.remote_addr = remote_addr;
-                w.rkey = rkey;
-                w.compare_add = compare_add;
-                w.swap = swap;
+                v.remote_addr = remote_addr;
+                v.rkey = rkey;
+                v.compare_add = compare_add;
+                v.swap = swap;
             }
             WrDetail::Ud {
                 ah,
                 remote_qpn,
                 remote_qkey,
-            } => w.ud = Some((ah.slot, remote_qpn, remote_qkey)),
+            } => v.ud = Some((ah.slot, remote_qpn, remote_qkey)),
         }
-        w
+        v
     }
 
-    fn src(&self) -> Src<'_> {
-        match &self.inline {
-            Some(d) => Src::Inline(d),
-            None => Src::Sges(self.sges.as_slice()),
+    /// The same request with another payload source.
+    fn with_src<T>(&self, src: T) -> Op<T> {
+        Op {
+            opcode: self.opcode,
+            src,
+            imm: self.imm,
+            solicited: self.solicited,
+            remote_addr: self.remote_addr,
+            rkey: self.rkey,
+            compare_add: self.compare_add,
+            swap: self.swap,
+            ud: self.ud,
         }
+    }
+}
+
+impl Work {
+    fn from_wr(wr: &SendWr<'_>) -> Self {
+        let src = if wr.send_flags.contains(SendFlags::INLINE) && !wr.inline_data.is_empty() {
+            OwnedSrc::Inline(wr.inline_data.to_vec())
+        } else {
+            OwnedSrc::Sges(SgeList::new(wr.sg_list))
+        };
+        Op::of(wr, src)
+    }
+
+    /// The request as the executing code takes it.
+    fn view(&self) -> OpView<'_> {
+        self.with_src(match &self.src {
+            OwnedSrc::Inline(d) => Src::Inline(d),
+            OwnedSrc::Sges(l) => Src::Sges(l.as_slice()),
+        })
     }
 }
 
@@ -1386,7 +1425,7 @@ impl QpSt {
             Ok(t) => t,
             Err(s) => return Exec::Fatal(s),
         };
-        let op = &OpView { src, ..*op };
+        let op = &op.with_src(src);
         if total > u64::from(MAX_MSG) {
             return Exec::Fatal(WcStatus::LocLenErr);
         }
@@ -1549,7 +1588,7 @@ impl QpSt {
             Ok(t) => t,
             Err(s) => return Exec::Fatal(s),
         };
-        let op = &OpView { src, ..*op };
+        let op = &op.with_src(src);
         let imm = op.opcode == WrOpcode::RdmaWriteWithImm;
         if !prog.started {
             let m = match self.remote_access(
@@ -1673,7 +1712,7 @@ impl QpSt {
             Ok(t) => t,
             Err(s) => return Exec::Fatal(s),
         };
-        let op = &OpView { src, ..*op };
+        let op = &op.with_src(src);
         let Some((slot, qpn, qkey)) = op.ud else {
             return Exec::Fatal(WcStatus::LocQpOpErr);
         };
@@ -1945,7 +1984,7 @@ impl QpSt {
                 continue;
             };
             let (work, mut prog) = *b;
-            let r = self.execute(&OpView::of_work(&work), &mut prog, env);
+            let r = self.execute(&work.view(), &mut prog, env);
             match r {
                 Exec::Done(s) => {
                     self.rnr = None;
@@ -2631,74 +2670,6 @@ impl QpSt {
 
     pub(crate) fn query_cap(&self) -> QpCap {
         self.cap
-    }
-}
-
-/// A borrowed view of a send work request, whether it runs at once or waited.
-#[derive(Clone, Copy)]
-struct OpView<'a> {
-    opcode: WrOpcode,
-    src: Src<'a>,
-    imm: u32,
-    solicited: bool,
-    remote_addr: u64,
-    rkey: u32,
-    compare_add: u64,
-    swap: u64,
-    ud: Option<(u32, u32, u32)>,
-}
-
-impl<'a> OpView<'a> {
-    fn of(wr: &SendWr<'a>, src: Src<'a>) -> Self {
-        let mut v = Self {
-            opcode: wr.opcode,
-            src,
-            imm: wr.imm_data,
-            solicited: wr.send_flags.contains(SendFlags::SOLICITED),
-            remote_addr: 0,
-            rkey: 0,
-            compare_add: 0,
-            swap: 0,
-            ud: None,
-        };
-        match wr.wr {
-            WrDetail::None => {}
-            WrDetail::Rdma { remote_addr, rkey } => {
-                v.remote_addr = remote_addr;
-                v.rkey = rkey;
-            }
-            WrDetail::Atomic {
-                remote_addr,
-                compare_add,
-                swap,
-                rkey,
-            } => {
-                v.remote_addr = remote_addr;
-                v.rkey = rkey;
-                v.compare_add = compare_add;
-                v.swap = swap;
-            }
-            WrDetail::Ud {
-                ah,
-                remote_qpn,
-                remote_qkey,
-            } => v.ud = Some((ah.slot, remote_qpn, remote_qkey)),
-        }
-        v
-    }
-
-    fn of_work(w: &'a Work) -> Self {
-        Self {
-            opcode: w.opcode,
-            src: w.src(),
-            imm: w.imm,
-            solicited: w.solicited,
-            remote_addr: w.remote_addr,
-            rkey: w.rkey,
-            compare_add: w.compare_add,
-            swap: w.swap,
-            ud: w.ud,
-        }
     }
 }
 
