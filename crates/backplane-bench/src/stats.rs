@@ -12,6 +12,22 @@ pub fn new_histogram() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("static histogram bounds are valid")
 }
 
+/// The median of the finite values (the mean of the middle two for an even count); `None`
+/// when there are none.
+pub fn median(v: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut v: Vec<f64> = v.filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
 /// The distribution of one latency measurement, in microseconds.
 #[derive(Debug, Clone, Copy, Serialize, PartialEq)]
 pub struct LatencySummary {
@@ -259,6 +275,16 @@ pub fn estimate(xs: &[f64]) -> Option<Estimate> {
 
 #[cfg(test)]
 mod tests {
+    use super::median;
+
+    #[test]
+    fn the_median_takes_the_middle_and_skips_what_is_not_a_number() {
+        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), Some(2.0));
+        assert_eq!(median([4.0, 1.0, 3.0, 2.0].into_iter()), Some(2.5));
+        assert_eq!(median([f64::NAN].into_iter()), None);
+        assert_eq!(median(std::iter::empty()), None);
+    }
+
     use super::*;
 
     fn close(a: f64, b: f64, tol: f64) -> bool {

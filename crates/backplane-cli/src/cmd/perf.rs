@@ -19,6 +19,7 @@ use backplane::fabric::Fabric;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
+use backplane_bench::stats::{median, new_histogram};
 use backplane_bench::{teardown, ucx};
 
 use super::parse_size;
@@ -470,21 +471,6 @@ fn median_rows(rounds: &[&[Row]]) -> Vec<Row> {
         .collect()
 }
 
-/// The median (mean of the middle two for an even count); `None` for no values.
-pub(super) fn median(v: impl Iterator<Item = f64>) -> Option<f64> {
-    let mut v: Vec<f64> = v.filter(|x| x.is_finite()).collect();
-    if v.is_empty() {
-        return None;
-    }
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    Some(if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    })
-}
-
 fn wait_for_peer(ep: &mut Endpoint, peer: Addr) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -540,7 +526,7 @@ fn lat_row(h: &Histogram<u64>, size: u64, iters: u64, halve: bool) -> Row {
 
 fn lat_client(ep: &mut Endpoint, peer: Addr, size: u64, iters: u64) -> anyhow::Result<Row> {
     let msg = vec![0xA5u8; size as usize];
-    let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    let mut h = new_histogram();
     let warmup = (iters / 10).clamp(100, 10_000);
     announce(ep, peer, size, warmup + iters)?;
     for i in 0..warmup + iters {
@@ -851,9 +837,6 @@ mod tests {
 
     #[test]
     fn rounds_are_summarised_field_by_field_with_medians() {
-        assert_eq!(median([3.0, 1.0, 2.0].into_iter()), Some(2.0));
-        assert_eq!(median([4.0, 1.0, 3.0, 2.0].into_iter()), Some(2.5));
-        assert_eq!(median([f64::NAN].into_iter()), None);
         let row = |t: f64, bw: Option<f64>| Row {
             bytes: 8,
             iterations: 10,

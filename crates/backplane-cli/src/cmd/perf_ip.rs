@@ -47,14 +47,17 @@ struct IpReport {
 
 /// Each field's median over rounds of one path.
 fn median_row(rows: &[&IpRow]) -> IpRow {
-    let med =
-        |get: fn(&IpRow) -> f64| super::perf::median(rows.iter().map(|r| get(r))).unwrap_or(0.0);
+    let med = |get: fn(&IpRow) -> f64| {
+        backplane_bench::stats::median(rows.iter().map(|r| get(r))).unwrap_or(0.0)
+    };
     IpRow {
         path: rows.first().map(|r| r.path.clone()).unwrap_or_default(),
         tcp_gbps: med(|r| r.tcp_gbps),
         cpu_client_pct: med(|r| r.cpu_client_pct),
         cpu_server_pct: med(|r| r.cpu_server_pct),
-        cpu_agents_pct: super::perf::median(rows.iter().filter_map(|r| r.cpu_agents_pct)),
+        cpu_agents_pct: backplane_bench::stats::median(
+            rows.iter().filter_map(|r| r.cpu_agents_pct),
+        ),
         lat_avg_us: med(|r| r.lat_avg_us),
         lat_p50_us: med(|r| r.lat_p50_us),
         lat_p99_us: med(|r| r.lat_p99_us),

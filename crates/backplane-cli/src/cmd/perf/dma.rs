@@ -176,14 +176,14 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         drop(q);
         let total = (size * per * rounds) as f64;
         let ratios = dma_rates.iter().zip(&mc_rates).map(|(d, m)| d / m);
-        let med = |v: &[f64]| super::median(v.iter().copied()).unwrap_or(f64::NAN);
+        let med = |v: &[f64]| backplane_bench::stats::median(v.iter().copied()).unwrap_or(f64::NAN);
         rows.push(DmaRow {
             bytes: size,
             segments: segs,
             iterations: per * rounds,
             engines: cfg.engines,
             inline_threshold: cfg.inline_threshold,
-            ratio_to_memcpy: super::median(ratios).unwrap_or(f64::NAN),
+            ratio_to_memcpy: backplane_bench::stats::median(ratios).unwrap_or(f64::NAN),
             bw_avg_mbps: med(&dma_rates),
             bw_min_mbps: dma_rates.iter().copied().fold(f64::INFINITY, f64::min),
             bw_max_mbps: dma_rates.iter().copied().fold(0.0, f64::max),

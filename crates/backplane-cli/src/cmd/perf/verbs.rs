@@ -16,7 +16,6 @@ use anyhow::{bail, Context as _};
 use backplane::fabric::Fabric;
 use backplane::verbs::cm::{self, ConnParam, PeerInfo};
 use backplane::verbs::*;
-use hdrhistogram::Histogram;
 
 use super::{lat_row, Row, Test, MAX_SIZE};
 
@@ -466,7 +465,7 @@ fn lat(
     warm: u64,
     n: u64,
 ) -> anyhow::Result<Row> {
-    let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    let mut h = backplane_bench::stats::new_histogram();
     let len = size as u32;
     let clock = Clock::new();
     let _ = clock.t0;
