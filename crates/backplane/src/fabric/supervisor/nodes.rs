@@ -1,0 +1,159 @@
+//! Node life cycle as the supervisor applies it: agents spawned and watched, node table
+//! entries written, windows initialised, a node brought DOWN (its rings and endpoints torn
+//! down). The decisions themselves are the sans-IO [`NodeLife`]'s.
+
+use super::*;
+
+impl Sup {
+    pub(super) fn spawn_agent(&mut self, slot: u32) -> Result<(), StartError> {
+        let (prog, args) = self
+            .cfg
+            .agent_cmd
+            .split_first()
+            .ok_or_else(|| StartError::Boot("no agent command".into()))?;
+        let log = self.log.try_clone().map_err(os("log"))?;
+        let log2 = self.log.try_clone().map_err(os("log"))?;
+        let mut cmd = Command::new(prog);
+        cmd.args(args)
+            .args(["--name", &self.cfg.name, "--slot", &slot.to_string()])
+            .args(self.cfg.net.iter().flat_map(|p| {
+                [
+                    "--subnet".to_string(),
+                    format!("{}/{}", p.network, p.prefix),
+                    "--mtu".to_string(),
+                    p.mtu.to_string(),
+                ]
+            }))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2);
+        // SAFETY: the closure only makes the prctl system call (async-signal-safe, no
+        // allocation) between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))?;
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .map_err(os(format!("cannot start the agent of node {slot}")))?;
+        let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("child pid > 0");
+        let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+            .map_err(|e| os("pidfd_open")(e.into()))?;
+        self.agents[slot as usize - 1] = Some(Agent { child, pidfd });
+        let t = self.life[slot as usize - 1].spawned(Instant::now());
+        self.apply(slot, t);
+        Ok(())
+    }
+
+    pub(super) fn agent_pid(&self, slot: u32) -> u32 {
+        self.agents[slot as usize - 1]
+            .as_ref()
+            .map_or(0, |a| a.child.id())
+    }
+
+    pub(super) fn first_down_during_boot(&self) -> Option<u32> {
+        (1..=self.cfg.nodes).find(|&s| self.life[s as usize - 1].state() == NodeState::Down)
+    }
+
+    /// Writes slot's node table entry under the seqlock and bumps the fabric epoch.
+    pub(super) fn write_entry(&mut self, slot: u32, reason: DownReason) {
+        let l = &self.life[slot as usize - 1];
+        let repr = NodeEntryRepr {
+            slot,
+            state: l.state(),
+            generation: l.generation(),
+            pid: self.agent_pid(slot),
+            window_size: self.cfg.window_size,
+            since_ms: self.since[slot as usize - 1],
+            reason,
+        };
+        let mut b = [0u8; 64];
+        repr.emit(&mut NodeEntry::new_unchecked(&mut b[..]));
+        let off = (NODE_TABLE_OFF + (slot as usize - 1) * 64) as u64;
+        let seq = self.control.u32_at(off).expect("entry in region");
+        let s = seq.load(Ordering::Relaxed);
+        // SYNC POINT node-seqlock (release): odd seq, body, even seq.
+        seq.store(s.wrapping_add(1), Ordering::Relaxed);
+        fence(Ordering::Release);
+        self.control
+            .write(off + 4, &b[4..])
+            .expect("entry in region");
+        seq.store(s.wrapping_add(2), Ordering::Release);
+        let epoch = self.control.u32_at(FABRIC_EPOCH_OFF as u64).expect("epoch");
+        sync::ring(epoch);
+    }
+
+    pub(super) fn apply(&mut self, slot: u32, t: Option<Transition>) {
+        let Some(t) = t else { return };
+        self.since[slot as usize - 1] = now_ms();
+        self.say(&format!(
+            "node {slot}: {} (generation {}{})",
+            t.state,
+            t.generation,
+            match t.reason {
+                DownReason::None => "",
+                DownReason::Exited => ", agent exited",
+                DownReason::Hung => ", heartbeat stopped",
+                DownReason::Shutdown => ", shutdown",
+            }
+        ));
+        match t.state {
+            NodeState::Down => self.node_down(slot),
+            NodeState::Ready => self.init_window(slot, t.generation),
+            _ => {}
+        }
+        self.write_entry(slot, t.reason);
+    }
+
+    pub(super) fn init_window(&mut self, slot: u32, generation: u32) {
+        let w = self.windows[slot as usize - 1].clone();
+        w.u32_at(WIN_INIT_OFF as u64)
+            .expect("hdr")
+            .store(0, Ordering::Release);
+        w.zero(
+            WIN_DOORBELL_BITS_OFF as u64,
+            (4096 - WIN_DOORBELL_BITS_OFF) as u64,
+        )
+        .expect("hdr");
+        let mut h = [0u8; 64];
+        WindowHeaderRepr {
+            slot,
+            generation,
+            size: self.cfg.window_size,
+        }
+        .emit(&mut WindowHeader::new_unchecked(&mut h[..]));
+        publish(&w, 0, &h, WIN_INIT_OFF);
+    }
+
+    pub(super) fn node_down(&mut self, slot: u32) {
+        self.net_ready[slot as usize - 1] = false;
+        // Traffic forwarded through this node has lost its path: its senders must re-route.
+        let through: Vec<u64> = self
+            .rings
+            .iter()
+            .filter(|(_, r)| r.via.contains(&slot))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in through {
+            self.teardown_ring(id);
+        }
+        self.verbs_node_down(slot);
+        let eps: Vec<(u32, u32)> = self
+            .endpoints
+            .keys()
+            .filter(|k| k.0 == slot)
+            .copied()
+            .collect();
+        for key in eps {
+            self.close_endpoint(key);
+        }
+        // Wake anything sleeping on this node's doorbell so it re-checks the node state.
+        if let Ok(seq) = self.win(slot).u32_at(WIN_DOORBELL_SEQ_OFF as u64) {
+            sync::ring(seq);
+        }
+    }
+}
