@@ -1,0 +1,218 @@
+//! Conversions.
+
+use super::*;
+
+pub(crate) fn qp_state(v: u32) -> Result<QpState, CErr> {
+    Ok(match v {
+        0 => QpState::Reset,
+        1 => QpState::Init,
+        2 => QpState::Rtr,
+        3 => QpState::Rts,
+        4 => QpState::Sqd,
+        5 => QpState::Sqe,
+        6 => QpState::Err,
+        v => return Err(inval(format!("QP state {v} is not a BP_QPS_* value"))),
+    })
+}
+
+pub(crate) fn qp_type(v: u32) -> Result<QpType, CErr> {
+    Ok(match v {
+        2 => QpType::Rc,
+        3 => QpType::Uc,
+        4 => QpType::Ud,
+        v => return Err(inval(format!("QP type {v}: use BP_QPT_RC, _UC or _UD"))),
+    })
+}
+
+pub(crate) fn mtu(v: u32) -> Result<Mtu, CErr> {
+    Ok(match v {
+        1 => Mtu::Mtu256,
+        2 => Mtu::Mtu512,
+        3 => Mtu::Mtu1024,
+        4 => Mtu::Mtu2048,
+        5 => Mtu::Mtu4096,
+        v => return Err(inval(format!("path MTU {v} is not a BP_MTU_* value"))),
+    })
+}
+
+pub(crate) fn access(v: c_uint) -> Result<AccessFlags, CErr> {
+    const ZERO_BASED: u32 = 1 << 5;
+    let known = 0xf | ZERO_BASED;
+    if v & !known != 0 {
+        return Err(inval(format!(
+            "access flags {v:#x}: only LOCAL_WRITE, REMOTE_WRITE/READ/ATOMIC and ZERO_BASED exist"
+        )));
+    }
+    Ok(AccessFlags::from_bits_retain(v & 0xf))
+}
+
+pub(crate) fn wr_opcode(v: u32) -> Result<WrOpcode, CErr> {
+    Ok(match v {
+        0 => WrOpcode::RdmaWrite,
+        1 => WrOpcode::RdmaWriteWithImm,
+        2 => WrOpcode::Send,
+        3 => WrOpcode::SendWithImm,
+        4 => WrOpcode::RdmaRead,
+        5 => WrOpcode::AtomicCmpAndSwp,
+        6 => WrOpcode::AtomicFetchAndAdd,
+        v => return Err(inval(format!("opcode {v} is not a BP_WR_* value"))),
+    })
+}
+
+pub(crate) fn cap_in(c: BpQpCap) -> QpCap {
+    let d = QpCap::default();
+    let or = |v: u32, d: u32| if v == 0 { d } else { v };
+    QpCap {
+        max_send_wr: or(c.max_send_wr, d.max_send_wr),
+        max_recv_wr: or(c.max_recv_wr, d.max_recv_wr),
+        max_send_sge: or(c.max_send_sge, d.max_send_sge),
+        max_recv_sge: or(c.max_recv_sge, d.max_recv_sge),
+        max_inline_data: c.max_inline_data,
+    }
+}
+
+pub(crate) fn cap_out(c: QpCap) -> BpQpCap {
+    BpQpCap {
+        max_send_wr: c.max_send_wr,
+        max_recv_wr: c.max_recv_wr,
+        max_send_sge: c.max_send_sge,
+        max_recv_sge: c.max_recv_sge,
+        max_inline_data: c.max_inline_data,
+    }
+}
+
+pub(crate) fn ah_in(a: &BpAhAttr) -> AhAttr {
+    AhAttr {
+        dlid: a.dlid,
+        sl: a.sl,
+        src_path_bits: a.src_path_bits,
+        static_rate: a.static_rate,
+        is_global: a.is_global != 0,
+        port_num: a.port_num,
+    }
+}
+
+pub(crate) fn ah_out(a: &AhAttr) -> BpAhAttr {
+    BpAhAttr {
+        dlid: a.dlid,
+        sl: a.sl,
+        src_path_bits: a.src_path_bits,
+        static_rate: a.static_rate,
+        is_global: u8::from(a.is_global),
+        port_num: a.port_num,
+    }
+}
+
+pub(crate) fn wc_out(w: &Wc) -> BpWc {
+    BpWc {
+        wr_id: w.wr_id,
+        status: w.status as u32,
+        opcode: w.opcode as u32,
+        vendor_err: w.vendor_err,
+        byte_len: w.byte_len,
+        imm_data: w.imm_data.to_be(),
+        qp_num: w.qp_num,
+        src_qp: w.src_qp,
+        wc_flags: w.wc_flags.bits(),
+        pkey_index: w.pkey_index,
+        slid: w.slid,
+        sl: w.sl,
+        dlid_path_bits: w.dlid_path_bits,
+    }
+}
+
+/// A scatter/gather list read from C: up to four entries without a heap allocation.
+pub(crate) struct SgeBuf {
+    pub(crate) small: [Sge; 4],
+    pub(crate) n: usize,
+    pub(crate) heap: Vec<Sge>,
+}
+
+impl SgeBuf {
+    pub(crate) fn new() -> Self {
+        Self {
+            small: [Sge::default(); 4],
+            n: 0,
+            heap: Vec::new(),
+        }
+    }
+    pub(crate) fn push(&mut self, s: Sge) {
+        if self.heap.is_empty() && self.n < 4 {
+            self.small[self.n] = s;
+            self.n += 1;
+        } else {
+            if self.heap.is_empty() {
+                self.heap.extend_from_slice(&self.small[..self.n]);
+            }
+            self.heap.push(s);
+        }
+    }
+    pub(crate) fn as_slice(&self) -> &[Sge] {
+        if self.heap.is_empty() {
+            &self.small[..self.n]
+        } else {
+            &self.heap
+        }
+    }
+}
+
+/// Reads a `struct bp_sge` array into offsets (pointers into a region of `ctx` become
+/// offsets; everything else is passed on for the engine to judge).
+///
+/// # Safety
+/// `sg` points to `n` readable entries when `n > 0`.
+pub(crate) unsafe fn sges(
+    l: &Local,
+    ctx: usize,
+    sg: *const BpSge,
+    n: c_int,
+) -> Result<SgeBuf, CErr> {
+    if !(0..=32).contains(&n) {
+        return Err(inval(format!("num_sge {n} is not 0..=32")));
+    }
+    if n > 0 && sg.is_null() {
+        return Err(inval("sg_list is NULL"));
+    }
+    let list: &[BpSge] = if n == 0 {
+        &[]
+    } else {
+        // SAFETY: non-null, and the caller promises `n` readable entries.
+        unsafe { std::slice::from_raw_parts(sg, n as usize) }
+    };
+    let mut out = SgeBuf::new();
+    for s in list {
+        let addr = match l.mrs.get(&(ctx, s.lkey)) {
+            Some(&(base, len)) if s.addr >= base as u64 && s.addr <= base as u64 + len as u64 => {
+                s.addr - base as u64
+            }
+            _ => s.addr,
+        };
+        out.push(Sge {
+            addr,
+            length: s.length,
+            lkey: s.lkey,
+        });
+    }
+    Ok(out)
+}
+
+/// Walks a C linked list (at most `max` entries, so a cycle cannot hang us).
+///
+/// # Safety
+/// Every `next` pointer is NULL or points to a readable `T`.
+pub(crate) unsafe fn walk<T>(
+    first: *mut T,
+    next: impl Fn(*mut T) -> *mut T,
+    max: usize,
+) -> Vec<*mut T> {
+    let mut v = Vec::new();
+    let mut p = first;
+    while !p.is_null() && v.len() < max {
+        v.push(p);
+        p = next(p);
+    }
+    v
+}
+
+/// Longest work-request list one post walks (the longest queue, plus one to be refused).
+pub(crate) const MAX_LIST: usize = (1 << 16) + 1;
