@@ -1,13 +1,16 @@
 //! IP over the fabric: each node gets a network namespace with a TAP interface `bp0`, driven
 //! by the node's agent, which switches Ethernet frames over the fabric's datagram rings.
 //!
-//! This module holds the pieces that are not the agent's loop: the addressing plan (subnet,
-//! MACs derived from the slot, host names), frame classification (sans-IO), namespace names
-//! and the files a fabric creates for them, and the TAP device itself.
+//! [`agent`] is the node's agent with its TAP ↔ ring data path; this module holds the pieces
+//! it and the supervisor use: the addressing plan (subnet, MACs derived from the slot, host
+//! names), frame classification (sans-IO), namespace names and the files a fabric creates for
+//! them, and the TAP device itself.
 //!
 //! Frames cross the fabric with the TAP's virtio-net header in front (IFF_VNET_HDR), so
 //! checksum offload and TSO/GSO super-frames of up to 64 KiB travel as they are: the sending
 //! kernel never segments, the receiving kernel never recomputes checksums.
+
+pub mod agent;
 
 use std::fmt;
 use std::net::Ipv4Addr;
