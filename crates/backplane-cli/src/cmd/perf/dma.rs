@@ -18,6 +18,7 @@ use anyhow::{bail, Context as _};
 use backplane::dma::*;
 use backplane::fabric::Fabric;
 use backplane::verbs::{AccessFlags, Context};
+use backplane_bench::dma_path::{depth, poll_all};
 use serde::Serialize;
 
 use super::Args;
@@ -213,12 +214,6 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Jobs in flight: enough for 64 MiB, 2..=64 (the submitter wakes once per three quarters
-/// of them: each sleep and wake-up costs it several µs of CPU).
-fn depth(size: u64) -> usize {
-    ((64u64 << 20) / size).clamp(2, 64) as usize
-}
-
 /// Runs `iters` copies of `job`, keeping the queue full; sleeps while engines work.
 fn pump(q: &DmaQueue, job: &[Segment], iters: u64) -> anyhow::Result<()> {
     let depth = depth(job.iter().map(|s| s.len).sum());
@@ -232,24 +227,7 @@ fn pump(q: &DmaQueue, job: &[Segment], iters: u64) -> anyhow::Result<()> {
         }
         let want = (depth * 3 / 4).max(1).min((sent - done) as usize);
         q.wait(want, Some(Duration::from_secs(10)));
-        let mut got = 0;
-        loop {
-            let n = q.poll(&mut wc);
-            if n == 0 {
-                break;
-            }
-            for w in &wc[..n] {
-                if !w.status.is_ok() {
-                    bail!(
-                        "DMA job {} failed: {} at segment {:?}",
-                        w.id,
-                        w.status,
-                        w.segment
-                    );
-                }
-            }
-            got += n as u64;
-        }
+        let got = poll_all(q, &mut wc)?;
         if got == 0 {
             bail!(
                 "no DMA completion in 10 s ({} jobs outstanding)",
