@@ -782,4 +782,66 @@ mod tests {
         assert!(CmRepr::parse(&CmMsg::new_unchecked(&bad[..])).is_err());
         assert!(CmMsg::new_checked(&b[..10]).is_err());
     }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        /// Whatever a peer writes into a QP's ring or block, parsing never panics, and what
+        /// it accepts keeps its promises: a fragment inside its message, the first and last
+        /// flags where they belong, a WRITE_WITH_IMM that carries no payload.
+        #[test]
+        fn garbage_in_a_qp_ring_never_panics_and_what_parses_is_consistent(
+            bytes in proptest::collection::vec(any::<u8>(), 0..160),
+            frag_len in 0usize..(1 << 17),
+        ) {
+            if let Ok(m) = MsgRepr::parse(&MsgHeader::new_unchecked(&bytes[..]), frag_len) {
+                prop_assert!(m.msg_len <= MAX_MSG);
+                let end = u64::from(m.frag_off) + frag_len as u64;
+                if m.op == MsgOp::WriteImm {
+                    prop_assert_eq!((frag_len, m.frag_off), (0, 0));
+                } else {
+                    prop_assert!(end <= u64::from(m.msg_len));
+                    prop_assert_eq!(m.flags & MSG_FIRST != 0, m.frag_off == 0);
+                    prop_assert_eq!(m.flags & MSG_LAST != 0, end == u64::from(m.msg_len));
+                }
+            }
+            let _ = UdRepr::parse(&UdHeader::new_unchecked(&bytes[..]));
+            let _ = CmRepr::parse(&CmMsg::new_unchecked(&bytes[..]));
+            let _ = QpBlockRepr::parse(&QpBlockHeader::new_unchecked(&bytes[..]));
+            let _ = MrRepr::parse(&MrHeader::new_unchecked(&bytes[..]), frag_len as u64);
+        }
+
+        /// Every well-formed fragment header a sender can emit parses back to itself.
+        #[test]
+        fn every_fragment_header_a_sender_emits_parses_back(
+            msg_len in 0u32..=(1 << 20),
+            cut in any::<(u32, u32)>(),
+            imm in any::<u32>(),
+            ack in any::<u64>(),
+            credits in any::<u64>(),
+            solicited in any::<bool>(),
+            op in 0u8..2,
+        ) {
+            let frag_off = if msg_len == 0 { 0 } else { cut.0 % msg_len };
+            let frag_len = (msg_len - frag_off).min(cut.1 % (64 << 10) + 1);
+            let end = frag_off + frag_len;
+            let mut flags = if solicited { MSG_SOLICITED } else { 0 };
+            if frag_off == 0 { flags |= MSG_FIRST; }
+            if end == msg_len { flags |= MSG_LAST; }
+            let m = MsgRepr {
+                op: if op == 0 { MsgOp::Send } else { MsgOp::SendImm },
+                flags,
+                imm,
+                msg_len,
+                frag_off,
+                ack,
+                credits,
+            };
+            let mut b = [0u8; 64];
+            m.emit(&mut MsgHeader::new_unchecked(&mut b[..]));
+            prop_assert_eq!(MsgRepr::parse(&MsgHeader::new_unchecked(&b[..]), frag_len as usize), Ok(m));
+        }
+    }
 }
