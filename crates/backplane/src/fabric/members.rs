@@ -57,7 +57,9 @@ fn find_in(proc: &Path, fabric: &str, nodes: u32, own: &[u32]) -> Vec<Member> {
             Some((format!("net:[{}]", m.ino()), slot))
         })
         .collect();
-    let me = std::process::id();
+    // The caller and its ancestors are left out: `down` run from a shell inside a node stops
+    // the node's other programs, not the shell it was typed in.
+    let mine = ancestry(proc, std::process::id());
     let Ok(dir) = std::fs::read_dir(proc) else {
         return Vec::new();
     };
@@ -66,7 +68,7 @@ fn find_in(proc: &Path, fabric: &str, nodes: u32, own: &[u32]) -> Vec<Member> {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
             continue;
         };
-        if pid == me || own.contains(&pid) || is_zombie(&e.path()) {
+        if mine.contains(&pid) || own.contains(&pid) || is_zombie(&e.path()) {
             continue;
         }
         let by_ns = std::fs::read_link(e.path().join("ns/net"))
@@ -87,6 +89,28 @@ fn find_in(proc: &Path, fabric: &str, nodes: u32, own: &[u32]) -> Vec<Member> {
         }
     }
     out.sort_by_key(|m| (m.slot, m.pid));
+    out
+}
+
+/// `pid` and its ancestors up to init, from `/proc/PID/stat`'s parent field.
+fn ancestry(proc: &Path, pid: u32) -> Vec<u32> {
+    let mut out = vec![pid];
+    let mut p = pid;
+    while out.len() < 4096 {
+        let parent = std::fs::read_to_string(proc.join(p.to_string()).join("stat"))
+            .ok()
+            .and_then(|s| {
+                let (_, rest) = s.rsplit_once(") ")?;
+                rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+            });
+        match parent {
+            Some(pp) if pp > 1 && !out.contains(&pp) => {
+                out.push(pp);
+                p = pp;
+            }
+            _ => break,
+        }
+    }
     out
 }
 
@@ -174,6 +198,11 @@ mod tests {
                 pid: child.id()
             }]
         );
+        // The caller's ancestors are never members (the test harness's parent has no such
+        // environment anyway; this checks the walk itself).
+        let chain = ancestry(Path::new("/proc"), std::process::id());
+        assert_eq!(chain[0], std::process::id());
+        assert!(chain.len() >= 2, "{chain:?}");
         // Not a node of a 1-node fabric, and left out when it is one of the fabric's own.
         assert!(find(&fabric, 1, &[]).is_empty());
         assert!(find(&fabric, 4, &[child.id()]).is_empty());
