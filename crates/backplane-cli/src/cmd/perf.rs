@@ -415,7 +415,7 @@ fn measure_backplane(a: &Args, sizes: &[u64], first: bool) -> anyhow::Result<(St
     } else {
         let mut ep = fabric.node(1)?.bind(0)?;
         let peer = Addr::new(2, PEER_PORT);
-        wait_for_peer(&mut ep, peer)?;
+        backplane_bench::peer::fabric_hello(&mut ep, peer).context("perf peer")?;
         announce_run();
         for &size in sizes {
             let iters = iters_for(a, size);
@@ -469,23 +469,6 @@ fn median_rows(rounds: &[&[Row]]) -> Vec<Row> {
             }
         })
         .collect()
-}
-
-fn wait_for_peer(ep: &mut Endpoint, peer: Addr) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        match ep.send(peer, b"hello", Wait::Forever) {
-            Ok(()) => break,
-            Err(DgramError::Unreachable(_)) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(2))
-            }
-            Err(e) => return Err(e).context("perf peer did not come up"),
-        }
-    }
-    let mut b = [0u8; 16];
-    ep.recv(&mut b, Wait::For(Duration::from_secs(10)))
-        .context("perf peer did not answer")?;
-    Ok(())
 }
 
 /// Sends one message as consecutive datagrams (shared with `bench`).
