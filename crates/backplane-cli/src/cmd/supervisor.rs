@@ -1,10 +1,14 @@
-//! `backplane supervisor` (internal): the process that keeps a fabric.
+//! `backplane supervisor` (internal): the process that keeps a fabric. `launch::start` runs it
+//! with its typed options on a pipe; the supervisor itself is library code
+//! ([`backplane::fabric::supervisor`]).
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::fd::FromRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 
+use anyhow::Context;
+use backplane::fabric::launch::Options;
 use backplane::fabric::{supervisor, LOG_FILE};
 
 use super::NameArg;
@@ -12,60 +16,62 @@ use super::NameArg;
 /// Arguments of the supervisor.
 #[derive(clap::Args, Debug)]
 pub struct Args {
+    /// The fabric (for `ps`; the options carry it too and must agree).
     #[command(flatten)]
     name: NameArg,
-    #[arg(long)]
-    nodes: u32,
-    #[arg(long)]
-    window_size: u64,
-    #[arg(long, default_value_t = 1000)]
-    restart_delay_ms: u64,
     /// File descriptor that receives "ready" or "error: ...".
     #[arg(long)]
-    ready_fd: Option<i32>,
-    #[command(flatten)]
-    net: super::NetArgs,
+    ready_fd: i32,
+    /// File descriptor to read the options from (JSON of `launch::Options`, to its end).
     #[arg(long)]
-    link: Option<String>,
-    #[arg(long)]
-    topology: Option<std::path::PathBuf>,
-    #[arg(long, value_enum, default_value = "cut-through")]
-    forwarding: super::up::Fwd,
+    options_fd: i32,
+}
+
+/// Takes ownership of an inherited descriptor and keeps it out of the agents we spawn.
+fn inherited(fd: i32) -> File {
+    // SAFETY: `launch::start` passes us this descriptor (a pipe end) and nothing else in this
+    // process uses it; we own it from here on.
+    let f = unsafe { File::from_raw_fd(fd) };
+    // SAFETY: FD_CLOEXEC on a descriptor we own.
+    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    f
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let mut ready = a.ready_fd.map(|fd| {
-        // SAFETY: `up` passes us the write end of a pipe as this fd; we own it from here on.
-        let f = unsafe { File::from_raw_fd(fd) };
-        // SAFETY: FD_CLOEXEC keeps the pipe out of the agents we spawn.
-        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-        f
-    });
-    let net = a.net.plan(a.nodes)?;
-    let mut opts = super::up::options(
-        &a.name.name,
-        a.nodes,
-        a.window_size,
-        a.restart_delay_ms,
-        net,
-    )?;
-    opts.link = a.link.map(|l| (l, a.forwarding.into()));
-    opts.topology = a.topology;
+    let mut ready = inherited(a.ready_fd);
+    let fail = |ready: &mut File, e: &dyn std::fmt::Display| {
+        let _ = writeln!(ready, "error: {e}");
+    };
+    let mut json = Vec::new();
+    inherited(a.options_fd)
+        .read_to_end(&mut json)
+        .context("cannot read the supervisor's options")?;
+    let opts: Options = match serde_json::from_slice(&json) {
+        Ok(o) => o,
+        Err(e) => {
+            fail(&mut ready, &format!("malformed supervisor options: {e}"));
+            return Err(e).context("malformed supervisor options");
+        }
+    };
+    if opts.name != a.name.name {
+        let e = format!(
+            "options for fabric '{}' given to '{}'",
+            opts.name, a.name.name
+        );
+        fail(&mut ready, &e);
+        anyhow::bail!(e);
+    }
     let cfg = match opts.config() {
         Ok(c) => c,
         Err(e) => {
-            if let Some(r) = ready.as_mut() {
-                let _ = writeln!(r, "error: {e}");
-            }
+            fail(&mut ready, &e);
             return Err(e.into());
         }
     };
     let lock = match supervisor::lock_fabric(&cfg.name) {
         Ok(l) => l,
         Err(e) => {
-            if let Some(r) = ready.as_mut() {
-                let _ = writeln!(r, "error: {e}");
-            }
+            fail(&mut ready, &e);
             return Err(e.into());
         }
     };
@@ -74,6 +80,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .append(true)
         .mode(0o600)
         .open(backplane::fabric::fabric_dir(&cfg.name).join(LOG_FILE))?;
-    supervisor::run(cfg, lock, ready, log)?;
+    supervisor::run(cfg, lock, Some(ready), log)?;
     Ok(())
 }

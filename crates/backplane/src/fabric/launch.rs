@@ -1,5 +1,7 @@
 //! Starting and stopping fabrics from a program (what `backplane up` / `down` do): a detached
-//! supervisor process is started from the `backplane` executable and waited for.
+//! supervisor process is started from the `backplane` executable and waited for. It gets its
+//! [`Options`] typed, as JSON on a pipe (fd 4), and answers on another (fd 3): "ready" or
+//! "error: …". Its command line carries only the fabric's name, for `ps` and for finding it.
 
 use std::io::{BufRead, BufReader};
 use std::os::fd::AsRawFd;
@@ -12,7 +14,7 @@ use super::supervisor::{self, Config, StartError};
 use super::{fabric_dir, validate_name, Fabric, FabricError};
 
 /// What a fabric is started with.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Options {
     /// Fabric name.
     pub name: String,
@@ -98,52 +100,40 @@ pub fn start(o: &Options) -> Result<(), StartError> {
     if supervisor::is_running(&o.name) {
         return Err(StartError::AlreadyRunning(o.name.clone()));
     }
-    let (rd, wr) = rustix::pipe::pipe().map_err(|e| os("cannot create a pipe")(e.into()))?;
-    let wr_raw = wr.as_raw_fd();
+    // Close-on-exec, so the supervisor inherits none of these ends but the two dup2'ed to fds
+    // 3 and 4 (dup2 clears the flag on the copy): a write end it kept would hold its own read
+    // of the options open forever.
+    let pipe = || {
+        rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)
+            .map_err(|e| os("cannot create a pipe")(e.into()))
+    };
+    let (rd, wr) = pipe()?;
+    let (opts_rd, opts_wr) = pipe()?;
+    let (wr_raw, opts_raw) = (wr.as_raw_fd(), opts_rd.as_raw_fd());
     let mut cmd = Command::new(&o.exe);
     cmd.args([
         "supervisor",
         "--name",
         &o.name,
-        "--nodes",
-        &cfg.nodes.to_string(),
-        "--window-size",
-        &o.window_size.to_string(),
-        "--restart-delay-ms",
-        &o.restart_delay_ms.to_string(),
         "--ready-fd",
         "3",
+        "--options-fd",
+        "4",
     ])
-    .args(o.net.iter().flat_map(|p| {
-        [
-            "--subnet".to_string(),
-            format!("{}/{}", p.network, p.prefix),
-            "--mtu".to_string(),
-            p.mtu.to_string(),
-        ]
-    }))
-    .args(o.net.is_none().then_some("--no-net"))
-    .args(
-        o.topology
-            .iter()
-            .flat_map(|p| ["--topology".to_string(), p.display().to_string()]),
-    )
-    .args(o.link.iter().flat_map(|(n, m)| {
-        [
-            "--link".to_string(),
-            n.clone(),
-            "--forwarding".to_string(),
-            m.name().to_string(),
-        ]
-    }))
     .stdin(Stdio::null())
     .stdout(Stdio::null())
     .stderr(Stdio::null());
-    // SAFETY: only async-signal-safe calls (setsid, dup2) run between fork and exec.
+    // SAFETY: only async-signal-safe calls (setsid, dup, dup2) run between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             libc::setsid();
-            if libc::dup2(wr_raw, 3) < 0 {
+            // Move the options end out of the way first if it sits where the ready end goes.
+            let opts = if opts_raw == 3 {
+                libc::dup(opts_raw)
+            } else {
+                opts_raw
+            };
+            if opts < 0 || libc::dup2(wr_raw, 3) < 0 || libc::dup2(opts, 4) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -152,7 +142,11 @@ pub fn start(o: &Options) -> Result<(), StartError> {
     let mut child = cmd
         .spawn()
         .map_err(os("cannot start the fabric supervisor"))?;
-    drop(wr);
+    drop((wr, opts_rd));
+    // The options, typed: the supervisor reads them to the end of the pipe. A supervisor that
+    // died first shows as EPIPE here and as no "ready" below.
+    let json = serde_json::to_vec(o).expect("options serialize");
+    let _ = std::io::Write::write_all(&mut std::fs::File::from(opts_wr), &json);
     let mut line = String::new();
     let _ = BufReader::new(std::fs::File::from(rd)).read_line(&mut line);
     // The supervisor keeps running detached; reap it here only if it already exited.

@@ -56,7 +56,7 @@ pub enum NetConfigError {
 }
 
 /// The addressing plan of a fabric's network.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct NetPlan {
     /// Network address.
     pub network: Ipv4Addr,
