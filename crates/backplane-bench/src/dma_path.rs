@@ -102,18 +102,18 @@ impl DmaPath {
     /// Fills the first `size` bytes of the source with a pattern of this size.
     fn stamp(&mut self, size: u64) {
         let salt = size.wrapping_mul(0x9E37_79B9) as u8;
-        for (i, b) in self.src.as_mut_slice()[..size as usize]
-            .iter_mut()
-            .enumerate()
-        {
-            *b = (i as u8).wrapping_mul(31).wrapping_add(salt);
-        }
+        let pattern: Vec<u8> = (0..size as usize)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(salt))
+            .collect();
+        self.src
+            .write(0, &pattern)
+            .expect("the source region holds every size measured");
     }
 
     /// Checks that the destination holds what the source does (the jobs' bytes landed).
     fn check(&self, size: u64) -> anyhow::Result<()> {
         let n = size as usize;
-        if self.dst.as_slice()[..n] != self.src.as_slice()[..n] {
+        if self.dst.to_vec(0, n)? != self.src.to_vec(0, n)? {
             bail!("the destination region does not hold the source's {size} bytes after the jobs completed");
         }
         Ok(())

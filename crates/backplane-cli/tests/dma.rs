@@ -46,7 +46,9 @@ fn run(q: &DmaQueue, id: u64, segs: &[Segment]) -> DmaWc {
     w
 }
 
-fn fill(buf: &mut [u8], seed: u64) {
+/// `len` pseudo-random bytes of `seed`.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; len];
     let mut x = seed | 1;
     for c in buf.chunks_mut(8) {
         x ^= x << 13;
@@ -54,6 +56,12 @@ fn fill(buf: &mut [u8], seed: u64) {
         x ^= x << 17;
         c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
     }
+    buf
+}
+
+/// Fills the first `len` bytes of `mr` with `pattern(len, seed)`.
+fn fill(mr: &Mr, len: usize, seed: u64) {
+    mr.write(0, &pattern(len, seed)).unwrap();
 }
 
 fn seg(src: Mem, src_off: u64, dst: Mem, dst_off: u64, len: u64) -> Segment {
@@ -72,7 +80,7 @@ fn many_small_segments_and_a_large_multi_segment_job_arrive_intact() {
     let f = Fabric::attach(&fab.name).unwrap();
     let c1 = Context::open(&f.node(1).unwrap()).unwrap();
     let c2 = Context::open(&f.node(2).unwrap()).unwrap();
-    let mut src = c1
+    let src = c1
         .alloc_pd()
         .alloc_mr(64 << 20, AccessFlags::LOCAL_WRITE)
         .unwrap();
@@ -81,7 +89,7 @@ fn many_small_segments_and_a_large_multi_segment_job_arrive_intact() {
         .alloc_mr(1 << 20, AccessFlags::LOCAL_WRITE)
         .unwrap();
     let dst = c2.alloc_pd().alloc_mr(64 << 20, RW).unwrap();
-    fill(src.as_mut_slice(), 42);
+    fill(&src, src.len(), 42);
     let e = engines(2);
     let q = DmaQueue::new(&c1, &e, 16);
     let (l, r) = (
@@ -102,8 +110,8 @@ fn many_small_segments_and_a_large_multi_segment_job_arrive_intact() {
         (DmaStatus::Success, None, 1 << 20)
     );
     for i in 0..4096usize {
-        let d = &dst.as_slice()[(4095 - i) * 256..][..256];
-        assert_eq!(d, &src.as_slice()[i * 256..][..256], "block {i}");
+        let d = &common::bytes(&dst)[(4095 - i) * 256..][..256];
+        assert_eq!(d, &common::bytes(&src)[i * 256..][..256], "block {i}");
     }
 
     // 64 MiB in 37 segments of uneven sizes, in reverse order; checksum at the destination.
@@ -118,7 +126,7 @@ fn many_small_segments_and_a_large_multi_segment_job_arrive_intact() {
     let w = run(&q, 2, &big);
     assert_eq!((w.status, w.bytes), (DmaStatus::Success, 64 << 20));
     let sum = |b: &[u8]| Sha256::digest(b);
-    assert_eq!(sum(dst.as_slice()), sum(src.as_slice()));
+    assert_eq!(sum(&common::bytes(&dst)), sum(&common::bytes(&src)));
 
     // And back: a remote source (REMOTE_READ) into a local region, gathered.
     let w = run(
@@ -130,16 +138,19 @@ fn many_small_segments_and_a_large_multi_segment_job_arrive_intact() {
         ],
     );
     assert!(w.status.is_ok(), "{w:?}");
-    assert_eq!(&back.as_slice()[..1000], &src.as_slice()[5 << 20..][..1000]);
     assert_eq!(
-        &back.as_slice()[1000..],
-        &src.as_slice()[..(1 << 20) - 1000]
+        &common::bytes(&back)[..1000],
+        &common::bytes(&src)[5 << 20..][..1000]
+    );
+    assert_eq!(
+        &common::bytes(&back)[1000..],
+        &common::bytes(&src)[..(1 << 20) - 1000]
     );
 
     // Fenced and chained jobs in one go: the chain carries the data along.
     let a = seg(l, 0, r, 0, 8 << 20);
     let b = seg(r, 0, r, 16 << 20, 8 << 20);
-    fill(&mut src.as_mut_slice()[..8 << 20], 7);
+    fill(&src, 8 << 20, 7);
     q.submit(&Job::new(4, &[a])).unwrap();
     q.submit(&Job::new(5, &[b]).chained()).unwrap();
     let (w4, w5) = (next(&q), next(&q));
@@ -150,8 +161,8 @@ fn many_small_segments_and_a_large_multi_segment_job_arrive_intact() {
     );
     assert!(w4.status.is_ok() && w5.status.is_ok());
     assert_eq!(
-        sum(&dst.as_slice()[16 << 20..24 << 20]),
-        sum(&src.as_slice()[..8 << 20])
+        sum(&common::bytes(&dst)[16 << 20..24 << 20]),
+        sum(&common::bytes(&src)[..8 << 20])
     );
 }
 
@@ -162,7 +173,7 @@ fn invalid_out_of_bounds_overlapping_and_forbidden_segments_fail_naming_the_segm
     let c1 = Context::open(&f.node(1).unwrap()).unwrap();
     let c2 = Context::open(&f.node(2).unwrap()).unwrap();
     let pd1 = c1.alloc_pd();
-    let mut src = pd1.alloc_mr(1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
+    let src = pd1.alloc_mr(1 << 20, AccessFlags::LOCAL_WRITE).unwrap();
     let ro_local = pd1.alloc_mr(4096, AccessFlags::empty()).unwrap();
     let pd2 = c2.alloc_pd();
     let dst = pd2.alloc_mr(1 << 20, RW).unwrap();
@@ -173,7 +184,7 @@ fn invalid_out_of_bounds_overlapping_and_forbidden_segments_fail_naming_the_segm
         .alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)
         .unwrap();
     let private = pd2.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
-    fill(src.as_mut_slice(), 1);
+    fill(&src, src.len(), 1);
     let e = engines(1);
     let q = DmaQueue::new(&c1, &e, 8);
     let l = Mem::local(&src);
@@ -286,7 +297,7 @@ fn invalid_out_of_bounds_overlapping_and_forbidden_segments_fail_naming_the_segm
         );
     }
     assert!(
-        dst.as_slice().iter().all(|&b| b == 0),
+        common::bytes(&dst).iter().all(|&b| b == 0),
         "a refused job wrote"
     );
     // One segment whose source and destination overlap in one region, named locally and
@@ -340,10 +351,10 @@ fn role_owner() {
     let n2 = f.node(2).unwrap();
     let ctx = Context::open(&n2).unwrap();
     let pd = ctx.alloc_pd();
-    let mut ro = pd
+    let ro = pd
         .alloc_mr(1 << 20, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
         .unwrap();
-    fill(ro.as_mut_slice(), 99);
+    fill(&ro, ro.len(), 99);
     let rw = pd.alloc_mr(8 << 20, RW).unwrap();
     let private = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
     n2.write_scratchpad(1, 1, ro.rkey()).unwrap();
@@ -379,7 +390,7 @@ fn another_process_regions_read_only_grants_are_mapped_read_only_and_ungranted_o
     let key = |i| n1.read_scratchpad(i).unwrap();
     let (ro, rw, private) = (key(1), key(2), key(3));
     let ctx = Context::open(&n1).unwrap();
-    let mut mine = ctx
+    let mine = ctx
         .alloc_pd()
         .alloc_mr(8 << 20, AccessFlags::LOCAL_WRITE)
         .unwrap();
@@ -396,9 +407,8 @@ fn another_process_regions_read_only_grants_are_mapped_read_only_and_ungranted_o
     // Read-only: readable, mapped r--s, writes refused before any byte moves.
     let w = run(&q, 2, &[seg(at(ro), 0, l, 0, 1 << 20)]);
     assert!(w.status.is_ok(), "{w:?}");
-    let mut pattern = vec![0u8; 1 << 20];
-    fill(&mut pattern, 99);
-    assert_eq!(&mine.as_slice()[..1 << 20], &pattern[..]);
+    let want = pattern(1 << 20, 99);
+    assert_eq!(&common::bytes(&mine)[..1 << 20], &want[..]);
     let w = run(&q, 3, &[seg(l, 0, at(ro), 0, 8)]);
     assert_eq!((w.status, w.segment), (DmaStatus::AccessDenied, Some(0)));
     let maps = region_maps(&fab.name);
@@ -411,14 +421,14 @@ fn another_process_regions_read_only_grants_are_mapped_read_only_and_ungranted_o
     );
 
     // Writable: 8 MiB out and back, checksum compared.
-    fill(mine.as_mut_slice(), 5);
-    let sent = Sha256::digest(mine.as_slice());
+    fill(&mine, mine.len(), 5);
+    let sent = Sha256::digest(common::bytes(&mine));
     let w = run(&q, 4, &[seg(l, 0, at(rw), 0, 8 << 20)]);
     assert!(w.status.is_ok(), "{w:?}");
-    mine.as_mut_slice().fill(0);
+    mine.fill(0, mine.len() as u64, 0).unwrap();
     let w = run(&q, 5, &[seg(at(rw), 0, l, 0, 8 << 20)]);
     assert!(w.status.is_ok(), "{w:?}");
-    assert_eq!(Sha256::digest(mine.as_slice()), sent);
+    assert_eq!(Sha256::digest(common::bytes(&mine)), sent);
     let maps = region_maps(&fab.name);
     assert!(maps.iter().any(|m| m.contains("rw-s")), "{maps:?}");
 

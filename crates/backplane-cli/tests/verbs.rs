@@ -143,7 +143,7 @@ fn recv(s: &Side, wr_id: u64, off: u64, len: u32) {
 fn rc_sends_with_and_without_immediate_arrive_in_order_gathered_and_scattered() {
     let fab = Fab::up("verbs_rc_send", 2, &[]);
     let f = Fabric::attach(&fab.name).unwrap();
-    let (mut a, b) = pair(&f, QpType::Rc, ALL, 4 << 20);
+    let (a, b) = pair(&f, QpType::Rc, ALL, 4 << 20);
     // Receives: one split over two SGEs, then plain ones, one of 2 MiB for a fragmented message.
     b.qp.post_recv(&[RecvWr {
         wr_id: 100,
@@ -153,11 +153,9 @@ fn rc_sends_with_and_without_immediate_arrive_in_order_gathered_and_scattered() 
     recv(&b, 101, 4096, 64);
     recv(&b, 102, 8192, 64);
     recv(&b, 103, 1 << 20, 2 << 20);
-    let m = a.mr.as_mut_slice();
-    m[..11].copy_from_slice(b"hello world");
-    for (i, x) in m[1 << 20..(1 << 20) + 1_500_000].iter_mut().enumerate() {
-        *x = (i % 251) as u8;
-    }
+    a.mr.write(0, b"hello world").unwrap();
+    let pattern: Vec<u8> = (0..1_500_000).map(|i| (i % 251) as u8).collect();
+    a.mr.write(1 << 20, &pattern).unwrap();
     a.qp.post_send(&[
         SendWr::send(1, &[a.mr.sge(0, 5), a.mr.sge(5, 6)]).signaled(),
         SendWr::send_inline(2, b"inline!")
@@ -192,7 +190,7 @@ fn rc_sends_with_and_without_immediate_arrive_in_order_gathered_and_scattered() 
         r[1].wc_flags.contains(WcFlags::WITH_IMM) && !r[0].wc_flags.contains(WcFlags::WITH_IMM)
     );
     assert_eq!((r[0].src_qp, r[0].slid), (a.qp.qp_num(), 1));
-    let bm = b.mr.as_slice();
+    let bm = common::bytes(&b.mr);
     assert_eq!(&bm[..3], b"hel");
     assert_eq!(&bm[1000..1008], b"lo world");
     assert_eq!(&bm[4096..4103], b"inline!");
@@ -206,10 +204,10 @@ fn rc_sends_with_and_without_immediate_arrive_in_order_gathered_and_scattered() 
 fn rc_write_read_and_atomics_act_on_the_peer_region_directly() {
     let fab = Fab::up("verbs_rc_onesided", 2, &[]);
     let f = Fabric::attach(&fab.name).unwrap();
-    let (mut a, mut b) = pair(&f, QpType::Rc, ALL, 1 << 20);
-    a.mr.as_mut_slice()[..8].copy_from_slice(b"written!");
-    b.mr.as_mut_slice()[5000..5004].copy_from_slice(b"read");
-    b.mr.as_mut_slice()[64..72].copy_from_slice(&40u64.to_le_bytes());
+    let (a, mut b) = pair(&f, QpType::Rc, ALL, 1 << 20);
+    a.mr.write(0, b"written!").unwrap();
+    b.mr.write(5000, b"read").unwrap();
+    b.mr.write(64, &40u64.to_le_bytes()).unwrap();
     let rkey = b.mr.rkey();
     a.qp.post_send(&[
         SendWr::write(1, &[a.mr.sge(0, 8)], 300, rkey).signaled(),
@@ -236,13 +234,13 @@ fn rc_write_read_and_atomics_act_on_the_peer_region_directly() {
             (5, S, CompSwap)
         ]
     );
-    assert_eq!(&b.mr.as_slice()[300..308], b"written!");
-    let am = a.mr.as_slice();
+    assert_eq!(&common::bytes(&b.mr)[300..308], b"written!");
+    let am = common::bytes(&a.mr);
     assert_eq!(&am[100..104], b"read");
     let word = |o: usize| u64::from_le_bytes(am[o..o + 8].try_into().unwrap());
     assert_eq!((word(200), word(208), word(216)), (40, 42, 7), "old values");
     assert_eq!(
-        &b.mr.as_slice()[64..72],
+        &common::bytes(&b.mr)[64..72],
         &7u64.to_le_bytes(),
         "42 swapped for 7"
     );
@@ -253,7 +251,7 @@ fn rc_write_read_and_atomics_act_on_the_peer_region_directly() {
 
     // WRITE_WITH_IMM: the data lands, then a receive completes with the immediate.
     recv(&b, 77, 0, 0);
-    a.mr.as_mut_slice()[..4].copy_from_slice(b"imm!");
+    a.mr.write(0, b"imm!").unwrap();
     a.qp.post_send(&[SendWr::write(6, &[a.mr.sge(0, 4)], 9000, rkey)
         .with_imm(99)
         .signaled()])
@@ -261,7 +259,7 @@ fn rc_write_read_and_atomics_act_on_the_peer_region_directly() {
     let r = p.next(1);
     assert_eq!((r.wr_id, r.status, r.opcode), (77, S, RecvRdmaWithImm));
     assert_eq!((r.imm_data, r.byte_len), (99, 4));
-    assert_eq!(&b.mr.as_slice()[9000..9004], b"imm!");
+    assert_eq!(&common::bytes(&b.mr)[9000..9004], b"imm!");
     assert_eq!(p.next(0).wr_id, 6);
     let _ = &mut b;
 }
@@ -418,9 +416,9 @@ fn a_full_cq_counts_send_overruns_and_holds_receives_back_without_losing_any() {
 fn uc_carries_sends_and_writes_refuses_reads_and_atomics_and_drops_without_a_receive() {
     let fab = Fab::up("verbs_uc", 2, &[]);
     let f = Fabric::attach(&fab.name).unwrap();
-    let (mut a, b) = pair(&f, QpType::Uc, ALL, 65536);
+    let (a, b) = pair(&f, QpType::Uc, ALL, 65536);
     let rkey = b.mr.rkey();
-    a.mr.as_mut_slice()[..5].copy_from_slice(b"uc-ok");
+    a.mr.write(0, b"uc-ok").unwrap();
     for op in [
         SendWr::read(1, &[a.mr.sge(0, 8)], 0, rkey),
         SendWr::fetch_add(1, &[a.mr.sge(0, 8)], 0, rkey, 1),
@@ -442,9 +440,9 @@ fn uc_carries_sends_and_writes_refuses_reads_and_atomics_and_drops_without_a_rec
     .unwrap();
     let r = p.next(1);
     assert_eq!((r.wr_id, r.status, r.byte_len), (10, WcStatus::Success, 5));
-    assert_eq!(&b.mr.as_slice()[100..105], b"uc-ok");
+    assert_eq!(&common::bytes(&b.mr)[100..105], b"uc-ok");
     assert_eq!((p.next(0).wr_id, p.next(0).wr_id), (3, 4));
-    assert_eq!(&b.mr.as_slice()[900..905], b"uc-ok");
+    assert_eq!(&common::bytes(&b.mr)[900..905], b"uc-ok");
     assert_eq!(b.qp.drops(), 1);
 }
 
@@ -452,7 +450,7 @@ fn uc_carries_sends_and_writes_refuses_reads_and_atomics_and_drops_without_a_rec
 fn ud_datagrams_reach_any_peer_with_a_grh_up_to_the_mtu_and_only_with_the_right_qkey() {
     let fab = Fab::up("verbs_ud", 3, &[]);
     let f = Fabric::attach(&fab.name).unwrap();
-    let mut a = side(&f, 1, QpType::Ud, ALL, 16384);
+    let a = side(&f, 1, QpType::Ud, ALL, 16384);
     let b = side(&f, 2, QpType::Ud, ALL, 16384);
     let c = side(&f, 3, QpType::Ud, ALL, 16384);
     let none = ConnParam::default();
@@ -463,7 +461,7 @@ fn ud_datagrams_reach_any_peer_with_a_grh_up_to_the_mtu_and_only_with_the_right_
     recv(&b, 1, 0, 4096 + 40);
     recv(&c, 2, 0, 4096 + 40);
     recv(&c, 3, 8192, 40 + 10);
-    a.mr.as_mut_slice()[..4].copy_from_slice(b"to-b");
+    a.mr.write(0, b"to-b").unwrap();
     let ah_b =
         a.pd.create_ah(&AhAttr {
             dlid: 2,
@@ -514,10 +512,10 @@ fn ud_datagrams_reach_any_peer_with_a_grh_up_to_the_mtu_and_only_with_the_right_
     let rb = p.next(1);
     assert_eq!((rb.byte_len, rb.src_qp, rb.slid), (44, a.qp.qp_num(), 1));
     assert!(rb.wc_flags.contains(WcFlags::GRH));
-    assert_eq!(&b.mr.as_slice()[40..44], b"to-b");
+    assert_eq!(&common::bytes(&b.mr)[40..44], b"to-b");
     let rc = p.next(2);
     assert_eq!((rc.wr_id, rc.imm_data, rc.byte_len), (2, 5, 44));
-    assert_eq!(&c.mr.as_slice()[40..44], b"to-c");
+    assert_eq!(&common::bytes(&c.mr)[40..44], b"to-c");
     assert!(
         p.quiet(2),
         "the datagram with the wrong Q_Key must not be delivered"
@@ -924,7 +922,7 @@ fn a_completion_channel_fd_wakes_a_poll_loop_for_a_peer_send() {
     let mut wc = [Wc::default()];
     assert_eq!(bcq.poll(&mut wc), 1);
     assert_eq!((wc[0].wr_id, wc[0].byte_len), (5, 7));
-    assert_eq!(&bmr.as_slice()[..7], b"wake up");
+    assert_eq!(&common::bytes(bmr)[..7], b"wake up");
     // Nothing more: no event within 50 ms after re-arming.
     bcq.req_notify(false).unwrap();
     assert!(matches!(
@@ -992,16 +990,15 @@ fn role_server() {
         .unwrap();
     let ctl = pd.alloc_mr(64 * 16, AccessFlags::LOCAL_WRITE).unwrap();
     cm::init_qp(&qp, &ConnParam::default()).unwrap();
-    let mut mr = match case.as_str() {
+    let mr = match case.as_str() {
         "ops" => pd.alloc_mr(1 << 20, ALL).unwrap(),
         "nogrant" => other.alloc_mr(4096, ALL).unwrap(),
         _ => pd
             .alloc_mr(4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ)
             .unwrap(),
     };
-    for (i, b) in mr.as_mut_slice().iter_mut().enumerate() {
-        *b = (i % 199) as u8;
-    }
+    let pattern: Vec<u8> = (0..mr.len()).map(|i| (i % 199) as u8).collect();
+    mr.write(0, &pattern).unwrap();
     for i in 0..16 {
         qp.post_recv(&[RecvWr {
             wr_id: i,
@@ -1038,15 +1035,15 @@ fn role_server() {
             let slot = w.wr_id;
             let reply: &[u8] = if w.opcode == WcOpcode::RecvRdmaWithImm {
                 let n = w.imm_data as usize;
-                let ok = mr.as_slice()[..n].iter().all(|&b| b == 0xEE);
+                let ok = common::bytes(&mr)[..n].iter().all(|&b| b == 0xEE);
                 if ok {
                     b"imm-ok"
                 } else {
                     b"imm-bad"
                 }
             } else {
-                let msg =
-                    &ctl.as_slice()[slot as usize * 64..slot as usize * 64 + w.byte_len as usize];
+                let msg = &common::bytes(&ctl)
+                    [slot as usize * 64..slot as usize * 64 + w.byte_len as usize];
                 match msg {
                     b"ping" => b"pong",
                     b"bye" => return,
@@ -1143,7 +1140,7 @@ impl Client {
         let w = self.take(|w| w.opcode == WcOpcode::Recv);
         assert_eq!(w.status, WcStatus::Success, "{w:?}");
         let o = 900_000 + w.wr_id as usize * 64;
-        let r = self.mr.as_slice()[o..o + w.byte_len as usize].to_vec();
+        let r = common::bytes(&self.mr)[o..o + w.byte_len as usize].to_vec();
         self.qp
             .post_recv(&[RecvWr {
                 wr_id: w.wr_id,
@@ -1182,11 +1179,11 @@ fn two_processes_connect_with_the_helper_and_run_every_rc_operation() {
     c.qp.post_send(&[SendWr::read(1, &[c.mr.sge(0, 4096)], 0, rkey).signaled()])
         .unwrap();
     assert_eq!(c.wait(1).status, WcStatus::Success);
-    assert!(c.mr.as_slice()[..4096]
+    assert!(common::bytes(&c.mr)[..4096]
         .iter()
         .enumerate()
         .all(|(i, &b)| b == (i % 199) as u8));
-    c.mr.as_mut_slice()[..100].fill(0xEE);
+    c.mr.fill(0, 100, 0xEE).unwrap();
     c.qp.post_send(&[
         SendWr::write(2, &[c.mr.sge(0, 100)], 0, rkey)
             .with_imm(100)
@@ -1199,7 +1196,7 @@ fn two_processes_connect_with_the_helper_and_run_every_rc_operation() {
         (w2.wr_id, w2.status, w3.wr_id, w3.status),
         (2, WcStatus::Success, 3, WcStatus::Success)
     );
-    let old = u64::from_le_bytes(c.mr.as_slice()[8192..8200].try_into().unwrap());
+    let old = u64::from_le_bytes(common::bytes(&c.mr)[8192..8200].try_into().unwrap());
     let expect = u64::from_le_bytes(std::array::from_fn(|i| ((512 + i) % 199) as u8));
     assert_eq!(old, expect);
     assert_eq!(c.reply(), b"imm-ok");
@@ -1261,7 +1258,7 @@ fn a_read_only_grant_is_mapped_read_only_and_the_os_refuses_writes() {
     c.qp.post_send(&[SendWr::read(1, &[c.mr.sge(0, 4096)], 0, rkey).signaled()])
         .unwrap();
     assert_eq!(c.wait(1).status, WcStatus::Success);
-    assert_eq!(c.mr.as_slice()[198], 198);
+    assert_eq!(common::bytes(&c.mr)[198], 198);
     let maps = region_maps(&fab.name);
     assert_eq!(maps.len(), 1, "{maps:?}");
     let perms = maps[0].split_whitespace().nth(1).unwrap();

@@ -19,19 +19,10 @@ use std::time::Duration;
 
 use crate::fabric::ctl::{ErrorKind, Request, Response};
 use crate::fabric::{FabricError, Node};
-use crate::mem::Region;
+use crate::mem::{Region, Span, Word32, Word64};
 use crate::ring::{Consumer, Producer, RingError, RingMemory};
-use crate::sync::{fence, futex_wait, ring, AtomicU32, AtomicU64, Deadline, Ordering, SPIN_POLLS};
+use crate::sync::{fence, futex_wait, ring, AtomicU64, Deadline, Ordering, SPIN_POLLS};
 use crate::wire::*;
-
-/// Derefs a pointer resolved (bounds-checked) from a region the holder keeps alive.
-macro_rules! shm {
-    ($p:expr) => {{
-        // SAFETY: pointers in Endpoint/TxConn/RxRing were produced by `Region::u32_at`/`u64_at`
-        // (bounds- and alignment-checked) on regions kept alive by the same struct.
-        unsafe { &*$p }
-    }};
-}
 
 /// A datagram address: a node's slot and a port on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -127,130 +118,98 @@ pub struct EndpointStats {
 }
 
 /// A ring as seen from one side: the data area in the receiver's window, the credit line in
-/// the sender's. Pointers are resolved once (after bounds checks) so the hot path does no
-/// lookups.
+/// the sender's. Views are resolved once (after bounds checks) so the hot path does no lookups.
 struct ShmRing {
-    _ring_win: Arc<Region>,
-    _credit_win: Arc<Region>,
-    tail: *const AtomicU64,
-    head: *const AtomicU64,
-    data: *mut u8,
-    data_len: u64,
+    tail: Word64,
+    head: Word64,
+    data: Span,
 }
 
 impl ShmRing {
     fn new(
-        ring_win: Arc<Region>,
+        ring_win: &Arc<Region>,
         ring_off: u64,
         data_len: u32,
-        credit_win: Arc<Region>,
+        credit_win: &Arc<Region>,
         credit_off: u64,
     ) -> Result<Self, FabricError> {
         ring_win.check(ring_off, RingRepr::footprint(data_len), 64)?;
         credit_win.check(credit_off, CREDIT_LEN, 64)?;
-        let tail: *const AtomicU64 = ring_win.u64_at(ring_off + RING_TAIL_OFF as u64)?;
-        let head: *const AtomicU64 = credit_win.u64_at(credit_off + CREDIT_HEAD_OFF as u64)?;
-        let data = ring_win.ptr_at(ring_off + RING_DATA_OFF, data_len.into())?;
         Ok(Self {
-            _ring_win: ring_win,
-            _credit_win: credit_win,
-            tail,
-            head,
-            data,
-            data_len: data_len.into(),
+            tail: Word64::at(ring_win, ring_off + RING_TAIL_OFF as u64)?,
+            head: Word64::at(credit_win, credit_off + CREDIT_HEAD_OFF as u64)?,
+            data: Span::new(ring_win, ring_off + RING_DATA_OFF, data_len.into())?,
         })
     }
 
     /// The payload bytes at `[pos, pos+len)` of the data area.
     ///
     /// # Safety
-    /// `pos + len <= data_len` (guaranteed by the ring protocol's validation) and the caller
-    /// owns that range under the protocol (reserved by the producer or peeked by the consumer).
-    // The bytes are shared memory reached through a raw pointer, not data owned by `&self`;
-    // exclusivity comes from the ring protocol, which is what the `# Safety` contract states.
+    /// The caller owns that range under the ring protocol (reserved by the producer or peeked
+    /// by the consumer) and drops the slice before commit/release.
     #[allow(clippy::mut_from_ref)]
     unsafe fn slice_mut(&self, pos: u64, len: usize) -> &mut [u8] {
-        // SAFETY: per the contract, the range is inside the data area, which is inside a mapping
-        // kept alive by `_ring_win`; the protocol gives this side exclusive use of the range
-        // until commit/release. A hostile peer may still write these bytes: that can change the
-        // data we see, not the memory we touch.
-        unsafe { std::slice::from_raw_parts_mut(self.data.add(pos as usize), len) }
+        // SAFETY: exclusivity per the contract; the protocol validated the range, and if it
+        // did not, `bytes_mut` refuses it and the caller gets an empty slice.
+        unsafe { self.data.bytes_mut(pos, len) }.unwrap_or(&mut [])
     }
 }
 
 impl RingMemory for ShmRing {
     fn data_len(&self) -> u64 {
-        self.data_len
+        self.data.len()
     }
     fn load_tail(&self) -> u64 {
-        // SAFETY: `tail` points into the live mapping held by `_ring_win` (checked in `new`).
-        unsafe { &*self.tail }.load(Ordering::Acquire)
+        self.tail.load(Ordering::Acquire)
     }
     fn store_tail(&self, v: u64) {
-        // SAFETY: as in `load_tail`.
-        unsafe { &*self.tail }.store(v, Ordering::Release)
+        self.tail.store(v, Ordering::Release)
     }
     fn load_head(&self) -> u64 {
-        // SAFETY: `head` points into the live mapping held by `_credit_win` (checked in `new`).
-        unsafe { &*self.head }.load(Ordering::Acquire)
+        self.head.load(Ordering::Acquire)
     }
     fn store_head(&self, v: u64) {
-        // SAFETY: as in `load_head`.
-        unsafe { &*self.head }.store(v, Ordering::Release)
+        self.head.store(v, Ordering::Release)
     }
     fn write(&self, pos: u64, src: &[u8]) {
-        if pos + src.len() as u64 > self.data_len {
-            return; // unreachable: the protocol validated the range
-        }
-        // SAFETY: range checked just above; `src` is caller memory, distinct from the mapping.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data.add(pos as usize), src.len())
-        }
+        // Out of range is unreachable: the protocol validated the range.
+        let _ = self.data.write(pos, src);
     }
     fn read(&self, pos: u64, dst: &mut [u8]) {
-        if pos + dst.len() as u64 > self.data_len {
-            dst.fill(0);
-            return; // unreachable: the protocol validated the range
-        }
-        // SAFETY: range checked just above; `dst` is caller memory, distinct from the mapping.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.data.add(pos as usize), dst.as_mut_ptr(), dst.len())
+        if self.data.read(pos, dst).is_err() {
+            dst.fill(0); // unreachable: the protocol validated the range
         }
     }
     fn prefetch(&self, pos: u64) {
-        if pos < self.data_len {
-            crate::sync::prefetch(self.data.wrapping_add(pos as usize));
-        }
+        self.data.prefetch(pos);
     }
 }
 
 /// One link of a route through a distributed topology, resolved for stamping.
 struct RouteStep {
     /// The link's clock (in the window of the node it leaves).
-    clock: *const AtomicU64,
+    clock: Word64,
     bytes_per_s: u64,
     hop_ns: u64,
     /// Forward counters (datagrams, bytes) of the node it reaches, if that node forwards.
-    fwd: Option<*const AtomicU64>,
+    fwd: Option<(Word64, Word64)>,
 }
 
 struct TxConn {
     dst: Addr,
     /// Distributed topologies: the links crossed (empty: direct).
     route: Vec<RouteStep>,
-    /// Windows the route's pointers point into, kept mapped.
-    _route_windows: Vec<Arc<Region>>,
     /// The receiver's downlink clock (link emulation), when the link is emulated.
-    dst_ingress: Option<*const AtomicU64>,
+    dst_ingress: Option<Word64>,
     mem: ShmRing,
     producer: Producer,
     cookie: u32,
-    peer_closed: *const AtomicU32,
-    cookie_word: *const AtomicU32,
-    credit_seq: *const AtomicU32,
-    credit_armed: *const AtomicU32,
-    dst_armed: *const AtomicU32,
-    dst_doorbell: *const AtomicU32,
+    peer_closed: Word32,
+    cookie_word: Word32,
+    credit_seq: Word32,
+    credit_armed: Word32,
+    dst_armed: Word32,
+    dst_doorbell: Word32,
 }
 
 struct RxRing {
@@ -258,9 +217,9 @@ struct RxRing {
     ring_off: u64,
     mem: ShmRing,
     consumer: Consumer,
-    sender_closed: *const AtomicU32,
-    credit_seq: *const AtomicU32,
-    credit_armed: *const AtomicU32,
+    sender_closed: Word32,
+    credit_seq: Word32,
+    credit_armed: Word32,
 }
 
 /// A datagram endpoint bound to (node, port). Owned by one thread at a time (`Send`, not
@@ -270,11 +229,12 @@ pub struct Endpoint {
     addr: Addr,
     window: Arc<Region>,
     record_off: u64,
-    doorbell: *const AtomicU32,
-    armed: *const AtomicU32,
-    closed: *const AtomicU32,
-    ring_seq: *const AtomicU32,
-    counters: *const AtomicU64,
+    doorbell: Word32,
+    armed: Word32,
+    closed: Word32,
+    ring_seq: Word32,
+    /// sent, sent bytes, received, received bytes, dropped.
+    counters: [Word64; 5],
     stats: EndpointStats,
     tx: Vec<TxConn>,
     last_tx: usize,
@@ -289,7 +249,7 @@ pub struct Endpoint {
 struct Link {
     bytes_per_s: u64,
     hop_ns: u64,
-    egress: *const AtomicU64,
+    egress: Word64,
 }
 
 /// A link clock further in the future than this was scribbled on by a peer: reset it.
@@ -306,17 +266,15 @@ fn stamp_route(route: &[RouteStep], len: usize) -> u64 {
     let mut t = now;
     for (k, h) in route.iter().enumerate() {
         let ser = ((len as u128 * 1_000_000_000) / u128::from(h.bytes_per_s)).max(1) as u64;
-        let start = claim(shm!(h.clock), t, ser, now);
+        let start = claim(&h.clock, t, ser, now);
         t = if k + 1 == route.len() {
             start + ser
         } else {
             start + h.hop_ns.max(1)
         };
-        if let Some(f) = h.fwd {
-            shm!(f).fetch_add(1, Ordering::Relaxed);
-            // SAFETY: `fwd` was checked to have two u64 slots (16 bytes) in the node's window,
-            // which the connection keeps mapped.
-            unsafe { &*f.add(1) }.fetch_add(len as u64, Ordering::Relaxed);
+        if let Some((msgs, bytes)) = &h.fwd {
+            msgs.fetch_add(1, Ordering::Relaxed);
+            bytes.fetch_add(len as u64, Ordering::Relaxed);
         }
     }
     t
@@ -337,10 +295,6 @@ fn claim(clock: &AtomicU64, earliest: u64, ser: u64, now: u64) -> u64 {
     });
     start
 }
-
-// SAFETY: every raw pointer in an Endpoint points into a mapping that the Endpoint keeps alive
-// through an `Arc<Region>`; moving the Endpoint to another thread moves that ownership with it.
-unsafe impl Send for Endpoint {}
 
 impl fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -369,9 +323,13 @@ impl Node {
         w.read(record_off, &mut h).map_err(FabricError::from)?;
         EndpointRepr::parse(&EndpointHeader::new_checked(&h[..]).map_err(FabricError::from)?)
             .map_err(FabricError::from)?;
-        let at32 = |o: usize| -> Result<*const AtomicU32, DgramError> {
-            Ok(w.u32_at(record_off + o as u64).map_err(FabricError::from)?)
+        let at32 = |o: usize| -> Result<Word32, DgramError> {
+            Ok(Word32::at(&w, record_off + o as u64).map_err(FabricError::from)?)
         };
+        let at64 = |o: u64| -> Result<Word64, DgramError> {
+            Ok(Word64::at(&w, o).map_err(FabricError::from)?)
+        };
+        let c = record_off + EP_COUNTERS_OFF as u64;
         let ep = Endpoint {
             node: self.clone(),
             addr: Addr::new(self.slot, port),
@@ -379,12 +337,13 @@ impl Node {
             armed: at32(EP_ARMED_OFF)?,
             closed: at32(EP_CLOSED_OFF)?,
             ring_seq: at32(EP_RING_SEQ_OFF)?,
-            counters: {
-                w.check(record_off + EP_COUNTERS_OFF as u64, 40, 8)
-                    .map_err(FabricError::from)?;
-                w.u64_at(record_off + EP_COUNTERS_OFF as u64)
-                    .map_err(FabricError::from)?
-            },
+            counters: [
+                at64(c)?,
+                at64(c + 8)?,
+                at64(c + 16)?,
+                at64(c + 24)?,
+                at64(c + 32)?,
+            ],
             window: w,
             record_off,
             stats: EndpointStats::default(),
@@ -405,9 +364,7 @@ impl Node {
             ep.link = Some(Link {
                 bytes_per_s: l.bytes_per_s.max(1),
                 hop_ns: l.hop_ns,
-                egress: ep
-                    .window
-                    .u64_at(WIN_LINK_EGRESS_OFF as u64)
+                egress: Word64::at(&ep.window, WIN_LINK_EGRESS_OFF as u64)
                     .map_err(FabricError::from)?,
             });
         }
@@ -435,8 +392,8 @@ impl Endpoint {
     /// The endpoint's receive doorbell (the futex word senders bump when the endpoint is armed)
     /// and its armed flag, both in this node's window: for waiters outside the endpoint (the
     /// verbs completion channel).
-    pub(crate) fn doorbell_words(&self) -> (*const AtomicU32, *const AtomicU32) {
-        (self.doorbell, self.armed)
+    pub(crate) fn doorbell_words(&self) -> (Word32, Word32) {
+        (self.doorbell.clone(), self.armed.clone())
     }
 
     /// Counts a datagram the application dropped on this endpoint's behalf (for example a
@@ -454,15 +411,13 @@ impl Endpoint {
             self.stats.received_bytes,
             self.stats.dropped,
         ];
-        for (i, v) in s.iter().enumerate() {
-            // SAFETY: `counters` was checked to have 5 u64 slots (40 bytes) at bind; the region
-            // is kept alive by `self.window`.
-            unsafe { &*self.counters.add(i) }.store(*v, Ordering::Relaxed);
+        for (w, v) in self.counters.iter().zip(s) {
+            w.store(v, Ordering::Relaxed);
         }
     }
 
     fn check_open(&self) -> Result<(), DgramError> {
-        if shm!(self.closed).load(Ordering::Acquire) != 0 {
+        if self.closed.load(Ordering::Acquire) != 0 {
             return Err(DgramError::Closed(self.addr));
         }
         Ok(())
@@ -520,38 +475,34 @@ impl Endpoint {
         let dst_win = fabric.window(dst.node)?;
         let me = self.window.clone();
         let mem = ShmRing::new(
-            dst_win.clone(),
+            &dst_win,
             ring_off,
             ring_data_for_window(fabric.window_size()),
-            me.clone(),
+            &me,
             credit_off,
         )?;
         let f = FabricError::from;
-        let cookie_word = me
-            .u32_at(credit_off + CREDIT_COOKIE_OFF as u64)
-            .map_err(f)?;
+        let cookie_word = Word32::at(&me, credit_off + CREDIT_COOKIE_OFF as u64).map_err(f)?;
         let emulated = self.link.is_some() && dst.node != self.addr.node;
         let mut route = Vec::new();
-        let mut route_windows = Vec::new();
         for (k, h) in hops.iter().enumerate() {
             fabric.check_slot(h.from)?;
             fabric.check_slot(h.to)?;
             let from_w = fabric.window(h.from)?;
-            let clock = from_w
-                .u64_at((WIN_LINK_CLOCKS_OFF + 8 * (h.to as usize - 1)) as u64)
-                .map_err(FabricError::from)? as *const AtomicU64;
+            let clock = Word64::at(
+                &from_w,
+                (WIN_LINK_CLOCKS_OFF + 8 * (h.to as usize - 1)) as u64,
+            )
+            .map_err(f)?;
             let fwd = if k + 1 < hops.len() {
                 let to_w = fabric.window(h.to)?;
-                to_w.check(WIN_FWD_OFF as u64, 16, 8)
-                    .map_err(FabricError::from)?;
-                let p =
-                    to_w.u64_at(WIN_FWD_OFF as u64).map_err(FabricError::from)? as *const AtomicU64;
-                route_windows.push(to_w);
-                Some(p)
+                Some((
+                    Word64::at(&to_w, WIN_FWD_OFF as u64).map_err(f)?,
+                    Word64::at(&to_w, WIN_FWD_OFF as u64 + 8).map_err(f)?,
+                ))
             } else {
                 None
             };
-            route_windows.push(from_w);
             route.push(RouteStep {
                 clock,
                 bytes_per_s: h.bytes_per_s.max(1),
@@ -562,24 +513,18 @@ impl Endpoint {
         let conn = TxConn {
             dst,
             route,
-            _route_windows: route_windows,
             dst_ingress: if emulated {
-                Some(dst_win.u64_at(WIN_LINK_INGRESS_OFF as u64).map_err(f)? as *const AtomicU64)
+                Some(Word64::at(&dst_win, WIN_LINK_INGRESS_OFF as u64).map_err(f)?)
             } else {
                 None
             },
             cookie: cookie_word.load(Ordering::Acquire),
             cookie_word,
-            peer_closed: me
-                .u32_at(credit_off + CREDIT_PEER_CLOSED_OFF as u64)
-                .map_err(f)?,
-            credit_seq: me.u32_at(credit_off + CREDIT_SEQ_OFF as u64).map_err(f)?,
-            credit_armed: me.u32_at(credit_off + CREDIT_ARMED_OFF as u64).map_err(f)?,
-            dst_armed: dst_win
-                .u32_at(dst_record_off + EP_ARMED_OFF as u64)
-                .map_err(f)?,
-            dst_doorbell: dst_win
-                .u32_at(dst_record_off + EP_DOORBELL_OFF as u64)
+            peer_closed: Word32::at(&me, credit_off + CREDIT_PEER_CLOSED_OFF as u64).map_err(f)?,
+            credit_seq: Word32::at(&me, credit_off + CREDIT_SEQ_OFF as u64).map_err(f)?,
+            credit_armed: Word32::at(&me, credit_off + CREDIT_ARMED_OFF as u64).map_err(f)?,
+            dst_armed: Word32::at(&dst_win, dst_record_off + EP_ARMED_OFF as u64).map_err(f)?,
+            dst_doorbell: Word32::at(&dst_win, dst_record_off + EP_DOORBELL_OFF as u64)
                 .map_err(f)?,
             producer: Producer::new(),
             mem,
@@ -664,8 +609,8 @@ impl Endpoint {
         let mut reconnected = false;
         loop {
             let c = &mut self.tx[i];
-            if shm!(c.peer_closed).load(Ordering::Acquire) != 0
-                || shm!(c.cookie_word).load(Ordering::Acquire) != c.cookie
+            if c.peer_closed.load(Ordering::Acquire) != 0
+                || c.cookie_word.load(Ordering::Acquire) != c.cookie
             {
                 // The ring was torn down under us (receiver gone, its node or a forwarding
                 // node DOWN). Connect once more: that re-routes, or says why it cannot.
@@ -688,21 +633,21 @@ impl Endpoint {
                     r.len = used;
                     if !c.route.is_empty() {
                         r.not_before_ns = stamp_route(&c.route, used);
-                    } else if let (Some(l), Some(ing)) = (&self.link, c.dst_ingress) {
+                    } else if let (Some(l), Some(ing)) = (&self.link, &c.dst_ingress) {
                         // Link emulation: serialise on our uplink, cross the switch, serialise
                         // on the receiver's downlink; the record is delivered when that ends.
                         let ser = ((used as u128 * 1_000_000_000) / u128::from(l.bytes_per_s))
                             .max(1) as u64;
                         let now = crate::sync::now_ns();
-                        let up = claim(shm!(l.egress), now, ser, now);
-                        let down = claim(shm!(ing), up + l.hop_ns, ser, now);
+                        let up = claim(&l.egress, now, ser, now);
+                        let down = claim(ing, up + l.hop_ns, ser, now);
                         r.not_before_ns = down + ser;
                     }
                     c.producer.commit(&c.mem, r);
                     // SYNC POINT doorbell-arm (sender): tail published before we read `armed`.
                     fence(Ordering::SeqCst);
-                    if shm!(c.dst_armed).load(Ordering::Relaxed) != 0 {
-                        ring(shm!(c.dst_doorbell));
+                    if c.dst_armed.load(Ordering::Relaxed) != 0 {
+                        ring(&c.dst_doorbell);
                     }
                     self.stats.sent += 1;
                     self.stats.sent_bytes += used as u64;
@@ -730,16 +675,16 @@ impl Endpoint {
                 continue;
             }
             let c = &mut self.tx[i];
-            let seq = shm!(c.credit_seq);
+            let seq = &c.credit_seq;
             let s = seq.load(Ordering::Acquire);
-            shm!(c.credit_armed).store(1, Ordering::Relaxed);
+            c.credit_armed.store(1, Ordering::Relaxed);
             // SYNC POINT credit-arm (sender): armed before we re-check the consumer index.
             fence(Ordering::SeqCst);
             let room = c.producer.has_room(&c.mem, len).unwrap_or(true);
-            if !room && shm!(c.peer_closed).load(Ordering::Acquire) == 0 {
+            if !room && c.peer_closed.load(Ordering::Acquire) == 0 {
                 futex_wait(seq, s, cap(deadline.remaining()));
             }
-            shm!(c.credit_armed).store(0, Ordering::Relaxed);
+            c.credit_armed.store(0, Ordering::Relaxed);
             let still_full = !c.producer.has_room(&c.mem, len).unwrap_or(true);
             self.check_open()?;
             if still_full {
@@ -752,7 +697,7 @@ impl Endpoint {
         let w = self.window.clone();
         let rec = self.record_off;
         let f = FabricError::from;
-        let seq = shm!(self.ring_seq).load(Ordering::Acquire);
+        let seq = self.ring_seq.load(Ordering::Acquire);
         if seq == self.rx_seq_seen {
             return Ok(());
         }
@@ -795,21 +740,15 @@ impl Endpoint {
         w.read(ring_off, &mut h)?;
         let r = RingRepr::parse(&RingHeader::new_checked(&h[..])?)?;
         let src_win = self.node.fabric.window(r.src_slot)?;
-        let mem = ShmRing::new(
-            w.clone(),
-            ring_off,
-            r.data_len,
-            src_win.clone(),
-            r.credit_off,
-        )?;
+        let mem = ShmRing::new(w, ring_off, r.data_len, &src_win, r.credit_off)?;
         Ok(RxRing {
             src: Addr::new(r.src_slot, r.src_port),
             ring_off,
             mem,
             consumer: Consumer::new(),
-            sender_closed: w.u32_at(ring_off + RING_SENDER_CLOSED_OFF as u64)?,
-            credit_seq: src_win.u32_at(r.credit_off + CREDIT_SEQ_OFF as u64)?,
-            credit_armed: src_win.u32_at(r.credit_off + CREDIT_ARMED_OFF as u64)?,
+            sender_closed: Word32::at(w, ring_off + RING_SENDER_CLOSED_OFF as u64)?,
+            credit_seq: Word32::at(&src_win, r.credit_off + CREDIT_SEQ_OFF as u64)?,
+            credit_armed: Word32::at(&src_win, r.credit_off + CREDIT_ARMED_OFF as u64)?,
         })
     }
 
@@ -853,8 +792,8 @@ impl Endpoint {
                         r.consumer.release(&r.mem, rec);
                         // SYNC POINT credit-arm (receiver): head published before we read `armed`.
                         fence(Ordering::SeqCst);
-                        if shm!(r.credit_armed).load(Ordering::Relaxed) != 0 {
-                            ring(shm!(r.credit_seq));
+                        if r.credit_armed.load(Ordering::Relaxed) != 0 {
+                            ring(&r.credit_seq);
                         }
                         self.rx_next = i + 1;
                         self.stats.received += 1;
@@ -863,7 +802,7 @@ impl Endpoint {
                         return Ok(out);
                     }
                     Ok(None) => {
-                        if shm!(r.sender_closed).load(Ordering::Acquire) != 0 {
+                        if r.sender_closed.load(Ordering::Acquire) != 0 {
                             // Re-check after seeing the flag: records published before it count.
                             if let Ok(None) = r.consumer.peek(&r.mem) {
                                 retire = Some((i, false));
@@ -902,17 +841,17 @@ impl Endpoint {
                 std::hint::spin_loop();
                 continue;
             }
-            let bell = shm!(self.doorbell);
+            let bell = &self.doorbell;
             let s = bell.load(Ordering::Acquire);
-            shm!(self.armed).store(1, Ordering::Relaxed);
+            self.armed.store(1, Ordering::Relaxed);
             // SYNC POINT doorbell-arm (receiver): armed before we re-check every ring.
             fence(Ordering::SeqCst);
             let pending = self
                 .rx
                 .iter()
                 .any(|r| r.mem.load_tail() != r.consumer.head())
-                || shm!(self.ring_seq).load(Ordering::Acquire) != self.rx_seq_seen
-                || shm!(self.closed).load(Ordering::Acquire) != 0;
+                || self.ring_seq.load(Ordering::Acquire) != self.rx_seq_seen
+                || self.closed.load(Ordering::Acquire) != 0;
             if !pending {
                 // Wake a little early for a long hold and spin the rest.
                 let hold = hold.map(|h| h - HOLD_SPIN_NS / 2);
@@ -926,7 +865,7 @@ impl Endpoint {
                     self.node.fabric.check_supervisor()?; // slept without a ring: still there?
                 }
             }
-            shm!(self.armed).store(0, Ordering::Relaxed);
+            self.armed.store(0, Ordering::Relaxed);
             spins = self.spin_polls / 2;
         }
     }

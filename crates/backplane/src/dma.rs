@@ -70,6 +70,7 @@
 //! Completions go to the DMA queue's own list, not to a verbs CQ: a verbs CQ is single-threaded
 //! state inside a context (no lock on its data path), and engine threads complete jobs
 //! asynchronously; feeding it would put a lock on every verbs poll.
+#![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize};
@@ -78,11 +79,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::fabric::{Fabric, FabricError};
-use crate::mem::Region;
+use crate::mem::{Span, Word32};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
-use crate::verbs::engine::{self, map_grant, W32};
+use crate::verbs::engine::map_grant;
 use crate::verbs::{AccessFlags, Context, Mr};
-use crate::wire::verbs::{MR_DATA_OFF, MR_STATE_OFF, MR_STATE_VALID};
+use crate::wire::verbs::{MR_STATE_OFF, MR_STATE_VALID};
 use crate::wire::NodeState;
 
 /// Jobs of at most this many bytes that may start at once are copied by the submitting thread.
@@ -447,14 +448,12 @@ fn plainly_disjoint(ranges: &[Range]) -> bool {
 // Mappings and resolved jobs (what crosses to the engine threads).
 // ---------------------------------------------------------------------------------------------
 
-/// A region as the engines see it: a mapping kept alive by `region`, its data pointer and
-/// length, its state word, the node (slot, generation) whose death fails jobs using it.
+/// A region as the engines see it: its data bytes, its state word, the node (slot,
+/// generation) whose death fails jobs using it.
 struct Mapping {
-    _region: Arc<Region>,
     fabric: Fabric,
-    data: *mut u8,
-    len: u64,
-    state: W32,
+    data: Span,
+    state: Word32,
     /// May be read (REMOTE_READ for a grant; always for a local region).
     readable: bool,
     /// May be written (a writable grant of a REMOTE_WRITE region; LOCAL_WRITE locally).
@@ -464,35 +463,23 @@ struct Mapping {
     owner: (u32, u32),
 }
 
-// SAFETY: `data` and `state` point into the mapping `region` keeps alive for as long as the
-// `Mapping` exists; the mapping is MAP_SHARED memory that other processes change anyway, so
-// other threads of this one add no new hazard (see `Region`'s own Send/Sync).
-unsafe impl Send for Mapping {}
-// SAFETY: as above; `Mapping` has no interior mutability of its own.
-unsafe impl Sync for Mapping {}
-
 impl Mapping {
-    #[allow(clippy::too_many_arguments)]
     fn new(
         fabric: Fabric,
-        region: Arc<Region>,
-        data: *mut u8,
-        len: u64,
-        state: W32,
+        data: Span,
+        state: Word32,
         readable: bool,
         writable: bool,
         owner: (u32, u32),
     ) -> Self {
         // fstat of a memfd we hold does not fail; if it did, the mapping's address stands in
         // (unique, so two such mappings are never seen as one region).
-        let ident = rustix::fs::fstat(region.fd())
+        let ident = rustix::fs::fstat(data.region().fd())
             .map(|s| (s.st_dev, s.st_ino))
-            .unwrap_or((u64::MAX, data as u64));
+            .unwrap_or((u64::MAX, data.addr(0) as u64));
         Self {
-            _region: region,
             fabric,
             data,
-            len,
             state,
             readable,
             writable,
@@ -511,7 +498,7 @@ impl Mapping {
         };
         // SYNC POINT mr-state (acquire): the owner's (or the supervisor's) deregistration,
         // seen before each piece.
-        if self.state.get().load(Ordering::Acquire) != MR_STATE_VALID {
+        if self.state.load(Ordering::Acquire) != MR_STATE_VALID {
             return Err(if node_ok() {
                 DmaStatus::RegionGone
             } else {
@@ -525,11 +512,11 @@ impl Mapping {
     }
 }
 
-/// A segment after the checks: pointers inside the job's mappings.
-#[derive(Clone, Copy)]
+/// A segment after the checks: its source and destination bytes, of equal length.
+#[derive(Clone)]
 struct Resolved {
-    src: *const u8,
-    dst: *mut u8,
+    src: Span,
+    dst: Span,
     len: u64,
 }
 
@@ -562,13 +549,6 @@ struct JobRun {
     bytes: AtomicU64,
     outcome: AtomicU8,
 }
-
-// SAFETY: the raw pointers in `segs` point into mappings that `maps` keeps alive for the whole
-// life of the job, at offsets checked against those mappings at submission; every other
-// field is Send/Sync.
-unsafe impl Send for JobRun {}
-// SAFETY: as above; shared mutation goes through atomics and mutexes.
-unsafe impl Sync for JobRun {}
 
 impl JobRun {
     #[allow(clippy::too_many_arguments)]
@@ -637,18 +617,18 @@ impl JobRun {
             } else {
                 (0, s.len)
             };
-            // SAFETY: submission checked `[off, off+len)` of this segment against both
-            // mappings (`plan` keeps pieces inside their segment), the mappings are alive
-            // (`maps`), the destination mapping is writable, and no destination range of the
-            // job overlaps another range of it.
-            unsafe {
-                let (src, dst) = (s.src.add(off as usize), s.dst.add(off as usize));
-                if self.stream {
-                    crate::mem::copy_streaming(src, dst, len as usize)
-                } else {
-                    engine::copy(src, dst, len as usize)
-                }
+            // `plan` keeps pieces inside their segment, whose spans were checked at submission
+            // (the destination writable, no destination range overlapping another): an error
+            // here means a check disagreed, and the piece fails rather than copy.
+            let copied = if self.stream {
+                s.src.copy_to_streaming(off, &s.dst, off, len as usize)
+            } else {
+                s.src.copy_to(off, &s.dst, off, len as usize)
             };
+            if copied.is_err() {
+                self.fail(DmaStatus::OutOfBounds, p.seg);
+                return;
+            }
             n += len;
         }
         // A node that died while we copied: the bytes went to a dead node's memory.
@@ -1147,13 +1127,11 @@ impl DmaQueue {
                 me.check_current().map_err(|_| DmaStatus::NodeDown)?;
                 self.ctx.with_local_mr(lkey, |mr| {
                     let mr = mr.ok_or(DmaStatus::InvalidRegion)?;
-                    let state = W32::at(&mr.region, MR_STATE_OFF as u64)
+                    let state = Word32::at(mr.data.region(), MR_STATE_OFF as u64)
                         .map_err(|_| DmaStatus::InvalidRegion)?;
                     Ok(Mapping::new(
                         self.fabric.clone(),
-                        mr.region.clone(),
-                        mr.data,
-                        mr.len,
+                        mr.data.clone(),
                         state,
                         true,
                         mr.access.contains(AccessFlags::LOCAL_WRITE),
@@ -1186,13 +1164,10 @@ impl DmaQueue {
                     }
                     _ => DmaStatus::NodeDown,
                 })?;
-                debug_assert!(g.region.check(MR_DATA_OFF, g.len, 1).is_ok());
-                let writable = g.region.writable() && g.access.contains(AccessFlags::REMOTE_WRITE);
+                let writable = g.data.writable() && g.access.contains(AccessFlags::REMOTE_WRITE);
                 Ok(Mapping::new(
                     self.fabric.clone(),
-                    g.region,
                     g.data,
-                    g.len,
                     g.state,
                     g.access.contains(AccessFlags::REMOTE_READ),
                     writable,
@@ -1225,8 +1200,8 @@ impl DmaQueue {
             let (_, src) = get(s.src)?;
             let (_, dst) = get(s.dst)?;
             check_segment(
-                (src.len, src.readable),
-                (dst.len, dst.writable),
+                (src.data.len(), src.readable),
+                (dst.data.len(), dst.writable),
                 s.src_off,
                 s.dst_off,
                 s.len,
@@ -1248,12 +1223,16 @@ impl DmaQueue {
                 dst: true,
                 seg: i,
             });
+            // In bounds (checked just above).
+            let (Ok(src_span), Ok(dst_span)) = (
+                src.data.sub(s.src_off, s.len),
+                dst.data.sub(s.dst_off, s.len),
+            ) else {
+                return Err((DmaStatus::OutOfBounds, i));
+            };
             out.push(Resolved {
-                // SAFETY: `src_off + len <= src.len` (checked just above) and `data` maps
-                // `len` bytes, so the offset pointer stays inside the mapping.
-                src: unsafe { src.data.add(s.src_off as usize) },
-                // SAFETY: as for the source, with the destination's checked bounds.
-                dst: unsafe { dst.data.add(s.dst_off as usize) },
+                src: src_span,
+                dst: dst_span,
                 len: s.len,
             });
         }
@@ -1289,14 +1268,18 @@ impl From<FabricError> for DmaError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mem::Region;
     use proptest::prelude::*;
 
-    /// A queue and an engine set without threads: the test moves pieces with `step`.
+    /// A queue and an engine set without threads: the test moves pieces with `step`. Jobs copy
+    /// from `src` to `dst`, two shared-memory buffers the test fills and reads back.
     struct Rig {
         eng: Arc<EngShared>,
         q: Arc<QShared>,
         seq: u64,
         last: Option<Arc<JobRun>>,
+        src: Option<Span>,
+        dst: Option<Span>,
     }
 
     impl EngShared {
@@ -1326,25 +1309,42 @@ mod tests {
                 q: QShared::new(),
                 seq: 0,
                 last: None,
+                src: None,
+                dst: None,
             }
         }
-        /// Submits segments (src, dst, len) between heap buffers, as `DmaQueue::submit` does.
-        fn submit(
-            &mut self,
-            id: u64,
-            segs: &[(*const u8, *mut u8, u64)],
-            fence: bool,
-            chain: bool,
-        ) {
+        /// Gives the rig a source holding `src` and a zeroed destination of `dst_len` bytes.
+        fn buffers(&mut self, src: &[u8], dst_len: usize) {
+            let s = Arc::new(Region::create("bp-dma-test", src.len()).unwrap());
+            s.write(0, src).unwrap();
+            let d = Arc::new(Region::create("bp-dma-test", dst_len).unwrap());
+            self.src = Some(Span::whole(&s));
+            self.dst = Some(Span::whole(&d));
+        }
+        /// The destination's bytes.
+        fn dst(&self) -> Vec<u8> {
+            let d = self.dst.as_ref().unwrap();
+            let mut v = vec![0u8; d.len() as usize];
+            d.read(0, &mut v).unwrap();
+            v
+        }
+        /// Submits segments (source offset, destination offset, length) between the rig's
+        /// buffers, as `DmaQueue::submit` does.
+        fn submit(&mut self, id: u64, segs: &[(usize, usize, u64)], fence: bool, chain: bool) {
             let job = Job {
                 id,
                 segments: &[],
                 fence,
                 chain,
             };
+            let (src, dst) = (self.src.as_ref().unwrap(), self.dst.as_ref().unwrap());
             let segs = segs
                 .iter()
-                .map(|&(src, dst, len)| Resolved { src, dst, len })
+                .map(|&(s, d, len)| Resolved {
+                    src: src.sub(s as u64, len).unwrap(),
+                    dst: dst.sub(d as u64, len).unwrap(),
+                    len,
+                })
                 .collect();
             let after = if chain { self.last.clone() } else { None };
             let j = JobRun::new(&job, self.seq, after, &self.q, Vec::new(), segs, None);
@@ -1380,15 +1380,8 @@ mod tests {
     fn a_fenced_job_starts_after_earlier_ones_and_unfenced_ones_do_not_wait_for_it() {
         let mut r = Rig::new(1, 1 << 20);
         let src = pattern(4 << 20, 1);
-        let mut dst = vec![0u8; 8 << 20];
-        let d = dst.as_mut_ptr();
-        // Every range below is inside `src` / `dst`, which outlive the rig.
-        let (s0, d0, d1, d2) = (
-            src.as_ptr(),
-            d,
-            d.wrapping_add(4 << 20),
-            d.wrapping_add(6 << 20),
-        );
+        r.buffers(&src, 8 << 20);
+        let (s0, d0, d1, d2) = (0, 0, 4 << 20, 6 << 20);
         r.submit(1, &[(s0, d0, 4 << 20)], false, false); // 4 pieces, queued
         r.submit(2, &[(s0, d1, 1 << 20)], true, false); // fenced: parked
         r.submit(3, &[(s0, d2, 100)], false, false); // small, unfenced: copied inline
@@ -1399,6 +1392,7 @@ mod tests {
         assert_eq!(done.iter().map(|w| w.id).collect::<Vec<_>>(), [1, 2]);
         assert!(done.iter().all(|w| w.status.is_ok() && w.segment.is_none()));
         assert_eq!(done[0].bytes, 4 << 20);
+        let dst = r.dst();
         assert_eq!(&dst[..4 << 20], &src[..]);
         assert_eq!(&dst[4 << 20..5 << 20], &src[..1 << 20]);
         assert_eq!(&dst[6 << 20..(6 << 20) + 100], &src[..100]);
@@ -1408,31 +1402,12 @@ mod tests {
     fn cancelling_skips_segments_not_started_and_a_chained_job_behind_it_is_cancelled() {
         let mut r = Rig::new(1, 8 << 20);
         let src = pattern(4 << 20, 7);
-        let mut dst = vec![0u8; 8 << 20];
+        r.buffers(&src, 8 << 20);
         let mb = 1usize << 20;
-        let d = dst.as_mut_ptr();
-        let segs: Vec<_> = (0..4)
-            .map(|i| {
-                (
-                    src.as_ptr().wrapping_add(i * mb),
-                    d.wrapping_add(i * mb),
-                    mb as u64,
-                )
-            })
-            .collect();
+        let segs: Vec<_> = (0..4).map(|i| (i * mb, i * mb, mb as u64)).collect();
         r.submit(10, &segs, false, false);
-        r.submit(
-            11,
-            &[(src.as_ptr(), d.wrapping_add(4 * mb), 64)],
-            false,
-            true,
-        );
-        r.submit(
-            12,
-            &[(src.as_ptr(), d.wrapping_add(5 * mb), 64 << 10)],
-            true,
-            false,
-        );
+        r.submit(11, &[(0, 4 * mb, 64)], false, true);
+        r.submit(12, &[(0, 5 * mb, 64 << 10)], true, false);
         assert!(r.eng.step(), "segment 0 runs");
         let (n, parked) = r.q.cancel(10);
         assert_eq!((n, parked.len()), (1, 0));
@@ -1450,6 +1425,7 @@ mod tests {
                 (12, DmaStatus::Success, None, 64 << 10),
             ]
         );
+        let dst = r.dst();
         assert_eq!(&dst[..mb], &src[..mb]);
         assert!(
             dst[mb..5 * mb].iter().all(|&b| b == 0),
@@ -1462,16 +1438,9 @@ mod tests {
     fn a_job_parked_behind_a_fence_is_cancelled_at_once_and_releases_nothing_early() {
         let mut r = Rig::new(1, 8 << 20);
         let src = pattern(1 << 20, 3);
-        let mut dst = vec![0u8; 2 << 20];
-        let d = dst.as_mut_ptr();
-        r.submit(1, &[(src.as_ptr(), d, 1 << 20)], false, false);
-        // Inside `dst`.
-        r.submit(
-            2,
-            &[(src.as_ptr(), d.wrapping_add(1 << 20), 1 << 20)],
-            true,
-            false,
-        );
+        r.buffers(&src, 2 << 20);
+        r.submit(1, &[(0, 0, 1 << 20)], false, false);
+        r.submit(2, &[(0, 1 << 20, 1 << 20)], true, false);
         let (n, parked) = r.q.cancel(2);
         assert_eq!((n, parked.len()), (1, 1));
         for j in parked {
@@ -1480,7 +1449,7 @@ mod tests {
         assert_eq!(r.done()[0].status, DmaStatus::Cancelled);
         r.drain();
         assert_eq!(r.done()[0].status, DmaStatus::Success);
-        assert!(dst[1 << 20..].iter().all(|&b| b == 0));
+        assert!(r.dst()[1 << 20..].iter().all(|&b| b == 0));
     }
 
     #[test]
@@ -1517,8 +1486,7 @@ mod tests {
         let mut r = Rig::new(2, 1 << 20);
         r.eng = e.shared.clone();
         let src = pattern(3 << 20, 9);
-        let mut dst = vec![0u8; 3 << 20];
-        let d = dst.as_mut_ptr();
+        r.buffers(&src, 3 << 20);
         // 48 jobs: 16 of 1000 scattered 64-byte segments, 32 splitting 64 KiB..2 MiB segments.
         let mut want = Vec::new();
         for k in 0..16usize {
@@ -1526,7 +1494,7 @@ mod tests {
                 .map(|i| {
                     let o = k * 64_000 + i * 64;
                     // o + 64 <= 1 024 000 < 3 MiB.
-                    (src.as_ptr().wrapping_add(o), d.wrapping_add(o), 64)
+                    (o, o, 64)
                 })
                 .collect();
             r.submit(k as u64, &segs, false, false);
@@ -1539,13 +1507,8 @@ mod tests {
             let len = len
                 .min(2 * (1 << 20) - o % (1 << 20))
                 .min(3 * (1 << 20) - o);
-            // SAFETY: o + len <= 3 MiB by the clamps above.
-            r.submit(
-                100 + k as u64,
-                &[(src.as_ptr().wrapping_add(o), d.wrapping_add(o), len as u64)],
-                true,
-                false,
-            );
+            // o + len <= 3 MiB by the clamps above.
+            r.submit(100 + k as u64, &[(o, o, len as u64)], true, false);
             want.push(100 + k as u64);
         }
         let mut got = Vec::new();
@@ -1557,7 +1520,7 @@ mod tests {
         let mut ids: Vec<u64> = got.iter().map(|w| w.id).collect();
         ids.sort();
         assert_eq!(ids, want);
-        assert_eq!(&dst[..1_024_000], &src[..1_024_000]);
+        assert_eq!(&r.dst()[..1_024_000], &src[..1_024_000]);
         drop(e);
     }
 
@@ -1568,16 +1531,11 @@ mod tests {
         r.eng = e.shared.clone();
         drop(e);
         let src = pattern(1 << 20, 1);
-        let mut dst = vec![0u8; 1 << 20];
-        r.submit(
-            1,
-            &[(src.as_ptr(), dst.as_mut_ptr(), 1 << 20)],
-            false,
-            false,
-        );
+        r.buffers(&src, 1 << 20);
+        r.submit(1, &[(0, 0, 1 << 20)], false, false);
         let w = r.done();
         assert_eq!((w[0].status, w[0].segment), (DmaStatus::Cancelled, Some(0)));
-        assert!(dst.iter().all(|&b| b == 0));
+        assert!(r.dst().iter().all(|&b| b == 0));
     }
 
     fn covered(lens: &[u64], pieces: &[PieceSpec]) -> Vec<Vec<(u64, u64)>> {

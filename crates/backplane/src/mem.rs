@@ -1,12 +1,19 @@
 //! Windows and regions: memfd-backed shared mappings, passed between processes as file
 //! descriptors, mapped read-write or read-only.
 //!
-//! A [`Region`] is the only way the rest of the crate touches shared memory. Every accessor
-//! checks bounds (and alignment for atomics) against the mapped length, so an offset read from a
-//! peer can at worst produce an error, never an out-of-bounds access.
+//! A [`Region`] and the typed views made from it — [`Word32`], [`Word64`] (an atomic word) and
+//! [`Span`] (a byte range) — are the only way the rest of the crate touches shared memory. Every
+//! view is made by a bounds- (and, for atomics, alignment-) checked constructor and holds its
+//! region mapped (an `Arc<Region>`), so it can never point at memory that is gone; every
+//! accessor checks its offsets again against the view, so an offset read from a peer can at
+//! worst produce an error, never an out-of-bounds access. Bytes that peers may write are reached
+//! by copy (`read`, `write`, `copy_to`), never as `&[u8]`: a reference would promise Rust that
+//! nobody changes them, which no process sharing a window can promise.
 
+use std::ops::Deref;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use crate::sync::{AtomicU32, AtomicU64};
 
@@ -39,6 +46,9 @@ pub enum MemError {
         /// Size of the region.
         size: u64,
     },
+    /// Occurs when a view of a read-only mapping is asked to write.
+    #[error("write to a read-only mapping")]
+    ReadOnly,
 }
 
 /// A shared memory mapping.
@@ -200,6 +210,411 @@ impl Region {
         let o = self.check(off, len, 1)?;
         // SAFETY: `o` is inside the mapping (checked), so the offset pointer stays in bounds.
         Ok(unsafe { self.ptr.as_ptr().add(o) })
+    }
+
+    /// Maps every page of the region into this process's page tables now (and, if `write`,
+    /// allocates them), so a data path never takes a page fault: a minor fault costs
+    /// microseconds, the whole budget of hundreds of messages. Best effort (kernels before 5.14
+    /// lack the advice; the pages then fault in on first use).
+    pub fn populate(&self, write: bool) {
+        let advice = if write {
+            libc::MADV_POPULATE_WRITE
+        } else {
+            libc::MADV_POPULATE_READ
+        };
+        // SAFETY: `ptr`/`len` are exactly this live mapping (mmap returns page-aligned
+        // addresses); MADV_POPULATE_* only faults pages in and changes no contents.
+        unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) };
+    }
+}
+
+/// An `AtomicU32` in a region, resolved once by a checked constructor and holding the region
+/// mapped: it derefs to the atomic for as long as it lives.
+#[derive(Clone)]
+pub struct Word32 {
+    ptr: NonNull<AtomicU32>,
+    _region: Arc<Region>,
+}
+
+/// An `AtomicU64` in a region; see [`Word32`].
+#[derive(Clone)]
+pub struct Word64 {
+    ptr: NonNull<AtomicU64>,
+    _region: Arc<Region>,
+}
+
+// SAFETY: the pointee is an atomic in a MAP_SHARED mapping that the word keeps alive; atomics
+// may be used from any thread.
+unsafe impl Send for Word32 {}
+// SAFETY: as above.
+unsafe impl Sync for Word32 {}
+// SAFETY: as above.
+unsafe impl Send for Word64 {}
+// SAFETY: as above.
+unsafe impl Sync for Word64 {}
+
+impl Word32 {
+    /// The word at `off` of `region` (in bounds and 4-aligned, or an error).
+    pub fn at(region: &Arc<Region>, off: u64) -> Result<Self, MemError> {
+        let ptr = NonNull::from(region.u32_at(off)?);
+        Ok(Self {
+            ptr,
+            _region: region.clone(),
+        })
+    }
+}
+
+impl Word64 {
+    /// The word at `off` of `region` (in bounds and 8-aligned, or an error).
+    pub fn at(region: &Arc<Region>, off: u64) -> Result<Self, MemError> {
+        let ptr = NonNull::from(region.u64_at(off)?);
+        Ok(Self {
+            ptr,
+            _region: region.clone(),
+        })
+    }
+}
+
+impl Deref for Word32 {
+    type Target = AtomicU32;
+    #[inline(always)]
+    fn deref(&self) -> &AtomicU32 {
+        // SAFETY: checked in bounds and aligned by `Region::u32_at` when made; the mapping is
+        // kept alive by `_region` for as long as `self` (and so the returned borrow) lives.
+        unsafe { self.ptr.as_ref() }
+    }
+}
+
+impl Deref for Word64 {
+    type Target = AtomicU64;
+    #[inline(always)]
+    fn deref(&self) -> &AtomicU64 {
+        // SAFETY: as in `Word32::deref`, with 8 bytes and 8-alignment.
+        unsafe { self.ptr.as_ref() }
+    }
+}
+
+impl std::fmt::Debug for Word32 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Word32({})", self.load(crate::sync::Ordering::Relaxed))
+    }
+}
+
+impl std::fmt::Debug for Word64 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Word64({})", self.load(crate::sync::Ordering::Relaxed))
+    }
+}
+
+/// A byte range of a region that peers may write, holding the region mapped. Its bytes are
+/// reached by checked copies only; offsets are relative to the span's start.
+#[derive(Clone)]
+pub struct Span {
+    ptr: NonNull<u8>,
+    len: u64,
+    writable: bool,
+    region: Arc<Region>,
+}
+
+// SAFETY: a span is a pointer into a MAP_SHARED mapping it keeps alive; every access is a
+// checked copy or an atomic, the same from any thread as from another process.
+unsafe impl Send for Span {}
+// SAFETY: as above.
+unsafe impl Sync for Span {}
+
+impl std::fmt::Debug for Span {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Span")
+            .field("len", &self.len)
+            .field("writable", &self.writable)
+            .finish()
+    }
+}
+
+impl Span {
+    /// The bytes `[off, off+len)` of `region` (inside it, or an error).
+    pub fn new(region: &Arc<Region>, off: u64, len: u64) -> Result<Self, MemError> {
+        let ptr = region.ptr_at(off, len)?;
+        Ok(Self {
+            ptr: NonNull::new(ptr).expect("inside a mapping, never null"),
+            len,
+            writable: region.writable(),
+            region: region.clone(),
+        })
+    }
+
+    /// The whole of `region`.
+    pub fn whole(region: &Arc<Region>) -> Self {
+        Self::new(region, 0, region.len() as u64).expect("a region spans itself")
+    }
+
+    /// Length in bytes.
+    #[inline(always)]
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True for a span of no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// True if the region is mapped read-write.
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
+
+    /// The region the span lies in.
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    /// `[off, off+len)` of this span, as a span of its own.
+    pub fn sub(&self, off: u64, len: u64) -> Result<Self, MemError> {
+        let o = self.check(off, len)?;
+        Ok(Self {
+            // SAFETY: `o + len <= self.len` (checked), so the pointer stays inside the span.
+            ptr: unsafe { self.ptr.add(o) },
+            len,
+            writable: self.writable,
+            region: self.region.clone(),
+        })
+    }
+
+    /// Checks that `[off, off+len)` lies in the span; returns `off` as an index.
+    #[inline(always)]
+    pub fn check(&self, off: u64, len: u64) -> Result<usize, MemError> {
+        match off.checked_add(len) {
+            Some(end) if end <= self.len => Ok(off as usize),
+            _ => Err(MemError::OutOfBounds {
+                off,
+                len,
+                size: self.len,
+            }),
+        }
+    }
+
+    #[inline(always)]
+    fn check_write(&self, off: u64, len: u64) -> Result<usize, MemError> {
+        if !self.writable {
+            return Err(MemError::ReadOnly);
+        }
+        self.check(off, len)
+    }
+
+    /// Copies `dst.len()` bytes at `off` out of the span.
+    #[inline(always)]
+    pub fn read(&self, off: u64, dst: &mut [u8]) -> Result<(), MemError> {
+        let o = self.check(off, dst.len() as u64)?;
+        // SAFETY: the source is inside the live span (checked); `dst` is process memory that
+        // no mapping of ours aliases (a `&mut` to it exists). A peer writing concurrently can
+        // change the bytes copied, which callers validate after the copy.
+        unsafe { copy_bytes(self.ptr.as_ptr().add(o), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into the span at `off`.
+    #[inline(always)]
+    pub fn write(&self, off: u64, src: &[u8]) -> Result<(), MemError> {
+        let o = self.check_write(off, src.len() as u64)?;
+        // SAFETY: the destination is inside the live, writable span (checked); `src` is a
+        // shared borrow Rust guarantees nobody writes during the copy, so it is not these bytes.
+        unsafe { copy_bytes(src.as_ptr(), self.ptr.as_ptr().add(o), src.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into the span at `off`, storing its last 8 bytes after all the others
+    /// (with a release fence between): a peer that polls the last byte of a payload and sees
+    /// it written sees the whole payload (the ordering an RDMA WRITE gives on real HCAs).
+    #[inline(always)]
+    pub fn write_ordered(&self, off: u64, src: &[u8]) -> Result<(), MemError> {
+        let n = src.len();
+        if n <= 8 {
+            return self.write(off, src);
+        }
+        let o = self.check_write(off, n as u64)?;
+        let head = n - 8;
+        // SAFETY: as in `write`; `head + 8 == n`, so both copies stay inside the checked range.
+        unsafe {
+            let d = self.ptr.as_ptr().add(o);
+            copy_bytes(src.as_ptr(), d, head);
+            // SYNC POINT write-order (release): the body is visible before the last 8 bytes
+            // (the peer polls the last byte; its acquire is its read of that byte's line).
+            crate::sync::fence(crate::sync::Ordering::Release);
+            copy_bytes(src.as_ptr().add(head), d.add(head), 8);
+        }
+        Ok(())
+    }
+
+    /// Copies `n` bytes at `off` of this span to `dst_off` of `dst`.
+    #[inline(always)]
+    pub fn copy_to(&self, off: u64, dst: &Span, dst_off: u64, n: usize) -> Result<(), MemError> {
+        let s = self.check(off, n as u64)?;
+        let d = dst.check_write(dst_off, n as u64)?;
+        // SAFETY: both ranges are inside live spans (checked), the destination writable. They
+        // may be the same pages (two spans of one region, or a peer mapping one memfd twice):
+        // `copy_bytes` is a byte copy that tolerates overlap of shared memory, which changes
+        // bytes, never memory safety.
+        unsafe { copy_bytes(self.ptr.as_ptr().add(s), dst.ptr.as_ptr().add(d), n) };
+        Ok(())
+    }
+
+    /// As [`Span::copy_to`], storing the last 8 bytes last (see [`Span::write_ordered`]).
+    pub fn copy_to_ordered(
+        &self,
+        off: u64,
+        dst: &Span,
+        dst_off: u64,
+        n: usize,
+    ) -> Result<(), MemError> {
+        if n <= 8 {
+            return self.copy_to(off, dst, dst_off, n);
+        }
+        self.copy_to(off, dst, dst_off, n - 8)?;
+        // SYNC POINT write-order (release): as in `write_ordered`.
+        crate::sync::fence(crate::sync::Ordering::Release);
+        self.copy_to(off + (n - 8) as u64, dst, dst_off + (n - 8) as u64, 8)
+    }
+
+    /// As [`Span::copy_to`], with stores that bypass the cache (see [`copy_streaming`]).
+    pub fn copy_to_streaming(
+        &self,
+        off: u64,
+        dst: &Span,
+        dst_off: u64,
+        n: usize,
+    ) -> Result<(), MemError> {
+        let s = self.check(off, n as u64)?;
+        let d = dst.check_write(dst_off, n as u64)?;
+        // SAFETY: as in `copy_to`; overlapping spans copy garbage at worst (shared memory).
+        unsafe { copy_streaming(self.ptr.as_ptr().add(s), dst.ptr.as_ptr().add(d), n) };
+        Ok(())
+    }
+
+    /// Sets `[off, off+len)` to `byte`.
+    pub fn fill(&self, off: u64, len: u64, byte: u8) -> Result<(), MemError> {
+        let o = self.check_write(off, len)?;
+        // SAFETY: the range is inside the live, writable span (checked).
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(o), byte, len as usize) };
+        Ok(())
+    }
+
+    /// `[off, off+len)` as a mutable slice, for zero-copy APIs that let the caller fill or read
+    /// a ring record in place (the datagram path's `send_with`/`recv_with`).
+    ///
+    /// # Safety
+    /// The caller has exclusive use of the range under a protocol (a ring reservation before
+    /// commit, or a peeked record before release) and drops the slice before giving it up.
+    /// A hostile peer that breaks the protocol can change the bytes under the slice; that
+    /// changes data, never which memory is touched.
+    #[allow(clippy::mut_from_ref)] // the bytes are shared memory, exclusivity is the contract
+    #[inline(always)]
+    pub unsafe fn bytes_mut(&self, off: u64, len: usize) -> Result<&mut [u8], MemError> {
+        let o = self.check(off, len as u64)?;
+        // SAFETY: inside the live span (checked); exclusivity is the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(o), len) })
+    }
+
+    /// `[off, off+len)` as a shared slice, for reading bytes in place (zero-copy).
+    ///
+    /// # Safety
+    /// Nobody — no thread of this process, no peer — writes the range while the slice lives:
+    /// a ring record after it was peeked, or a region range after the completion that handed
+    /// it to the caller and before it is given back (reposted, granted again).
+    #[inline(always)]
+    pub unsafe fn bytes(&self, off: u64, len: usize) -> Result<&[u8], MemError> {
+        let o = self.check(off, len as u64)?;
+        // SAFETY: inside the live span (checked); no writer while it lives (caller contract).
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(o), len) })
+    }
+
+    /// The byte at `off`, read with a volatile load (for polling a byte a peer writes).
+    pub fn load_volatile(&self, off: u64) -> Result<u8, MemError> {
+        let o = self.check(off, 1)?;
+        // SAFETY: inside the live span (checked); a volatile read of a byte is never torn.
+        Ok(unsafe { std::ptr::read_volatile(self.ptr.as_ptr().add(o)) })
+    }
+
+    /// The `AtomicU64` at `off` (in bounds and 8-aligned, or an error), borrowed from the span.
+    pub fn u64_at(&self, off: u64) -> Result<&AtomicU64, MemError> {
+        let o = self.check(off, 8)?;
+        let p = self.ptr.as_ptr().wrapping_add(o);
+        if !(p as usize).is_multiple_of(8) {
+            return Err(MemError::OutOfBounds {
+                off,
+                len: 8,
+                size: self.len,
+            });
+        }
+        // SAFETY: in bounds and 8-aligned (checked just above); AtomicU64 has u64's layout and
+        // every access to it is atomic; the borrow cannot outlive the span, which keeps the
+        // mapping.
+        Ok(unsafe { &*p.cast::<AtomicU64>() })
+    }
+
+    /// Asks the CPU to start loading the line at `off` (a hint; out-of-range offsets are
+    /// ignored).
+    #[inline(always)]
+    pub fn prefetch(&self, off: u64) {
+        if off < self.len {
+            crate::sync::prefetch(self.ptr.as_ptr().wrapping_add(off as usize));
+        }
+    }
+
+    /// Asks for the line at `off` in a writable state (a hint; see
+    /// [`crate::sync::prefetch_write`]).
+    #[inline(always)]
+    pub fn prefetch_write(&self, off: u64) {
+        if off < self.len {
+            crate::sync::prefetch_write(self.ptr.as_ptr().wrapping_add(off as usize));
+        }
+    }
+
+    /// Maps the span's pages into this process's page tables now (see [`Region::populate`]).
+    pub fn populate(&self, write: bool) {
+        let page = 4096usize;
+        let start = self.ptr.as_ptr() as usize & !(page - 1);
+        let end = (self.ptr.as_ptr() as usize + self.len as usize).div_ceil(page) * page;
+        let advice = if write {
+            libc::MADV_POPULATE_WRITE
+        } else {
+            libc::MADV_POPULATE_READ
+        };
+        // SAFETY: the span lies in a live mapping, which starts and ends on page boundaries,
+        // so the rounded-out range is still that mapping's; MADV_POPULATE_* only faults pages
+        // in and changes no contents.
+        unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice) };
+    }
+
+    /// The address of byte `off`, for hints and for handing to C callers; never dereferenced
+    /// by Rust code outside this module.
+    pub fn addr(&self, off: u64) -> *const u8 {
+        self.ptr.as_ptr().wrapping_add(off as usize)
+    }
+}
+
+/// `memcpy` between two ranges of which at least one is shared memory.
+///
+/// # Safety
+/// Both ranges are valid for `n` bytes. They may overlap only if both are shared memory (a
+/// peer mapping the same pages twice), which yields garbage bytes, never a fault.
+#[inline(always)]
+unsafe fn copy_bytes(src: *const u8, dst: *mut u8, n: usize) {
+    // SAFETY: (all branches) caller contract.
+    unsafe {
+        if n == 8 {
+            // The common small case (8-byte messages, atomics) without a call.
+            std::ptr::write_unaligned(
+                dst.cast::<u64>(),
+                std::ptr::read_unaligned(src.cast::<u64>()),
+            );
+        } else if n < 8 {
+            for i in 0..n {
+                *dst.add(i) = *src.add(i);
+            }
+        } else {
+            std::ptr::copy(src, dst, n)
+        }
     }
 }
 

@@ -14,6 +14,7 @@
 //! Everything the consumer reads from the producer, and vice versa, is validated: an index that
 //! goes backwards or beyond the ring, a misaligned index, a record with a bad kind, length or
 //! sequence number. A bad value yields [`RingError::Corrupt`]; the caller retires the ring.
+#![deny(unsafe_code)]
 
 use crate::wire::{
     RecordHeader, RecordKind, RecordRepr, MAX_DGRAM, RECORD_ALIGN, RECORD_HEADER_LEN,
@@ -343,7 +344,7 @@ impl Consumer {
 pub mod local {
     use super::RingMemory;
     use crate::sync::{AtomicU64, Ordering};
-    use std::cell::UnsafeCell;
+    use std::cell::RefCell;
 
     /// A ring in a heap buffer (single-threaded use: tests and property tests).
     #[derive(Debug)]
@@ -353,7 +354,7 @@ pub mod local {
         /// Consumer index.
         pub head: AtomicU64,
         /// Data area.
-        pub data: UnsafeCell<Vec<u8>>,
+        pub data: RefCell<Vec<u8>>,
     }
 
     impl LocalRing {
@@ -362,7 +363,7 @@ pub mod local {
             Self {
                 tail: AtomicU64::new(0),
                 head: AtomicU64::new(0),
-                data: UnsafeCell::new(vec![0; len]),
+                data: RefCell::new(vec![0; len]),
             }
         }
         /// Raw access to the data area (to corrupt it in tests).
@@ -373,8 +374,7 @@ pub mod local {
 
     impl RingMemory for LocalRing {
         fn data_len(&self) -> u64 {
-            // SAFETY: single-threaded use; no `&mut` to the Vec is live during this call.
-            unsafe { (*self.data.get()).len() as u64 }
+            self.data.borrow().len() as u64
         }
         fn load_tail(&self) -> u64 {
             self.tail.load(Ordering::Acquire)
@@ -389,15 +389,11 @@ pub mod local {
             self.head.store(v, Ordering::Release)
         }
         fn write(&self, pos: u64, src: &[u8]) {
-            // SAFETY: single-threaded use; slicing panics (test-only type) rather than going
-            // out of bounds.
-            let d = unsafe { &mut *self.data.get() };
-            d[pos as usize..pos as usize + src.len()].copy_from_slice(src);
+            // Slicing panics (test-only type) rather than going out of bounds.
+            self.data.borrow_mut()[pos as usize..pos as usize + src.len()].copy_from_slice(src);
         }
         fn read(&self, pos: u64, dst: &mut [u8]) {
-            // SAFETY: as in `write`.
-            let d = unsafe { &*self.data.get() };
-            dst.copy_from_slice(&d[pos as usize..pos as usize + dst.len()]);
+            dst.copy_from_slice(&self.data.borrow()[pos as usize..pos as usize + dst.len()]);
         }
     }
 }
@@ -565,6 +561,7 @@ mod tests {
 }
 
 #[cfg(all(test, loom))]
+#[allow(unsafe_code)] // loom's UnsafeCell is how loom checks the data area's accesses
 mod loom_tests {
     //! `RUSTFLAGS="--cfg loom" cargo test -p backplane --release ring::loom_tests`
     use super::*;

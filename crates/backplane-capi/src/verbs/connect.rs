@@ -79,11 +79,11 @@ pub extern "C" fn bp_listen(context: *mut BpContext, port: u32) -> *mut BpListen
             let p = h.ptr();
             l.insert(
                 h.key(),
-                VObj::Listener(ListenerObj {
+                VObj::Listener(Box::new(ListenerObj {
                     _c: h,
                     l: RefCell::new(lis),
                     ctx: context as usize,
-                }),
+                })),
                 0,
             );
             Ok(p)

@@ -116,7 +116,8 @@ pub(crate) enum VObj {
     Cq(CqObj),
     Qp(QpObj),
     Ah(AhObj),
-    Listener(ListenerObj),
+    /// Boxed: a listener holds a datagram endpoint, several times any other object's size.
+    Listener(Box<ListenerObj>),
     /// A raw-DMA queue (`dma.h`): it uses its context, so it lives in the same registry.
     DmaQueue(crate::dma::DmaQueueObj),
 }

@@ -5,6 +5,7 @@
 //! Ethernet frames over the fabric: a TX thread reads frames from the TAP straight into the
 //! ring of the destination node (one copy), an RX thread writes frames from its ring straight
 //! into the TAP (one copy).
+#![forbid(unsafe_code)]
 
 use std::io::IoSliceMut;
 use std::sync::Arc;

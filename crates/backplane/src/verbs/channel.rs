@@ -18,10 +18,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::engine::{W32, W64};
 use super::types::VerbsError;
 use crate::fabric::Fabric;
 use crate::mem::Region;
+use crate::mem::{Word32, Word64};
 use crate::sync::{fence, futex_wait, futex_wake, AtomicU32, Ordering};
 use crate::wire::NodeState;
 
@@ -29,21 +29,21 @@ use crate::wire::NodeState;
 const MAX_SLEEP: Duration = Duration::from_millis(100);
 
 /// Something the watcher compares with what it was when the CQ was armed.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) enum Watch {
     /// A 64-bit index that moves when work arrives (a ring's producer index, an ack).
     Moved {
         /// The word.
-        word: W64,
+        word: Word64,
         /// Its value at arming.
         seen: u64,
     },
     /// A flag that fires when non-zero (peer gone).
-    Flag(W32),
+    Flag(Word32),
     /// A futex doorbell that peers bump (UD endpoints); the watcher also sleeps on it.
     Bell {
         /// The word.
-        word: W32,
+        word: Word32,
         /// Its value at arming.
         seen: u32,
     },
@@ -61,10 +61,10 @@ pub(crate) struct Armed {
 
 impl Armed {
     fn fires(&self, now: Instant, fabric: &Fabric) -> bool {
-        let moved = self.watch.iter().any(|w| match *w {
-            Watch::Moved { word, seen } => word.get().load(Ordering::Acquire) != seen,
-            Watch::Flag(word) => word.get().load(Ordering::Acquire) != 0,
-            Watch::Bell { word, seen } => word.get().load(Ordering::Acquire) != seen,
+        let moved = self.watch.iter().any(|w| match w {
+            Watch::Moved { word, seen } => word.load(Ordering::Acquire) != *seen,
+            Watch::Flag(word) => word.load(Ordering::Acquire) != 0,
+            Watch::Bell { word, seen } => word.load(Ordering::Acquire) != *seen,
         });
         moved
             || self.deadline.is_some_and(|d| d <= now)
@@ -89,8 +89,8 @@ pub(crate) struct ChannelShared {
     armed_count: AtomicUsize,
     wake: AtomicU32,
     stop: AtomicBool,
-    bell: W32,
-    bell_armed: W32,
+    bell: Word32,
+    bell_armed: Word32,
     _win: Arc<Region>,
     fabric: Fabric,
 }
@@ -148,14 +148,14 @@ impl ChannelShared {
             let armed: Vec<Armed> = self.lock().armed.clone();
             if armed.is_empty() {
                 if seen_bell_armed {
-                    self.bell_armed.get().store(0, Ordering::Relaxed);
+                    self.bell_armed.store(0, Ordering::Relaxed);
                     seen_bell_armed = false;
                 }
                 futex_wait(&self.wake, w, Some(MAX_SLEEP));
                 continue;
             }
-            let b = self.bell.get().load(Ordering::Acquire);
-            self.bell_armed.get().store(1, Ordering::Relaxed);
+            let b = self.bell.load(Ordering::Acquire);
+            self.bell_armed.store(1, Ordering::Relaxed);
             seen_bell_armed = true;
             // SYNC POINT qp-bell (sleeper): armed before we re-check what peers publish.
             fence(Ordering::SeqCst);
@@ -178,17 +178,17 @@ impl ChannelShared {
                 .map_or(MAX_SLEEP, |d| {
                     d.saturating_duration_since(now).min(MAX_SLEEP)
                 });
-            let mut words: Vec<(&AtomicU32, u32)> = vec![(self.bell.get(), b), (&self.wake, w)];
+            let mut words: Vec<(&AtomicU32, u32)> = vec![(&*self.bell, b), (&self.wake, w)];
             for a in &armed {
                 for x in &a.watch {
                     if let Watch::Bell { word, seen } = x {
-                        words.push((word.get(), *seen));
+                        words.push((&**word, *seen));
                     }
                 }
             }
             wait_any(&words, until);
         }
-        self.bell_armed.get().store(0, Ordering::Relaxed);
+        self.bell_armed.store(0, Ordering::Relaxed);
     }
 }
 
@@ -267,8 +267,8 @@ impl CompChannel {
             armed_count: AtomicUsize::new(0),
             wake: AtomicU32::new(0),
             stop: AtomicBool::new(false),
-            bell: W32::at(&win, event_off + EV_BELL_OFF as u64)?,
-            bell_armed: W32::at(&win, event_off + EV_ARMED_OFF as u64)?,
+            bell: Word32::at(&win, event_off + EV_BELL_OFF as u64)?,
+            bell_armed: Word32::at(&win, event_off + EV_ARMED_OFF as u64)?,
             _win: win,
             fabric,
         });

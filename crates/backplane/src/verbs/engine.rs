@@ -17,6 +17,7 @@
 //!   responder's posted-receive count, written into the requester's block and piggybacked on
 //!   every message) tell an RC requester whether a receive is waiting; with none it waits
 //!   `min_rnr_timer` per retry, `rnr_retry` times, as after an RNR NAK.
+#![forbid(unsafe_code)]
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -31,9 +32,9 @@ use crate::dgram::{Addr, DgramError, Endpoint, Wait};
 use crate::fabric::ctl::{Request, Response};
 use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
 use crate::fabric::{FabricError, Node};
-use crate::mem::Region;
+use crate::mem::{MemError, Region, Span, Word32, Word64};
 use crate::ring::{Consumer, Producer, RingError, RingMemory};
-use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
+use crate::sync::{fence, AtomicU64, Ordering};
 use crate::wire::verbs::*;
 use crate::wire::NodeState;
 
@@ -49,110 +50,42 @@ const REMOTE_CACHE: usize = 64;
 // Shared words.
 // ---------------------------------------------------------------------------------------------
 
-/// A u32 in shared memory, resolved (bounds- and alignment-checked) from a region that the
-/// holder of this word keeps alive (an `Arc<Region>` in the same struct or in the context).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct W32(*const AtomicU32);
-/// A u64 in shared memory; see [`W32`].
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct W64(*const AtomicU64);
-
-// SAFETY: the pointee is an atomic in a MAP_SHARED mapping; atomics may be used from any
-// thread, and the mapping is kept alive by whoever holds the word (see the type docs).
-unsafe impl Send for W32 {}
-// SAFETY: as above.
-unsafe impl Sync for W32 {}
-// SAFETY: as above.
-unsafe impl Send for W64 {}
-// SAFETY: as above.
-unsafe impl Sync for W64 {}
-
-impl W32 {
-    pub(crate) fn at(r: &Region, off: u64) -> Result<Self, FabricError> {
-        Ok(Self(r.u32_at(off)?))
-    }
-    /// A word at `p`.
-    ///
-    /// # Safety
-    /// `p` must point to an aligned `AtomicU32` in a mapping that stays alive as long as the
-    /// returned word is used (the type's invariant, which `at` checks and this cannot).
-    pub(crate) unsafe fn from_ptr(p: *const AtomicU32) -> Self {
-        Self(p)
-    }
-    pub(crate) fn get(&self) -> &AtomicU32 {
-        // SAFETY: resolved by `Region::u32_at` (in bounds, aligned) on a region the holder
-        // keeps alive (type invariant).
-        unsafe { &*self.0 }
-    }
-}
-
-impl W64 {
-    pub(crate) fn at(r: &Region, off: u64) -> Result<Self, FabricError> {
-        Ok(Self(r.u64_at(off)?))
-    }
-    pub(crate) fn get(&self) -> &AtomicU64 {
-        // SAFETY: as in `W32::get`.
-        unsafe { &*self.0 }
-    }
-}
-
 /// Ring memory of one direction of a QP pair: data and producer index in the receiver's block,
 /// consumer index in the sender's block.
 #[derive(Debug)]
 struct QRing {
-    tail: W64,
-    head: W64,
-    data: *mut u8,
-    len: u64,
+    tail: Word64,
+    head: Word64,
+    data: Span,
 }
 
 impl RingMemory for QRing {
     fn data_len(&self) -> u64 {
-        self.len
+        self.data.len()
     }
     fn load_tail(&self) -> u64 {
-        self.tail.get().load(Ordering::Acquire)
+        self.tail.load(Ordering::Acquire)
     }
     fn store_tail(&self, v: u64) {
-        self.tail.get().store(v, Ordering::Release)
+        self.tail.store(v, Ordering::Release)
     }
     fn load_head(&self) -> u64 {
-        self.head.get().load(Ordering::Acquire)
+        self.head.load(Ordering::Acquire)
     }
     fn store_head(&self, v: u64) {
-        self.head.get().store(v, Ordering::Release)
+        self.head.store(v, Ordering::Release)
     }
     fn write(&self, pos: u64, src: &[u8]) {
-        if pos + src.len() as u64 > self.len {
-            return; // unreachable: the ring protocol validated the range
-        }
-        // SAFETY: `data..data+len` is inside a mapping kept alive by the QP (checked when the
-        // ring was built); the range was just checked; `src` is not shared memory of this ring.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data.add(pos as usize), src.len())
-        }
+        // Out of range is unreachable: the ring protocol validated the range.
+        let _ = self.data.write(pos, src);
     }
     fn read(&self, pos: u64, dst: &mut [u8]) {
-        if pos + dst.len() as u64 > self.len {
+        if self.data.read(pos, dst).is_err() {
             dst.fill(0);
-            return;
-        }
-        // SAFETY: as in `write`, reading.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.data.add(pos as usize), dst.as_mut_ptr(), dst.len())
         }
     }
     fn prefetch(&self, pos: u64) {
-        if pos < self.len {
-            crate::sync::prefetch(self.data.wrapping_add(pos as usize));
-        }
-    }
-}
-
-impl QRing {
-    fn ptr(&self, pos: u64) -> *mut u8 {
-        // SAFETY: callers pass positions the ring protocol validated (`pos < len`).
-        unsafe { self.data.add(pos as usize) }
+        self.data.prefetch(pos);
     }
 }
 
@@ -221,19 +154,17 @@ impl MrTable {
 pub(crate) struct LocalMr {
     pub(crate) pd: u32,
     pub(crate) access: AccessFlags,
-    pub(crate) data: *mut u8,
-    pub(crate) len: u64,
-    pub(crate) region: Arc<Region>,
+    /// The data bytes (the region past its header).
+    pub(crate) data: Span,
 }
 
 /// A peer's region, mapped through a grant.
 struct RemoteMr {
     key: u32,
-    len: u64,
     access: AccessFlags,
-    state: W32,
-    data: *mut u8,
-    region: Arc<Region>,
+    state: Word32,
+    /// The data bytes (the region past its header), `len()` as granted.
+    data: Span,
 }
 
 /// A region mapped through a grant the supervisor answered with `MrGranted` and a memfd:
@@ -241,16 +172,12 @@ struct RemoteMr {
 /// the grant (length), its state VALID. Shared by QPs (grants through a connected QP) and the
 /// DMA engines (grants by node and rkey, [`crate::dma`]).
 pub(crate) struct Granted {
-    /// The mapping; `data` and `state` point into it.
-    pub(crate) region: Arc<Region>,
-    /// Data bytes (checked against the region's header).
-    pub(crate) len: u64,
     /// The region's access flags, as registered.
     pub(crate) access: AccessFlags,
     /// The region's state word (`MR_STATE_*`).
-    pub(crate) state: W32,
-    /// Byte 0 of the data, `len` bytes inside `region`.
-    pub(crate) data: *mut u8,
+    pub(crate) state: Word32,
+    /// The data bytes, as many as the grant says (checked against the region's header).
+    pub(crate) data: Span,
 }
 
 /// Asks the supervisor for a grant (`MrGrant` or `DmaGrant`) and maps it; None when the
@@ -265,51 +192,97 @@ pub(crate) fn map_grant(fabric: &crate::fabric::Fabric, req: VerbsRequest) -> Op
     else {
         return None;
     };
-    let region = Region::map(fds.into_iter().next()?, writable).ok()?;
-    populate(
-        region.ptr_at(0, region.len() as u64).ok()?,
-        region.len() as u64,
-        writable,
-    );
+    let region = Arc::new(Region::map(fds.into_iter().next()?, writable).ok()?);
+    region.populate(writable);
     let mut h = [0u8; 64];
     region.read(0, &mut h).ok()?;
     let repr = MrRepr::parse(&MrHeader::new_unchecked(&h[..]), region.len() as u64).ok()?;
     if repr.len != len {
         return None;
     }
-    let state = W32::at(&region, MR_STATE_OFF as u64).ok()?;
+    let state = Word32::at(&region, MR_STATE_OFF as u64).ok()?;
     // SYNC POINT mr-state (acquire): a region deregistered before we mapped it is refused.
-    if state.get().load(Ordering::Acquire) != MR_STATE_VALID {
+    if state.load(Ordering::Acquire) != MR_STATE_VALID {
         return None;
     }
     Some(Granted {
-        len,
         access: AccessFlags::from_bits_retain(access),
         state,
-        data: region.ptr_at(MR_DATA_OFF, len).ok()?,
-        region: Arc::new(region),
+        data: Span::new(&region, MR_DATA_OFF, len).ok()?,
     })
 }
 
 impl RemoteMr {
     fn valid(&self) -> bool {
         // SYNC POINT mr-state (acquire): the owner's deregistration, seen before each access.
-        self.state.get().load(Ordering::Acquire) == MR_STATE_VALID
+        self.state.load(Ordering::Acquire) == MR_STATE_VALID
     }
 }
 
+/// Bytes a message is copied from: caller memory (inline data) or a range of a region.
+#[derive(Clone, Copy)]
+enum Bytes<'a> {
+    Slice(&'a [u8]),
+    /// `len` bytes at `off` of a span (validated against it).
+    Span(&'a Span, u64, usize),
+}
+
+impl<'a> Bytes<'a> {
+    fn len(&self) -> usize {
+        match self {
+            Bytes::Slice(d) => d.len(),
+            Bytes::Span(_, _, n) => *n,
+        }
+    }
+
+    /// `n` bytes from offset `at` of these bytes.
+    fn part(&self, at: usize, n: usize) -> Bytes<'a> {
+        match *self {
+            Bytes::Slice(d) => Bytes::Slice(d.get(at..at + n).unwrap_or(&[])),
+            Bytes::Span(s, off, _) => Bytes::Span(s, off + at as u64, n),
+        }
+    }
+
+    /// Copies these bytes to `dst_off` of `dst`, the last 8 last if `ordered` (see
+    /// [`Span::write_ordered`]). Errors only if a range is out of bounds, which the callers'
+    /// validation rules out.
+    #[inline(always)]
+    fn copy_to(&self, dst: &Span, dst_off: u64, ordered: bool) -> Result<(), MemError> {
+        match (*self, ordered) {
+            (Bytes::Slice(d), false) => dst.write(dst_off, d),
+            (Bytes::Slice(d), true) => dst.write_ordered(dst_off, d),
+            (Bytes::Span(s, off, n), false) => s.copy_to(off, dst, dst_off, n),
+            (Bytes::Span(s, off, n), true) => s.copy_to_ordered(off, dst, dst_off, n),
+        }
+    }
+
+    /// Copies these bytes into `dst` (as long as they are).
+    fn copy_into(&self, dst: &mut [u8]) -> Result<(), MemError> {
+        match *self {
+            Bytes::Slice(d) => {
+                dst.get_mut(..d.len())
+                    .ok_or(MemError::ReadOnly)?
+                    .copy_from_slice(d);
+                Ok(())
+            }
+            Bytes::Span(s, off, n) => s.read(off, dst.get_mut(..n).ok_or(MemError::ReadOnly)?),
+        }
+    }
+}
+
+/// The bytes an entry names in a local region of `pd` (for a receive or a READ/atomic result,
+/// `write`: the region allows LOCAL_WRITE), or LOC_PROT_ERR.
 #[inline(always)]
-fn resolve(mrs: &MrTable, pd: u32, sge: &Sge, write: bool) -> Result<*mut u8, WcStatus> {
+fn resolve<'m>(mrs: &'m MrTable, pd: u32, sge: &Sge, write: bool) -> Result<Bytes<'m>, WcStatus> {
     let mr = mrs.get(sge.lkey).ok_or(WcStatus::LocProtErr)?;
     let end = sge.addr.checked_add(u64::from(sge.length));
     if mr.pd != pd
-        || end.is_none_or(|e| e > mr.len)
+        || end.is_none_or(|e| e > mr.data.len())
         || (write && !mr.access.contains(AccessFlags::LOCAL_WRITE))
     {
         return Err(WcStatus::LocProtErr);
     }
-    // SAFETY: `addr + length <= len` was just checked and `data` maps `len` bytes.
-    Ok(unsafe { mr.data.add(sge.addr as usize) })
+    Ok(Bytes::Span(&mr.data, sge.addr, sge.length as usize))
 }
 
 fn check_sges(mrs: &MrTable, pd: u32, sges: &[Sge], write: bool) -> Result<u64, WcStatus> {
@@ -321,77 +294,41 @@ fn check_sges(mrs: &MrTable, pd: u32, sges: &[Sge], write: bool) -> Result<u64, 
     Ok(total)
 }
 
-/// Where a message's bytes come from: inline data or validated local regions.
+/// Where a message's bytes come from: inline data, one validated range, or a gather list.
 #[derive(Clone, Copy)]
 enum Src<'a> {
     Inline(&'a [u8]),
     Sges(&'a [Sge]),
-    /// One validated local range (a single-entry list, resolved once).
-    Ptr(*const u8, usize),
+    /// One validated range (inline data, or a single-entry list resolved once).
+    One(Bytes<'a>),
 }
 
 /// Validates a message's source; returns its length and the source to copy from (a
 /// single-entry list comes back resolved).
-fn prepare<'a>(mrs: &MrTable, pd: u32, src: Src<'a>) -> Result<(u64, Src<'a>), WcStatus> {
+fn prepare<'a>(mrs: &'a MrTable, pd: u32, src: Src<'a>) -> Result<(u64, Src<'a>), WcStatus> {
     match src {
-        Src::Inline(d) => Ok((d.len() as u64, src)),
-        Src::Sges([one]) => {
-            let p = resolve(mrs, pd, one, false)?;
-            Ok((u64::from(one.length), Src::Ptr(p, one.length as usize)))
-        }
+        Src::Inline(d) => Ok((d.len() as u64, Src::One(Bytes::Slice(d)))),
+        Src::Sges([one]) => Ok((
+            u64::from(one.length),
+            Src::One(resolve(mrs, pd, one, false)?),
+        )),
         Src::Sges(s) => Ok((check_sges(mrs, pd, s, false)?, src)),
-        Src::Ptr(_, n) => Ok((n as u64, src)),
+        Src::One(b) => Ok((b.len() as u64, src)),
     }
 }
 
-impl Src<'_> {
-    /// Copies `n` bytes of the message from offset `off` to `dst`.
-    ///
-    /// # Safety
-    /// `dst` is valid for `n` bytes of writes; for `Sges`, every entry was validated against
-    /// `mrs` (and the table has not changed since); `off + n` is within the message.
-    #[inline]
-    unsafe fn gather(&self, mrs: &MrTable, pd: u32, mut off: u64, dst: *mut u8, n: usize) {
-        match self {
-            Src::Inline(d) => {
-                // SAFETY: caller contract; `d` is process memory distinct from `dst`.
-                unsafe { copy(d.as_ptr().add(off as usize), dst, n) }
-            }
-            Src::Ptr(p, _) => {
-                // SAFETY: caller contract: `p` was resolved inside a region for the message's
-                // length, and `off + n` is within it.
-                unsafe { copy(p.add(off as usize), dst, n) }
-            }
-            Src::Sges(sges) => {
-                let mut done = 0usize;
-                for s in *sges {
-                    if done == n {
-                        break;
-                    }
-                    let l = u64::from(s.length);
-                    if off >= l {
-                        off -= l;
-                        continue;
-                    }
-                    let take = ((l - off) as usize).min(n - done);
-                    if let Ok(p) = resolve(mrs, pd, s, false) {
-                        // SAFETY: `p..p+length` is inside the region (resolve); `off + take <=
-                        // length`; `dst + done + take <= dst + n` (caller).
-                        unsafe { copy(p.add(off as usize), dst.add(done), take) }
-                    }
-                    done += take;
-                    off = 0;
-                }
-            }
-        }
-    }
-}
-
-/// Scatters `n` bytes from `src` into the (validated, writable) entries at message offset `off`.
-///
-/// # Safety
-/// `src` is valid for `n` bytes of reads; every entry was validated with `write` against `mrs`.
-unsafe fn scatter(mrs: &MrTable, pd: u32, sges: &[Sge], mut off: u64, src: *const u8, n: usize) {
+/// Calls `f(at, bytes)` for the pieces of the `n` bytes at entry-list offset `off` of `sges`
+/// (`at` counts from `off`), resolving each entry (`write`: LOCAL_WRITE needed); entries that
+/// fail to resolve are skipped (callers validated the list beforehand).
+fn walk_sges<'m>(
+    mrs: &'m MrTable,
+    pd: u32,
+    sges: &[Sge],
+    mut off: u64,
+    n: usize,
+    write: bool,
+    mut f: impl FnMut(usize, Bytes<'m>),
+) {
     let mut done = 0usize;
     for s in sges {
         if done == n {
@@ -403,58 +340,76 @@ unsafe fn scatter(mrs: &MrTable, pd: u32, sges: &[Sge], mut off: u64, src: *cons
             continue;
         }
         let take = ((l - off) as usize).min(n - done);
-        if let Ok(p) = resolve(mrs, pd, s, true) {
-            // SAFETY: as in `Src::gather`, in the other direction.
-            unsafe { copy(src.add(done), p.add(off as usize), take) }
+        if let Ok(b) = resolve(mrs, pd, s, write) {
+            f(done, b.part(off as usize, take));
         }
         done += take;
         off = 0;
     }
 }
 
-/// Maps `[ptr, ptr+len)` of a shared mapping into this process's page tables now (and, for a
-/// writable range, allocates its pages), so the data path never takes a page fault: a minor
-/// fault costs microseconds, the whole budget of hundreds of messages. Best effort (kernels
-/// before 5.14 lack the advice; the pages then fault in on first use).
-pub(crate) fn populate(ptr: *const u8, len: u64, write: bool) {
-    let page = 4096usize;
-    let start = ptr as usize & !(page - 1);
-    let end = (ptr as usize + len as usize).div_ceil(page) * page;
-    let advice = if write {
-        libc::MADV_POPULATE_WRITE
-    } else {
-        libc::MADV_POPULATE_READ
-    };
-    // SAFETY: the range lies inside a live mapping of the caller's (rounded out to the pages
-    // that contain it, which belong to the same mapping); MADV_POPULATE_* only faults pages in
-    // and changes no contents.
-    unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice) };
-}
-
-/// `memcpy` between distinct buffers, tolerating ranges that may alias across processes.
-///
-/// # Safety
-/// Both ranges are valid for `n` bytes.
-#[inline]
-pub(crate) unsafe fn copy(src: *const u8, dst: *mut u8, n: usize) {
-    // SAFETY: (all branches) caller contract — both ranges valid for `n` bytes. They are
-    // distinct virtual ranges (two mappings, or process memory and a mapping); a misbehaving
-    // peer can make them share physical pages, which changes bytes, not memory safety.
-    unsafe {
-        if n == 8 {
-            // The common small case (8-byte messages, atomics) without a call.
-            std::ptr::write_unaligned(
-                dst.cast::<u64>(),
-                std::ptr::read_unaligned(src.cast::<u64>()),
-            );
-        } else if n < 8 {
-            for i in 0..n {
-                *dst.add(i) = *src.add(i);
+impl Src<'_> {
+    /// Copies `n` bytes of the message from offset `off` to `dst_off` of `dst`; with `ordered`
+    /// the message's last 8 bytes are stored last (see [`Span::write_ordered`]). Ranges were
+    /// validated by [`prepare`]; a range that is not is skipped.
+    fn gather_to(&self, mrs: &MrTable, pd: u32, off: u64, n: usize, dst: &Span, dst_off: u64) {
+        match self {
+            Src::Inline(d) => {
+                let _ = Bytes::Slice(d)
+                    .part(off as usize, n)
+                    .copy_to(dst, dst_off, false);
             }
-        } else {
-            std::ptr::copy_nonoverlapping(src, dst, n)
+            Src::One(b) => {
+                let _ = b.part(off as usize, n).copy_to(dst, dst_off, false);
+            }
+            Src::Sges(sges) => walk_sges(mrs, pd, sges, off, n, false, |at, b| {
+                let _ = b.copy_to(dst, dst_off + at as u64, false);
+            }),
         }
     }
+
+    /// Copies the first `dst.len()` bytes of the message into `dst`.
+    fn gather_into(&self, mrs: &MrTable, pd: u32, dst: &mut [u8]) {
+        match self {
+            Src::Inline(d) => {
+                let _ = Bytes::Slice(d).part(0, dst.len()).copy_into(dst);
+            }
+            Src::One(b) => {
+                let _ = b.part(0, dst.len()).copy_into(dst);
+            }
+            Src::Sges(sges) => walk_sges(mrs, pd, sges, 0, dst.len(), false, |at, b| {
+                let _ = b.copy_into(&mut dst[at..at + b.len()]);
+            }),
+        }
+    }
+}
+
+/// Scatters `src` into the (validated, writable) entries at message offset `off`.
+fn scatter(mrs: &MrTable, pd: u32, sges: &[Sge], off: u64, src: Bytes<'_>) {
+    walk_sges(mrs, pd, sges, off, src.len(), true, |at, b| {
+        let Bytes::Span(dst, dst_off, n) = b else {
+            return;
+        };
+        let _ = src.part(at, n).copy_to(dst, dst_off, false);
+    });
+}
+
+/// RDMA WRITE's copy into a peer's region: the message's last 8 bytes stored after the rest,
+/// so a peer polling the last byte sees the whole payload.
+fn ordered_write(src: &Src<'_>, mrs: &MrTable, pd: u32, dst: &Span, dst_off: u64, n: usize) {
+    if let Src::One(b) = src {
+        let _ = b.copy_to(dst, dst_off, true);
+        return;
+    }
+    if n <= 8 {
+        src.gather_to(mrs, pd, 0, n, dst, dst_off);
+        return;
+    }
+    let head = n - 8;
+    src.gather_to(mrs, pd, 0, head, dst, dst_off);
+    // SYNC POINT write-order (release): the body is visible before the last 8 bytes.
+    fence(Ordering::Release);
+    src.gather_to(mrs, pd, head as u64, 8, dst, dst_off + head as u64);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -673,29 +628,28 @@ enum Exec {
 #[derive(Debug)]
 struct OwnBlock {
     off: u64,
-    ack: W64,
-    credits: W64,
-    nak: W64,
-    peer_err: W32,
-    peer_rnr: W32,
-    access: W32,
-    tail: W64,
-    data: *mut u8,
-    ring_len: u64,
+    ack: Word64,
+    credits: Word64,
+    nak: Word64,
+    peer_err: Word32,
+    peer_rnr: Word32,
+    access: Word32,
+    tail: Word64,
+    /// The inbound ring's data area.
+    data: Span,
 }
 
 struct PeerLink {
     slot: u32,
     qpn: u32,
     generation: u32,
-    _win: Arc<Region>,
-    credits: W64,
-    nak: W64,
-    peer_err: W32,
-    rnr: W32,
-    access: W32,
-    ev_bell: W32,
-    ev_armed: W32,
+    credits: Word64,
+    nak: Word64,
+    peer_err: Word32,
+    rnr: Word32,
+    access: Word32,
+    ev_bell: Word32,
+    ev_armed: Word32,
     out: QRing,
     inr: QRing,
 }
@@ -795,8 +749,8 @@ impl QpSt {
         if let Some(p) = &self.peer {
             // SYNC POINT qp-bell (sender): ring/ack stores are visible before we read `armed`.
             fence(Ordering::SeqCst);
-            if p.ev_armed.get().load(Ordering::Relaxed) != 0 {
-                crate::sync::ring(p.ev_bell.get());
+            if p.ev_armed.load(Ordering::Relaxed) != 0 {
+                crate::sync::ring(&p.ev_bell);
             }
         }
     }
@@ -842,9 +796,9 @@ impl QpSt {
             self.state = QpState::Err;
             if let Some(p) = &self.peer {
                 // SYNC POINT qp-peer-gone (release): our acks and NAKs are visible before the flag.
-                p.peer_err.get().store(1, Ordering::Release);
+                p.peer_err.store(1, Ordering::Release);
                 if !self.peer_gone {
-                    crate::sync::ring(p.ev_bell.get());
+                    crate::sync::ring(&p.ev_bell);
                 }
             }
         }
@@ -959,35 +913,36 @@ impl QpSt {
             return false;
         }
         let inline = wr.send_flags.contains(SendFlags::INLINE);
-        let (local, len) = if inline && !wr.inline_data.is_empty() {
+        let local = if inline && !wr.inline_data.is_empty() {
             if wr.inline_data.len() > self.cap.max_inline_data as usize {
                 return false;
             }
-            (wr.inline_data.as_ptr(), wr.inline_data.len())
+            Bytes::Slice(wr.inline_data)
         } else {
             let [one] = wr.sg_list else { return false };
             if inline && one.length > self.cap.max_inline_data {
                 return false;
             }
             match resolve(mrs, self.pd, one, false) {
-                Ok(p) => (p as *const u8, one.length as usize),
+                Ok(b) => b,
                 Err(_) => return false,
             }
         };
+        let len = local.len();
         let Some(m) = self.remote.last() else {
             return false;
         };
         // The line the write ends in (the one a peer polls) starts coming while the checks run.
-        let end_line = write_end(m.data, remote_addr, len);
+        let end_line = write_end(&m.data, remote_addr, len);
         crate::sync::prefetch_write(end_line);
         let Some(p) = &self.peer else { return false };
         if m.key != rkey
             || !m.valid()
             || !remote_access_allowed(
-                m.len,
+                m.data.len(),
                 m.access,
                 // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
-                AccessFlags::from_bits_retain(p.access.get().load(Ordering::Relaxed)),
+                AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)),
                 AccessFlags::REMOTE_WRITE,
                 remote_addr,
                 len as u64,
@@ -995,10 +950,10 @@ impl QpSt {
         {
             return false;
         }
-        // SAFETY: [remote_addr, +len) is inside the mapping of the region (checked just above),
-        // which is mapped writable (REMOTE_WRITE); `local` is inline data or a range resolved
-        // inside a local region.
-        unsafe { ordered_copy(local, m.data.add(remote_addr as usize), len) };
+        // In bounds (checked just above) and granted writable (REMOTE_WRITE): cannot fail.
+        if local.copy_to(&m.data, remote_addr, true).is_err() {
+            return false;
+        }
         self.write_hint = WriteHint {
             rkey,
             remote_addr,
@@ -1065,10 +1020,9 @@ impl QpSt {
             return false;
         }
         let [one] = wr.sg_list else { return false };
-        let Ok(local) = resolve(mrs, self.pd, one, true) else {
+        let Ok(Bytes::Span(local, local_off, len)) = resolve(mrs, self.pd, one, true) else {
             return false;
         };
-        let len = one.length as usize;
         if wr.send_flags.contains(SendFlags::INLINE) && len > self.cap.max_inline_data as usize {
             return false;
         }
@@ -1082,10 +1036,10 @@ impl QpSt {
         let Some(p) = &self.peer else { return false };
         if !m.valid()
             || !remote_access_allowed(
-                m.len,
+                m.data.len(),
                 m.access,
                 // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
-                AccessFlags::from_bits_retain(p.access.get().load(Ordering::Relaxed)),
+                AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)),
                 need,
                 remote_addr,
                 len as u64,
@@ -1093,37 +1047,34 @@ impl QpSt {
         {
             return false;
         }
-        // SAFETY: [remote_addr, +len) is inside the mapping of the region (checked just above;
-        // atomics only on regions granted writable, which REMOTE_ATOMIC regions are); `local`
-        // is a range resolved writable inside a local region. The region's data starts on a
-        // page, so an 8-aligned offset is 8-aligned in memory.
-        unsafe {
-            let remote = m.data.add(remote_addr as usize);
-            match (wc_op, wr.wr) {
-                (WcOpcode::RdmaRead, _) => copy(remote, local, len),
-                (
-                    op,
-                    WrDetail::Atomic {
-                        compare_add, swap, ..
-                    },
-                ) => {
-                    let word = &*(remote as *const AtomicU64);
-                    let old = if op == WcOpcode::FetchAdd {
-                        word.fetch_add(compare_add, Ordering::SeqCst)
-                    } else {
-                        match word.compare_exchange(
-                            compare_add,
-                            swap,
-                            Ordering::SeqCst,
-                            Ordering::SeqCst,
-                        ) {
-                            Ok(v) | Err(v) => v,
-                        }
-                    };
-                    std::ptr::write_unaligned(local.cast::<u64>(), old.to_le());
-                }
-                _ => {}
-            }
+        // Ranges checked just above (atomics only on regions granted writable, which
+        // REMOTE_ATOMIC regions are); an error here means a check disagreed: the general way.
+        let done = match (wc_op, wr.wr) {
+            (WcOpcode::RdmaRead, _) => m.data.copy_to(remote_addr, local, local_off, len),
+            (
+                op,
+                WrDetail::Atomic {
+                    compare_add, swap, ..
+                },
+            ) => m.data.u64_at(remote_addr).and_then(|word| {
+                let old = if op == WcOpcode::FetchAdd {
+                    word.fetch_add(compare_add, Ordering::SeqCst)
+                } else {
+                    match word.compare_exchange(
+                        compare_add,
+                        swap,
+                        Ordering::SeqCst,
+                        Ordering::SeqCst,
+                    ) {
+                        Ok(v) | Err(v) => v,
+                    }
+                };
+                local.write(local_off, &old.to_le_bytes())
+            }),
+            _ => return false,
+        };
+        if done.is_err() {
+            return false;
         }
         self.done_at_once(wr, wc_op, len, cqs);
         true
@@ -1143,14 +1094,15 @@ impl QpSt {
             return false;
         }
         let inline = wr.send_flags.contains(SendFlags::INLINE);
-        let (src, len) = match (inline, wr.inline_data, wr.sg_list) {
-            (true, d, _) if !d.is_empty() => (d.as_ptr(), d.len()),
+        let src = match (inline, wr.inline_data, wr.sg_list) {
+            (true, d, _) if !d.is_empty() => Bytes::Slice(d),
             (_, _, [one]) => match resolve(mrs, self.pd, one, false) {
-                Ok(p) => (p as *const u8, one.length as usize),
+                Ok(b) => b,
                 Err(_) => return false,
             },
             _ => return false,
         };
+        let len = src.len();
         if len > FRAG || (inline && len > self.cap.max_inline_data as usize) {
             return false;
         }
@@ -1158,7 +1110,7 @@ impl QpSt {
         if rc && self.used_credits >= self.credits {
             if let Some(o) = &self.own {
                 // SYNC POINT qp-credits (acquire).
-                self.credits = self.credits.max(o.credits.get().load(Ordering::Acquire));
+                self.credits = self.credits.max(o.credits.load(Ordering::Acquire));
             }
             if self.used_credits >= self.credits {
                 return false;
@@ -1173,31 +1125,28 @@ impl QpSt {
         } else {
             0
         };
-        let base = p.out.ptr(r.pos);
-        // SAFETY: the reservation covers HDR + len bytes at r.pos inside the ring's data area,
-        // ours until commit; the source is inline data or a range resolved in a local region.
-        unsafe {
-            let hdr = std::slice::from_raw_parts_mut(base, HDR);
-            MsgRepr {
-                op: mop,
-                flags: MSG_FIRST | MSG_LAST | solicited,
-                imm: wr.imm_data,
-                msg_len: len as u32,
-                frag_off: 0,
-                ack: self.cons.head(),
-                credits: self.rq_posted,
-            }
-            .emit(&mut MsgHeader::new_unchecked(hdr));
-            copy(src, base.add(HDR), len);
+        let mut hdr = [0u8; HDR];
+        MsgRepr {
+            op: mop,
+            flags: MSG_FIRST | MSG_LAST | solicited,
+            imm: wr.imm_data,
+            msg_len: len as u32,
+            frag_off: 0,
+            ack: self.cons.head(),
+            credits: self.rq_posted,
         }
+        .emit(&mut MsgHeader::new_unchecked(&mut hdr[..]));
+        // The reservation covers HDR + len bytes at r.pos, ours until commit.
+        p.out.write(r.pos, &hdr);
+        let _ = src.copy_to(&p.out.data, r.pos + HDR as u64, false);
         self.prod.commit(&p.out, r);
         self.send_hint = [
             // The ring's data length is a power of two; if a peer lied about it, this is a
             // wrong hint, not a wrong access (it is never dereferenced).
             p.out
                 .data
-                .wrapping_add((self.prod.tail() & p.out.len.wrapping_sub(1)) as usize),
-            std::ptr::from_ref(p.out.tail.get()).cast::<u8>(),
+                .addr(self.prod.tail() & p.out.data.len().wrapping_sub(1)),
+            std::ptr::from_ref::<AtomicU64>(&p.out.tail).cast::<u8>(),
         ];
         if rc {
             self.used_credits += 1;
@@ -1410,7 +1359,7 @@ impl QpSt {
         if self.used_credits >= self.credits {
             if let Some(o) = &self.own {
                 // SYNC POINT qp-credits (acquire).
-                self.credits = self.credits.max(o.credits.get().load(Ordering::Acquire));
+                self.credits = self.credits.max(o.credits.load(Ordering::Acquire));
             }
             if self.used_credits >= self.credits {
                 return false;
@@ -1506,17 +1455,16 @@ impl QpSt {
             .emit(&mut MsgHeader::new_unchecked(&mut h[..]));
             p.out.write(r.pos, &h);
             if frag > 0 {
-                // SAFETY: the reservation covers HDR + frag bytes at r.pos, inside the ring;
-                // the source entries were validated by `src_len` in this same call.
-                unsafe {
-                    op.src.gather(
-                        env.mrs,
-                        self.pd,
-                        prog.pushed,
-                        p.out.ptr(r.pos + HDR as u64),
-                        frag,
-                    )
-                };
+                // The reservation covers HDR + frag bytes at r.pos, inside the ring; the
+                // source was validated by `prepare` in this same call.
+                op.src.gather_to(
+                    env.mrs,
+                    self.pd,
+                    prog.pushed,
+                    frag,
+                    &p.out.data,
+                    r.pos + HDR as u64,
+                );
             }
             self.prod.commit(&p.out, r);
             prog.pushed += frag as u64;
@@ -1547,11 +1495,9 @@ impl QpSt {
         )?;
         let m = Rc::new(RemoteMr {
             key: rkey,
-            len: g.len,
             access: g.access,
             state: g.state,
             data: g.data,
-            region: g.region,
         });
         if self.remote.len() >= REMOTE_CACHE {
             self.remote.remove(0);
@@ -1574,10 +1520,10 @@ impl QpSt {
             .peer
             .as_ref()
             // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
-            .map(|p| AccessFlags::from_bits_retain(p.access.get().load(Ordering::Relaxed)))
+            .map(|p| AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)))
             .ok_or(WcStatus::LocQpOpErr)?;
         let m = self.remote_mr(rkey, env).ok_or(WcStatus::RemAccessErr)?;
-        if !remote_access_allowed(m.len, m.access, peer_access, need, addr, len) {
+        if !remote_access_allowed(m.data.len(), m.access, peer_access, need, addr, len) {
             return Err(WcStatus::RemAccessErr);
         }
         Ok(m)
@@ -1609,18 +1555,16 @@ impl QpSt {
                 self.msgs_out += 1;
             }
             prog.started = true;
-            // SAFETY: [remote_addr, +total) is inside the writable mapping of the region
-            // (remote_access checked the bounds; REMOTE_WRITE regions are granted writable);
-            // the source entries were validated by `src_len`.
-            unsafe {
-                ordered_write(
-                    &op.src,
-                    env.mrs,
-                    self.pd,
-                    m.data.add(op.remote_addr as usize),
-                    total as usize,
-                )
-            };
+            // [remote_addr, +total) is inside the region (remote_access checked the bounds;
+            // REMOTE_WRITE regions are granted writable); the source was validated by `prepare`.
+            ordered_write(
+                &op.src,
+                env.mrs,
+                self.pd,
+                &m.data,
+                op.remote_addr,
+                total as usize,
+            );
         }
         if !imm {
             return Exec::Done(WcStatus::Success);
@@ -1658,18 +1602,15 @@ impl QpSt {
             Ok(m) => m,
             Err(s) => return Exec::Fatal(s),
         };
-        // SAFETY: [remote_addr, +total) is inside the mapping (checked); the local entries
-        // were validated writable.
-        unsafe {
-            scatter(
-                env.mrs,
-                self.pd,
-                sges,
-                0,
-                m.data.add(op.remote_addr as usize),
-                total as usize,
-            )
-        };
+        // [remote_addr, +total) is inside the region (checked); the local entries were
+        // validated writable.
+        scatter(
+            env.mrs,
+            self.pd,
+            sges,
+            0,
+            Bytes::Span(&m.data, op.remote_addr, total as usize),
+        );
         Exec::Done(WcStatus::Success)
     }
 
@@ -1690,7 +1631,7 @@ impl QpSt {
                 Ok(m) => m,
                 Err(s) => return Exec::Fatal(s),
             };
-        let Ok(word) = m.region.u64_at(MR_DATA_OFF + op.remote_addr) else {
+        let Ok(word) = m.data.u64_at(op.remote_addr) else {
             return Exec::Fatal(WcStatus::RemAccessErr);
         };
         let old = if op.opcode == WrOpcode::AtomicFetchAndAdd {
@@ -1702,8 +1643,8 @@ impl QpSt {
             }
         };
         let b = old.to_le_bytes();
-        // SAFETY: the entries were validated writable and hold exactly 8 bytes.
-        unsafe { scatter(env.mrs, self.pd, sges, 0, b.as_ptr(), 8) };
+        // The entries were validated writable and hold exactly 8 bytes.
+        scatter(env.mrs, self.pd, sges, 0, Bytes::Slice(&b));
         Exec::Done(WcStatus::Success)
     }
 
@@ -1746,8 +1687,8 @@ impl QpSt {
             Wait::Never,
             |buf| {
                 hdr.emit(&mut UdHeader::new_unchecked(&mut buf[..16]));
-                // SAFETY: `buf` holds 16 + total bytes; the entries were validated by `src_len`.
-                unsafe { src.gather(mrs, pd, 0, buf[16..].as_mut_ptr(), total as usize) };
+                // `buf` holds 16 + total bytes; the source was validated by `prepare`.
+                src.gather_into(mrs, pd, &mut buf[16..]);
             },
         );
         match r {
@@ -1774,7 +1715,7 @@ impl QpSt {
         let v = self
             .own
             .as_ref()
-            .map(|o| o.peer_rnr.get().load(Ordering::Relaxed))
+            .map(|o| o.peer_rnr.load(Ordering::Relaxed))
             .unwrap_or(0);
         Duration::from_micros(fsm::rnr_timer_us(v.saturating_sub(1) as u8))
     }
@@ -1833,7 +1774,7 @@ impl QpSt {
                 if let Some(o) = &self.own {
                     // SYNC POINT qp-peer-gone (acquire): the peer's acks and NAKs before the
                     // flag are seen.
-                    if o.peer_err.get().load(Ordering::Acquire) != 0 {
+                    if o.peer_err.load(Ordering::Acquire) != 0 {
                         self.peer_gone = true;
                     }
                 }
@@ -1873,7 +1814,7 @@ impl QpSt {
         if self.published != self.rq_posted {
             if let Some(p) = &self.peer {
                 // SYNC POINT qp-credits (release): the peer may send once it sees the count.
-                p.credits.get().store(self.rq_posted, Ordering::Release);
+                p.credits.store(self.rq_posted, Ordering::Release);
                 self.published = self.rq_posted;
             }
         }
@@ -1935,7 +1876,7 @@ impl QpSt {
     fn refresh_ack(&mut self) {
         if let Some(o) = &self.own {
             // SYNC POINT qp-ack (acquire): the peer consumed (and NAK'd, if it did) up to here.
-            let a = o.ack.get().load(Ordering::Acquire);
+            let a = o.ack.load(Ordering::Acquire);
             if !self.note_ack(a) {
                 self.peer_gone = true;
             }
@@ -1951,7 +1892,7 @@ impl QpSt {
                     let nak = self
                         .own
                         .as_ref()
-                        .map_or(0, |o| o.nak.get().load(Ordering::Relaxed));
+                        .map_or(0, |o| o.nak.load(Ordering::Relaxed));
                     if nak != 0 && (nak >> 8).wrapping_sub(1) == msg {
                         let st = match (nak & 0xff) as u8 {
                             NAK_INV_REQ => WcStatus::RemInvReqErr,
@@ -2061,7 +2002,8 @@ impl QpSt {
                 self.fail_why("a malformed message header", WcStatus::LocQpOpErr, cqs);
                 return;
             };
-            let payload = p.inr.ptr(rec.pos + HDR as u64);
+            // Where the payload lies in the inbound ring (validated by the consumer).
+            let payload = rec.pos + HDR as u64;
             let frag_len = rec.len - HDR;
             if !self.note_piggy_ack(h.ack) {
                 self.fail_why(
@@ -2092,7 +2034,7 @@ impl QpSt {
     fn accept_fragment(
         &mut self,
         h: &MsgRepr,
-        payload: *const u8,
+        payload: u64,
         frag_len: usize,
         env: &Env<'_>,
         cqs: &mut Cqs,
@@ -2158,20 +2100,16 @@ impl QpSt {
             self.fail_why("a fragment without its first", WcStatus::LocQpOpErr, cqs);
             return;
         };
-        if let (Some(w), true) = (&m.wqe, frag_len > 0) {
-            // SAFETY: the entries were validated writable when the message started (the region
-            // table cannot change within this call); `payload` holds `frag_len` bytes inside the
-            // ring (validated by the consumer); `frag_off + frag_len <= msg_len <= total`.
-            unsafe {
-                scatter(
-                    env.mrs,
-                    self.pd,
-                    w.sges.as_slice(),
-                    u64::from(h.frag_off),
-                    payload,
-                    frag_len,
-                )
-            };
+        if let (Some(w), true, Some(p)) = (&m.wqe, frag_len > 0, &self.peer) {
+            // The entries were validated writable when the message started (the region table
+            // cannot change within this call); `frag_off + frag_len <= msg_len <= total`.
+            scatter(
+                env.mrs,
+                self.pd,
+                w.sges.as_slice(),
+                u64::from(h.frag_off),
+                Bytes::Span(&p.inr.data, payload, frag_len),
+            );
         }
         if h.flags & MSG_LAST != 0 {
             let m = self.inbound.take().expect("present");
@@ -2209,7 +2147,7 @@ impl QpSt {
     fn rx_whole(
         &mut self,
         h: &MsgRepr,
-        payload: *const u8,
+        payload: u64,
         frag_len: usize,
         env: &Env<'_>,
         cqs: &mut Cqs,
@@ -2225,12 +2163,17 @@ impl QpSt {
             if u64::from(h.msg_len) > u64::from(one.length) {
                 return false;
             }
-            let Ok(dst) = resolve(env.mrs, self.pd, one, true) else {
+            let Ok(Bytes::Span(dst, dst_off, _)) = resolve(env.mrs, self.pd, one, true) else {
                 return false;
             };
-            // SAFETY: `dst` holds `length >= msg_len = frag_len` bytes inside a writable local
-            // region; `payload` holds `frag_len` bytes inside the ring (validated).
-            unsafe { copy(payload, dst, frag_len) };
+            let Some(p) = &self.peer else { return false };
+            // `dst` holds `length >= msg_len = frag_len` bytes of a writable local region.
+            if Bytes::Span(&p.inr.data, payload, frag_len)
+                .copy_to(dst, dst_off, false)
+                .is_err()
+            {
+                return false;
+            }
         }
         let w = self.rq.pop_front().expect("front exists");
         self.msgs_in += 1;
@@ -2271,7 +2214,6 @@ impl QpSt {
         if let Some(p) = &self.peer {
             // SYNC POINT qp-ack (release, with the consumer index stored after it).
             p.nak
-                .get()
                 .store(((msg + 1) << 8) | u64::from(syndrome), Ordering::Relaxed);
         }
     }
@@ -2372,25 +2314,10 @@ impl QpSt {
             grh[8] = 0xfe;
             grh[9] = 0x80; // source GID fe80::<slot>
             grh[20..24].copy_from_slice(&src.node.to_be_bytes());
-            // SAFETY: the entries were validated writable and hold at least `need` bytes.
-            unsafe {
-                scatter(
-                    env.mrs,
-                    self.pd,
-                    w.sges.as_slice(),
-                    0,
-                    grh.as_ptr(),
-                    GRH_LEN,
-                );
-                scatter(
-                    env.mrs,
-                    self.pd,
-                    w.sges.as_slice(),
-                    GRH_LEN as u64,
-                    data.as_ptr(),
-                    data.len(),
-                );
-            }
+            // The entries were validated writable and hold at least `need` bytes.
+            let sges = w.sges.as_slice();
+            scatter(env.mrs, self.pd, sges, 0, Bytes::Slice(&grh));
+            scatter(env.mrs, self.pd, sges, GRH_LEN as u64, Bytes::Slice(data));
         }
         push_cqe(cqs, self.recv_cq, wc);
     }
@@ -2420,7 +2347,6 @@ impl QpSt {
         }
         if let Some(o) = &self.own {
             o.access
-                .get()
                 // SYNC POINT qp-access (release): requesters read the flags before each
                 // one-sided operation.
                 .store(self.attr.qp_access_flags.bits(), Ordering::Release);
@@ -2475,7 +2401,6 @@ impl QpSt {
             t.min_rnr_timer = a.min_rnr_timer;
             if let Some(p) = &self.peer {
                 p.rnr
-                    .get()
                     .store(u32::from(a.min_rnr_timer) + 1, Ordering::Relaxed);
             }
         }
@@ -2522,8 +2447,8 @@ impl QpSt {
             .own
             .as_ref()
             .ok_or_else(|| VerbsError::inval("QP has no block"))?;
-        let at32 = |o: usize| W32::at(&pw, block_off + o as u64);
-        let at64 = |o: usize| W64::at(&pw, block_off + o as u64);
+        let at32 = |o: usize| Word32::at(&pw, block_off + o as u64);
+        let at64 = |o: usize| Word64::at(&pw, block_off + o as u64);
         let peer = PeerLink {
             slot: dest_slot,
             qpn: a.dest_qp_num,
@@ -2533,31 +2458,27 @@ impl QpSt {
             peer_err: at32(QP_PEER_ERR_OFF)?,
             rnr: at32(QP_PEER_RNR_OFF)?,
             access: at32(QP_ACCESS_OFF)?,
-            ev_bell: W32::at(&pw, r.event_off + EV_BELL_OFF as u64)?,
-            ev_armed: W32::at(&pw, r.event_off + EV_ARMED_OFF as u64)?,
+            ev_bell: Word32::at(&pw, r.event_off + EV_BELL_OFF as u64)?,
+            ev_armed: Word32::at(&pw, r.event_off + EV_ARMED_OFF as u64)?,
             out: QRing {
                 tail: at64(QP_TAIL_OFF)?,
-                head: own.ack,
+                head: own.ack.clone(),
                 data: {
-                    let d = pw.ptr_at(block_off + QP_RING_OFF, r.ring_len.into())?;
-                    populate(d, r.ring_len.into(), true);
+                    let d = Span::new(&pw, block_off + QP_RING_OFF, r.ring_len.into())?;
+                    d.populate(true);
                     d
                 },
-                len: r.ring_len.into(),
             },
             inr: QRing {
-                tail: own.tail,
+                tail: own.tail.clone(),
                 head: at64(QP_ACK_OFF)?,
-                data: own.data,
-                len: own.ring_len,
+                data: own.data.clone(),
             },
-            _win: pw.clone(),
         };
         peer.rnr
-            .get()
             .store(u32::from(a.min_rnr_timer) + 1, Ordering::Relaxed);
         // SYNC POINT qp-credits (release): receives posted before the connection count.
-        peer.credits.get().store(self.rq_posted, Ordering::Release);
+        peer.credits.store(self.rq_posted, Ordering::Release);
         self.published = self.rq_posted;
         self.peer = Some(peer);
         self.prod = Producer::new();
@@ -2569,7 +2490,7 @@ impl QpSt {
     fn reset(&mut self, env: &Env<'_>) {
         if let Some(p) = self.peer.take() {
             // SYNC POINT qp-peer-gone (release): as in `fail`.
-            p.peer_err.get().store(1, Ordering::Release);
+            p.peer_err.store(1, Ordering::Release);
         }
         self.sq.clear();
         self.rq.clear();
@@ -2593,7 +2514,7 @@ impl QpSt {
         if let Some(o) = &self.own {
             let _ = env.win.zero(o.off + QP_ACK_OFF as u64, 64);
             // SYNC POINT ring-publish (release): a reset ring has published nothing.
-            o.tail.get().store(0, Ordering::Release);
+            o.tail.store(0, Ordering::Release);
         }
         self.attr = QpAttr {
             cap: self.cap,
@@ -2605,12 +2526,12 @@ impl QpSt {
     pub(crate) fn watches(&self, out: &mut Vec<Watch>) {
         if let Some(o) = &self.own {
             out.push(Watch::Moved {
-                word: o.tail,
+                word: o.tail.clone(),
                 // SYNC POINT ring-publish (acquire, watched): what the peer published so far.
-                seen: o.tail.get().load(Ordering::Acquire),
+                seen: o.tail.load(Ordering::Acquire),
             });
             // SYNC POINT qp-ack (acquire, watched).
-            let ack = o.ack.get().load(Ordering::Acquire);
+            let ack = o.ack.load(Ordering::Acquire);
             // Work waiting for an acknowledgement the peer already gave (polls look at the ack
             // word only every so often, see `complete_acked`) must wake the channel at once:
             // compare with what this QP has taken in, not with the word as it is now, or the
@@ -2620,42 +2541,35 @@ impl QpSt {
                 .front()
                 .is_some_and(|e| matches!(e.st, SqSt::Ack { end, .. } if end > self.acked));
             out.push(Watch::Moved {
-                word: o.ack,
+                word: o.ack.clone(),
                 seen: if waiting { ack.min(self.acked) } else { ack },
             });
-            out.push(Watch::Flag(o.peer_err));
+            out.push(Watch::Flag(o.peer_err.clone()));
             if self.rnr.is_some() {
                 out.push(Watch::Moved {
-                    word: o.credits,
+                    word: o.credits.clone(),
                     // SYNC POINT qp-credits (acquire, watched).
-                    seen: o.credits.get().load(Ordering::Acquire),
+                    seen: o.credits.load(Ordering::Acquire),
                 });
             }
         }
         if let Some(ep) = &self.ud {
             let (bell, armed) = ep.doorbell_words();
-            // SAFETY: the endpoint resolved both words (bounds and alignment checked) in this
-            // node's window, which the context's node handle keeps mapped for the context's
-            // whole life — as it does for every other word a watch names — and the completion
-            // channel that receives the watches is that context's.
-            let (bell, armed) = unsafe { (W32::from_ptr(bell), W32::from_ptr(armed)) };
             // Senders ring a UD QP's endpoint only while it is armed: keep it armed while a
             // channel watches (each datagram then costs its sender one wake-up call).
-            armed.get().store(1, Ordering::Relaxed);
+            armed.store(1, Ordering::Relaxed);
             fence(Ordering::SeqCst);
-            out.push(Watch::Bell {
-                word: bell,
-                // SYNC POINT qp-bell (watch): the doorbell value peers bump after publishing.
-                seen: bell.get().load(Ordering::Acquire),
-            });
+            // SYNC POINT qp-bell (watch): the doorbell value peers bump after publishing.
+            let seen = bell.load(Ordering::Acquire);
+            out.push(Watch::Bell { word: bell, seen });
         }
     }
 
     pub(crate) fn destroy(&mut self, env: &Env<'_>) {
         if let Some(p) = self.peer.take() {
             // SYNC POINT qp-peer-gone (release): our last acks and NAKs are visible before the flag.
-            p.peer_err.get().store(1, Ordering::Release);
-            crate::sync::ring(p.ev_bell.get());
+            p.peer_err.store(1, Ordering::Release);
+            crate::sync::ring(&p.ev_bell);
         }
         if self.own.is_some() {
             let _ = env
@@ -2671,27 +2585,6 @@ impl QpSt {
     pub(crate) fn query_cap(&self) -> QpCap {
         self.cap
     }
-}
-
-/// Copies a WRITE's payload to `dst` with its last 8 bytes stored last, so that a peer polling
-/// the end of the buffer sees a complete payload once the last byte changes.
-///
-/// # Safety
-/// `dst` is valid for `n` bytes of writes; the source is valid per [`Src::gather`].
-#[inline]
-unsafe fn ordered_write(src: &Src<'_>, mrs: &MrTable, pd: u32, dst: *mut u8, n: usize) {
-    if n <= 8 {
-        // SAFETY: caller contract.
-        unsafe { src.gather(mrs, pd, 0, dst, n) };
-        return;
-    }
-    let head = n - 8;
-    // SAFETY: caller contract; the two ranges split `[0, n)`.
-    unsafe { src.gather(mrs, pd, 0, dst, head) };
-    // SYNC POINT write-order (release): the body is visible before the last 8 bytes.
-    fence(Ordering::Release);
-    // SAFETY: as above.
-    unsafe { src.gather(mrs, pd, head as u64, dst.add(head), 8) };
 }
 
 /// The bytes a SEND of `len` bytes takes in the ring from its record's start (record header,
@@ -2723,28 +2616,9 @@ impl WriteHint {
 /// region mapped at `base` — for a prefetch only: computed with wrapping arithmetic, it may
 /// point anywhere (a prefetch does not fault) and must not be dereferenced.
 #[inline(always)]
-pub(crate) fn write_end(base: *const u8, remote_addr: u64, len: usize) -> *const u8 {
-    base.wrapping_add((remote_addr as usize).wrapping_add(len).wrapping_sub(1))
-}
-
-/// [`ordered_write`] from one resolved local range, without the source walk: the fast path's.
-///
-/// # Safety
-/// `src` is valid for `n` bytes of reads and `dst` for `n` bytes of writes.
-#[inline(always)]
-unsafe fn ordered_copy(src: *const u8, dst: *mut u8, n: usize) {
-    // SAFETY: (both branches) caller contract; the two copies split `[0, n)`.
-    unsafe {
-        if n <= 8 {
-            copy(src, dst, n);
-            return;
-        }
-        let head = n - 8;
-        copy(src, dst, head);
-        // SYNC POINT write-order (release): the body is visible before the last 8 bytes.
-        fence(Ordering::Release);
-        copy(src.add(head), dst.add(head), 8);
-    }
+pub(crate) fn write_end(data: &Span, remote_addr: u64, len: usize) -> *const u8 {
+    data.addr(0)
+        .wrapping_add((remote_addr as usize).wrapping_add(len).wrapping_sub(1))
 }
 
 fn byte_len_of(wr: &SendWr<'_>) -> u32 {
@@ -2845,19 +2719,18 @@ impl Ctx {
                 w.check(block_off, QpBlockRepr::footprint(ring_len), 64)?;
                 let own = OwnBlock {
                     off: block_off,
-                    ack: W64::at(w, block_off + QP_ACK_OFF as u64)?,
-                    credits: W64::at(w, block_off + QP_CREDITS_OFF as u64)?,
-                    nak: W64::at(w, block_off + QP_NAK_OFF as u64)?,
-                    peer_err: W32::at(w, block_off + QP_PEER_ERR_OFF as u64)?,
-                    peer_rnr: W32::at(w, block_off + QP_PEER_RNR_OFF as u64)?,
-                    access: W32::at(w, block_off + QP_ACCESS_OFF as u64)?,
-                    tail: W64::at(w, block_off + QP_TAIL_OFF as u64)?,
+                    ack: Word64::at(w, block_off + QP_ACK_OFF as u64)?,
+                    credits: Word64::at(w, block_off + QP_CREDITS_OFF as u64)?,
+                    nak: Word64::at(w, block_off + QP_NAK_OFF as u64)?,
+                    peer_err: Word32::at(w, block_off + QP_PEER_ERR_OFF as u64)?,
+                    peer_rnr: Word32::at(w, block_off + QP_PEER_RNR_OFF as u64)?,
+                    access: Word32::at(w, block_off + QP_ACCESS_OFF as u64)?,
+                    tail: Word64::at(w, block_off + QP_TAIL_OFF as u64)?,
                     data: {
-                        let d = w.ptr_at(block_off + QP_RING_OFF, ring_len.into())?;
-                        populate(d, ring_len.into(), true);
+                        let d = Span::new(w, block_off + QP_RING_OFF, ring_len.into())?;
+                        d.populate(true);
                         d
                     },
-                    ring_len: ring_len.into(),
                 };
                 (qpn, Some(own), None)
             }
@@ -3021,9 +2894,7 @@ mod tests {
         let mr = LocalMr {
             pd,
             access,
-            data: r.ptr_at(0, len as u64).unwrap(),
-            len: len as u64,
-            region: r.clone(),
+            data: Span::whole(&r),
         };
         (mr, r)
     }
@@ -3035,9 +2906,9 @@ mod tests {
         let (b, _) = region_mr(1, 8192, AccessFlags::empty());
         t.insert(7, a);
         t.insert(9, b);
-        assert_eq!(t.get(7).unwrap().len, 4096);
-        assert_eq!(t.get(9).unwrap().len, 8192);
-        assert_eq!(t.get(9).unwrap().len, 8192, "cached");
+        assert_eq!(t.get(7).unwrap().data.len(), 4096);
+        assert_eq!(t.get(9).unwrap().data.len(), 8192);
+        assert_eq!(t.get(9).unwrap().data.len(), 8192, "cached");
         t.remove(9);
         assert!(
             t.get(9).is_none(),
@@ -3059,26 +2930,26 @@ mod tests {
         let sge = |lkey, addr, length| Sge { addr, length, lkey };
         assert!(resolve(&t, 1, &sge(1, 4000, 96), true).is_ok());
         assert_eq!(
-            resolve(&t, 1, &sge(1, 4000, 97), true),
-            Err(WcStatus::LocProtErr)
+            resolve(&t, 1, &sge(1, 4000, 97), true).err(),
+            Some(WcStatus::LocProtErr)
         );
         assert_eq!(
-            resolve(&t, 1, &sge(1, u64::MAX, 2), false),
-            Err(WcStatus::LocProtErr)
+            resolve(&t, 1, &sge(1, u64::MAX, 2), false).err(),
+            Some(WcStatus::LocProtErr)
         );
         assert_eq!(
-            resolve(&t, 1, &sge(3, 0, 1), false),
-            Err(WcStatus::LocProtErr)
+            resolve(&t, 1, &sge(3, 0, 1), false).err(),
+            Some(WcStatus::LocProtErr)
         );
         assert_eq!(
-            resolve(&t, 2, &sge(1, 0, 1), false),
-            Err(WcStatus::LocProtErr),
+            resolve(&t, 2, &sge(1, 0, 1), false).err(),
+            Some(WcStatus::LocProtErr),
             "other PD"
         );
         assert!(resolve(&t, 1, &sge(2, 0, 8), false).is_ok());
         assert_eq!(
-            resolve(&t, 1, &sge(2, 0, 8), true),
-            Err(WcStatus::LocProtErr)
+            resolve(&t, 1, &sge(2, 0, 8), true).err(),
+            Some(WcStatus::LocProtErr)
         );
         assert_eq!(
             check_sges(&t, 1, &[sge(1, 0, 10), sge(2, 0, 5)], false),
@@ -3105,11 +2976,15 @@ mod tests {
             },
         ];
         let mut out = [0u8; 10];
-        // SAFETY: `out` holds 10 bytes; the entries are valid in `t`; offset 2 + 10 = 12.
-        unsafe { Src::Sges(&sges).gather(&t, 1, 2, out.as_mut_ptr(), 10) };
+        // Offset 2 + 10 = 12 bytes, all inside the entries.
+        let (b, rb) = region_mr(1, 64, AccessFlags::LOCAL_WRITE);
+        Src::Sges(&sges).gather_to(&t, 1, 2, 10, &b.data, 3);
+        rb.read(3, &mut out).unwrap();
         assert_eq!(&out, b"2389abcdef");
-        // SAFETY: as above, writing 6 bytes from offset 1 into writable entries.
-        unsafe { scatter(&t, 1, &sges, 1, b"XYZUVW".as_ptr(), 6) };
+        let mut first = [0u8; 6];
+        Src::Sges(&sges).gather_into(&t, 1, &mut first);
+        assert_eq!(&first, b"012389");
+        scatter(&t, 1, &sges, 1, Bytes::Slice(b"XYZUVW"));
         let mut back = [0u8; 16];
         ra.read(0, &mut back).unwrap();
         assert_eq!(
@@ -3125,13 +3000,42 @@ mod tests {
 
     #[test]
     fn an_ordered_write_lands_whole_for_every_length() {
-        let t = MrTable::default();
+        let mut t = MrTable::default();
+        let (a, ra) = region_mr(1, 8192, AccessFlags::LOCAL_WRITE);
+        t.insert(1, a);
+        let (d, rd) = region_mr(1, 8192, AccessFlags::LOCAL_WRITE);
         for n in [0usize, 1, 7, 8, 9, 64, 4096] {
             let src: Vec<u8> = (0..n).map(|i| i as u8 ^ 0x5a).collect();
-            let mut dst = vec![0u8; n];
-            // SAFETY: `dst` holds `n` bytes; the source is inline data of `n` bytes.
-            unsafe { ordered_write(&Src::Inline(&src), &t, 0, dst.as_mut_ptr(), n) };
-            assert_eq!(dst, src, "{n} bytes");
+            ra.write(100, &src).unwrap();
+            let one = [Sge {
+                addr: 100,
+                length: n as u32,
+                lkey: 1,
+            }];
+            let two = [
+                Sge {
+                    addr: 100,
+                    length: (n / 2) as u32,
+                    lkey: 1,
+                },
+                Sge {
+                    addr: 100 + (n / 2) as u64,
+                    length: (n - n / 2) as u32,
+                    lkey: 1,
+                },
+            ];
+            let (_, resolved) = prepare(&t, 1, Src::Sges(&one)).unwrap();
+            for (how, s) in [
+                ("inline", Src::Inline(&src)),
+                ("one range", resolved),
+                ("two entries", Src::Sges(&two)),
+            ] {
+                d.data.fill(0, 8192, 0).unwrap();
+                ordered_write(&s, &t, 1, &d.data, 5, n);
+                let mut got = vec![0u8; n];
+                rd.read(5, &mut got).unwrap();
+                assert_eq!(got, src, "{n} bytes from {how}");
+            }
         }
     }
 

@@ -50,7 +50,7 @@ pub use types::*;
 use crate::fabric::ctl::{Request, Response};
 use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
 use crate::fabric::{FabricError, Node};
-use crate::mem::Region;
+use crate::mem::{MemError, Region, Span};
 use crate::sync::Ordering;
 use crate::wire::verbs::*;
 use crate::wire::NodeState;
@@ -255,17 +255,15 @@ impl Pd {
         let Response::Verbs(VerbsResponse::MrRegistered { key }) = resp else {
             return Err(FabricError::Protocol(format!("{resp:?}")).into());
         };
-        let data = region.ptr_at(MR_DATA_OFF, len as u64)?;
-        engine::populate(data, len as u64, true);
         let region = Arc::new(region);
+        let data = Span::new(&region, MR_DATA_OFF, len as u64)?;
+        data.populate(true);
         self.ctx.eng.borrow_mut().mrs.insert(
             key,
             LocalMr {
                 pd: self.id,
                 access,
-                data,
-                len: len as u64,
-                region: region.clone(),
+                data: data.clone(),
             },
         );
         Ok(Mr {
@@ -352,7 +350,7 @@ pub struct Mr {
     ctx: Rc<Ctx>,
     key: u32,
     region: Arc<Region>,
-    data: *mut u8,
+    data: Span,
     len: usize,
     access: AccessFlags,
 }
@@ -396,22 +394,50 @@ impl Mr {
             lkey: self.key,
         }
     }
-    /// The region's bytes. Peers (remote writes) and completions (receives, READ results)
-    /// change them: read after the completion that says so, as with any RDMA buffer.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `data` maps `len` bytes kept alive by `region`. Other processes may write
-        // them concurrently (that is the RDMA contract the docs state); they are plain bytes.
-        unsafe { std::slice::from_raw_parts(self.data, self.len) }
+    /// Copies `dst.len()` bytes at `offset` out of the region. Peers (remote writes) and
+    /// completions (receives, READ results) change the bytes: read after the completion that
+    /// says so, as with any RDMA buffer. The region is reached by copy, never lent out as a
+    /// `&[u8]`: other processes may write it at any time, which no Rust reference allows.
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemError> {
+        self.data.read(offset, dst)
     }
-    /// The region's bytes, to fill. Do not hold the slice across calls that complete work
-    /// into the region.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` keeps this process's other borrows away.
-        unsafe { std::slice::from_raw_parts_mut(self.data, self.len) }
+    /// `len` bytes at `offset`, copied out (see [`Mr::read`]).
+    pub fn to_vec(&self, offset: u64, len: usize) -> Result<Vec<u8>, MemError> {
+        let mut v = vec![0u8; len];
+        self.data.read(offset, &mut v)?;
+        Ok(v)
     }
-    /// Raw pointer to byte 0, for polling memory a peer writes (`read_volatile`).
+    /// Copies `src` into the region at `offset`.
+    pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), MemError> {
+        self.data.write(offset, src)
+    }
+    /// Sets `len` bytes at `offset` to `byte`.
+    pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<(), MemError> {
+        self.data.fill(offset, len, byte)
+    }
+    /// The byte at `offset`, read with a volatile load: for polling memory a peer writes (a
+    /// WRITE stores its last 8 bytes last, so a changed last byte means the whole payload).
+    pub fn load_volatile(&self, offset: u64) -> Result<u8, MemError> {
+        self.data.load_volatile(offset)
+    }
+    /// `len` bytes at `offset`, in place (zero-copy), for code that must not pay a copy.
+    ///
+    /// # Safety
+    /// Nobody writes the range while the slice lives: neither a peer (the range was handed
+    /// over by a completion and not yet given back — reposted, or announced as free to the
+    /// peer) nor this process (no receive or READ completes into it meanwhile).
+    pub unsafe fn bytes(&self, offset: u64, len: usize) -> Result<&[u8], MemError> {
+        // SAFETY: the caller's contract is `Span::bytes`'s.
+        unsafe { self.data.bytes(offset, len) }
+    }
+    /// The region's bytes as a span, for copies between regions without a bounce buffer.
+    pub fn span(&self) -> &Span {
+        &self.data
+    }
+    /// Address of byte 0, for C callers (`ibv_mr.addr`); Rust code reaches the bytes through
+    /// the copies above.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.data
+        self.data.addr(0).cast_mut()
     }
     /// Deregisters the region (`ibv_dereg_mr`); the same as dropping it.
     pub fn dereg(self) {}

@@ -116,10 +116,10 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
     let max = *sizes.iter().max().expect("one size at least");
     let c1 = Context::open(&fabric.node(1)?)?;
     let c2 = Context::open(&fabric.node(2)?)?;
-    let mut src = c1
+    let src = c1
         .alloc_pd()
         .alloc_mr(max as usize, AccessFlags::LOCAL_WRITE)?;
-    src.as_mut_slice().fill(0x5A);
+    src.fill(0, max, 0x5A)?;
     let dst = c2.alloc_pd().alloc_mr(
         max as usize,
         AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,

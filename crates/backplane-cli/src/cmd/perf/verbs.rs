@@ -235,8 +235,8 @@ impl End {
     }
 
     fn ctl(&self, w: &Wc) -> (u64, u64) {
-        let b = &self.mr.as_slice()[RX as usize..RX as usize + 16];
-        if w.byte_len != 16 {
+        let mut b = [0u8; 16];
+        if w.byte_len != 16 || self.mr.read(RX, &mut b).is_err() {
             return (u64::MAX, 0);
         }
         (
@@ -259,25 +259,20 @@ impl End {
 
     /// The byte at `off` of our region, as a peer's write left it.
     fn peek(&self, off: u64) -> u8 {
-        // SAFETY: `off` < the region's length (callers pass offsets below 1 MiB of a 3 MiB
-        // region); the byte may change under us (a peer writes it), hence the volatile read.
-        unsafe { std::ptr::read_volatile(self.mr.as_ptr().add(off as usize)) }
+        // Callers pass offsets below 1 MiB of a 3 MiB region.
+        self.mr.load_volatile(off).unwrap_or(0)
     }
 
     /// Puts `v` in the last byte of the next write's source. With 8 bytes or more the whole
     /// last word is stored, so the copy's 8-byte load forwards from one store.
     fn stamp_src(&self, size: u64, v: u8) {
-        let end = (SRC + size) as usize;
-        // SAFETY: [SRC, SRC + size) lies in our local source area (size <= 1 MiB of a 3 MiB
-        // region), which only this process writes.
-        unsafe {
-            if size >= 8 {
-                let w = u64::from(v) << 56;
-                std::ptr::write_volatile(self.mr.as_ptr().add(end - 8).cast::<u64>(), w);
-            } else {
-                std::ptr::write_volatile(self.mr.as_ptr().add(end - 1), v);
-            }
-        }
+        let end = SRC + size;
+        // [SRC, SRC + size) lies in our local source area (size <= 1 MiB of a 3 MiB region).
+        let _ = if size >= 8 {
+            self.mr.write(end - 8, &(u64::from(v) << 56).to_le_bytes())
+        } else {
+            self.mr.write(end - 1, &[v])
+        };
     }
 }
 
@@ -433,7 +428,7 @@ pub(super) fn client(
     for (&size, &n) in sizes.iter().zip(iters) {
         let warm = warmup(n);
         if test == Test::WriteLat {
-            e.mr.as_mut_slice()[..size as usize].fill(0);
+            e.mr.fill(0, size, 0)?;
         }
         e.send_ctl(size, warm + n)?;
         let w = e.wait_recv()?;
@@ -615,7 +610,7 @@ pub(super) fn peer(fabric: &Fabric, test: Test, node: u32, port: u32) -> anyhow:
             return Ok(());
         }
         if test == Test::WriteLat {
-            e.mr.as_mut_slice()[..size as usize].fill(0);
+            e.mr.fill(0, size, 0)?;
         }
         e.send_ctl(0, 0)?; // ready
         let len = size as u32;

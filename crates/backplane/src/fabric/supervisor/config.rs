@@ -1,4 +1,5 @@
 //! What a supervisor is started with, and the checks made before anything is created.
+#![forbid(unsafe_code)]
 
 use super::*;
 

@@ -1,5 +1,6 @@
 //! The fabric's run directory and its lock: one supervisor per fabric name, and how other
 //! processes tell whether it runs.
+#![forbid(unsafe_code)]
 
 use super::*;
 

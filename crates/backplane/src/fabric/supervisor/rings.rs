@@ -1,6 +1,7 @@
 //! The ring broker: endpoints bound on ports, datagram rings made between them on the first
 //! send (in the receiver's window, credits in the sender's), routes through forwarding
 //! nodes, and rings torn down when an end goes.
+#![forbid(unsafe_code)]
 
 use super::*;
 

@@ -1,4 +1,5 @@
 //! The status report: every slot's state, counters, addresses and interface statistics.
+#![forbid(unsafe_code)]
 
 use super::*;
 
