@@ -109,9 +109,10 @@ fn many_small_segments_and_a_large_multi_segment_job_arrive_intact() {
         (w.status, w.segment, w.bytes),
         (DmaStatus::Success, None, 1 << 20)
     );
+    let (dst_bytes, src_bytes) = (common::bytes(&dst), common::bytes(&src));
     for i in 0..4096usize {
-        let d = &common::bytes(&dst)[(4095 - i) * 256..][..256];
-        assert_eq!(d, &common::bytes(&src)[i * 256..][..256], "block {i}");
+        let d = &dst_bytes[(4095 - i) * 256..][..256];
+        assert_eq!(d, &src_bytes[i * 256..][..256], "block {i}");
     }
 
     // 64 MiB in 37 segments of uneven sizes, in reverse order; checksum at the destination.

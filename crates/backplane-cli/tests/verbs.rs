@@ -1035,16 +1035,15 @@ fn role_server() {
             let slot = w.wr_id;
             let reply: &[u8] = if w.opcode == WcOpcode::RecvRdmaWithImm {
                 let n = w.imm_data as usize;
-                let ok = common::bytes(&mr)[..n].iter().all(|&b| b == 0xEE);
+                let ok = mr.to_vec(0, n).unwrap().iter().all(|&b| b == 0xEE);
                 if ok {
                     b"imm-ok"
                 } else {
                     b"imm-bad"
                 }
             } else {
-                let msg = &common::bytes(&ctl)
-                    [slot as usize * 64..slot as usize * 64 + w.byte_len as usize];
-                match msg {
+                let msg = ctl.to_vec(slot * 64, w.byte_len as usize).unwrap();
+                match &msg[..] {
                     b"ping" => b"pong",
                     b"bye" => return,
                     _ => b"what?",
@@ -1140,7 +1139,7 @@ impl Client {
         let w = self.take(|w| w.opcode == WcOpcode::Recv);
         assert_eq!(w.status, WcStatus::Success, "{w:?}");
         let o = 900_000 + w.wr_id as usize * 64;
-        let r = common::bytes(&self.mr)[o..o + w.byte_len as usize].to_vec();
+        let r = self.mr.to_vec(o as u64, w.byte_len as usize).unwrap();
         self.qp
             .post_recv(&[RecvWr {
                 wr_id: w.wr_id,

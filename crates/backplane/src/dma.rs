@@ -78,10 +78,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::fabric::{Fabric, FabricError};
-use crate::mem::{Span, Word32};
+use crate::fabric::FabricError;
+use crate::mem::{MemError, Span, Word32};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
-use crate::verbs::engine::map_grant;
+use crate::transport::{CopyKind, GrantRequest, RemoteRegion, Transport};
 use crate::verbs::{AccessFlags, Context, Mr};
 use crate::wire::verbs::{MR_STATE_OFF, MR_STATE_VALID};
 use crate::wire::NodeState;
@@ -448,43 +448,34 @@ fn plainly_disjoint(ranges: &[Range]) -> bool {
 // Mappings and resolved jobs (what crosses to the engine threads).
 // ---------------------------------------------------------------------------------------------
 
-/// A region as the engines see it: its data bytes, its state word, the node (slot,
-/// generation) whose death fails jobs using it.
+/// A region as the engines see it: its bytes (this process's region, or a peer's through the
+/// transport), what may be done with them, the node (slot, generation) whose death fails jobs
+/// using it.
 struct Mapping {
-    fabric: Fabric,
-    data: Span,
-    state: Word32,
+    transport: Arc<dyn Transport>,
+    bytes: MapBytes,
     /// May be read (REMOTE_READ for a grant; always for a local region).
     readable: bool,
     /// May be written (a writable grant of a REMOTE_WRITE region; LOCAL_WRITE locally).
     writable: bool,
-    /// (st_dev, st_ino) of the memfd: two mappings of one region have the same.
+    /// Names the region's memory: two mappings of one region have the same.
     ident: (u64, u64),
     owner: (u32, u32),
 }
 
+/// Where a mapping's bytes are.
+enum MapBytes {
+    /// A region of this process, with its state word.
+    Local { data: Span, state: Word32 },
+    /// A peer's region.
+    Remote(Arc<dyn RemoteRegion>),
+}
+
 impl Mapping {
-    fn new(
-        fabric: Fabric,
-        data: Span,
-        state: Word32,
-        readable: bool,
-        writable: bool,
-        owner: (u32, u32),
-    ) -> Self {
-        // fstat of a memfd we hold does not fail; if it did, the mapping's address stands in
-        // (unique, so two such mappings are never seen as one region).
-        let ident = rustix::fs::fstat(data.region().fd())
-            .map(|s| (s.st_dev, s.st_ino))
-            .unwrap_or((u64::MAX, data.addr(0) as u64));
-        Self {
-            fabric,
-            data,
-            state,
-            readable,
-            writable,
-            ident,
-            owner,
+    fn len(&self) -> u64 {
+        match &self.bytes {
+            MapBytes::Local { data, .. } => data.len(),
+            MapBytes::Remote(r) => r.len(),
         }
     }
 
@@ -493,12 +484,16 @@ impl Mapping {
     /// gone (it publishes the node's state first).
     fn live(&self) -> Result<(), DmaStatus> {
         let node_ok = || {
-            matches!(self.fabric.node_info(self.owner.0),
-                Ok(i) if i.state == NodeState::Ready && i.generation == self.owner.1)
+            self.transport
+                .peer(self.owner.0)
+                .is_some_and(|p| p.is_live(self.owner.1))
         };
-        // SYNC POINT mr-state (acquire): the owner's (or the supervisor's) deregistration,
-        // seen before each piece.
-        if self.state.load(Ordering::Acquire) != MR_STATE_VALID {
+        let registered = match &self.bytes {
+            // SYNC POINT mr-state (acquire): our own deregistration, seen before each piece.
+            MapBytes::Local { state, .. } => state.load(Ordering::Acquire) == MR_STATE_VALID,
+            MapBytes::Remote(r) => r.valid(),
+        };
+        if !registered {
             return Err(if node_ok() {
                 DmaStatus::RegionGone
             } else {
@@ -510,13 +505,54 @@ impl Mapping {
         }
         Ok(())
     }
+
+    /// One end of a segment: `len` bytes at `off` (checked against the region by the caller).
+    fn end(&self, off: u64, len: u64) -> Option<End> {
+        Some(match &self.bytes {
+            MapBytes::Local { data, .. } => End::Local(data.sub(off, len).ok()?),
+            MapBytes::Remote(r) => End::Remote(r.clone(), off),
+        })
+    }
 }
 
-/// A segment after the checks: its source and destination bytes, of equal length.
+/// One end of a checked segment: a span of this process, or an offset in a peer's region.
+#[derive(Clone)]
+enum End {
+    Local(Span),
+    Remote(Arc<dyn RemoteRegion>, u64),
+}
+
+/// Copies `n` bytes at `off` of `src` to `off` of `dst` (offsets within the segment).
+fn copy_piece(src: &End, dst: &End, off: u64, n: usize, stream: bool) -> Result<(), MemError> {
+    let how = if stream {
+        CopyKind::Streaming
+    } else {
+        CopyKind::Plain
+    };
+    let spans = |s: &Span, so: u64, d: &Span, dof: u64| {
+        if stream {
+            s.copy_to_streaming(so, d, dof, n)
+        } else {
+            s.copy_to(so, d, dof, n)
+        }
+    };
+    match (src, dst) {
+        (End::Local(s), End::Local(d)) => spans(s, off, d, off),
+        (End::Local(s), End::Remote(r, base)) => r.put(base + off, s, off, n, how),
+        (End::Remote(r, base), End::Local(d)) => r.get(base + off, d, off, n, how),
+        // Between two peers: direct where the transport maps both here (shared memory).
+        (End::Remote(a, sa), End::Remote(b, sb)) => match (a.local_span(), b.local_span()) {
+            (Some(s), Some(d)) => spans(s, sa + off, d, sb + off),
+            _ => Err(MemError::ReadOnly),
+        },
+    }
+}
+
+/// A segment after the checks: its source and destination, of `len` bytes each.
 #[derive(Clone)]
 struct Resolved {
-    src: Span,
-    dst: Span,
+    src: End,
+    dst: End,
     len: u64,
 }
 
@@ -620,11 +656,7 @@ impl JobRun {
             // `plan` keeps pieces inside their segment, whose spans were checked at submission
             // (the destination writable, no destination range overlapping another): an error
             // here means a check disagreed, and the piece fails rather than copy.
-            let copied = if self.stream {
-                s.src.copy_to_streaming(off, &s.dst, off, len as usize)
-            } else {
-                s.src.copy_to(off, &s.dst, off, len as usize)
-            };
+            let copied = copy_piece(&s.src, &s.dst, off, len as usize, self.stream);
             if copied.is_err() {
                 self.fail(DmaStatus::OutOfBounds, p.seg);
                 return;
@@ -996,7 +1028,7 @@ fn pin_to(cpu: usize) {
 /// uses the context); the engines it feeds are other threads.
 pub struct DmaQueue {
     ctx: Context,
-    fabric: Fabric,
+    transport: Arc<dyn Transport>,
     eng: Arc<EngShared>,
     q: Arc<QShared>,
     depth: usize,
@@ -1019,7 +1051,7 @@ impl DmaQueue {
     pub fn new(ctx: &Context, engines: &DmaEngines, depth: usize) -> Self {
         Self {
             ctx: ctx.clone(),
-            fabric: ctx.node().fabric().clone(),
+            transport: ctx.transport(),
             eng: engines.shared.clone(),
             q: QShared::new(),
             depth: depth.max(1),
@@ -1129,50 +1161,59 @@ impl DmaQueue {
                     let mr = mr.ok_or(DmaStatus::InvalidRegion)?;
                     let state = Word32::at(mr.data.region(), MR_STATE_OFF as u64)
                         .map_err(|_| DmaStatus::InvalidRegion)?;
-                    Ok(Mapping::new(
-                        self.fabric.clone(),
-                        mr.data.clone(),
-                        state,
-                        true,
-                        mr.access.contains(AccessFlags::LOCAL_WRITE),
-                        (me.slot(), me.generation()),
-                    ))
+                    // fstat of a memfd we hold does not fail; if it did, the mapping's address
+                    // stands in (unique, so two such mappings are never seen as one region).
+                    let ident = rustix::fs::fstat(mr.data.region().fd())
+                        .map(|s| (s.st_dev, s.st_ino))
+                        .unwrap_or((u64::MAX, mr.data.addr(0) as u64));
+                    Ok(Mapping {
+                        transport: self.transport.clone(),
+                        bytes: MapBytes::Local {
+                            data: mr.data.clone(),
+                            state,
+                        },
+                        readable: true,
+                        writable: mr.access.contains(AccessFlags::LOCAL_WRITE),
+                        ident,
+                        owner: (me.slot(), me.generation()),
+                    })
                 })
             }
             Mem::Remote { node, rkey } => {
-                if node == 0 || node > self.fabric.nodes() {
+                if node == 0 {
                     return Err(DmaStatus::InvalidRegion);
                 }
-                let info = self
-                    .fabric
-                    .node_info(node)
-                    .map_err(|_| DmaStatus::NodeDown)?;
+                let info = self.transport.peer(node).ok_or(DmaStatus::InvalidRegion)?;
                 if info.state != NodeState::Ready {
                     return Err(DmaStatus::NodeDown);
                 }
-                let g = map_grant(
-                    &self.fabric,
-                    crate::fabric::ctl_verbs::VerbsRequest::DmaGrant {
+                let r = self
+                    .transport
+                    .map_region(GrantRequest::ForDma {
                         slot: me.slot(),
                         node,
                         rkey,
-                    },
-                )
-                .ok_or_else(|| match self.fabric.node_info(node) {
-                    Ok(i) if i.state == NodeState::Ready && i.generation == info.generation => {
-                        DmaStatus::NoGrant
-                    }
-                    _ => DmaStatus::NodeDown,
-                })?;
-                let writable = g.data.writable() && g.access.contains(AccessFlags::REMOTE_WRITE);
-                Ok(Mapping::new(
-                    self.fabric.clone(),
-                    g.data,
-                    g.state,
-                    g.access.contains(AccessFlags::REMOTE_READ),
-                    writable,
-                    (node, info.generation),
-                ))
+                    })
+                    .ok_or_else(|| {
+                        if self
+                            .transport
+                            .peer(node)
+                            .is_some_and(|p| p.is_live(info.generation))
+                        {
+                            DmaStatus::NoGrant
+                        } else {
+                            DmaStatus::NodeDown
+                        }
+                    })?;
+                let access = AccessFlags::from_bits_retain(r.access_bits());
+                Ok(Mapping {
+                    transport: self.transport.clone(),
+                    readable: access.contains(AccessFlags::REMOTE_READ),
+                    writable: r.writable() && access.contains(AccessFlags::REMOTE_WRITE),
+                    ident: r.ident(),
+                    bytes: MapBytes::Remote(r),
+                    owner: (node, info.generation),
+                })
             }
         }
     }
@@ -1200,8 +1241,8 @@ impl DmaQueue {
             let (_, src) = get(s.src)?;
             let (_, dst) = get(s.dst)?;
             check_segment(
-                (src.data.len(), src.readable),
-                (dst.data.len(), dst.writable),
+                (src.len(), src.readable),
+                (dst.len(), dst.writable),
                 s.src_off,
                 s.dst_off,
                 s.len,
@@ -1224,15 +1265,14 @@ impl DmaQueue {
                 seg: i,
             });
             // In bounds (checked just above).
-            let (Ok(src_span), Ok(dst_span)) = (
-                src.data.sub(s.src_off, s.len),
-                dst.data.sub(s.dst_off, s.len),
-            ) else {
+            let (Some(src_end), Some(dst_end)) =
+                (src.end(s.src_off, s.len), dst.end(s.dst_off, s.len))
+            else {
                 return Err((DmaStatus::OutOfBounds, i));
             };
             out.push(Resolved {
-                src: src_span,
-                dst: dst_span,
+                src: src_end,
+                dst: dst_end,
                 len: s.len,
             });
         }
@@ -1341,8 +1381,8 @@ mod tests {
             let segs = segs
                 .iter()
                 .map(|&(s, d, len)| Resolved {
-                    src: src.sub(s as u64, len).unwrap(),
-                    dst: dst.sub(d as u64, len).unwrap(),
+                    src: End::Local(src.sub(s as u64, len).unwrap()),
+                    dst: End::Local(dst.sub(d as u64, len).unwrap()),
                     len,
                 })
                 .collect();

@@ -5,6 +5,8 @@
 //! - [`sync`]: atomics (swappable for loom), futex doorbells, spin-then-sleep;
 //! - [`mem`]: memfd-backed shared regions with bounds-checked access;
 //! - [`ring`]: the SPSC ring protocol over a window;
+//! - [`transport`]: how the paths reach a peer node's memory and learn whether it lives
+//!   (shared memory on one host today; the trait a network engine implements);
 //! - [`fabric`]: control plane — supervisor, node table, node life cycle, attach;
 //! - [`dgram`]: kernel-bypass datagram endpoints;
 //! - [`net`]: IP over the fabric — addressing, frame switching, namespaces, TAP;
@@ -39,6 +41,8 @@ pub mod model;
 pub mod net;
 pub mod ring;
 pub mod sync;
+#[cfg(not(loom))]
+pub mod transport;
 #[cfg(not(loom))]
 pub mod verbs;
 pub mod wire;

@@ -35,8 +35,8 @@ use crate::fabric::{FabricError, Node};
 use crate::mem::{MemError, Region, Span, Word32, Word64};
 use crate::ring::{Consumer, Producer, RingError, RingMemory};
 use crate::sync::{fence, AtomicU64, Ordering};
+use crate::transport::{CopyKind, GrantRequest, RemoteRegion, Transport};
 use crate::wire::verbs::*;
-use crate::wire::NodeState;
 
 /// Payload bytes per message fragment (one ring record).
 pub(crate) const FRAG: usize = 64 * 1024;
@@ -158,64 +158,40 @@ pub(crate) struct LocalMr {
     pub(crate) data: Span,
 }
 
-/// A peer's region, mapped through a grant.
+/// A peer's region, granted through the transport.
 struct RemoteMr {
     key: u32,
     access: AccessFlags,
-    state: Word32,
-    /// The data bytes (the region past its header), `len()` as granted.
-    data: Span,
-}
-
-/// A region mapped through a grant the supervisor answered with `MrGranted` and a memfd:
-/// mapped (read-only unless the grant says writable), populated, its header checked against
-/// the grant (length), its state VALID. Shared by QPs (grants through a connected QP) and the
-/// DMA engines (grants by node and rkey, [`crate::dma`]).
-pub(crate) struct Granted {
-    /// The region's access flags, as registered.
-    pub(crate) access: AccessFlags,
-    /// The region's state word (`MR_STATE_*`).
-    pub(crate) state: Word32,
-    /// The data bytes, as many as the grant says (checked against the region's header).
-    pub(crate) data: Span,
-}
-
-/// Asks the supervisor for a grant (`MrGrant` or `DmaGrant`) and maps it; None when the
-/// supervisor refuses or what it hands over fails a check.
-pub(crate) fn map_grant(fabric: &crate::fabric::Fabric, req: VerbsRequest) -> Option<Granted> {
-    let (resp, fds) = fabric.call(&Request::Verbs(req)).ok()?;
-    let Response::Verbs(VerbsResponse::MrGranted {
-        len,
-        access,
-        writable,
-    }) = resp
-    else {
-        return None;
-    };
-    let region = Arc::new(Region::map(fds.into_iter().next()?, writable).ok()?);
-    region.populate(writable);
-    let mut h = [0u8; 64];
-    region.read(0, &mut h).ok()?;
-    let repr = MrRepr::parse(&MrHeader::new_unchecked(&h[..]), region.len() as u64).ok()?;
-    if repr.len != len {
-        return None;
-    }
-    let state = Word32::at(&region, MR_STATE_OFF as u64).ok()?;
-    // SYNC POINT mr-state (acquire): a region deregistered before we mapped it is refused.
-    if state.load(Ordering::Acquire) != MR_STATE_VALID {
-        return None;
-    }
-    Some(Granted {
-        access: AccessFlags::from_bits_retain(access),
-        state,
-        data: Span::new(&region, MR_DATA_OFF, len).ok()?,
-    })
+    mem: Arc<dyn RemoteRegion>,
 }
 
 impl RemoteMr {
+    #[inline(always)]
     fn valid(&self) -> bool {
-        // SYNC POINT mr-state (acquire): the owner's deregistration, seen before each access.
-        self.state.load(Ordering::Acquire) == MR_STATE_VALID
+        self.mem.valid()
+    }
+}
+
+/// Where a copy lands: a span of this process (a ring record, a local region) or a peer's
+/// region through the transport.
+trait Sink {
+    fn put(&self, off: u64, b: Bytes<'_>, how: CopyKind) -> Result<(), MemError>;
+}
+
+impl Sink for Span {
+    #[inline(always)]
+    fn put(&self, off: u64, b: Bytes<'_>, how: CopyKind) -> Result<(), MemError> {
+        b.copy_to(self, off, how == CopyKind::Ordered)
+    }
+}
+
+impl Sink for dyn RemoteRegion {
+    #[inline(always)]
+    fn put(&self, off: u64, b: Bytes<'_>, how: CopyKind) -> Result<(), MemError> {
+        match b {
+            Bytes::Slice(d) => self.put_bytes(off, d, how),
+            Bytes::Span(s, src_off, n) => RemoteRegion::put(self, off, s, src_off, n, how),
+        }
     }
 }
 
@@ -352,18 +328,28 @@ impl Src<'_> {
     /// Copies `n` bytes of the message from offset `off` to `dst_off` of `dst`; with `ordered`
     /// the message's last 8 bytes are stored last (see [`Span::write_ordered`]). Ranges were
     /// validated by [`prepare`]; a range that is not is skipped.
-    fn gather_to(&self, mrs: &MrTable, pd: u32, off: u64, n: usize, dst: &Span, dst_off: u64) {
+    fn gather_to<D: Sink + ?Sized>(
+        &self,
+        mrs: &MrTable,
+        pd: u32,
+        off: u64,
+        n: usize,
+        dst: &D,
+        dst_off: u64,
+    ) {
         match self {
             Src::Inline(d) => {
-                let _ = Bytes::Slice(d)
-                    .part(off as usize, n)
-                    .copy_to(dst, dst_off, false);
+                let _ = dst.put(
+                    dst_off,
+                    Bytes::Slice(d).part(off as usize, n),
+                    CopyKind::Plain,
+                );
             }
             Src::One(b) => {
-                let _ = b.part(off as usize, n).copy_to(dst, dst_off, false);
+                let _ = dst.put(dst_off, b.part(off as usize, n), CopyKind::Plain);
             }
             Src::Sges(sges) => walk_sges(mrs, pd, sges, off, n, false, |at, b| {
-                let _ = b.copy_to(dst, dst_off + at as u64, false);
+                let _ = dst.put(dst_off + at as u64, b, CopyKind::Plain);
             }),
         }
     }
@@ -396,9 +382,16 @@ fn scatter(mrs: &MrTable, pd: u32, sges: &[Sge], off: u64, src: Bytes<'_>) {
 
 /// RDMA WRITE's copy into a peer's region: the message's last 8 bytes stored after the rest,
 /// so a peer polling the last byte sees the whole payload.
-fn ordered_write(src: &Src<'_>, mrs: &MrTable, pd: u32, dst: &Span, dst_off: u64, n: usize) {
+fn ordered_write<D: Sink + ?Sized>(
+    src: &Src<'_>,
+    mrs: &MrTable,
+    pd: u32,
+    dst: &D,
+    dst_off: u64,
+    n: usize,
+) {
     if let Src::One(b) = src {
-        let _ = b.copy_to(dst, dst_off, true);
+        let _ = dst.put(dst_off, *b, CopyKind::Ordered);
         return;
     }
     if n <= 8 {
@@ -723,6 +716,7 @@ pub(crate) struct QpSt {
 /// What every QP operation needs from its context.
 pub(crate) struct Env<'a> {
     pub(crate) node: &'a Node,
+    pub(crate) transport: &'a dyn Transport,
     pub(crate) win: &'a Arc<Region>,
     pub(crate) mrs: &'a MrTable,
 }
@@ -933,13 +927,13 @@ impl QpSt {
             return false;
         };
         // The line the write ends in (the one a peer polls) starts coming while the checks run.
-        let end_line = write_end(&m.data, remote_addr, len);
+        let end_line = write_end(&*m.mem, remote_addr, len);
         crate::sync::prefetch_write(end_line);
         let Some(p) = &self.peer else { return false };
         if m.key != rkey
             || !m.valid()
             || !remote_access_allowed(
-                m.data.len(),
+                m.mem.len(),
                 m.access,
                 // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
                 AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)),
@@ -951,7 +945,7 @@ impl QpSt {
             return false;
         }
         // In bounds (checked just above) and granted writable (REMOTE_WRITE): cannot fail.
-        if local.copy_to(&m.data, remote_addr, true).is_err() {
+        if Sink::put(&*m.mem, remote_addr, local, CopyKind::Ordered).is_err() {
             return false;
         }
         self.write_hint = WriteHint {
@@ -1036,7 +1030,7 @@ impl QpSt {
         let Some(p) = &self.peer else { return false };
         if !m.valid()
             || !remote_access_allowed(
-                m.data.len(),
+                m.mem.len(),
                 m.access,
                 // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
                 AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)),
@@ -1050,27 +1044,21 @@ impl QpSt {
         // Ranges checked just above (atomics only on regions granted writable, which
         // REMOTE_ATOMIC regions are); an error here means a check disagreed: the general way.
         let done = match (wc_op, wr.wr) {
-            (WcOpcode::RdmaRead, _) => m.data.copy_to(remote_addr, local, local_off, len),
+            (WcOpcode::RdmaRead, _) => {
+                m.mem
+                    .get(remote_addr, local, local_off, len, CopyKind::Plain)
+            }
             (
                 op,
                 WrDetail::Atomic {
                     compare_add, swap, ..
                 },
-            ) => m.data.u64_at(remote_addr).and_then(|word| {
-                let old = if op == WcOpcode::FetchAdd {
-                    word.fetch_add(compare_add, Ordering::SeqCst)
-                } else {
-                    match word.compare_exchange(
-                        compare_add,
-                        swap,
-                        Ordering::SeqCst,
-                        Ordering::SeqCst,
-                    ) {
-                        Ok(v) | Err(v) => v,
-                    }
-                };
-                local.write(local_off, &old.to_le_bytes())
-            }),
+            ) => if op == WcOpcode::FetchAdd {
+                m.mem.fetch_add(remote_addr, compare_add)
+            } else {
+                m.mem.compare_swap(remote_addr, compare_add, swap)
+            }
+            .and_then(|old| local.write(local_off, &old.to_le_bytes())),
             _ => return false,
         };
         if done.is_err() {
@@ -1485,19 +1473,15 @@ impl QpSt {
             self.remote.remove(i);
             return None;
         }
-        let g = map_grant(
-            env.node.fabric(),
-            VerbsRequest::MrGrant {
-                slot: env.node.slot(),
-                qpn: self.qpn,
-                rkey,
-            },
-        )?;
+        let mem = env.transport.map_region(GrantRequest::ThroughQp {
+            slot: env.node.slot(),
+            qpn: self.qpn,
+            rkey,
+        })?;
         let m = Rc::new(RemoteMr {
             key: rkey,
-            access: g.access,
-            state: g.state,
-            data: g.data,
+            access: AccessFlags::from_bits_retain(mem.access_bits()),
+            mem,
         });
         if self.remote.len() >= REMOTE_CACHE {
             self.remote.remove(0);
@@ -1523,7 +1507,7 @@ impl QpSt {
             .map(|p| AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)))
             .ok_or(WcStatus::LocQpOpErr)?;
         let m = self.remote_mr(rkey, env).ok_or(WcStatus::RemAccessErr)?;
-        if !remote_access_allowed(m.data.len(), m.access, peer_access, need, addr, len) {
+        if !remote_access_allowed(m.mem.len(), m.access, peer_access, need, addr, len) {
             return Err(WcStatus::RemAccessErr);
         }
         Ok(m)
@@ -1561,7 +1545,7 @@ impl QpSt {
                 &op.src,
                 env.mrs,
                 self.pd,
-                &m.data,
+                &*m.mem,
                 op.remote_addr,
                 total as usize,
             );
@@ -1604,13 +1588,13 @@ impl QpSt {
         };
         // [remote_addr, +total) is inside the region (checked); the local entries were
         // validated writable.
-        scatter(
-            env.mrs,
-            self.pd,
-            sges,
-            0,
-            Bytes::Span(&m.data, op.remote_addr, total as usize),
-        );
+        walk_sges(env.mrs, self.pd, sges, 0, total as usize, true, |at, b| {
+            if let Bytes::Span(dst, dst_off, n) = b {
+                let _ = m
+                    .mem
+                    .get(op.remote_addr + at as u64, dst, dst_off, n, CopyKind::Plain);
+            }
+        });
         Exec::Done(WcStatus::Success)
     }
 
@@ -1631,16 +1615,13 @@ impl QpSt {
                 Ok(m) => m,
                 Err(s) => return Exec::Fatal(s),
             };
-        let Ok(word) = m.data.u64_at(op.remote_addr) else {
-            return Exec::Fatal(WcStatus::RemAccessErr);
-        };
         let old = if op.opcode == WrOpcode::AtomicFetchAndAdd {
-            word.fetch_add(op.compare_add, Ordering::SeqCst)
+            m.mem.fetch_add(op.remote_addr, op.compare_add)
         } else {
-            match word.compare_exchange(op.compare_add, op.swap, Ordering::SeqCst, Ordering::SeqCst)
-            {
-                Ok(v) | Err(v) => v,
-            }
+            m.mem.compare_swap(op.remote_addr, op.compare_add, op.swap)
+        };
+        let Ok(old) = old else {
+            return Exec::Fatal(WcStatus::RemAccessErr);
         };
         let b = old.to_le_bytes();
         // The entries were validated writable and hold exactly 8 bytes.
@@ -1823,9 +1804,12 @@ impl QpSt {
     /// The peer's node went DOWN or restarted.
     pub(crate) fn check_peer_node(&mut self, env: &Env<'_>) {
         let Some(p) = &self.peer else { return };
-        match env.node.fabric().node_info(p.slot) {
-            Ok(i) if i.state == NodeState::Ready && i.generation == p.generation => {}
-            _ => self.peer_gone = true,
+        if !env
+            .transport
+            .peer(p.slot)
+            .is_some_and(|s| s.is_live(p.generation))
+        {
+            self.peer_gone = true;
         }
     }
 
@@ -2616,8 +2600,8 @@ impl WriteHint {
 /// region mapped at `base` — for a prefetch only: computed with wrapping arithmetic, it may
 /// point anywhere (a prefetch does not fault) and must not be dereferenced.
 #[inline(always)]
-pub(crate) fn write_end(data: &Span, remote_addr: u64, len: usize) -> *const u8 {
-    data.addr(0)
+pub(crate) fn write_end(mem: &dyn RemoteRegion, remote_addr: u64, len: usize) -> *const u8 {
+    mem.hint_addr(0)
         .wrapping_add((remote_addr as usize).wrapping_add(len).wrapping_sub(1))
 }
 
@@ -2659,6 +2643,8 @@ pub(crate) struct QpSpec {
 /// A device context's shared state: its node, its window, its engine.
 pub(crate) struct Ctx {
     pub(crate) node: Node,
+    /// How the context reaches peers' memory and learns whether they live.
+    pub(crate) transport: Arc<dyn Transport>,
     pub(crate) win: Arc<Region>,
     pub(crate) event_off: u64,
     pub(crate) eng: RefCell<Engine>,
@@ -2677,6 +2663,7 @@ impl Ctx {
     pub(crate) fn env<'a>(&'a self, mrs: &'a MrTable) -> Env<'a> {
         Env {
             node: &self.node,
+            transport: &*self.transport,
             win: &self.win,
             mrs,
         }
@@ -2845,6 +2832,7 @@ impl Ctx {
         eng.epoch = epoch;
         let env = Env {
             node: &self.node,
+            transport: &*self.transport,
             win: &self.win,
             mrs: &eng.mrs,
         };

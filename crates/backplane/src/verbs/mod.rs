@@ -21,7 +21,8 @@
 //! Differences a libibverbs user should know:
 //! - **Registrable memory is memory the library provides.** Peers map a region, so it must be
 //!   shareable: [`Pd::alloc_mr`] allocates a memfd-backed buffer and registers it; the
-//!   application fills and reads it as a slice ([`Mr::as_mut_slice`]).
+//!   application fills and reads it by copy ([`Mr::write`], [`Mr::read`]): peers may write it
+//!   at any time, so it is never lent out as a `&[u8]` (see `docs/architecture.md`).
 //! - **Addresses are offsets.** `Sge::addr` and `remote_addr` are offsets into the region
 //!   (zero-based, like `IBV_ACCESS_ZERO_BASED`), never pointers.
 //! - **LIDs are node slots**; there is one port (1); the MTU is 4096.
@@ -52,6 +53,7 @@ use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
 use crate::fabric::{FabricError, Node};
 use crate::mem::{MemError, Region, Span};
 use crate::sync::Ordering;
+use crate::transport::shm::ShmTransport;
 use crate::wire::verbs::*;
 use crate::wire::NodeState;
 use engine::{CqState, Ctx, Engine, LocalMr};
@@ -82,6 +84,7 @@ impl Context {
         Ok(Self {
             inner: Rc::new(Ctx {
                 node: node.clone(),
+                transport: Arc::new(ShmTransport::new(node.fabric().clone())),
                 win,
                 event_off,
                 eng: RefCell::new(Engine::default()),
@@ -96,6 +99,11 @@ impl Context {
 
     /// Runs `f` on this context's region `key` (None if it has none by that key): how the DMA
     /// queues of this context find local regions without a second table.
+    /// How this context reaches peers (for the DMA queues it feeds).
+    pub(crate) fn transport(&self) -> Arc<dyn crate::transport::Transport> {
+        self.inner.transport.clone()
+    }
+
     pub(crate) fn with_local_mr<R>(&self, key: u32, f: impl FnOnce(Option<&LocalMr>) -> R) -> R {
         f(self.inner.eng.borrow().mrs.get(key))
     }
