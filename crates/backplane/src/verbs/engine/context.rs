@@ -1,0 +1,251 @@
+//! The context: its node, transport, window and engine tables; creating QPs, polling CQs.
+
+use super::*;
+
+// ---------------------------------------------------------------------------------------------
+// The context.
+// ---------------------------------------------------------------------------------------------
+
+/// What a QP is made of (checked by the caller).
+pub(crate) struct QpSpec {
+    pub(crate) pd: u32,
+    pub(crate) ty: QpType,
+    pub(crate) send_cq: usize,
+    pub(crate) recv_cq: usize,
+    pub(crate) cap: QpCap,
+    pub(crate) sig_all: bool,
+    pub(crate) ring_len: u32,
+}
+
+/// A device context's shared state: its node, its window, its engine.
+pub(crate) struct Ctx {
+    pub(crate) node: Node,
+    /// How the context reaches peers' memory and learns whether they live.
+    pub(crate) transport: Arc<dyn Transport>,
+    pub(crate) win: Arc<Region>,
+    pub(crate) event_off: u64,
+    pub(crate) eng: RefCell<Engine>,
+}
+
+#[derive(Default)]
+pub(crate) struct Engine {
+    pub(crate) next_pd: u32,
+    pub(crate) mrs: MrTable,
+    pub(crate) cqs: Cqs,
+    pub(crate) qps: Vec<Option<QpSt>>,
+    pub(super) epoch: u32,
+}
+
+impl Ctx {
+    pub(crate) fn env<'a>(&'a self, mrs: &'a MrTable) -> Env<'a> {
+        Env {
+            node: &self.node,
+            transport: &*self.transport,
+            win: &self.win,
+            mrs,
+        }
+    }
+
+    /// Creates a QP's engine state (and, for RC/UC, its block through the supervisor).
+    pub(crate) fn create_qp(&self, spec: QpSpec) -> Result<(usize, u32), VerbsError> {
+        let QpSpec {
+            pd,
+            ty,
+            send_cq,
+            recv_cq,
+            cap,
+            sig_all,
+            ring_len,
+        } = spec;
+        let (qpn, own, ud) = match ty {
+            QpType::Ud => {
+                let ep = self
+                    .node
+                    .bind(0)
+                    .map_err(|e| VerbsError::inval(e.to_string()))?;
+                (ep.local_addr().port, None, Some(ep))
+            }
+            _ => {
+                let (resp, _) =
+                    self.node
+                        .fabric()
+                        .call(&Request::Verbs(VerbsRequest::CreateQp {
+                            slot: self.node.slot(),
+                            pd,
+                            qp_type: ty as u32,
+                            ring_len,
+                            event_off: self.event_off,
+                        }))?;
+                let Response::Verbs(VerbsResponse::QpCreated { qpn, block_off }) = resp else {
+                    return Err(FabricError::Protocol(format!("{resp:?}")).into());
+                };
+                let w = &self.win;
+                w.check(block_off, QpBlockRepr::footprint(ring_len), 64)?;
+                let own = OwnBlock {
+                    off: block_off,
+                    ack: Word64::at(w, block_off + QP_ACK_OFF as u64)?,
+                    credits: Word64::at(w, block_off + QP_CREDITS_OFF as u64)?,
+                    nak: Word64::at(w, block_off + QP_NAK_OFF as u64)?,
+                    peer_err: Word32::at(w, block_off + QP_PEER_ERR_OFF as u64)?,
+                    peer_rnr: Word32::at(w, block_off + QP_PEER_RNR_OFF as u64)?,
+                    access: Word32::at(w, block_off + QP_ACCESS_OFF as u64)?,
+                    tail: Word64::at(w, block_off + QP_TAIL_OFF as u64)?,
+                    data: {
+                        let d = Span::new(w, block_off + QP_RING_OFF, ring_len.into())?;
+                        d.populate(true);
+                        d
+                    },
+                };
+                (qpn, Some(own), None)
+            }
+        };
+        let st = QpSt {
+            write_hint: WriteHint::NONE,
+            send_hint: [std::ptr::null(); 2],
+            qpn,
+            ty,
+            state: QpState::Reset,
+            pd,
+            send_cq,
+            recv_cq,
+            sig_all,
+            cap,
+            attr: QpAttr {
+                cap,
+                ..QpAttr::default()
+            },
+            own,
+            peer: None,
+            prod: Producer::new(),
+            cons: Consumer::new(),
+            sq: VecDeque::new(),
+            exec: 0,
+            rq: VecDeque::new(),
+            rq_posted: 0,
+            credits: 0,
+            used_credits: 0,
+            acked: 0,
+            rnr: None,
+            inbound: None,
+            msgs_in: 0,
+            msgs_out: 0,
+            bell_pending: false,
+            peer_gone: false,
+            ud,
+            remote: Vec::new(),
+            drops: 0,
+            error: None,
+            idle: 0,
+            settle_later: false,
+            acked_piggy: 0,
+            published: 0,
+        };
+        let mut eng = self.eng.borrow_mut();
+        let id = match eng.qps.iter().position(|q| q.is_none()) {
+            Some(i) => {
+                eng.qps[i] = Some(st);
+                i
+            }
+            None => {
+                eng.qps.push(Some(st));
+                eng.qps.len() - 1
+            }
+        };
+        for cq in [send_cq, recv_cq] {
+            if let Some(Some(c)) = eng.cqs.get_mut(cq) {
+                if !c.qps.contains(&id) {
+                    c.qps.push(id);
+                }
+            }
+        }
+        Ok((id, qpn))
+    }
+
+    /// Polls completion queue `cq`: up to `out.len()` completions; when it holds none, its QPs
+    /// are moved along first (so completions already there come back at once).
+    pub(crate) fn poll(&self, cq: usize, out: &mut [Wc]) -> usize {
+        let mut eng = self.eng.borrow_mut();
+        let eng = &mut *eng;
+        let need = eng
+            .cqs
+            .get(cq)
+            .and_then(|c| c.as_ref())
+            .map_or(0, |c| c.entries.len());
+        if need == 0 && !self.all_quiet(eng, cq) {
+            self.progress_cq(eng, cq);
+        }
+        let Some(Some(c)) = eng.cqs.get_mut(cq) else {
+            return 0;
+        };
+        let mut n = 0;
+        while n < out.len() {
+            let Some(wc) = c.entries.pop_front() else {
+                break;
+            };
+            out[n] = wc;
+            n += 1;
+        }
+        n
+    }
+
+    /// Nothing can have happened for `cq`: the fabric's epoch has not moved (no node came or
+    /// went) and every QP on it is [`QpSt::quiet`].
+    #[inline]
+    pub(super) fn all_quiet(&self, eng: &Engine, cq: usize) -> bool {
+        if self.node.fabric().epoch().load(Ordering::Relaxed) != eng.epoch {
+            return false;
+        }
+        let Some(Some(c)) = eng.cqs.get(cq) else {
+            return false;
+        };
+        c.qps
+            .iter()
+            .all(|&id| matches!(eng.qps.get(id), Some(Some(q)) if q.quiet()))
+    }
+
+    pub(crate) fn progress_cq(&self, eng: &mut Engine, cq: usize) {
+        let epoch = self.node.fabric().epoch().load(Ordering::Relaxed);
+        let epoch_moved = epoch != eng.epoch;
+        eng.epoch = epoch;
+        let env = Env {
+            node: &self.node,
+            transport: &*self.transport,
+            win: &self.win,
+            mrs: &eng.mrs,
+        };
+        let own_ok = !epoch_moved || self.node.check_current().is_ok();
+        for k in 0.. {
+            let Some(id) = eng
+                .cqs
+                .get(cq)
+                .and_then(|c| c.as_ref())
+                .and_then(|c| c.qps.get(k).copied())
+            else {
+                break;
+            };
+            let Some(Some(q)) = eng.qps.get_mut(id) else {
+                continue;
+            };
+            if epoch_moved {
+                if !own_ok && q.state != QpState::Err && q.state != QpState::Reset {
+                    q.fail_why(
+                        "this node went DOWN or restarted",
+                        WcStatus::WrFlushErr,
+                        &mut eng.cqs,
+                    );
+                    continue;
+                }
+                q.check_peer_node(&env);
+            }
+            q.progress(&env, &mut eng.cqs);
+        }
+    }
+}
+
+impl std::fmt::Debug for Ctx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("node", &self.node.slot())
+            .finish()
+    }
+}

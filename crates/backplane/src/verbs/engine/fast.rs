@@ -1,0 +1,309 @@
+//! The fast paths of `ibv_post_send`: one request, nothing queued ahead, executed at once
+//! (RDMA_WRITE, SEND, RDMA_READ and the atomics); anything else takes the general way.
+
+use super::*;
+
+impl QpSt {
+    /// A request posted now may run at once, on a fast path: RTS, nothing queued or waiting
+    /// for an RNR retry ahead of it, the peer there, a connected transport.
+    #[inline(always)]
+    pub(super) fn runs_now(&self) -> bool {
+        self.state == QpState::Rts
+            && self.exec == self.sq.len()
+            && self.rnr.is_none()
+            && !self.peer_gone
+            && self.ty != QpType::Ud
+    }
+
+    /// One request on its fast path (RDMA_WRITE, SEND, READ, atomics), or `false` with nothing
+    /// done: the caller then takes the general way, which also reports every error.
+    #[inline(always)]
+    pub(crate) fn post_one_fast(&mut self, wr: &SendWr<'_>, mrs: &MrTable, cqs: &mut Cqs) -> bool {
+        match wr.opcode {
+            WrOpcode::RdmaWrite => self.fast_rdma_write(wr, mrs, cqs),
+            WrOpcode::Send | WrOpcode::SendWithImm => self.fast_send(wr, mrs, cqs),
+            _ => self.fast_read_atomic(wr, mrs, cqs),
+        }
+    }
+
+    /// The RDMA_WRITE fast path — the latency-critical operation (a peer polling memory) — on
+    /// its own so it compiles to a short straight line: one request, nothing waiting ahead, a
+    /// single local range or inline data, the region last used for this QP's one-sided work,
+    /// the same checks as [`QpSt::fast_read_atomic`]. Anything else goes the general way.
+    #[inline(always)]
+    pub(super) fn fast_rdma_write(
+        &mut self,
+        wr: &SendWr<'_>,
+        mrs: &MrTable,
+        cqs: &mut Cqs,
+    ) -> bool {
+        let WrDetail::Rdma { remote_addr, rkey } = wr.wr else {
+            return false;
+        };
+        if !self.runs_now() {
+            return false;
+        }
+        let inline = wr.send_flags.contains(SendFlags::INLINE);
+        let local = if inline && !wr.inline_data.is_empty() {
+            if wr.inline_data.len() > self.cap.max_inline_data as usize {
+                return false;
+            }
+            Bytes::Slice(wr.inline_data)
+        } else {
+            let [one] = wr.sg_list else { return false };
+            if inline && one.length > self.cap.max_inline_data {
+                return false;
+            }
+            match resolve(mrs, self.pd, one, false) {
+                Ok(b) => b,
+                Err(_) => return false,
+            }
+        };
+        let len = local.len();
+        let Some(m) = self.remote.last() else {
+            return false;
+        };
+        // The line the write ends in (the one a peer polls) starts coming while the checks run.
+        let end_line = write_end(&*m.mem, remote_addr, len);
+        crate::sync::prefetch_write(end_line);
+        let Some(p) = &self.peer else { return false };
+        if m.key != rkey
+            || !m.valid()
+            || !remote_access_allowed(
+                m.mem.len(),
+                m.access,
+                // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
+                AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)),
+                AccessFlags::REMOTE_WRITE,
+                remote_addr,
+                len as u64,
+            )
+        {
+            return false;
+        }
+        // In bounds (checked just above) and granted writable (REMOTE_WRITE): cannot fail.
+        if Sink::put(&*m.mem, remote_addr, local, CopyKind::Ordered).is_err() {
+            return false;
+        }
+        self.write_hint = WriteHint {
+            rkey,
+            remote_addr,
+            line: end_line,
+        };
+        self.done_at_once(wr, WcOpcode::RdmaWrite, len, cqs);
+        true
+    }
+
+    /// A request a fast path carried out entirely: a signaled one completes now, or — if work
+    /// posted before it still waits for its acknowledgement — right after that work (in order).
+    #[inline(always)]
+    pub(super) fn done_at_once(
+        &mut self,
+        wr: &SendWr<'_>,
+        op: WcOpcode,
+        len: usize,
+        cqs: &mut Cqs,
+    ) {
+        if !self.signaled(wr.send_flags) {
+            return;
+        }
+        if self.sq.is_empty() {
+            let wc = self.wc(wr.wr_id, WcStatus::Success, op, len as u32);
+            push_cqe(cqs, self.send_cq, wc);
+        } else {
+            self.push_executed(wr, true, len as u32, SqSt::Done(WcStatus::Success));
+        }
+    }
+
+    /// The fast path of RDMA_READ and the atomics (RC): one request, nothing waiting ahead of
+    /// it, a single local range, a region already mapped. Anything else — including every
+    /// error — goes the general way (which reports it). RDMA_WRITE has its own,
+    /// [`QpSt::fast_rdma_write`].
+    #[inline(never)]
+    pub(super) fn fast_read_atomic(
+        &mut self,
+        wr: &SendWr<'_>,
+        mrs: &MrTable,
+        cqs: &mut Cqs,
+    ) -> bool {
+        let (remote_addr, rkey, need, wc_op) = match (wr.opcode, wr.wr) {
+            (WrOpcode::RdmaRead, WrDetail::Rdma { remote_addr, rkey }) => (
+                remote_addr,
+                rkey,
+                AccessFlags::REMOTE_READ,
+                WcOpcode::RdmaRead,
+            ),
+            (
+                WrOpcode::AtomicFetchAndAdd,
+                WrDetail::Atomic {
+                    remote_addr, rkey, ..
+                },
+            ) => (
+                remote_addr,
+                rkey,
+                AccessFlags::REMOTE_ATOMIC,
+                WcOpcode::FetchAdd,
+            ),
+            (
+                WrOpcode::AtomicCmpAndSwp,
+                WrDetail::Atomic {
+                    remote_addr, rkey, ..
+                },
+            ) => (
+                remote_addr,
+                rkey,
+                AccessFlags::REMOTE_ATOMIC,
+                WcOpcode::CompSwap,
+            ),
+            _ => return false,
+        };
+        // UC has neither: the general way refuses them.
+        if !self.runs_now() || self.ty == QpType::Uc {
+            return false;
+        }
+        let [one] = wr.sg_list else { return false };
+        let Ok(Bytes::Span(local, local_off, len)) = resolve(mrs, self.pd, one, true) else {
+            return false;
+        };
+        if wr.send_flags.contains(SendFlags::INLINE) && len > self.cap.max_inline_data as usize {
+            return false;
+        }
+        let atomic = matches!(wc_op, WcOpcode::FetchAdd | WcOpcode::CompSwap);
+        if atomic && (len != 8 || !remote_addr.is_multiple_of(8)) {
+            return false;
+        }
+        let Some(m) = self.remote.last().filter(|m| m.key == rkey) else {
+            return false;
+        };
+        let Some(p) = &self.peer else { return false };
+        if !m.valid()
+            || !remote_access_allowed(
+                m.mem.len(),
+                m.access,
+                // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
+                AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)),
+                need,
+                remote_addr,
+                len as u64,
+            )
+        {
+            return false;
+        }
+        // Ranges checked just above (atomics only on regions granted writable, which
+        // REMOTE_ATOMIC regions are); an error here means a check disagreed: the general way.
+        let done = match (wc_op, wr.wr) {
+            (WcOpcode::RdmaRead, _) => {
+                m.mem
+                    .get(remote_addr, local, local_off, len, CopyKind::Plain)
+            }
+            (
+                op,
+                WrDetail::Atomic {
+                    compare_add, swap, ..
+                },
+            ) => if op == WcOpcode::FetchAdd {
+                m.mem.fetch_add(remote_addr, compare_add)
+            } else {
+                m.mem.compare_swap(remote_addr, compare_add, swap)
+            }
+            .and_then(|old| local.write(local_off, &old.to_le_bytes())),
+            _ => return false,
+        };
+        if done.is_err() {
+            return false;
+        }
+        self.done_at_once(wr, wc_op, len, cqs);
+        true
+    }
+
+    /// The SEND fast path (RC/UC): one request, nothing waiting ahead, one source range or
+    /// inline data, one fragment, a credit and ring room at hand. Anything else goes the
+    /// general way. Kept out of line so the one-sided path stays small (registers, spills).
+    #[inline(never)]
+    pub(super) fn fast_send(&mut self, wr: &SendWr<'_>, mrs: &MrTable, cqs: &mut Cqs) -> bool {
+        let mop = match wr.opcode {
+            WrOpcode::Send => MsgOp::Send,
+            WrOpcode::SendWithImm => MsgOp::SendImm,
+            _ => return false,
+        };
+        if !matches!(wr.wr, WrDetail::None) || !self.runs_now() {
+            return false;
+        }
+        let inline = wr.send_flags.contains(SendFlags::INLINE);
+        let src = match (inline, wr.inline_data, wr.sg_list) {
+            (true, d, _) if !d.is_empty() => Bytes::Slice(d),
+            (_, _, [one]) => match resolve(mrs, self.pd, one, false) {
+                Ok(b) => b,
+                Err(_) => return false,
+            },
+            _ => return false,
+        };
+        let len = src.len();
+        if len > FRAG || (inline && len > self.cap.max_inline_data as usize) {
+            return false;
+        }
+        let rc = self.ty == QpType::Rc;
+        if rc && self.used_credits >= self.credits {
+            if let Some(o) = &self.own {
+                // SYNC POINT qp-credits (acquire).
+                self.credits = self.credits.max(o.credits.load(Ordering::Acquire));
+            }
+            if self.used_credits >= self.credits {
+                return false;
+            }
+        }
+        let Some(p) = &self.peer else { return false };
+        let Ok(r) = self.prod.reserve(&p.out, HDR + len) else {
+            return false;
+        };
+        let solicited = if wr.send_flags.contains(SendFlags::SOLICITED) {
+            MSG_SOLICITED
+        } else {
+            0
+        };
+        let mut hdr = [0u8; HDR];
+        MsgRepr {
+            op: mop,
+            flags: MSG_FIRST | MSG_LAST | solicited,
+            imm: wr.imm_data,
+            msg_len: len as u32,
+            frag_off: 0,
+            ack: self.cons.head(),
+            credits: self.rq_posted,
+        }
+        .emit(&mut MsgHeader::new_unchecked(&mut hdr[..]));
+        // The reservation covers HDR + len bytes at r.pos, ours until commit.
+        p.out.write(r.pos, &hdr);
+        let _ = src.copy_to(&p.out.data, r.pos + HDR as u64, false);
+        self.prod.commit(&p.out, r);
+        self.send_hint = [
+            // The ring's data length is a power of two; if a peer lied about it, this is a
+            // wrong hint, not a wrong access (it is never dereferenced).
+            p.out
+                .data
+                .addr(self.prod.tail() & p.out.data.len().wrapping_sub(1)),
+            std::ptr::from_ref::<AtomicU64>(&p.out.tail).cast::<u8>(),
+        ];
+        if rc {
+            self.used_credits += 1;
+        }
+        let msg = self.msgs_out;
+        self.msgs_out += 1;
+        self.ring_peer();
+        if rc {
+            let signaled = self.signaled(wr.send_flags);
+            self.push_executed(
+                wr,
+                signaled,
+                len as u32,
+                SqSt::Ack {
+                    end: self.prod.tail(),
+                    msg,
+                },
+            );
+        } else {
+            self.done_at_once(wr, WcOpcode::Send, len, cqs);
+        }
+        true
+    }
+}

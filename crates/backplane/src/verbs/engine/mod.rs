@@ -1,0 +1,759 @@
+//! The engine behind a device context: memory region tables, completion queues and queue
+//! pairs, and the code that executes work requests and turns inbound messages into
+//! completions. Single-threaded by design (one `RefCell` per context, no lock on the data
+//! path); everything read from shared memory is validated.
+//!
+//! How each operation moves data:
+//! - RDMA_WRITE / RDMA_READ / atomics execute at post time, in the initiator's process, on its
+//!   mapping of the peer's region (granted by the supervisor): one copy, the one-sided model.
+//!   A WRITE stores its last 8 bytes after the rest, so a peer polling the last byte sees the
+//!   whole payload (what perftest-style code relies on with real HCAs).
+//! - SEND / SEND_WITH_IMM / the notification of RDMA_WRITE_WITH_IMM are records in the QP
+//!   ring in the responder's window; the responder copies them into its posted receive when it
+//!   polls (its receive buffers need only LOCAL_WRITE, as on hardware). Messages above 64 KiB
+//!   travel as several fragments.
+//! - RC reliability: the responder's consumer index, written back into the requester's QP
+//!   block, is the acknowledgement; a SEND completes when it is acknowledged. Credits (the
+//!   responder's posted-receive count, written into the requester's block and piggybacked on
+//!   every message) tell an RC requester whether a receive is waiting; with none it waits
+//!   `min_rnr_timer` per retry, `rnr_retry` times, as after an RNR NAK.
+//!
+//! Where things are: this file holds the QP's types (`QpSt` and what it is made of, the one
+//! operation type `Op`) and the small helpers every part uses; [`memory`] the region tables and
+//! the gather/scatter copies; [`cq`] completion queues; [`fast`] the post-time fast paths;
+//! [`requester`] the general posting and execution of send requests; [`reliability`] acks,
+//! credits, RNR and NAKs on the requester side; [`responder`] inbound messages into receives;
+//! [`ud`] datagram QPs; [`state`] progress, `modify`, connect, reset, watches, destroy;
+//! [`context`] the context (QP creation, CQ polling).
+#![forbid(unsafe_code)]
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::channel::{ChannelShared, Watch};
+use super::fsm;
+use super::types::*;
+use crate::dgram::{Addr, DgramError, Endpoint, Wait};
+use crate::fabric::ctl::{Request, Response};
+use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
+use crate::fabric::{FabricError, Node};
+use crate::mem::{MemError, Region, Span, Word32, Word64};
+use crate::ring::{Consumer, Producer, RingError, RingMemory};
+use crate::sync::{fence, AtomicU64, Ordering};
+use crate::transport::{CopyKind, GrantRequest, RemoteRegion, Transport};
+use crate::wire::verbs::*;
+
+/// Payload bytes per message fragment (one ring record).
+pub(crate) const FRAG: usize = 64 * 1024;
+const HDR: usize = 32;
+/// Polls without inbound traffic before a QP reads the words its peer writes into its block.
+const IDLE_LOOK: u32 = 512;
+/// Remote regions a QP keeps mapped.
+const REMOTE_CACHE: usize = 64;
+
+// ---------------------------------------------------------------------------------------------
+// The QP ring's memory.
+// ---------------------------------------------------------------------------------------------
+
+/// Ring memory of one direction of a QP pair: data and producer index in the receiver's block,
+/// consumer index in the sender's block.
+#[derive(Debug)]
+struct QRing {
+    tail: Word64,
+    head: Word64,
+    data: Span,
+}
+
+impl RingMemory for QRing {
+    fn data_len(&self) -> u64 {
+        self.data.len()
+    }
+    fn load_tail(&self) -> u64 {
+        self.tail.load(Ordering::Acquire)
+    }
+    fn store_tail(&self, v: u64) {
+        self.tail.store(v, Ordering::Release)
+    }
+    fn load_head(&self) -> u64 {
+        self.head.load(Ordering::Acquire)
+    }
+    fn store_head(&self, v: u64) {
+        self.head.store(v, Ordering::Release)
+    }
+    fn write(&self, pos: u64, src: &[u8]) {
+        // Out of range is unreachable: the ring protocol validated the range.
+        let _ = self.data.write(pos, src);
+    }
+    fn read(&self, pos: u64, dst: &mut [u8]) {
+        if self.data.read(pos, dst).is_err() {
+            dst.fill(0);
+        }
+    }
+    fn prefetch(&self, pos: u64) {
+        self.data.prefetch(pos);
+    }
+}
+
+mod context;
+mod cq;
+mod fast;
+mod memory;
+mod reliability;
+mod requester;
+mod responder;
+mod state;
+mod ud;
+
+pub(crate) use context::{Ctx, Engine, QpSpec};
+use cq::*;
+pub(crate) use cq::{CqState, Cqs};
+use memory::*;
+pub(crate) use memory::{LocalMr, MrTable};
+
+// ---------------------------------------------------------------------------------------------
+// Queue pairs.
+// ---------------------------------------------------------------------------------------------
+
+/// A scatter/gather list kept by the engine (two entries inline, more on the heap).
+#[derive(Debug, Clone)]
+enum SgeList {
+    Small([Sge; 2], u8),
+    Heap(Vec<Sge>),
+}
+
+impl SgeList {
+    fn new(s: &[Sge]) -> Self {
+        if s.len() <= 2 {
+            let mut a = [Sge::default(); 2];
+            a[..s.len()].copy_from_slice(s);
+            Self::Small(a, s.len() as u8)
+        } else {
+            Self::Heap(s.to_vec())
+        }
+    }
+    fn as_slice(&self) -> &[Sge] {
+        match self {
+            Self::Small(a, n) => &a[..*n as usize],
+            Self::Heap(v) => v,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RqEntry {
+    wr_id: u64,
+    sges: SgeList,
+    total: u64,
+}
+
+/// A send work request as the engine runs it: the opcode and its parameters, with the
+/// payload's source `S` — borrowed from the caller's request ([`OpView`], the usual case,
+/// executed at once) or owned while the request waits in the send queue ([`Work`]). One type,
+/// so the two forms cannot disagree on what a request carries.
+#[derive(Debug, Clone, Copy)]
+struct Op<S> {
+    opcode: WrOpcode,
+    src: S,
+    imm: u32,
+    solicited: bool,
+    remote_addr: u64,
+    rkey: u32,
+    compare_add: u64,
+    swap: u64,
+    ud: Option<(u32, u32, u32)>,
+}
+
+/// A request executed from the caller's memory.
+type OpView<'a> = Op<Src<'a>>;
+/// A request that waits in the send queue: its gather list or inline bytes copied.
+type Work = Op<OwnedSrc>;
+
+/// The payload source of a queued request.
+#[derive(Debug, Clone)]
+enum OwnedSrc {
+    Sges(SgeList),
+    Inline(Vec<u8>),
+}
+
+impl<S> Op<S> {
+    /// The parameters of `wr`, with the payload from `src`.
+    fn of(wr: &SendWr<'_>, src: S) -> Self {
+        let mut v = Self {
+            opcode: wr.opcode,
+            src,
+            imm: wr.imm_data,
+            solicited: wr.send_flags.contains(SendFlags::SOLICITED),
+            remote_addr: 0,
+            rkey: 0,
+            compare_add: 0,
+            swap: 0,
+            ud: None,
+        };
+        match wr.wr {
+            WrDetail::None => {}
+            WrDetail::Rdma { remote_addr, rkey } => {
+                v.remote_addr = remote_addr;
+                v.rkey = rkey;
+            }
+            WrDetail::Atomic {
+                remote_addr,
+                compare_add,
+                swap,
+                rkey,
+            } => {
+                v.remote_addr = remote_addr;
+                v.rkey = rkey;
+                v.compare_add = compare_add;
+                v.swap = swap;
+            }
+            WrDetail::Ud {
+                ah,
+                remote_qpn,
+                remote_qkey,
+            } => v.ud = Some((ah.slot, remote_qpn, remote_qkey)),
+        }
+        v
+    }
+
+    /// The same request with another payload source.
+    fn with_src<T>(&self, src: T) -> Op<T> {
+        Op {
+            opcode: self.opcode,
+            src,
+            imm: self.imm,
+            solicited: self.solicited,
+            remote_addr: self.remote_addr,
+            rkey: self.rkey,
+            compare_add: self.compare_add,
+            swap: self.swap,
+            ud: self.ud,
+        }
+    }
+}
+
+impl Work {
+    fn from_wr(wr: &SendWr<'_>) -> Self {
+        let src = if wr.send_flags.contains(SendFlags::INLINE) && !wr.inline_data.is_empty() {
+            OwnedSrc::Inline(wr.inline_data.to_vec())
+        } else {
+            OwnedSrc::Sges(SgeList::new(wr.sg_list))
+        };
+        Op::of(wr, src)
+    }
+
+    /// The request as the executing code takes it.
+    fn view(&self) -> OpView<'_> {
+        self.with_src(match &self.src {
+            OwnedSrc::Inline(d) => Src::Inline(d),
+            OwnedSrc::Sges(l) => Src::Sges(l.as_slice()),
+        })
+    }
+}
+
+/// How far a send got before it had to wait.
+#[derive(Debug, Clone, Copy, Default)]
+struct Progress {
+    started: bool,
+    pushed: u64,
+    msg: u64,
+}
+
+#[derive(Debug)]
+enum SqSt {
+    Pending(Box<(Work, Progress)>),
+    Ack { end: u64, msg: u64 },
+    Done(WcStatus),
+}
+
+#[derive(Debug)]
+struct SqEntry {
+    wr_id: u64,
+    opcode: WrOpcode,
+    signaled: bool,
+    byte_len: u32,
+    st: SqSt,
+}
+
+enum Exec {
+    Done(WcStatus),
+    Ack {
+        end: u64,
+        msg: u64,
+    },
+    Full,
+    Rnr,
+    /// The QP must go to ERR with this status for the work request.
+    Fatal(WcStatus),
+}
+
+#[derive(Debug)]
+struct OwnBlock {
+    off: u64,
+    ack: Word64,
+    credits: Word64,
+    nak: Word64,
+    peer_err: Word32,
+    peer_rnr: Word32,
+    access: Word32,
+    tail: Word64,
+    /// The inbound ring's data area.
+    data: Span,
+}
+
+struct PeerLink {
+    slot: u32,
+    qpn: u32,
+    generation: u32,
+    credits: Word64,
+    nak: Word64,
+    peer_err: Word32,
+    rnr: Word32,
+    access: Word32,
+    ev_bell: Word32,
+    ev_armed: Word32,
+    out: QRing,
+    inr: QRing,
+}
+
+#[derive(Debug)]
+struct InMsg {
+    wqe: Option<RqEntry>,
+    op: MsgOp,
+    imm: u32,
+    msg_len: u32,
+    status: WcStatus,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Rnr {
+    left: u8,
+    next: Instant,
+}
+
+pub(crate) struct QpSt {
+    /// Where the last fast-path RDMA_WRITE went, for the handle's early prefetch.
+    pub(crate) write_hint: WriteHint,
+    /// Where the next SEND goes (the ring's next record and its producer index), for the
+    /// handle's early prefetch; never dereferenced.
+    pub(crate) send_hint: [*const u8; 2],
+    pub(crate) qpn: u32,
+    pub(crate) ty: QpType,
+    pub(crate) state: QpState,
+    pd: u32,
+    pub(crate) send_cq: usize,
+    pub(crate) recv_cq: usize,
+    sig_all: bool,
+    pub(crate) cap: QpCap,
+    pub(crate) attr: QpAttr,
+    own: Option<OwnBlock>,
+    peer: Option<PeerLink>,
+    prod: Producer,
+    cons: Consumer,
+    sq: VecDeque<SqEntry>,
+    exec: usize,
+    rq: VecDeque<RqEntry>,
+    rq_posted: u64,
+    credits: u64,
+    used_credits: u64,
+    acked: u64,
+    rnr: Option<Rnr>,
+    inbound: Option<InMsg>,
+    msgs_in: u64,
+    msgs_out: u64,
+    bell_pending: bool,
+    peer_gone: bool,
+    ud: Option<Endpoint>,
+    remote: Vec<Rc<RemoteMr>>,
+    /// Messages dropped: UC/UD without a receive, bad Q_Key, malformed datagrams.
+    pub(crate) drops: u64,
+    /// Why the QP went to ERR when no work request was to blame (the async event of
+    /// libibverbs, `IBV_EVENT_QP_FATAL`).
+    pub(crate) error: Option<&'static str>,
+    /// Polls in a row that found no inbound message: the peer-written words (acks, peer
+    /// gone) are read only when they cannot arrive piggybacked, to keep from pulling the
+    /// cache line the peer is about to write on every poll.
+    idle: u32,
+    /// The last progress took a message and left the send side for this one.
+    settle_later: bool,
+    /// How far piggybacked acknowledgements reached.
+    acked_piggy: u64,
+    /// Posted-receive count last written into the peer's block.
+    published: u64,
+}
+
+/// What every QP operation needs from its context.
+pub(crate) struct Env<'a> {
+    pub(crate) node: &'a Node,
+    pub(crate) transport: &'a dyn Transport,
+    pub(crate) win: &'a Arc<Region>,
+    pub(crate) mrs: &'a MrTable,
+}
+
+impl QpSt {
+    fn signaled(&self, flags: SendFlags) -> bool {
+        self.sig_all || flags.contains(SendFlags::SIGNALED)
+    }
+
+    fn wc(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode, byte_len: u32) -> Wc {
+        Wc {
+            wr_id,
+            status,
+            opcode,
+            byte_len,
+            qp_num: self.qpn,
+            ..Wc::default()
+        }
+    }
+
+    /// Rings the peer context's bell if its channel sleeps (after our stores are visible).
+    fn ring_peer(&mut self) {
+        self.bell_pending = false;
+        if let Some(p) = &self.peer {
+            // SYNC POINT qp-bell (sender): ring/ack stores are visible before we read `armed`.
+            fence(Ordering::SeqCst);
+            if p.ev_armed.load(Ordering::Relaxed) != 0 {
+                crate::sync::ring(&p.ev_bell);
+            }
+        }
+    }
+
+    pub(crate) fn flush_bell_pub(&mut self) {
+        self.publish_credits();
+        self.flush_bell();
+    }
+
+    fn flush_bell(&mut self) {
+        if self.bell_pending {
+            self.ring_peer();
+        }
+    }
+
+    /// Takes the QP to ERR for a reason that is no work request's, and records the reason.
+    pub(crate) fn fail_why(&mut self, why: &'static str, status: WcStatus, cqs: &mut Cqs) {
+        if self.error.is_none() {
+            self.error = Some(why);
+        }
+        self.fail(None, status, cqs);
+    }
+
+    /// Takes the QP to ERR: every unfinished send completes (the one at `failed` with
+    /// `status`, the others with WR_FLUSH_ERR), every receive is flushed, the peer is told.
+    fn fail(&mut self, failed: Option<usize>, status: WcStatus, cqs: &mut Cqs) {
+        let entries: Vec<SqEntry> = self.sq.drain(..).collect();
+        for (i, e) in entries.into_iter().enumerate() {
+            let st = match e.st {
+                SqSt::Done(s) => s,
+                _ if Some(i) == failed => status,
+                _ => WcStatus::WrFlushErr,
+            };
+            if st != WcStatus::Success || e.signaled {
+                let wc = self.wc(e.wr_id, st, wc_opcode(e.opcode), e.byte_len);
+                push_cqe(cqs, self.send_cq, wc);
+            }
+        }
+        self.exec = 0;
+        self.flush_rq(cqs);
+        self.rnr = None;
+        if self.state != QpState::Err {
+            self.state = QpState::Err;
+            if let Some(p) = &self.peer {
+                // SYNC POINT qp-peer-gone (release): our acks and NAKs are visible before the flag.
+                p.peer_err.store(1, Ordering::Release);
+                if !self.peer_gone {
+                    crate::sync::ring(&p.ev_bell);
+                }
+            }
+        }
+    }
+
+    fn flush_rq(&mut self, cqs: &mut Cqs) {
+        if let Some(m) = self.inbound.take() {
+            if let Some(w) = m.wqe {
+                let wc = self.wc(w.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
+                push_cqe(cqs, self.recv_cq, wc);
+            }
+        }
+        while let Some(w) = self.rq.pop_front() {
+            let wc = self.wc(w.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
+            push_cqe(cqs, self.recv_cq, wc);
+        }
+    }
+
+    fn check_wr(&self, wr: &SendWr<'_>) -> Result<(), VerbsError> {
+        use WrOpcode::*;
+        let ok = match self.ty {
+            QpType::Rc => true,
+            QpType::Uc => matches!(wr.opcode, Send | SendWithImm | RdmaWrite | RdmaWriteWithImm),
+            QpType::Ud => matches!(wr.opcode, Send | SendWithImm),
+        };
+        if !ok {
+            return Err(VerbsError::inval(format!(
+                "{:?} is not available on a {:?} QP",
+                wr.opcode, self.ty
+            )));
+        }
+        if wr.sg_list.len() > self.cap.max_send_sge as usize {
+            return Err(VerbsError::inval(format!(
+                "{} scatter/gather entries exceed max_send_sge {}",
+                wr.sg_list.len(),
+                self.cap.max_send_sge
+            )));
+        }
+        let detail_ok = match (wr.opcode, wr.wr) {
+            (Send | SendWithImm, WrDetail::None) => self.ty != QpType::Ud,
+            (Send | SendWithImm, WrDetail::Ud { .. }) => self.ty == QpType::Ud,
+            (RdmaWrite | RdmaWriteWithImm | RdmaRead, WrDetail::Rdma { .. }) => true,
+            (AtomicCmpAndSwp | AtomicFetchAndAdd, WrDetail::Atomic { .. }) => true,
+            _ => false,
+        };
+        if !detail_ok {
+            return Err(VerbsError::inval(format!(
+                "{:?} needs {} (wr field)",
+                wr.opcode,
+                match wr.opcode {
+                    Send | SendWithImm if self.ty == QpType::Ud => "WrDetail::Ud",
+                    Send | SendWithImm => "WrDetail::None",
+                    RdmaWrite | RdmaWriteWithImm | RdmaRead => "WrDetail::Rdma",
+                    _ => "WrDetail::Atomic",
+                }
+            )));
+        }
+        if wr.send_flags.contains(SendFlags::INLINE) {
+            let n = if wr.inline_data.is_empty() {
+                wr.sg_list.iter().map(|s| u64::from(s.length)).sum::<u64>()
+            } else {
+                wr.inline_data.len() as u64
+            };
+            if n > u64::from(self.cap.max_inline_data)
+                || matches!(wr.opcode, RdmaRead | AtomicCmpAndSwp | AtomicFetchAndAdd)
+            {
+                return Err(VerbsError::inval(format!(
+                    "inline {:?} of {n} bytes (max_inline_data {})",
+                    wr.opcode, self.cap.max_inline_data
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The bytes a SEND of `len` bytes takes in the ring from its record's start (record header,
+/// message header, payload).
+#[inline(always)]
+pub(crate) fn send_record_len(len: usize) -> usize {
+    crate::wire::RECORD_HEADER_LEN as usize + HDR + len
+}
+
+/// Where a QP's last fast-path RDMA_WRITE went: a WRITE to the same `(rkey, remote_addr)`
+/// prefetches `line` for writing before anything else. A hint only: it may be stale (the
+/// region gone), so it is only ever prefetched (which never faults), never dereferenced.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WriteHint {
+    pub(crate) rkey: u32,
+    pub(crate) remote_addr: u64,
+    pub(crate) line: *const u8,
+}
+
+impl WriteHint {
+    pub(crate) const NONE: WriteHint = WriteHint {
+        rkey: 0,
+        remote_addr: u64::MAX,
+        line: std::ptr::null(),
+    };
+}
+
+/// The address of the last byte an RDMA_WRITE of `len` bytes at `remote_addr` lands on, in a
+/// region mapped at `base` — for a prefetch only: computed with wrapping arithmetic, it may
+/// point anywhere (a prefetch does not fault) and must not be dereferenced.
+#[inline(always)]
+pub(crate) fn write_end(mem: &dyn RemoteRegion, remote_addr: u64, len: usize) -> *const u8 {
+    mem.hint_addr(0)
+        .wrapping_add((remote_addr as usize).wrapping_add(len).wrapping_sub(1))
+}
+
+fn byte_len_of(wr: &SendWr<'_>) -> u32 {
+    match wr.opcode {
+        WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => 8,
+        _ if wr.send_flags.contains(SendFlags::INLINE) && !wr.inline_data.is_empty() => {
+            wr.inline_data.len() as u32
+        }
+        _ => wr.sg_list.iter().map(|s| s.length).sum(),
+    }
+}
+
+fn wc_opcode(op: WrOpcode) -> WcOpcode {
+    match op {
+        WrOpcode::Send | WrOpcode::SendWithImm => WcOpcode::Send,
+        WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => WcOpcode::RdmaWrite,
+        WrOpcode::RdmaRead => WcOpcode::RdmaRead,
+        WrOpcode::AtomicCmpAndSwp => WcOpcode::CompSwap,
+        WrOpcode::AtomicFetchAndAdd => WcOpcode::FetchAdd,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn region_mr(pd: u32, len: usize, access: AccessFlags) -> (LocalMr, Arc<Region>) {
+        let r = Arc::new(Region::create("bp-test-mr", len).unwrap());
+        let mr = LocalMr {
+            pd,
+            access,
+            data: Span::whole(&r),
+        };
+        (mr, r)
+    }
+
+    #[test]
+    fn the_region_table_finds_keys_and_forgets_removed_ones_even_when_cached() {
+        let mut t = MrTable::default();
+        let (a, _) = region_mr(1, 4096, AccessFlags::LOCAL_WRITE);
+        let (b, _) = region_mr(1, 8192, AccessFlags::empty());
+        t.insert(7, a);
+        t.insert(9, b);
+        assert_eq!(t.get(7).unwrap().data.len(), 4096);
+        assert_eq!(t.get(9).unwrap().data.len(), 8192);
+        assert_eq!(t.get(9).unwrap().data.len(), 8192, "cached");
+        t.remove(9);
+        assert!(
+            t.get(9).is_none(),
+            "a removed key must not survive in the cache"
+        );
+        assert!(t.get(0).is_none());
+        let (c, _) = region_mr(2, 4096, AccessFlags::empty());
+        t.insert(11, c);
+        assert_eq!(t.get(11).unwrap().pd, 2, "slots are reused");
+    }
+
+    #[test]
+    fn scatter_gather_entries_are_checked_for_key_domain_bounds_and_write_access() {
+        let mut t = MrTable::default();
+        let (rw, _) = region_mr(1, 4096, AccessFlags::LOCAL_WRITE);
+        let (ro, _) = region_mr(1, 4096, AccessFlags::empty());
+        t.insert(1, rw);
+        t.insert(2, ro);
+        let sge = |lkey, addr, length| Sge { addr, length, lkey };
+        assert!(resolve(&t, 1, &sge(1, 4000, 96), true).is_ok());
+        assert_eq!(
+            resolve(&t, 1, &sge(1, 4000, 97), true).err(),
+            Some(WcStatus::LocProtErr)
+        );
+        assert_eq!(
+            resolve(&t, 1, &sge(1, u64::MAX, 2), false).err(),
+            Some(WcStatus::LocProtErr)
+        );
+        assert_eq!(
+            resolve(&t, 1, &sge(3, 0, 1), false).err(),
+            Some(WcStatus::LocProtErr)
+        );
+        assert_eq!(
+            resolve(&t, 2, &sge(1, 0, 1), false).err(),
+            Some(WcStatus::LocProtErr),
+            "other PD"
+        );
+        assert!(resolve(&t, 1, &sge(2, 0, 8), false).is_ok());
+        assert_eq!(
+            resolve(&t, 1, &sge(2, 0, 8), true).err(),
+            Some(WcStatus::LocProtErr)
+        );
+        assert_eq!(
+            check_sges(&t, 1, &[sge(1, 0, 10), sge(2, 0, 5)], false),
+            Ok(15)
+        );
+    }
+
+    #[test]
+    fn gather_and_scatter_walk_several_entries_from_any_message_offset() {
+        let mut t = MrTable::default();
+        let (a, ra) = region_mr(1, 4096, AccessFlags::LOCAL_WRITE);
+        t.insert(1, a);
+        ra.write(0, b"0123456789abcdef").unwrap();
+        let sges = [
+            Sge {
+                addr: 0,
+                length: 4,
+                lkey: 1,
+            },
+            Sge {
+                addr: 8,
+                length: 8,
+                lkey: 1,
+            },
+        ];
+        let mut out = [0u8; 10];
+        // Offset 2 + 10 = 12 bytes, all inside the entries.
+        let (b, rb) = region_mr(1, 64, AccessFlags::LOCAL_WRITE);
+        Src::Sges(&sges).gather_to(&t, 1, 2, 10, &b.data, 3);
+        rb.read(3, &mut out).unwrap();
+        assert_eq!(&out, b"2389abcdef");
+        let mut first = [0u8; 6];
+        Src::Sges(&sges).gather_into(&t, 1, &mut first);
+        assert_eq!(&first, b"012389");
+        scatter(&t, 1, &sges, 1, Bytes::Slice(b"XYZUVW"));
+        let mut back = [0u8; 16];
+        ra.read(0, &mut back).unwrap();
+        assert_eq!(
+            &back,
+            b"0XYZ4567UVW"[..]
+                .iter()
+                .chain(b"bcdef")
+                .copied()
+                .collect::<Vec<_>>()
+                .as_slice()
+        );
+    }
+
+    #[test]
+    fn an_ordered_write_lands_whole_for_every_length() {
+        let mut t = MrTable::default();
+        let (a, ra) = region_mr(1, 8192, AccessFlags::LOCAL_WRITE);
+        t.insert(1, a);
+        let (d, rd) = region_mr(1, 8192, AccessFlags::LOCAL_WRITE);
+        for n in [0usize, 1, 7, 8, 9, 64, 4096] {
+            let src: Vec<u8> = (0..n).map(|i| i as u8 ^ 0x5a).collect();
+            ra.write(100, &src).unwrap();
+            let one = [Sge {
+                addr: 100,
+                length: n as u32,
+                lkey: 1,
+            }];
+            let two = [
+                Sge {
+                    addr: 100,
+                    length: (n / 2) as u32,
+                    lkey: 1,
+                },
+                Sge {
+                    addr: 100 + (n / 2) as u64,
+                    length: (n - n / 2) as u32,
+                    lkey: 1,
+                },
+            ];
+            let (_, resolved) = prepare(&t, 1, Src::Sges(&one)).unwrap();
+            for (how, s) in [
+                ("inline", Src::Inline(&src)),
+                ("one range", resolved),
+                ("two entries", Src::Sges(&two)),
+            ] {
+                d.data.fill(0, 8192, 0).unwrap();
+                ordered_write(&s, &t, 1, &d.data, 5, n);
+                let mut got = vec![0u8; n];
+                rd.read(5, &mut got).unwrap();
+                assert_eq!(got, src, "{n} bytes from {how}");
+            }
+        }
+    }
+
+    #[test]
+    fn small_sge_lists_stay_inline_and_large_ones_spill() {
+        let s = [Sge::default(); 3];
+        assert!(matches!(SgeList::new(&s[..2]), SgeList::Small(_, 2)));
+        assert_eq!(SgeList::new(&s[..1]).as_slice().len(), 1);
+        assert!(matches!(SgeList::new(&s), SgeList::Heap(_)));
+        assert_eq!(SgeList::new(&s).as_slice().len(), 3);
+    }
+}

@@ -1,0 +1,488 @@
+//! The general way of `ibv_post_send` and `ibv_post_recv`: checking, queueing and executing
+//! every request kind, one-sided operations through the transport, messages into the ring.
+
+use super::*;
+
+impl QpSt {
+    /// `ibv_post_send` the general way (every request kind, lists, errors).
+    pub(crate) fn post_send(
+        &mut self,
+        wrs: &[SendWr<'_>],
+        env: &Env<'_>,
+        cqs: &mut Cqs,
+    ) -> Result<(), VerbsError> {
+        for (i, wr) in wrs.iter().enumerate() {
+            let bad = |e: VerbsError| VerbsError::Post {
+                bad_wr: i,
+                source: Box::new(e),
+            };
+            match self.state {
+                QpState::Rts => {}
+                QpState::Err => {
+                    let wc = self.wc(wr.wr_id, WcStatus::WrFlushErr, wc_opcode(wr.opcode), 0);
+                    push_cqe(cqs, self.send_cq, wc);
+                    continue;
+                }
+                s => {
+                    return Err(bad(VerbsError::inval(format!(
+                        "post_send on a QP in {s:?}"
+                    ))))
+                }
+            }
+            self.check_wr(wr).map_err(bad)?;
+            if self.sq.len() >= self.cap.max_send_wr as usize {
+                return Err(bad(VerbsError::QueueFull(format!(
+                    "{} send work requests outstanding (max_send_wr)",
+                    self.sq.len()
+                ))));
+            }
+            let signaled = self.signaled(wr.send_flags);
+            let byte_len = byte_len_of(wr);
+            if self.exec == self.sq.len() && self.rnr.is_none() {
+                // Nothing waits ahead of this request: run it now, without copying it.
+                let src = match (wr.send_flags.contains(SendFlags::INLINE), wr.inline_data) {
+                    (true, d) if !d.is_empty() => Src::Inline(d),
+                    _ => Src::Sges(wr.sg_list),
+                };
+                let op = OpView::of(wr, src);
+                let mut prog = Progress::default();
+                let r = self.execute(&op, &mut prog, env);
+                match r {
+                    Exec::Done(st) if self.sq.is_empty() => {
+                        if st != WcStatus::Success || signaled {
+                            let wc = self.wc(wr.wr_id, st, wc_opcode(wr.opcode), byte_len);
+                            push_cqe(cqs, self.send_cq, wc);
+                        }
+                        continue;
+                    }
+                    Exec::Fatal(st) => {
+                        self.sq.push_back(SqEntry {
+                            wr_id: wr.wr_id,
+                            opcode: wr.opcode,
+                            signaled,
+                            byte_len,
+                            st: SqSt::Pending(Box::new((Work::from_wr(wr), prog))),
+                        });
+                        let at = self.sq.len() - 1;
+                        self.fail(Some(at), st, cqs);
+                        continue;
+                    }
+                    Exec::Done(st) => {
+                        self.push_executed(wr, signaled, byte_len, SqSt::Done(st));
+                    }
+                    Exec::Ack { end, msg } => {
+                        self.push_executed(wr, signaled, byte_len, SqSt::Ack { end, msg });
+                    }
+                    Exec::Full | Exec::Rnr => {
+                        if matches!(r, Exec::Rnr) {
+                            self.start_rnr();
+                        }
+                        self.sq.push_back(SqEntry {
+                            wr_id: wr.wr_id,
+                            opcode: wr.opcode,
+                            signaled,
+                            byte_len,
+                            st: SqSt::Pending(Box::new((Work::from_wr(wr), prog))),
+                        });
+                    }
+                }
+            } else {
+                self.sq.push_back(SqEntry {
+                    wr_id: wr.wr_id,
+                    opcode: wr.opcode,
+                    signaled,
+                    byte_len,
+                    st: SqSt::Pending(Box::new((Work::from_wr(wr), Progress::default()))),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn push_executed(
+        &mut self,
+        wr: &SendWr<'_>,
+        signaled: bool,
+        byte_len: u32,
+        st: SqSt,
+    ) {
+        self.sq.push_back(SqEntry {
+            wr_id: wr.wr_id,
+            opcode: wr.opcode,
+            signaled,
+            byte_len,
+            st,
+        });
+        self.exec = self.sq.len();
+    }
+
+    pub(crate) fn post_recv(
+        &mut self,
+        wrs: &[RecvWr<'_>],
+        cqs: &mut Cqs,
+    ) -> Result<(), VerbsError> {
+        let was_empty = self.rq.is_empty();
+        for (i, wr) in wrs.iter().enumerate() {
+            let bad = |e: VerbsError| VerbsError::Post {
+                bad_wr: i,
+                source: Box::new(e),
+            };
+            match self.state {
+                QpState::Reset => {
+                    return Err(bad(VerbsError::inval("post_recv on a QP in Reset")));
+                }
+                QpState::Err => {
+                    let wc = self.wc(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
+                    push_cqe(cqs, self.recv_cq, wc);
+                    continue;
+                }
+                _ => {}
+            }
+            if wr.sg_list.len() > self.cap.max_recv_sge as usize {
+                return Err(bad(VerbsError::inval(format!(
+                    "{} scatter/gather entries exceed max_recv_sge {}",
+                    wr.sg_list.len(),
+                    self.cap.max_recv_sge
+                ))));
+            }
+            if self.rq.len() >= self.cap.max_recv_wr as usize {
+                return Err(bad(VerbsError::QueueFull(format!(
+                    "{} receive work requests outstanding (max_recv_wr)",
+                    self.rq.len()
+                ))));
+            }
+            self.rq.push_back(RqEntry {
+                wr_id: wr.wr_id,
+                sges: SgeList::new(wr.sg_list),
+                total: wr.sg_list.iter().map(|s| u64::from(s.length)).sum(),
+            });
+            self.rq_posted += 1;
+        }
+        // Credits travel piggybacked on our messages; the peer's block is written when the
+        // queue was empty (the peer may be waiting), every eighth of the queue, and when a
+        // poll finds nothing to do.
+        let batch = u64::from((self.cap.max_recv_wr / 8).max(1));
+        if was_empty {
+            // The peer may be waiting for a receive (RNR), perhaps asleep: wake it.
+            self.publish_credits();
+            self.ring_peer();
+        } else if self.rq_posted - self.published >= batch {
+            self.publish_credits();
+        }
+        Ok(())
+    }
+
+    pub(super) fn execute(&mut self, op: &OpView<'_>, prog: &mut Progress, env: &Env<'_>) -> Exec {
+        use WrOpcode::*;
+        if self.peer_gone && self.ty != QpType::Ud {
+            return Exec::Fatal(WcStatus::RetryExcErr);
+        }
+        match op.opcode {
+            Send | SendWithImm if self.ty == QpType::Ud => self.exec_ud(op, env),
+            Send | SendWithImm => self.exec_send(op, prog, env),
+            RdmaWrite | RdmaWriteWithImm => self.exec_write(op, prog, env),
+            RdmaRead => self.exec_read(op, env),
+            AtomicCmpAndSwp | AtomicFetchAndAdd => self.exec_atomic(op, env),
+        }
+    }
+
+    /// Takes a credit (RC), refreshing the view of the peer's posted receives if needed.
+    pub(super) fn take_credit(&mut self) -> bool {
+        if self.ty != QpType::Rc {
+            return true;
+        }
+        if self.used_credits >= self.credits {
+            if let Some(o) = &self.own {
+                // SYNC POINT qp-credits (acquire).
+                self.credits = self.credits.max(o.credits.load(Ordering::Acquire));
+            }
+            if self.used_credits >= self.credits {
+                return false;
+            }
+        }
+        self.used_credits += 1;
+        true
+    }
+
+    pub(super) fn exec_send(
+        &mut self,
+        op: &OpView<'_>,
+        prog: &mut Progress,
+        env: &Env<'_>,
+    ) -> Exec {
+        let (total, src) = match prepare(env.mrs, self.pd, op.src) {
+            Ok(t) => t,
+            Err(s) => return Exec::Fatal(s),
+        };
+        let op = &op.with_src(src);
+        if total > u64::from(MAX_MSG) {
+            return Exec::Fatal(WcStatus::LocLenErr);
+        }
+        let mop = if op.opcode == WrOpcode::SendWithImm {
+            MsgOp::SendImm
+        } else {
+            MsgOp::Send
+        };
+        if !prog.started {
+            if !self.take_credit() {
+                return Exec::Rnr;
+            }
+            prog.started = true;
+            prog.msg = self.msgs_out;
+            self.msgs_out += 1;
+        }
+        match self.push_message(mop, op, total, prog, env) {
+            Ok(true) => {}
+            Ok(false) => return Exec::Full,
+            Err(s) => return Exec::Fatal(s),
+        }
+        self.ring_peer();
+        match self.ty {
+            QpType::Rc => Exec::Ack {
+                end: self.prod.tail(),
+                msg: prog.msg,
+            },
+            _ => Exec::Done(WcStatus::Success),
+        }
+    }
+
+    /// Pushes the rest of a message into the peer's ring. `Ok(false)`: the ring is full.
+    pub(super) fn push_message(
+        &mut self,
+        mop: MsgOp,
+        op: &OpView<'_>,
+        total: u64,
+        prog: &mut Progress,
+        env: &Env<'_>,
+    ) -> Result<bool, WcStatus> {
+        let Some(p) = &self.peer else {
+            return Err(WcStatus::LocQpOpErr);
+        };
+        let payload = mop != MsgOp::WriteImm;
+        loop {
+            let frag = if payload {
+                (total - prog.pushed).min(FRAG as u64) as usize
+            } else {
+                0
+            };
+            let r = match self.prod.reserve(&p.out, HDR + frag) {
+                Ok(r) => r,
+                Err(RingError::Full) => return Ok(false),
+                Err(_) => return Err(WcStatus::LocQpOpErr),
+            };
+            let first = prog.pushed == 0;
+            let last = !payload || prog.pushed + frag as u64 == total;
+            let mut flags = 0;
+            if first {
+                flags |= MSG_FIRST;
+            }
+            if last {
+                flags |= MSG_LAST;
+                if op.solicited {
+                    flags |= MSG_SOLICITED;
+                }
+            }
+            let mut h = [0u8; HDR];
+            MsgRepr {
+                op: mop,
+                flags,
+                imm: op.imm,
+                msg_len: total as u32,
+                frag_off: if payload { prog.pushed as u32 } else { 0 },
+                ack: self.cons.head(),
+                credits: self.rq_posted,
+            }
+            .emit(&mut MsgHeader::new_unchecked(&mut h[..]));
+            p.out.write(r.pos, &h);
+            if frag > 0 {
+                // The reservation covers HDR + frag bytes at r.pos, inside the ring; the
+                // source was validated by `prepare` in this same call.
+                op.src.gather_to(
+                    env.mrs,
+                    self.pd,
+                    prog.pushed,
+                    frag,
+                    &p.out.data,
+                    r.pos + HDR as u64,
+                );
+            }
+            self.prod.commit(&p.out, r);
+            prog.pushed += frag as u64;
+            if last {
+                return Ok(true);
+            }
+        }
+    }
+
+    /// The peer's region `rkey`, granted and mapped on first use; None → REM_ACCESS_ERR.
+    pub(super) fn remote_mr(&mut self, rkey: u32, env: &Env<'_>) -> Option<Rc<RemoteMr>> {
+        if let Some(i) = self.remote.iter().rposition(|m| m.key == rkey) {
+            if self.remote[i].valid() {
+                let m = self.remote.remove(i);
+                self.remote.push(m.clone()); // most recently used last (the fast path's)
+                return Some(m);
+            }
+            self.remote.remove(i);
+            return None;
+        }
+        let mem = env.transport.map_region(GrantRequest::ThroughQp {
+            slot: env.node.slot(),
+            qpn: self.qpn,
+            rkey,
+        })?;
+        let m = Rc::new(RemoteMr {
+            key: rkey,
+            access: AccessFlags::from_bits_retain(mem.access_bits()),
+            mem,
+        });
+        if self.remote.len() >= REMOTE_CACHE {
+            self.remote.remove(0);
+        }
+        self.remote.push(m.clone());
+        Some(m)
+    }
+
+    /// Checks a one-sided access: region valid and allowing `need`, the peer QP accepting it,
+    /// `[addr, addr+len)` inside the region.
+    pub(super) fn remote_access(
+        &mut self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: AccessFlags,
+        env: &Env<'_>,
+    ) -> Result<Rc<RemoteMr>, WcStatus> {
+        let peer_access = self
+            .peer
+            .as_ref()
+            // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
+            .map(|p| AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)))
+            .ok_or(WcStatus::LocQpOpErr)?;
+        let m = self.remote_mr(rkey, env).ok_or(WcStatus::RemAccessErr)?;
+        if !remote_access_allowed(m.mem.len(), m.access, peer_access, need, addr, len) {
+            return Err(WcStatus::RemAccessErr);
+        }
+        Ok(m)
+    }
+
+    pub(super) fn exec_write(
+        &mut self,
+        op: &OpView<'_>,
+        prog: &mut Progress,
+        env: &Env<'_>,
+    ) -> Exec {
+        let (total, src) = match prepare(env.mrs, self.pd, op.src) {
+            Ok(t) => t,
+            Err(s) => return Exec::Fatal(s),
+        };
+        let op = &op.with_src(src);
+        let imm = op.opcode == WrOpcode::RdmaWriteWithImm;
+        if !prog.started {
+            let m = match self.remote_access(
+                op.rkey,
+                op.remote_addr,
+                total,
+                AccessFlags::REMOTE_WRITE,
+                env,
+            ) {
+                Ok(m) => m,
+                Err(s) => return Exec::Fatal(s),
+            };
+            if imm {
+                if !self.take_credit() {
+                    return Exec::Rnr;
+                }
+                prog.msg = self.msgs_out;
+                self.msgs_out += 1;
+            }
+            prog.started = true;
+            // [remote_addr, +total) is inside the region (remote_access checked the bounds;
+            // REMOTE_WRITE regions are granted writable); the source was validated by `prepare`.
+            ordered_write(
+                &op.src,
+                env.mrs,
+                self.pd,
+                &*m.mem,
+                op.remote_addr,
+                total as usize,
+            );
+        }
+        if !imm {
+            return Exec::Done(WcStatus::Success);
+        }
+        match self.push_message(MsgOp::WriteImm, op, total, prog, env) {
+            Ok(true) => {}
+            Ok(false) => return Exec::Full,
+            Err(s) => return Exec::Fatal(s),
+        }
+        self.ring_peer();
+        match self.ty {
+            QpType::Rc => Exec::Ack {
+                end: self.prod.tail(),
+                msg: prog.msg,
+            },
+            _ => Exec::Done(WcStatus::Success),
+        }
+    }
+
+    pub(super) fn exec_read(&mut self, op: &OpView<'_>, env: &Env<'_>) -> Exec {
+        let Src::Sges(sges) = op.src else {
+            return Exec::Fatal(WcStatus::LocProtErr);
+        };
+        let total = match check_sges(env.mrs, self.pd, sges, true) {
+            Ok(t) => t,
+            Err(s) => return Exec::Fatal(s),
+        };
+        let m = match self.remote_access(
+            op.rkey,
+            op.remote_addr,
+            total,
+            AccessFlags::REMOTE_READ,
+            env,
+        ) {
+            Ok(m) => m,
+            Err(s) => return Exec::Fatal(s),
+        };
+        // [remote_addr, +total) is inside the region (checked); the local entries were
+        // validated writable.
+        walk_sges(env.mrs, self.pd, sges, 0, total as usize, true, |at, b| {
+            if let Bytes::Span(dst, dst_off, n) = b {
+                let _ = m
+                    .mem
+                    .get(op.remote_addr + at as u64, dst, dst_off, n, CopyKind::Plain);
+            }
+        });
+        Exec::Done(WcStatus::Success)
+    }
+
+    pub(super) fn exec_atomic(&mut self, op: &OpView<'_>, env: &Env<'_>) -> Exec {
+        let Src::Sges(sges) = op.src else {
+            return Exec::Fatal(WcStatus::LocProtErr);
+        };
+        match check_sges(env.mrs, self.pd, sges, true) {
+            Ok(8) => {}
+            Ok(_) => return Exec::Fatal(WcStatus::LocLenErr),
+            Err(s) => return Exec::Fatal(s),
+        }
+        if !op.remote_addr.is_multiple_of(8) {
+            return Exec::Fatal(WcStatus::RemAccessErr);
+        }
+        let m =
+            match self.remote_access(op.rkey, op.remote_addr, 8, AccessFlags::REMOTE_ATOMIC, env) {
+                Ok(m) => m,
+                Err(s) => return Exec::Fatal(s),
+            };
+        let old = if op.opcode == WrOpcode::AtomicFetchAndAdd {
+            m.mem.fetch_add(op.remote_addr, op.compare_add)
+        } else {
+            m.mem.compare_swap(op.remote_addr, op.compare_add, op.swap)
+        };
+        let Ok(old) = old else {
+            return Exec::Fatal(WcStatus::RemAccessErr);
+        };
+        let b = old.to_le_bytes();
+        // The entries were validated writable and hold exactly 8 bytes.
+        scatter(env.mrs, self.pd, sges, 0, Bytes::Slice(&b));
+        Exec::Done(WcStatus::Success)
+    }
+}

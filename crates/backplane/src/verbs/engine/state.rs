@@ -1,0 +1,359 @@
+//! A QP's life: progress, the state machine (`modify`), connecting to the peer's block,
+//! reset, what a completion channel watches, destruction.
+
+use super::*;
+
+impl QpSt {
+    /// Everything a poll does for this QP: inbound messages, acknowledgements, waiting work.
+    pub(crate) fn progress(&mut self, env: &Env<'_>, cqs: &mut Cqs) {
+        self.flush_bell();
+        self.idle = self.idle.saturating_add(1);
+        match self.state {
+            QpState::Rtr | QpState::Rts => {}
+            QpState::Init | QpState::Reset if self.ty == QpType::Ud => {
+                self.drain_ud_dropping();
+                return;
+            }
+            _ => return,
+        }
+        if self.ty == QpType::Ud {
+            self.drive_rx_ud(env, cqs);
+        } else {
+            self.drive_rx(env, cqs);
+        }
+        if self.idle > 0 {
+            self.publish_credits();
+        } else if !self.settle_later
+            && self.ty != QpType::Ud
+            && cqs
+                .get(self.send_cq)
+                .is_some_and(|c| c.as_ref().is_some_and(|c| c.channel.is_none()))
+        {
+            // A receive just completed and whoever polls is waiting for it: the send side
+            // (typically the SEND this very message acknowledged) can wait for the next poll
+            // — once, so a stream of messages cannot hold it back, and not on a CQ with a
+            // completion channel, whose waiter sleeps until a watched word moves (an ack
+            // already seen will not). The send queue is not empty or there is nothing to do,
+            // so that next poll comes here ([`QpSt::quiet`] is false).
+            self.settle_later = true;
+            return;
+        }
+        self.settle_later = false;
+        if self.state == QpState::Rts && !self.sq.is_empty() {
+            // Idle for a while (about 5-10 µs of polls) or the send queue filling up.
+            let look = self.idle >= IDLE_LOOK || self.sq.len() * 2 >= self.cap.max_send_wr as usize;
+            if look && self.ty != QpType::Ud && !self.peer_gone {
+                if let Some(o) = &self.own {
+                    // SYNC POINT qp-peer-gone (acquire): the peer's acks and NAKs before the
+                    // flag are seen.
+                    if o.peer_err.load(Ordering::Acquire) != 0 {
+                        self.peer_gone = true;
+                    }
+                }
+            }
+            self.complete_acked(cqs, look);
+            if self.exec < self.sq.len() {
+                self.drive_sq(env, cqs);
+                self.complete_acked(cqs, false);
+            }
+        }
+    }
+
+    /// True when [`QpSt::progress`] would find nothing to do: a connected QP with no send work
+    /// outstanding, no doorbell or credits to publish, and nothing in its inbound ring (UD
+    /// QPs always take the full look). An empty poll then costs a few loads, so a thread
+    /// polling for a message sees it sooner.
+    #[inline]
+    pub(super) fn quiet(&self) -> bool {
+        if self.ty == QpType::Ud {
+            return false;
+        }
+        if !matches!(self.state, QpState::Rtr | QpState::Rts) {
+            return true; // progress returns at once in every other state
+        }
+        if self.bell_pending || !self.sq.is_empty() || self.published != self.rq_posted {
+            return false;
+        }
+        match &self.peer {
+            None => true,
+            // SYNC POINT ring-publish (acquire, in is_drained): as in drive_rx.
+            Some(p) => self.cons.is_drained(&p.inr),
+        }
+    }
+
+    /// The peer's node went DOWN or restarted.
+    pub(crate) fn check_peer_node(&mut self, env: &Env<'_>) {
+        let Some(p) = &self.peer else { return };
+        if !env
+            .transport
+            .peer(p.slot)
+            .is_some_and(|s| s.is_live(p.generation))
+        {
+            self.peer_gone = true;
+        }
+    }
+
+    pub(crate) fn peer_slot(&self) -> Option<(u32, u32)> {
+        self.peer.as_ref().map(|p| (p.slot, p.generation))
+    }
+
+    pub(crate) fn modify(
+        &mut self,
+        attr: &QpAttr,
+        mask: QpAttrMask,
+        env: &Env<'_>,
+        cqs: &mut Cqs,
+    ) -> Result<(), VerbsError> {
+        let next = fsm::check(self.ty, self.state, attr, mask).map_err(VerbsError::inval)?;
+        if next == QpState::Rtr && self.ty != QpType::Ud {
+            self.connect(attr, env)?;
+        }
+        self.apply_attrs(attr, mask);
+        match next {
+            QpState::Err => {
+                self.fail_why("moved to ERR by modify", WcStatus::WrFlushErr, cqs);
+            }
+            QpState::Reset => self.reset(env),
+            _ => {}
+        }
+        if let Some(o) = &self.own {
+            o.access
+                // SYNC POINT qp-access (release): requesters read the flags before each
+                // one-sided operation.
+                .store(self.attr.qp_access_flags.bits(), Ordering::Release);
+        }
+        self.state = next;
+        Ok(())
+    }
+
+    pub(super) fn apply_attrs(&mut self, a: &QpAttr, m: QpAttrMask) {
+        let t = &mut self.attr;
+        let set = |f: QpAttrMask| m.contains(f);
+        if set(QpAttrMask::ACCESS_FLAGS) {
+            t.qp_access_flags = a.qp_access_flags;
+        }
+        if set(QpAttrMask::PKEY_INDEX) {
+            t.pkey_index = a.pkey_index;
+        }
+        if set(QpAttrMask::PORT) {
+            t.port_num = a.port_num;
+        }
+        if set(QpAttrMask::QKEY) {
+            t.qkey = a.qkey;
+        }
+        if set(QpAttrMask::AV) {
+            t.ah_attr = a.ah_attr;
+        }
+        if set(QpAttrMask::PATH_MTU) {
+            t.path_mtu = a.path_mtu;
+        }
+        if set(QpAttrMask::TIMEOUT) {
+            t.timeout = a.timeout;
+        }
+        if set(QpAttrMask::RETRY_CNT) {
+            t.retry_cnt = a.retry_cnt;
+        }
+        if set(QpAttrMask::RNR_RETRY) {
+            t.rnr_retry = a.rnr_retry;
+        }
+        if set(QpAttrMask::RQ_PSN) {
+            t.rq_psn = a.rq_psn;
+        }
+        if set(QpAttrMask::SQ_PSN) {
+            t.sq_psn = a.sq_psn;
+        }
+        if set(QpAttrMask::MAX_QP_RD_ATOMIC) {
+            t.max_rd_atomic = a.max_rd_atomic;
+        }
+        if set(QpAttrMask::MAX_DEST_RD_ATOMIC) {
+            t.max_dest_rd_atomic = a.max_dest_rd_atomic;
+        }
+        if set(QpAttrMask::MIN_RNR_TIMER) {
+            t.min_rnr_timer = a.min_rnr_timer;
+            if let Some(p) = &self.peer {
+                p.rnr
+                    .store(u32::from(a.min_rnr_timer) + 1, Ordering::Relaxed);
+            }
+        }
+        if set(QpAttrMask::DEST_QPN) {
+            t.dest_qp_num = a.dest_qp_num;
+        }
+    }
+
+    /// INIT → RTR of an RC/UC QP: find the peer's block through the supervisor and wire the
+    /// two rings.
+    pub(super) fn connect(&mut self, a: &QpAttr, env: &Env<'_>) -> Result<(), VerbsError> {
+        let fabric = env.node.fabric();
+        let dest_slot = u32::from(a.ah_attr.dlid);
+        if dest_slot == 0 || dest_slot > fabric.nodes() {
+            return Err(VerbsError::inval(format!(
+                "LID {dest_slot} is no node of fabric '{}' (1..={})",
+                fabric.name(),
+                fabric.nodes()
+            )));
+        }
+        let (resp, _) = fabric.call(&Request::Verbs(VerbsRequest::ConnectQp {
+            slot: env.node.slot(),
+            qpn: self.qpn,
+            dest_slot,
+            dest_qpn: a.dest_qp_num,
+        }))?;
+        let Response::Verbs(VerbsResponse::QpConnected {
+            block_off,
+            generation,
+        }) = resp
+        else {
+            return Err(FabricError::Protocol(format!("{resp:?}")).into());
+        };
+        let pw = fabric.window(dest_slot)?;
+        let mut h = [0u8; 64];
+        pw.read(block_off, &mut h)?;
+        let r =
+            QpBlockRepr::parse(&QpBlockHeader::new_unchecked(&h[..])).map_err(FabricError::from)?;
+        if r.qpn != a.dest_qp_num || r.slot != dest_slot || r.qp_type != self.ty as u32 {
+            return Err(FabricError::Protocol("peer QP block does not match".into()).into());
+        }
+        pw.check(block_off, QpBlockRepr::footprint(r.ring_len), 64)?;
+        let own = self
+            .own
+            .as_ref()
+            .ok_or_else(|| VerbsError::inval("QP has no block"))?;
+        let at32 = |o: usize| Word32::at(&pw, block_off + o as u64);
+        let at64 = |o: usize| Word64::at(&pw, block_off + o as u64);
+        let peer = PeerLink {
+            slot: dest_slot,
+            qpn: a.dest_qp_num,
+            generation,
+            credits: at64(QP_CREDITS_OFF)?,
+            nak: at64(QP_NAK_OFF)?,
+            peer_err: at32(QP_PEER_ERR_OFF)?,
+            rnr: at32(QP_PEER_RNR_OFF)?,
+            access: at32(QP_ACCESS_OFF)?,
+            ev_bell: Word32::at(&pw, r.event_off + EV_BELL_OFF as u64)?,
+            ev_armed: Word32::at(&pw, r.event_off + EV_ARMED_OFF as u64)?,
+            out: QRing {
+                tail: at64(QP_TAIL_OFF)?,
+                head: own.ack.clone(),
+                data: {
+                    let d = Span::new(&pw, block_off + QP_RING_OFF, r.ring_len.into())?;
+                    d.populate(true);
+                    d
+                },
+            },
+            inr: QRing {
+                tail: own.tail.clone(),
+                head: at64(QP_ACK_OFF)?,
+                data: own.data.clone(),
+            },
+        };
+        peer.rnr
+            .store(u32::from(a.min_rnr_timer) + 1, Ordering::Relaxed);
+        // SYNC POINT qp-credits (release): receives posted before the connection count.
+        peer.credits.store(self.rq_posted, Ordering::Release);
+        self.published = self.rq_posted;
+        self.peer = Some(peer);
+        self.prod = Producer::new();
+        self.cons = Consumer::new();
+        self.peer_gone = false;
+        Ok(())
+    }
+
+    pub(super) fn reset(&mut self, env: &Env<'_>) {
+        if let Some(p) = self.peer.take() {
+            // SYNC POINT qp-peer-gone (release): as in `fail`.
+            p.peer_err.store(1, Ordering::Release);
+        }
+        self.sq.clear();
+        self.rq.clear();
+        self.exec = 0;
+        self.inbound = None;
+        self.rnr = None;
+        self.rq_posted = 0;
+        self.credits = 0;
+        self.used_credits = 0;
+        self.acked = 0;
+        self.msgs_in = 0;
+        self.msgs_out = 0;
+        self.peer_gone = false;
+        self.bell_pending = false;
+        self.idle = 0;
+        self.acked_piggy = 0;
+        self.published = 0;
+        self.remote.clear();
+        self.prod = Producer::new();
+        self.cons = Consumer::new();
+        if let Some(o) = &self.own {
+            let _ = env.win.zero(o.off + QP_ACK_OFF as u64, 64);
+            // SYNC POINT ring-publish (release): a reset ring has published nothing.
+            o.tail.store(0, Ordering::Release);
+        }
+        self.attr = QpAttr {
+            cap: self.cap,
+            ..QpAttr::default()
+        };
+    }
+
+    /// What the completion channel watches for this QP.
+    pub(crate) fn watches(&self, out: &mut Vec<Watch>) {
+        if let Some(o) = &self.own {
+            out.push(Watch::Moved {
+                word: o.tail.clone(),
+                // SYNC POINT ring-publish (acquire, watched): what the peer published so far.
+                seen: o.tail.load(Ordering::Acquire),
+            });
+            // SYNC POINT qp-ack (acquire, watched).
+            let ack = o.ack.load(Ordering::Acquire);
+            // Work waiting for an acknowledgement the peer already gave (polls look at the ack
+            // word only every so often, see `complete_acked`) must wake the channel at once:
+            // compare with what this QP has taken in, not with the word as it is now, or the
+            // watcher sleeps through an ack that moved before arming.
+            let waiting = self
+                .sq
+                .front()
+                .is_some_and(|e| matches!(e.st, SqSt::Ack { end, .. } if end > self.acked));
+            out.push(Watch::Moved {
+                word: o.ack.clone(),
+                seen: if waiting { ack.min(self.acked) } else { ack },
+            });
+            out.push(Watch::Flag(o.peer_err.clone()));
+            if self.rnr.is_some() {
+                out.push(Watch::Moved {
+                    word: o.credits.clone(),
+                    // SYNC POINT qp-credits (acquire, watched).
+                    seen: o.credits.load(Ordering::Acquire),
+                });
+            }
+        }
+        if let Some(ep) = &self.ud {
+            let (bell, armed) = ep.doorbell_words();
+            // Senders ring a UD QP's endpoint only while it is armed: keep it armed while a
+            // channel watches (each datagram then costs its sender one wake-up call).
+            armed.store(1, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+            // SYNC POINT qp-bell (watch): the doorbell value peers bump after publishing.
+            let seen = bell.load(Ordering::Acquire);
+            out.push(Watch::Bell { word: bell, seen });
+        }
+    }
+
+    pub(crate) fn destroy(&mut self, env: &Env<'_>) {
+        if let Some(p) = self.peer.take() {
+            // SYNC POINT qp-peer-gone (release): our last acks and NAKs are visible before the flag.
+            p.peer_err.store(1, Ordering::Release);
+            crate::sync::ring(&p.ev_bell);
+        }
+        if self.own.is_some() {
+            let _ = env
+                .node
+                .fabric()
+                .call(&Request::Verbs(VerbsRequest::DestroyQp {
+                    slot: env.node.slot(),
+                    qpn: self.qpn,
+                }));
+        }
+    }
+
+    pub(crate) fn query_cap(&self) -> QpCap {
+        self.cap
+    }
+}
