@@ -148,6 +148,7 @@ impl ShmRing {
     /// The caller owns that range under the ring protocol (reserved by the producer or peeked
     /// by the consumer) and drops the slice before commit/release.
     #[allow(clippy::mut_from_ref)]
+    #[inline]
     unsafe fn slice_mut(&self, pos: u64, len: usize) -> &mut [u8] {
         // SAFETY: exclusivity per the contract; the protocol validated the range, and if it
         // did not, `bytes_mut` refuses it and the caller gets an empty slice.
@@ -156,30 +157,38 @@ impl ShmRing {
 }
 
 impl RingMemory for ShmRing {
+    #[inline]
     fn data_len(&self) -> u64 {
         self.data.len()
     }
+    #[inline]
     fn load_tail(&self) -> u64 {
         self.tail.load(Ordering::Acquire)
     }
+    #[inline]
     fn store_tail(&self, v: u64) {
         self.tail.store(v, Ordering::Release)
     }
+    #[inline]
     fn load_head(&self) -> u64 {
         self.head.load(Ordering::Acquire)
     }
+    #[inline]
     fn store_head(&self, v: u64) {
         self.head.store(v, Ordering::Release)
     }
+    #[inline]
     fn write(&self, pos: u64, src: &[u8]) {
         // Out of range is unreachable: the protocol validated the range.
         let _ = self.data.write(pos, src);
     }
+    #[inline]
     fn read(&self, pos: u64, dst: &mut [u8]) {
         if self.data.read(pos, dst).is_err() {
             dst.fill(0); // unreachable: the protocol validated the range
         }
     }
+    #[inline]
     fn prefetch(&self, pos: u64) {
         self.data.prefetch(pos);
     }
@@ -403,6 +412,7 @@ impl Endpoint {
         self.publish_stats();
     }
 
+    #[inline]
     fn publish_stats(&self) {
         let s = [
             self.stats.sent,
@@ -416,6 +426,7 @@ impl Endpoint {
         }
     }
 
+    #[inline]
     fn check_open(&self) -> Result<(), DgramError> {
         if self.closed.load(Ordering::Acquire) != 0 {
             return Err(DgramError::Closed(self.addr));

@@ -541,8 +541,8 @@ fn copy_piece(src: &End, dst: &End, off: u64, n: usize, stream: bool) -> Result<
         (End::Local(s), End::Remote(r, base)) => r.put(base + off, s, off, n, how),
         (End::Remote(r, base), End::Local(d)) => r.get(base + off, d, off, n, how),
         // Between two peers: direct where the transport maps both here (shared memory).
-        (End::Remote(a, sa), End::Remote(b, sb)) => match (a.local_span(), b.local_span()) {
-            (Some(s), Some(d)) => spans(s, sa + off, d, sb + off),
+        (End::Remote(a, sa), End::Remote(b, sb)) => match (a.local(), b.local()) {
+            (Some((s, _)), Some((d, _))) => spans(s, sa + off, d, sb + off),
             _ => Err(MemError::ReadOnly),
         },
     }

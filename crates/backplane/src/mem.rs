@@ -136,6 +136,7 @@ impl Region {
     }
 
     /// True if mapped read-write.
+    #[inline(always)]
     pub fn writable(&self) -> bool {
         self.writable
     }
@@ -460,6 +461,7 @@ impl Span {
     }
 
     /// As [`Span::copy_to`], storing the last 8 bytes last (see [`Span::write_ordered`]).
+    #[inline(always)]
     pub fn copy_to_ordered(
         &self,
         off: u64,
@@ -529,6 +531,7 @@ impl Span {
     }
 
     /// The byte at `off`, read with a volatile load (for polling a byte a peer writes).
+    #[inline(always)]
     pub fn load_volatile(&self, off: u64) -> Result<u8, MemError> {
         let o = self.check(off, 1)?;
         // SAFETY: inside the live span (checked); a volatile read of a byte is never torn.
@@ -536,6 +539,7 @@ impl Span {
     }
 
     /// The `AtomicU64` at `off` (in bounds and 8-aligned, or an error), borrowed from the span.
+    #[inline(always)]
     pub fn u64_at(&self, off: u64) -> Result<&AtomicU64, MemError> {
         let o = self.check(off, 8)?;
         let p = self.ptr.as_ptr().wrapping_add(o);
@@ -588,6 +592,7 @@ impl Span {
 
     /// The address of byte `off`, for hints and for handing to C callers; never dereferenced
     /// by Rust code outside this module.
+    #[inline(always)]
     pub fn addr(&self, off: u64) -> *const u8 {
         self.ptr.as_ptr().wrapping_add(off as usize)
     }

@@ -31,7 +31,7 @@ pub mod shm;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::mem::{MemError, Span};
+use crate::mem::{MemError, Span, Word32};
 use crate::wire::NodeState;
 
 /// How a copy into a peer's memory is made.
@@ -113,17 +113,12 @@ pub trait RemoteRegion: Send + Sync + fmt::Debug {
     /// Atomically replaces the 8-aligned u64 at `off` with `swap` if it equals `compare`;
     /// returns the old value either way.
     fn compare_swap(&self, off: u64, compare: u64, swap: u64) -> Result<u64, MemError>;
-    /// A hint that `off` is about to be written (a cache-line prefetch on shared memory;
-    /// nothing on a network). Never faults, whatever `off`.
-    fn prefetch_write(&self, _off: u64) {}
-    /// The address `off` would have in this process, for hints only (never dereferenced):
-    /// null where the region is not mapped here.
-    fn hint_addr(&self, _off: u64) -> *const u8 {
-        std::ptr::null()
-    }
-    /// The region's bytes as a span of this process, where the transport maps peers' memory
-    /// (shared memory): lets a copy between two peers' regions go direct. `None` elsewhere.
-    fn local_span(&self) -> Option<&Span> {
+    /// Where the transport maps peers' memory into this process (shared memory): the region's
+    /// bytes as a span and the word that holds [`crate::wire::verbs::MR_STATE_VALID`] while
+    /// the region is registered. A path may use them directly — a copy between two peers'
+    /// regions, or a latency-critical operation that must not pay an indirect call per check
+    /// — and must then check the word before each access as `valid` does. `None` elsewhere.
+    fn local(&self) -> Option<(&Span, &Word32)> {
         None
     }
 }

@@ -168,14 +168,7 @@ impl RemoteRegion for ShmRegion {
             },
         )
     }
-    #[inline]
-    fn prefetch_write(&self, off: u64) {
-        self.data.prefetch_write(off);
-    }
-    fn hint_addr(&self, off: u64) -> *const u8 {
-        self.data.addr(off)
-    }
-    fn local_span(&self) -> Option<&Span> {
-        Some(&self.data)
+    fn local(&self) -> Option<(&Span, &Word32)> {
+        Some((&self.data, &self.state))
     }
 }

@@ -406,6 +406,7 @@ impl Mr {
     /// completions (receives, READ results) change the bytes: read after the completion that
     /// says so, as with any RDMA buffer. The region is reached by copy, never lent out as a
     /// `&[u8]`: other processes may write it at any time, which no Rust reference allows.
+    #[inline]
     pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemError> {
         self.data.read(offset, dst)
     }
@@ -416,15 +417,18 @@ impl Mr {
         Ok(v)
     }
     /// Copies `src` into the region at `offset`.
+    #[inline]
     pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), MemError> {
         self.data.write(offset, src)
     }
     /// Sets `len` bytes at `offset` to `byte`.
+    #[inline]
     pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<(), MemError> {
         self.data.fill(offset, len, byte)
     }
     /// The byte at `offset`, read with a volatile load: for polling memory a peer writes (a
     /// WRITE stores its last 8 bytes last, so a changed last byte means the whole payload).
+    #[inline]
     pub fn load_volatile(&self, offset: u64) -> Result<u8, MemError> {
         self.data.load_volatile(offset)
     }
@@ -434,16 +438,19 @@ impl Mr {
     /// Nobody writes the range while the slice lives: neither a peer (the range was handed
     /// over by a completion and not yet given back — reposted, or announced as free to the
     /// peer) nor this process (no receive or READ completes into it meanwhile).
+    #[inline]
     pub unsafe fn bytes(&self, offset: u64, len: usize) -> Result<&[u8], MemError> {
         // SAFETY: the caller's contract is `Span::bytes`'s.
         unsafe { self.data.bytes(offset, len) }
     }
     /// The region's bytes as a span, for copies between regions without a bounce buffer.
+    #[inline]
     pub fn span(&self) -> &Span {
         &self.data
     }
     /// Address of byte 0, for C callers (`ibv_mr.addr`); Rust code reaches the bytes through
     /// the copies above.
+    #[inline]
     pub fn as_ptr(&self) -> *mut u8 {
         self.data.addr(0).cast_mut()
     }

@@ -60,17 +60,24 @@ impl QpSt {
             }
         };
         let len = local.len();
-        let Some(m) = self.remote.last() else {
+        // The fast path reaches the region directly (mapped here by the shared-memory
+        // transport); any other transport takes the general way, through the trait.
+        let Some((m, d)) = self
+            .remote
+            .last()
+            .and_then(|m| Some((m, m.direct.as_ref()?)))
+        else {
             return false;
         };
         // The line the write ends in (the one a peer polls) starts coming while the checks run.
-        let end_line = write_end(&*m.mem, remote_addr, len);
+        let end_line = write_end(&d.data, remote_addr, len);
         crate::sync::prefetch_write(end_line);
         let Some(p) = &self.peer else { return false };
         if m.key != rkey
-            || !m.valid()
+            // SYNC POINT mr-state (acquire): the owner's deregistration, seen before each access.
+            || d.state.load(Ordering::Acquire) != MR_STATE_VALID
             || !remote_access_allowed(
-                m.mem.len(),
+                m.len,
                 m.access,
                 // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
                 AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)),
@@ -82,7 +89,7 @@ impl QpSt {
             return false;
         }
         // In bounds (checked just above) and granted writable (REMOTE_WRITE): cannot fail.
-        if Sink::put(&*m.mem, remote_addr, local, CopyKind::Ordered).is_err() {
+        if local.copy_to(&d.data, remote_addr, true).is_err() {
             return false;
         }
         self.write_hint = WriteHint {
@@ -172,13 +179,19 @@ impl QpSt {
         if atomic && (len != 8 || !remote_addr.is_multiple_of(8)) {
             return false;
         }
-        let Some(m) = self.remote.last().filter(|m| m.key == rkey) else {
+        let Some((m, d)) = self
+            .remote
+            .last()
+            .filter(|m| m.key == rkey)
+            .and_then(|m| Some((m, m.direct.as_ref()?)))
+        else {
             return false;
         };
         let Some(p) = &self.peer else { return false };
-        if !m.valid()
+        // SYNC POINT mr-state (acquire): the owner's deregistration, seen before each access.
+        if d.state.load(Ordering::Acquire) != MR_STATE_VALID
             || !remote_access_allowed(
-                m.mem.len(),
+                m.len,
                 m.access,
                 // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
                 AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)),
@@ -192,19 +205,23 @@ impl QpSt {
         // Ranges checked just above (atomics only on regions granted writable, which
         // REMOTE_ATOMIC regions are); an error here means a check disagreed: the general way.
         let done = match (wc_op, wr.wr) {
-            (WcOpcode::RdmaRead, _) => {
-                m.mem
-                    .get(remote_addr, local, local_off, len, CopyKind::Plain)
-            }
+            (WcOpcode::RdmaRead, _) => d.data.copy_to(remote_addr, local, local_off, len),
             (
                 op,
                 WrDetail::Atomic {
                     compare_add, swap, ..
                 },
             ) => if op == WcOpcode::FetchAdd {
-                m.mem.fetch_add(remote_addr, compare_add)
+                d.data
+                    .u64_at(remote_addr)
+                    .map(|w| w.fetch_add(compare_add, Ordering::SeqCst))
             } else {
-                m.mem.compare_swap(remote_addr, compare_add, swap)
+                d.data.u64_at(remote_addr).map(|w| {
+                    match w.compare_exchange(compare_add, swap, Ordering::SeqCst, Ordering::SeqCst)
+                    {
+                        Ok(v) | Err(v) => v,
+                    }
+                })
             }
             .and_then(|old| local.write(local_off, &old.to_le_bytes())),
             _ => return false,

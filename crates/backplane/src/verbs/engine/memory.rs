@@ -76,13 +76,42 @@ pub(crate) struct LocalMr {
 pub(super) struct RemoteMr {
     pub(super) key: u32,
     pub(super) access: AccessFlags,
+    /// Granted bytes.
+    pub(super) len: u64,
     pub(super) mem: Arc<dyn RemoteRegion>,
+    /// Present where the transport maps the region here.
+    pub(super) direct: Option<Direct>,
+}
+
+/// A peer's region mapped into this process (the shared-memory transport): the fast paths
+/// reach it without an indirect call per check (see [`RemoteRegion::local`]).
+pub(super) struct Direct {
+    pub(super) data: Span,
+    pub(super) state: Word32,
 }
 
 impl RemoteMr {
+    pub(super) fn new(key: u32, mem: Arc<dyn RemoteRegion>) -> Self {
+        let direct = mem.local().map(|(data, state)| Direct {
+            data: data.clone(),
+            state: state.clone(),
+        });
+        Self {
+            key,
+            access: AccessFlags::from_bits_retain(mem.access_bits()),
+            len: mem.len(),
+            mem,
+            direct,
+        }
+    }
+
     #[inline(always)]
     pub(super) fn valid(&self) -> bool {
-        self.mem.valid()
+        match &self.direct {
+            // SYNC POINT mr-state (acquire): the owner's deregistration, seen before each access.
+            Some(d) => d.state.load(Ordering::Acquire) == MR_STATE_VALID,
+            None => self.mem.valid(),
+        }
     }
 }
 

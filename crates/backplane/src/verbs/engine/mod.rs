@@ -569,8 +569,8 @@ impl WriteHint {
 /// region mapped at `base` — for a prefetch only: computed with wrapping arithmetic, it may
 /// point anywhere (a prefetch does not fault) and must not be dereferenced.
 #[inline(always)]
-pub(crate) fn write_end(mem: &dyn RemoteRegion, remote_addr: u64, len: usize) -> *const u8 {
-    mem.hint_addr(0)
+pub(crate) fn write_end(data: &Span, remote_addr: u64, len: usize) -> *const u8 {
+    data.addr(0)
         .wrapping_add((remote_addr as usize).wrapping_add(len).wrapping_sub(1))
 }
 

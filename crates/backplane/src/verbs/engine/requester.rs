@@ -330,11 +330,7 @@ impl QpSt {
             qpn: self.qpn,
             rkey,
         })?;
-        let m = Rc::new(RemoteMr {
-            key: rkey,
-            access: AccessFlags::from_bits_retain(mem.access_bits()),
-            mem,
-        });
+        let m = Rc::new(RemoteMr::new(rkey, mem));
         if self.remote.len() >= REMOTE_CACHE {
             self.remote.remove(0);
         }
@@ -359,7 +355,7 @@ impl QpSt {
             .map(|p| AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)))
             .ok_or(WcStatus::LocQpOpErr)?;
         let m = self.remote_mr(rkey, env).ok_or(WcStatus::RemAccessErr)?;
-        if !remote_access_allowed(m.mem.len(), m.access, peer_access, need, addr, len) {
+        if !remote_access_allowed(m.len, m.access, peer_access, need, addr, len) {
             return Err(WcStatus::RemAccessErr);
         }
         Ok(m)
