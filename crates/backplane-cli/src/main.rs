@@ -1,13 +1,15 @@
-//! The `backplane` command. Each subcommand lives in its own file under `cmd/`.
+//! The `backplane` command. Each subcommand lives in its own file under `cmd/`; the few
+//! system calls it makes itself are in `sys.rs`, the only module allowed unsafe code.
+#![deny(unsafe_code)]
 
 mod cmd;
+#[allow(unsafe_code)]
+mod sys;
 
 use clap::Parser;
 
 fn main() {
-    // A closed pipe (`backplane status | head`) ends us quietly, like any Unix filter.
-    // SAFETY: restoring the default disposition of SIGPIPE is always sound.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    sys::default_sigpipe();
     let cli = cmd::Cli::parse();
     let r = cmd::run(cli);
     if backplane_bench::teardown::interrupted() {

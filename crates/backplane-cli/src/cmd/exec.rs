@@ -2,7 +2,7 @@
 //! (where `bp0` and the names `node1`..`nodeN` live), with `BACKPLANE_FABRIC` and
 //! `BACKPLANE_NODE` set so programs using the library know where they are.
 
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 
 use anyhow::{bail, Context};
@@ -40,14 +40,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     cmd.env("BACKPLANE_FABRIC", name)
         .env("BACKPLANE_NODE", a.node.to_string());
-    // SAFETY: restoring SIGPIPE's default disposition in the child before exec is sound and
-    // gives the program the disposition it would have had from a shell.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-            Ok(())
-        });
-    }
+    crate::sys::child_default_sigpipe(&mut cmd);
     let status = cmd
         .status()
         .with_context(|| format!("cannot run '{}'", a.cmd[0]))?;

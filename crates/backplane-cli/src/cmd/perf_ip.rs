@@ -97,8 +97,7 @@ fn cpu_seconds(pid: u32) -> f64 {
     };
     let f: Vec<&str> = rest.split_whitespace().collect();
     let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let hz = crate::sys::clock_ticks_per_second();
     (ticks(11) + ticks(12)) / hz.max(1.0)
 }
 

@@ -4,7 +4,6 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::FromRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 
 use anyhow::Context;
@@ -27,23 +26,13 @@ pub struct Args {
     options_fd: i32,
 }
 
-/// Takes ownership of an inherited descriptor and keeps it out of the agents we spawn.
-fn inherited(fd: i32) -> File {
-    // SAFETY: `launch::start` passes us this descriptor (a pipe end) and nothing else in this
-    // process uses it; we own it from here on.
-    let f = unsafe { File::from_raw_fd(fd) };
-    // SAFETY: FD_CLOEXEC on a descriptor we own.
-    unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
-    f
-}
-
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let mut ready = inherited(a.ready_fd);
+    let mut ready = crate::sys::inherited_fd(a.ready_fd)?;
     let fail = |ready: &mut File, e: &dyn std::fmt::Display| {
         let _ = writeln!(ready, "error: {e}");
     };
     let mut json = Vec::new();
-    inherited(a.options_fd)
+    crate::sys::inherited_fd(a.options_fd)?
         .read_to_end(&mut json)
         .context("cannot read the supervisor's options")?;
     let opts: Options = match serde_json::from_slice(&json) {

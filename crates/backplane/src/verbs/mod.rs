@@ -650,7 +650,7 @@ impl Qp {
 
     fn with<R>(
         &self,
-        f: impl FnOnce(&mut engine::QpSt, &engine::Env<'_>, &mut engine::Cqs) -> R,
+        f: impl FnOnce(&mut engine::QpEngine, &engine::CtxParts<'_>, &mut engine::Cqs) -> R,
     ) -> R {
         let mut eng = self.ctx.eng.borrow_mut();
         let Engine { qps, cqs, mrs, .. } = &mut *eng;

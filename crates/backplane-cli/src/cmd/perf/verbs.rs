@@ -347,11 +347,7 @@ impl Clock {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[inline]
-fn tsc() -> u64 {
-    // SAFETY: RDTSC has no memory effects; every x86_64 CPU has it.
-    unsafe { core::arch::x86_64::_rdtsc() }
-}
+use crate::sys::tsc;
 
 #[cfg(not(target_arch = "x86_64"))]
 static EPOCH: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);

@@ -32,13 +32,13 @@ pub(crate) struct Engine {
     pub(crate) next_pd: u32,
     pub(crate) mrs: MrTable,
     pub(crate) cqs: Cqs,
-    pub(crate) qps: Vec<Option<QpSt>>,
+    pub(crate) qps: Vec<Option<QpEngine>>,
     pub(super) epoch: u32,
 }
 
 impl Ctx {
-    pub(crate) fn env<'a>(&'a self, mrs: &'a MrTable) -> Env<'a> {
-        Env {
+    pub(crate) fn env<'a>(&'a self, mrs: &'a MrTable) -> CtxParts<'a> {
+        CtxParts {
             node: &self.node,
             transport: &*self.transport,
             win: &self.win,
@@ -99,7 +99,7 @@ impl Ctx {
                 (qpn, Some(own), None)
             }
         };
-        let st = QpSt {
+        let st = QpEngine {
             write_hint: WriteHint::NONE,
             send_hint: [std::ptr::null(); 2],
             qpn,
@@ -189,7 +189,7 @@ impl Ctx {
     }
 
     /// Nothing can have happened for `cq`: the fabric's epoch has not moved (no node came or
-    /// went) and every QP on it is [`QpSt::quiet`].
+    /// went) and every QP on it is [`QpEngine::quiet`].
     #[inline]
     pub(super) fn all_quiet(&self, eng: &Engine, cq: usize) -> bool {
         if self.node.fabric().epoch().load(Ordering::Relaxed) != eng.epoch {
@@ -207,7 +207,7 @@ impl Ctx {
         let epoch = self.node.fabric().epoch().load(Ordering::Relaxed);
         let epoch_moved = epoch != eng.epoch;
         eng.epoch = epoch;
-        let env = Env {
+        let env = CtxParts {
             node: &self.node,
             transport: &*self.transport,
             win: &self.win,

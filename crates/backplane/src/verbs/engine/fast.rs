@@ -3,7 +3,7 @@
 
 use super::*;
 
-impl QpSt {
+impl QpEngine {
     /// A request posted now may run at once, on a fast path: RTS, nothing queued or waiting
     /// for an RNR retry ahead of it, the peer there, a connected transport.
     #[inline(always)]
@@ -29,7 +29,7 @@ impl QpSt {
     /// The RDMA_WRITE fast path — the latency-critical operation (a peer polling memory) — on
     /// its own so it compiles to a short straight line: one request, nothing waiting ahead, a
     /// single local range or inline data, the region last used for this QP's one-sided work,
-    /// the same checks as [`QpSt::fast_read_atomic`]. Anything else goes the general way.
+    /// the same checks as [`QpEngine::fast_read_atomic`]. Anything else goes the general way.
     #[inline(always)]
     pub(super) fn fast_rdma_write(
         &mut self,
@@ -118,14 +118,14 @@ impl QpSt {
             let wc = self.wc(wr.wr_id, WcStatus::Success, op, len as u32);
             push_cqe(cqs, self.send_cq, wc);
         } else {
-            self.push_executed(wr, true, len as u32, SqSt::Done(WcStatus::Success));
+            self.push_executed(wr, true, len as u32, SendPhase::Done(WcStatus::Success));
         }
     }
 
     /// The fast path of RDMA_READ and the atomics (RC): one request, nothing waiting ahead of
     /// it, a single local range, a region already mapped. Anything else — including every
     /// error — goes the general way (which reports it). RDMA_WRITE has its own,
-    /// [`QpSt::fast_rdma_write`].
+    /// [`QpEngine::fast_rdma_write`].
     #[inline(never)]
     pub(super) fn fast_read_atomic(
         &mut self,
@@ -270,7 +270,7 @@ impl QpSt {
             }
         }
         let Some(p) = &self.peer else { return false };
-        let Ok(r) = self.prod.reserve(&p.out, HDR + len) else {
+        let Ok(r) = self.prod.reserve(&p.outbound, HDR + len) else {
             return false;
         };
         let solicited = if wr.send_flags.contains(SendFlags::SOLICITED) {
@@ -290,16 +290,16 @@ impl QpSt {
         }
         .emit(&mut MsgHeader::new_unchecked(&mut hdr[..]));
         // The reservation covers HDR + len bytes at r.pos, ours until commit.
-        p.out.write(r.pos, &hdr);
-        let _ = src.copy_to(&p.out.data, r.pos + HDR as u64, false);
-        self.prod.commit(&p.out, r);
+        p.outbound.write(r.pos, &hdr);
+        let _ = src.copy_to(&p.outbound.data, r.pos + HDR as u64, false);
+        self.prod.commit(&p.outbound, r);
         self.send_hint = [
             // The ring's data length is a power of two; if a peer lied about it, this is a
             // wrong hint, not a wrong access (it is never dereferenced).
-            p.out
+            p.outbound
                 .data
-                .addr(self.prod.tail() & p.out.data.len().wrapping_sub(1)),
-            std::ptr::from_ref::<AtomicU64>(&p.out.tail).cast::<u8>(),
+                .addr(self.prod.tail() & p.outbound.data.len().wrapping_sub(1)),
+            std::ptr::from_ref::<AtomicU64>(&p.outbound.tail).cast::<u8>(),
         ];
         if rc {
             self.used_credits += 1;
@@ -313,7 +313,7 @@ impl QpSt {
                 wr,
                 signaled,
                 len as u32,
-                SqSt::Ack {
+                SendPhase::Ack {
                     end: self.prod.tail(),
                     msg,
                 },

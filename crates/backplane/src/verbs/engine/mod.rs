@@ -18,7 +18,7 @@
 //!   every message) tell an RC requester whether a receive is waiting; with none it waits
 //!   `min_rnr_timer` per retry, `rnr_retry` times, as after an RNR NAK.
 //!
-//! Where things are: this file holds the QP's types (`QpSt` and what it is made of, the one
+//! Where things are: this file holds the QP's types (`QpEngine` and what it is made of, the one
 //! operation type `Op`) and the small helpers every part uses; [`memory`] the region tables and
 //! the gather/scatter copies; [`cq`] completion queues; [`fast`] the post-time fast paths;
 //! [`requester`] the general posting and execution of send requests; [`reliability`] acks,
@@ -261,8 +261,10 @@ struct Progress {
     msg: u64,
 }
 
+/// Where a send-queue entry is: waiting to run (or part-way through a long message), run and
+/// waiting for the peer's acknowledgement up to ring position `end`, or done with a status.
 #[derive(Debug)]
-enum SqSt {
+enum SendPhase {
     Pending(Box<(Work, Progress)>),
     Ack { end: u64, msg: u64 },
     Done(WcStatus),
@@ -274,7 +276,7 @@ struct SqEntry {
     opcode: WrOpcode,
     signaled: bool,
     byte_len: u32,
-    st: SqSt,
+    st: SendPhase,
 }
 
 enum Exec {
@@ -314,8 +316,8 @@ struct PeerLink {
     access: Word32,
     ev_bell: Word32,
     ev_armed: Word32,
-    out: QRing,
-    inr: QRing,
+    outbound: QRing,
+    inbound: QRing,
 }
 
 #[derive(Debug)]
@@ -333,7 +335,9 @@ struct Rnr {
     next: Instant,
 }
 
-pub(crate) struct QpSt {
+/// A queue pair as the engine runs it: its attributes and state, its send and receive
+/// queues, its ring to the peer (`outbound`) and from it (`inbound`), credits, acks and RNR.
+pub(crate) struct QpEngine {
     /// Where the last fast-path RDMA_WRITE went, for the handle's early prefetch.
     pub(crate) write_hint: WriteHint,
     /// Where the next SEND goes (the ring's next record and its producer index), for the
@@ -385,14 +389,14 @@ pub(crate) struct QpSt {
 }
 
 /// What every QP operation needs from its context.
-pub(crate) struct Env<'a> {
+pub(crate) struct CtxParts<'a> {
     pub(crate) node: &'a Node,
     pub(crate) transport: &'a dyn Transport,
     pub(crate) win: &'a Arc<Region>,
     pub(crate) mrs: &'a MrTable,
 }
 
-impl QpSt {
+impl QpEngine {
     fn signaled(&self, flags: SendFlags) -> bool {
         self.sig_all || flags.contains(SendFlags::SIGNALED)
     }
@@ -445,7 +449,7 @@ impl QpSt {
         let entries: Vec<SqEntry> = self.sq.drain(..).collect();
         for (i, e) in entries.into_iter().enumerate() {
             let st = match e.st {
-                SqSt::Done(s) => s,
+                SendPhase::Done(s) => s,
                 _ if Some(i) == failed => status,
                 _ => WcStatus::WrFlushErr,
             };

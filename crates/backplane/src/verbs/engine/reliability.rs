@@ -3,7 +3,7 @@
 
 use super::*;
 
-impl QpSt {
+impl QpEngine {
     pub(super) fn start_rnr(&mut self) {
         if self.rnr.is_none() {
             self.rnr = Some(Rnr {
@@ -74,7 +74,7 @@ impl QpSt {
             && self
                 .sq
                 .front()
-                .is_some_and(|e| matches!(e.st, SqSt::Ack { end, .. } if end > self.acked))
+                .is_some_and(|e| matches!(e.st, SendPhase::Ack { end, .. } if end > self.acked))
         {
             self.refresh_ack();
         }
@@ -94,9 +94,9 @@ impl QpSt {
     pub(super) fn pop_completed(&mut self, cqs: &mut Cqs) {
         while let Some(e) = self.sq.front() {
             let st = match e.st {
-                SqSt::Done(s) => s,
-                SqSt::Ack { end, .. } if end <= self.acked_piggy => WcStatus::Success,
-                SqSt::Ack { end, msg } if end <= self.acked => {
+                SendPhase::Done(s) => s,
+                SendPhase::Ack { end, .. } if end <= self.acked_piggy => WcStatus::Success,
+                SendPhase::Ack { end, msg } if end <= self.acked => {
                     let nak = self
                         .own
                         .as_ref()
@@ -123,11 +123,11 @@ impl QpSt {
         }
     }
 
-    pub(super) fn drive_sq(&mut self, env: &Env<'_>, cqs: &mut Cqs) {
+    pub(super) fn drive_sq(&mut self, env: &CtxParts<'_>, cqs: &mut Cqs) {
         while self.exec < self.sq.len() && self.state == QpState::Rts {
             let i = self.exec;
-            let SqSt::Pending(b) =
-                std::mem::replace(&mut self.sq[i].st, SqSt::Done(WcStatus::Success))
+            let SendPhase::Pending(b) =
+                std::mem::replace(&mut self.sq[i].st, SendPhase::Done(WcStatus::Success))
             else {
                 self.exec += 1;
                 continue;
@@ -137,12 +137,12 @@ impl QpSt {
             match r {
                 Exec::Done(s) => {
                     self.rnr = None;
-                    self.sq[i].st = SqSt::Done(s);
+                    self.sq[i].st = SendPhase::Done(s);
                     self.exec += 1;
                 }
                 Exec::Ack { end, msg } => {
                     self.rnr = None;
-                    self.sq[i].st = SqSt::Ack { end, msg };
+                    self.sq[i].st = SendPhase::Ack { end, msg };
                     self.exec += 1;
                 }
                 Exec::Fatal(s) => {
@@ -150,11 +150,11 @@ impl QpSt {
                     return;
                 }
                 Exec::Full => {
-                    self.sq[i].st = SqSt::Pending(Box::new((work, prog)));
+                    self.sq[i].st = SendPhase::Pending(Box::new((work, prog)));
                     return;
                 }
                 Exec::Rnr => {
-                    self.sq[i].st = SqSt::Pending(Box::new((work, prog)));
+                    self.sq[i].st = SendPhase::Pending(Box::new((work, prog)));
                     let now = Instant::now();
                     match self.rnr {
                         None => self.start_rnr(),
@@ -190,8 +190,8 @@ impl QpSt {
     /// A responder error: release the offending record (publishing the NAK), then go to ERR.
     pub(super) fn fail_after_release(&mut self, cqs: &mut Cqs) {
         if let Some(p) = &self.peer {
-            if let Ok(Some(rec)) = self.cons.peek(&p.inr) {
-                self.cons.release(&p.inr, rec);
+            if let Ok(Some(rec)) = self.cons.peek(&p.inbound) {
+                self.cons.release(&p.inbound, rec);
             }
         }
         self.ring_peer();

@@ -3,12 +3,12 @@
 
 use super::*;
 
-impl QpSt {
+impl QpEngine {
     /// `ibv_post_send` the general way (every request kind, lists, errors).
     pub(crate) fn post_send(
         &mut self,
         wrs: &[SendWr<'_>],
-        env: &Env<'_>,
+        env: &CtxParts<'_>,
         cqs: &mut Cqs,
     ) -> Result<(), VerbsError> {
         for (i, wr) in wrs.iter().enumerate() {
@@ -61,17 +61,17 @@ impl QpSt {
                             opcode: wr.opcode,
                             signaled,
                             byte_len,
-                            st: SqSt::Pending(Box::new((Work::from_wr(wr), prog))),
+                            st: SendPhase::Pending(Box::new((Work::from_wr(wr), prog))),
                         });
                         let at = self.sq.len() - 1;
                         self.fail(Some(at), st, cqs);
                         continue;
                     }
                     Exec::Done(st) => {
-                        self.push_executed(wr, signaled, byte_len, SqSt::Done(st));
+                        self.push_executed(wr, signaled, byte_len, SendPhase::Done(st));
                     }
                     Exec::Ack { end, msg } => {
-                        self.push_executed(wr, signaled, byte_len, SqSt::Ack { end, msg });
+                        self.push_executed(wr, signaled, byte_len, SendPhase::Ack { end, msg });
                     }
                     Exec::Full | Exec::Rnr => {
                         if matches!(r, Exec::Rnr) {
@@ -82,7 +82,7 @@ impl QpSt {
                             opcode: wr.opcode,
                             signaled,
                             byte_len,
-                            st: SqSt::Pending(Box::new((Work::from_wr(wr), prog))),
+                            st: SendPhase::Pending(Box::new((Work::from_wr(wr), prog))),
                         });
                     }
                 }
@@ -92,7 +92,7 @@ impl QpSt {
                     opcode: wr.opcode,
                     signaled,
                     byte_len,
-                    st: SqSt::Pending(Box::new((Work::from_wr(wr), Progress::default()))),
+                    st: SendPhase::Pending(Box::new((Work::from_wr(wr), Progress::default()))),
                 });
             }
         }
@@ -104,7 +104,7 @@ impl QpSt {
         wr: &SendWr<'_>,
         signaled: bool,
         byte_len: u32,
-        st: SqSt,
+        st: SendPhase,
     ) {
         self.sq.push_back(SqEntry {
             wr_id: wr.wr_id,
@@ -172,7 +172,12 @@ impl QpSt {
         Ok(())
     }
 
-    pub(super) fn execute(&mut self, op: &OpView<'_>, prog: &mut Progress, env: &Env<'_>) -> Exec {
+    pub(super) fn execute(
+        &mut self,
+        op: &OpView<'_>,
+        prog: &mut Progress,
+        env: &CtxParts<'_>,
+    ) -> Exec {
         use WrOpcode::*;
         if self.peer_gone && self.ty != QpType::Ud {
             return Exec::Fatal(WcStatus::RetryExcErr);
@@ -208,7 +213,7 @@ impl QpSt {
         &mut self,
         op: &OpView<'_>,
         prog: &mut Progress,
-        env: &Env<'_>,
+        env: &CtxParts<'_>,
     ) -> Exec {
         let (total, src) = match prepare(env.mrs, self.pd, op.src) {
             Ok(t) => t,
@@ -253,7 +258,7 @@ impl QpSt {
         op: &OpView<'_>,
         total: u64,
         prog: &mut Progress,
-        env: &Env<'_>,
+        env: &CtxParts<'_>,
     ) -> Result<bool, WcStatus> {
         let Some(p) = &self.peer else {
             return Err(WcStatus::LocQpOpErr);
@@ -265,7 +270,7 @@ impl QpSt {
             } else {
                 0
             };
-            let r = match self.prod.reserve(&p.out, HDR + frag) {
+            let r = match self.prod.reserve(&p.outbound, HDR + frag) {
                 Ok(r) => r,
                 Err(RingError::Full) => return Ok(false),
                 Err(_) => return Err(WcStatus::LocQpOpErr),
@@ -293,7 +298,7 @@ impl QpSt {
                 credits: self.rq_posted,
             }
             .emit(&mut MsgHeader::new_unchecked(&mut h[..]));
-            p.out.write(r.pos, &h);
+            p.outbound.write(r.pos, &h);
             if frag > 0 {
                 // The reservation covers HDR + frag bytes at r.pos, inside the ring; the
                 // source was validated by `prepare` in this same call.
@@ -302,11 +307,11 @@ impl QpSt {
                     self.pd,
                     prog.pushed,
                     frag,
-                    &p.out.data,
+                    &p.outbound.data,
                     r.pos + HDR as u64,
                 );
             }
-            self.prod.commit(&p.out, r);
+            self.prod.commit(&p.outbound, r);
             prog.pushed += frag as u64;
             if last {
                 return Ok(true);
@@ -315,7 +320,7 @@ impl QpSt {
     }
 
     /// The peer's region `rkey`, granted and mapped on first use; None → REM_ACCESS_ERR.
-    pub(super) fn remote_mr(&mut self, rkey: u32, env: &Env<'_>) -> Option<Rc<RemoteMr>> {
+    pub(super) fn remote_mr(&mut self, rkey: u32, env: &CtxParts<'_>) -> Option<Rc<RemoteMr>> {
         if let Some(i) = self.remote.iter().rposition(|m| m.key == rkey) {
             if self.remote[i].valid() {
                 let m = self.remote.remove(i);
@@ -346,7 +351,7 @@ impl QpSt {
         addr: u64,
         len: u64,
         need: AccessFlags,
-        env: &Env<'_>,
+        env: &CtxParts<'_>,
     ) -> Result<Rc<RemoteMr>, WcStatus> {
         let peer_access = self
             .peer
@@ -365,7 +370,7 @@ impl QpSt {
         &mut self,
         op: &OpView<'_>,
         prog: &mut Progress,
-        env: &Env<'_>,
+        env: &CtxParts<'_>,
     ) -> Exec {
         let (total, src) = match prepare(env.mrs, self.pd, op.src) {
             Ok(t) => t,
@@ -421,7 +426,7 @@ impl QpSt {
         }
     }
 
-    pub(super) fn exec_read(&mut self, op: &OpView<'_>, env: &Env<'_>) -> Exec {
+    pub(super) fn exec_read(&mut self, op: &OpView<'_>, env: &CtxParts<'_>) -> Exec {
         let Src::Sges(sges) = op.src else {
             return Exec::Fatal(WcStatus::LocProtErr);
         };
@@ -451,7 +456,7 @@ impl QpSt {
         Exec::Done(WcStatus::Success)
     }
 
-    pub(super) fn exec_atomic(&mut self, op: &OpView<'_>, env: &Env<'_>) -> Exec {
+    pub(super) fn exec_atomic(&mut self, op: &OpView<'_>, env: &CtxParts<'_>) -> Exec {
         let Src::Sges(sges) = op.src else {
             return Exec::Fatal(WcStatus::LocProtErr);
         };

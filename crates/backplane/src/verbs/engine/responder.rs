@@ -3,15 +3,15 @@
 
 use super::*;
 
-impl QpSt {
+impl QpEngine {
     /// Turns inbound messages into receive completions (RC/UC).
-    pub(super) fn drive_rx(&mut self, env: &Env<'_>, cqs: &mut Cqs) {
+    pub(super) fn drive_rx(&mut self, env: &CtxParts<'_>, cqs: &mut Cqs) {
         loop {
             let Some(p) = &self.peer else { return };
             if !cq_room(cqs, self.recv_cq) {
                 return;
             }
-            let rec = match self.cons.peek(&p.inr) {
+            let rec = match self.cons.peek(&p.inbound) {
                 Ok(Some(r)) => r,
                 Ok(None) => return,
                 Err(_) => {
@@ -32,7 +32,7 @@ impl QpSt {
                 return;
             }
             let mut hb = [0u8; HDR];
-            p.inr.read(rec.pos, &mut hb);
+            p.inbound.read(rec.pos, &mut hb);
             let Ok(h) = MsgRepr::parse(&MsgHeader::new_unchecked(&hb[..]), rec.len - HDR) else {
                 self.fail_why("a malformed message header", WcStatus::LocQpOpErr, cqs);
                 return;
@@ -54,7 +54,7 @@ impl QpSt {
                 return;
             }
             let Some(p) = &self.peer else { return };
-            self.cons.release(&p.inr, rec);
+            self.cons.release(&p.inbound, rec);
             self.bell_pending = true;
             self.idle = 0;
             if self.cons.drained_cached() {
@@ -71,7 +71,7 @@ impl QpSt {
         h: &MsgRepr,
         payload: u64,
         frag_len: usize,
-        env: &Env<'_>,
+        env: &CtxParts<'_>,
         cqs: &mut Cqs,
     ) {
         if h.flags & (MSG_FIRST | MSG_LAST) == MSG_FIRST | MSG_LAST
@@ -143,7 +143,7 @@ impl QpSt {
                 self.pd,
                 w.sges.as_slice(),
                 u64::from(h.frag_off),
-                Bytes::Span(&p.inr.data, payload, frag_len),
+                Bytes::Span(&p.inbound.data, payload, frag_len),
             );
         }
         if h.flags & MSG_LAST != 0 {
@@ -184,7 +184,7 @@ impl QpSt {
         h: &MsgRepr,
         payload: u64,
         frag_len: usize,
-        env: &Env<'_>,
+        env: &CtxParts<'_>,
         cqs: &mut Cqs,
     ) -> bool {
         let Some(w) = self.rq.front() else {
@@ -203,7 +203,7 @@ impl QpSt {
             };
             let Some(p) = &self.peer else { return false };
             // `dst` holds `length >= msg_len = frag_len` bytes of a writable local region.
-            if Bytes::Span(&p.inr.data, payload, frag_len)
+            if Bytes::Span(&p.inbound.data, payload, frag_len)
                 .copy_to(dst, dst_off, false)
                 .is_err()
             {

@@ -3,9 +3,9 @@
 
 use super::*;
 
-impl QpSt {
+impl QpEngine {
     /// Everything a poll does for this QP: inbound messages, acknowledgements, waiting work.
-    pub(crate) fn progress(&mut self, env: &Env<'_>, cqs: &mut Cqs) {
+    pub(crate) fn progress(&mut self, env: &CtxParts<'_>, cqs: &mut Cqs) {
         self.flush_bell();
         self.idle = self.idle.saturating_add(1);
         match self.state {
@@ -34,7 +34,7 @@ impl QpSt {
             // — once, so a stream of messages cannot hold it back, and not on a CQ with a
             // completion channel, whose waiter sleeps until a watched word moves (an ack
             // already seen will not). The send queue is not empty or there is nothing to do,
-            // so that next poll comes here ([`QpSt::quiet`] is false).
+            // so that next poll comes here ([`QpEngine::quiet`] is false).
             self.settle_later = true;
             return;
         }
@@ -59,7 +59,7 @@ impl QpSt {
         }
     }
 
-    /// True when [`QpSt::progress`] would find nothing to do: a connected QP with no send work
+    /// True when [`QpEngine::progress`] would find nothing to do: a connected QP with no send work
     /// outstanding, no doorbell or credits to publish, and nothing in its inbound ring (UD
     /// QPs always take the full look). An empty poll then costs a few loads, so a thread
     /// polling for a message sees it sooner.
@@ -77,12 +77,12 @@ impl QpSt {
         match &self.peer {
             None => true,
             // SYNC POINT ring-publish (acquire, in is_drained): as in drive_rx.
-            Some(p) => self.cons.is_drained(&p.inr),
+            Some(p) => self.cons.is_drained(&p.inbound),
         }
     }
 
     /// The peer's node went DOWN or restarted.
-    pub(crate) fn check_peer_node(&mut self, env: &Env<'_>) {
+    pub(crate) fn check_peer_node(&mut self, env: &CtxParts<'_>) {
         let Some(p) = &self.peer else { return };
         if !env
             .transport
@@ -101,7 +101,7 @@ impl QpSt {
         &mut self,
         attr: &QpAttr,
         mask: QpAttrMask,
-        env: &Env<'_>,
+        env: &CtxParts<'_>,
         cqs: &mut Cqs,
     ) -> Result<(), VerbsError> {
         let next = fsm::check(self.ty, self.state, attr, mask).map_err(VerbsError::inval)?;
@@ -182,7 +182,7 @@ impl QpSt {
 
     /// INIT → RTR of an RC/UC QP: find the peer's block through the supervisor and wire the
     /// two rings.
-    pub(super) fn connect(&mut self, a: &QpAttr, env: &Env<'_>) -> Result<(), VerbsError> {
+    pub(super) fn connect(&mut self, a: &QpAttr, env: &CtxParts<'_>) -> Result<(), VerbsError> {
         let fabric = env.node.fabric();
         let dest_slot = u32::from(a.ah_attr.dlid);
         if dest_slot == 0 || dest_slot > fabric.nodes() {
@@ -231,7 +231,7 @@ impl QpSt {
             access: at32(QP_ACCESS_OFF)?,
             ev_bell: Word32::at(&pw, r.event_off + EV_BELL_OFF as u64)?,
             ev_armed: Word32::at(&pw, r.event_off + EV_ARMED_OFF as u64)?,
-            out: QRing {
+            outbound: QRing {
                 tail: at64(QP_TAIL_OFF)?,
                 head: own.ack.clone(),
                 data: {
@@ -240,7 +240,7 @@ impl QpSt {
                     d
                 },
             },
-            inr: QRing {
+            inbound: QRing {
                 tail: own.tail.clone(),
                 head: at64(QP_ACK_OFF)?,
                 data: own.data.clone(),
@@ -258,7 +258,7 @@ impl QpSt {
         Ok(())
     }
 
-    pub(super) fn reset(&mut self, env: &Env<'_>) {
+    pub(super) fn reset(&mut self, env: &CtxParts<'_>) {
         if let Some(p) = self.peer.take() {
             // SYNC POINT qp-peer-gone (release): as in `fail`.
             p.peer_err.store(1, Ordering::Release);
@@ -310,7 +310,7 @@ impl QpSt {
             let waiting = self
                 .sq
                 .front()
-                .is_some_and(|e| matches!(e.st, SqSt::Ack { end, .. } if end > self.acked));
+                .is_some_and(|e| matches!(e.st, SendPhase::Ack { end, .. } if end > self.acked));
             out.push(Watch::Moved {
                 word: o.ack.clone(),
                 seen: if waiting { ack.min(self.acked) } else { ack },
@@ -336,7 +336,7 @@ impl QpSt {
         }
     }
 
-    pub(crate) fn destroy(&mut self, env: &Env<'_>) {
+    pub(crate) fn destroy(&mut self, env: &CtxParts<'_>) {
         if let Some(p) = self.peer.take() {
             // SYNC POINT qp-peer-gone (release): our last acks and NAKs are visible before the flag.
             p.peer_err.store(1, Ordering::Release);

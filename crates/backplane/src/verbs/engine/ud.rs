@@ -3,8 +3,8 @@
 
 use super::*;
 
-impl QpSt {
-    pub(super) fn exec_ud(&mut self, op: &OpView<'_>, env: &Env<'_>) -> Exec {
+impl QpEngine {
+    pub(super) fn exec_ud(&mut self, op: &OpView<'_>, env: &CtxParts<'_>) -> Exec {
         let (total, src) = match prepare(env.mrs, self.pd, op.src) {
             Ok(t) => t,
             Err(s) => return Exec::Fatal(s),
@@ -67,7 +67,7 @@ impl QpSt {
         self.drops += n;
     }
 
-    pub(super) fn drive_rx_ud(&mut self, env: &Env<'_>, cqs: &mut Cqs) {
+    pub(super) fn drive_rx_ud(&mut self, env: &CtxParts<'_>, cqs: &mut Cqs) {
         let Some(mut ep) = self.ud.take() else { return };
         loop {
             if !cq_room(cqs, self.recv_cq) {
@@ -99,7 +99,7 @@ impl QpSt {
         &mut self,
         src: Addr,
         payload: &[u8],
-        env: &Env<'_>,
+        env: &CtxParts<'_>,
         cqs: &mut Cqs,
     ) {
         let Ok(h) = UdHeader::new_checked(payload)
