@@ -27,7 +27,7 @@ pub struct Options {
     /// The `backplane` executable (its `supervisor` and `agent` subcommands are used).
     pub exe: PathBuf,
     /// IP over the fabric (`None`: `--no-net`).
-    pub net: Option<crate::net::NetPlan>,
+    pub net: Option<crate::fabric::netns::NetPlan>,
     /// Link emulation: model name and forwarding mode (`None`: memory speed).
     pub link: Option<(String, crate::model::Forwarding)>,
     /// A topology file (its node count and links replace `nodes` and `link`).
@@ -176,7 +176,7 @@ pub fn stop(name: &str) -> Result<Stopped, FabricError> {
     if !supervisor::is_running(name) {
         if dir.exists() {
             std::fs::remove_dir_all(&dir)?;
-            crate::net::cleanup(name);
+            crate::fabric::netns::cleanup(name);
             return Ok(Stopped::Stale);
         }
         return Err(FabricError::NotRunning(name.to_owned()));

@@ -51,7 +51,7 @@ fn find_in(proc: &Path, fabric: &str, nodes: u32, own: &[u32]) -> Vec<Member> {
     let ns: Vec<(String, u32)> = (1..=nodes)
         .filter_map(|slot| {
             let m = std::fs::metadata(
-                Path::new("/run/netns").join(crate::net::netns_name(fabric, slot)),
+                Path::new("/run/netns").join(crate::fabric::netns::netns_name(fabric, slot)),
             )
             .ok()?;
             Some((format!("net:[{}]", m.ino()), slot))

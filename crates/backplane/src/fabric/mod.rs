@@ -11,6 +11,7 @@ pub mod ctl_verbs;
 pub mod launch;
 pub mod life;
 pub mod members;
+pub mod netns;
 pub mod supervisor;
 pub mod topology;
 

@@ -29,8 +29,8 @@ use super::alloc::WindowAlloc;
 use super::ctl::{self, ErrorKind, Request, Response, SlotStatus, StatusReport};
 use super::life::{NodeLife, Transition};
 use super::{fabric_dir, validate_name, FabricError, LOCK_FILE, SOCKET_FILE};
+use crate::fabric::netns::{self as net, NetPlan};
 use crate::mem::Region;
-use crate::net::{self, NetPlan};
 use crate::sync::{self, fence, Ordering};
 use crate::wire::{self, *};
 
