@@ -51,8 +51,22 @@ fn emulated_pcie_links_pace_datagrams_to_the_model_in_figure_12_order() {
     for model in ["pcie-gen1x4", "pcie-gen2x4", "pcie-gen3x4", "pcie-gen3x8"] {
         let fab = Fab::up(&format!("link_{model}"), 2, &["--link", model]);
         let want = fab.status()["link"]["bytes_per_s"].as_f64().unwrap();
-        let got = stream_rate(&fab.name, want, 0.2);
         let sustainable = want <= unpaced / 2.0;
+        // A busy machine can only slow a 0.2 s window down, never speed it past the pacing:
+        // a window below the model is measured again (up to three in all) and the best one
+        // judged; every window must stay under the model's ceiling.
+        let mut got = 0.0f64;
+        for _ in 0..3 {
+            let g = stream_rate(&fab.name, want, 0.2);
+            assert!(
+                g <= want * 1.10,
+                "{model}: {g} B/s exceeds the model's {want}"
+            );
+            got = got.max(g);
+            if !sustainable || got >= want * 0.90 {
+                break;
+            }
+        }
         eprintln!(
             "{model}: model {:.0} MB/s, measured {:.0} MB/s (unpaced {:.0} MB/s){}",
             want / 1e6,
@@ -63,10 +77,6 @@ fn emulated_pcie_links_pace_datagrams_to_the_model_in_figure_12_order() {
             } else {
                 " - beyond what this machine sustains"
             }
-        );
-        assert!(
-            got <= want * 1.10,
-            "{model}: {got} B/s exceeds the model's {want}"
         );
         if sustainable {
             assert!(
