@@ -69,6 +69,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .append(true)
         .mode(0o600)
         .open(backplane::fabric::fabric_dir(&cfg.name).join(LOG_FILE))?;
-    supervisor::run(cfg, lock, Some(ready), log)?;
+    // The verbs registry lives with the verbs; the supervisor hosts it.
+    let verbs = Box::new(backplane::verbs::registry::Registry::new());
+    supervisor::run(cfg, lock, Some(ready), log, verbs)?;
     Ok(())
 }

@@ -10,8 +10,9 @@
 //! Rooms: this file holds the state (`Sup`), start-up and the event loop (poll, tick, request
 //! dispatch); `config` what `up` asks for and its checks; `lock` the run directory and its
 //! lock; `nodes` agents and the node table (spawn, entries, windows, DOWN); `rings` the ring
-//! broker (bind, connect, routes, teardown); `status` the status report; `verbs` the verbs
-//! registry (regions, grants, QP blocks).
+//! broker (bind, connect, routes, teardown); `status` the status report; `service` the
+//! interface of the verbs registry the supervisor hosts (which lives with the verbs, in
+//! `crate::verbs::registry`).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -38,8 +39,11 @@ mod config;
 mod lock;
 mod nodes;
 mod rings;
+mod service;
 mod status;
-mod verbs;
+
+use service::HostView;
+pub use service::{Failure, Host, NoService, Service};
 
 use config::os;
 pub use config::{check_config, Config, StartError};
@@ -110,7 +114,8 @@ struct Sup {
     net_ready: Vec<bool>,
     log: File,
     stopping: bool,
-    verbs: verbs::Registry,
+    /// The verbs registry (or [`NoService`]), given to [`run`].
+    verbs: Box<dyn Service>,
 }
 
 /// Set by SIGTERM, SIGINT or SIGHUP; the event loop (whose `poll` has a timeout and is never
@@ -133,15 +138,19 @@ fn install_signal_handlers() {
 
 /// Runs a supervisor until the fabric is shut down. `ready` gets one line when every node is
 /// READY ("ready") or boot failed ("error: ..."), then is closed.
+///
+/// `verbs` serves the verbs part of the control protocol (regions, grants, QP blocks): the
+/// binary passes `backplane::verbs::registry::Registry`; [`NoService`] refuses it all.
 pub fn run(
     cfg: Config,
     lock: FabricLock,
     ready: Option<File>,
     log: File,
+    verbs: Box<dyn Service>,
 ) -> Result<(), StartError> {
     install_signal_handlers();
     let mut ready = ready;
-    let result = run_inner(cfg, &lock, &mut ready, log);
+    let result = run_inner(cfg, &lock, &mut ready, log, verbs);
     if let Err(e) = &result {
         if let Some(mut r) = ready.take() {
             let _ = writeln!(r, "error: {e}");
@@ -156,6 +165,7 @@ fn run_inner(
     lock: &FabricLock,
     ready: &mut Option<File>,
     log: File,
+    verbs: Box<dyn Service>,
 ) -> Result<(), StartError> {
     check_config(&cfg)?;
     let now = Instant::now();
@@ -207,7 +217,7 @@ fn run_inner(
         next_ephemeral: EPHEMERAL_BASE,
         log,
         stopping: false,
-        verbs: verbs::Registry::new(),
+        verbs,
     };
     if lock.stale {
         sup.say("removed what a crashed supervisor left behind");
@@ -288,7 +298,7 @@ fn bind_listener(path: &Path) -> Result<OwnedFd, StartError> {
 }
 
 /// Writes a static header into shared memory with its `initialized` marker published last.
-fn publish(region: &Region, off: u64, bytes: &[u8], init_off: usize) {
+pub fn publish(region: &Region, off: u64, bytes: &[u8], init_off: usize) {
     let mut body = bytes.to_vec();
     body[init_off..init_off + 4].fill(0);
     region
@@ -443,7 +453,7 @@ impl Sup {
         for key in eps {
             self.close_endpoint(key);
         }
-        self.verbs_drop_client(id);
+        self.with_service(|s, h| s.client_gone(h, id));
         self.clients.remove(&id);
     }
 
@@ -469,20 +479,36 @@ impl Sup {
     }
 
     fn ready_slot(&self, slot: u32) -> Result<(), (ErrorKind, String)> {
-        if slot == 0 || slot > self.cfg.nodes {
-            return Err((
-                ErrorKind::NotFound,
-                format!("node {slot} does not exist (nodes 1..={})", self.cfg.nodes),
-            ));
+        service::ready_slot(self.cfg.nodes, &self.life, slot)
+    }
+
+    /// Runs `f` on the hosted service with the supervisor parts it may use.
+    fn with_service<R>(&mut self, f: impl FnOnce(&mut dyn Service, &mut dyn Host) -> R) -> R {
+        let mut host = HostView {
+            nodes: self.cfg.nodes,
+            life: &self.life,
+            allocs: &mut self.allocs,
+            windows: &self.windows,
+        };
+        f(&mut *self.verbs, &mut host)
+    }
+
+    /// Serves one verbs request (with the fds that came with it) through the hosted service
+    /// and replies.
+    fn handle_verbs(&mut self, id: u64, req: super::ctl_verbs::VerbsRequest, fds: Vec<OwnedFd>) {
+        let hello_done = self.clients.get(&id).is_some_and(|c| c.pid != 0);
+        let result = if hello_done {
+            self.with_service(|s, h| s.handle(h, id, req, fds))
+        } else {
+            Err((ErrorKind::Invalid, "first message must be hello".into()))
+        };
+        match result {
+            Ok((resp, fd)) => {
+                let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
+                self.reply(id, &Response::Verbs(resp), &fds);
+            }
+            Err((kind, message)) => self.reply(id, &Response::Error { kind, message }, &[]),
         }
-        let st = self.life[slot as usize - 1].state();
-        if st != NodeState::Ready {
-            return Err((
-                ErrorKind::NodeDown,
-                format!("node {slot} is {st}, not READY"),
-            ));
-        }
-        Ok(())
     }
 
     #[allow(clippy::type_complexity)]

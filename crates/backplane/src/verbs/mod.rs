@@ -33,12 +33,13 @@
 //!   watcher thread only wakes you.
 //!
 //! Data paths and guarantees are described in `engine.rs`; the supervisor's registry of
-//! regions and QPs (grants, read-only mappings) in `fabric/supervisor/verbs.rs`.
+//! regions and QPs (grants, read-only mappings) in [`registry`], hosted by the supervisor.
 
 pub mod channel;
 pub mod cm;
 pub(crate) mod engine;
 pub mod fsm;
+pub mod registry;
 mod types;
 
 use std::cell::{Cell, RefCell};

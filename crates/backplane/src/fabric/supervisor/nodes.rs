@@ -141,7 +141,7 @@ impl Sup {
         for id in through {
             self.teardown_ring(id);
         }
-        self.verbs_node_down(slot);
+        self.with_service(|s, h| s.node_down(h, slot));
         let eps: Vec<(u32, u32)> = self
             .endpoints
             .keys()

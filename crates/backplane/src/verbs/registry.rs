@@ -1,4 +1,6 @@
-//! The supervisor's side of the RDMA verbs path: the registries peers must go through.
+//! The supervisor's side of the RDMA verbs path: the registries peers must go through. The
+//! supervisor hosts it as a [`Service`] (the `backplane` binary hands it over at start-up);
+//! it reaches nodes, windows and window space only through the supervisor's [`Host`].
 //!
 //! - **Memory regions**: the owner sends the region's memfd with `RegMr`; the supervisor checks
 //!   it (a sealed memfd at least as long as announced), seals it against new writable mappings
@@ -22,12 +24,11 @@
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::time::Instant;
+use std::os::fd::{AsRawFd, OwnedFd};
 
-use super::Sup;
-use crate::fabric::ctl::{ErrorKind, Response};
+use crate::fabric::ctl::ErrorKind;
 use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
+use crate::fabric::supervisor::{publish, Failure, Host, Service};
 use crate::mem::Region;
 use crate::sync::{self, Ordering};
 use crate::wire::verbs::*;
@@ -42,8 +43,6 @@ const REMOTE_ATOMIC: u32 = 1 << 3;
 const QPN_BASE: u32 = 0x10_0000;
 /// Largest registrable region.
 const MAX_MR: u64 = 1 << 40;
-
-type Failure = (ErrorKind, String);
 
 struct MrEntry {
     client: u64,
@@ -89,7 +88,8 @@ struct CtxEntry {
 }
 
 /// Verbs objects the supervisor knows about.
-pub(in crate::fabric) struct Registry {
+#[derive(Default)]
+pub struct Registry {
     mrs: HashMap<u32, MrEntry>,
     qps: HashMap<(u32, u32), QpEntry>,
     ctxs: Vec<CtxEntry>,
@@ -99,7 +99,8 @@ pub(in crate::fabric) struct Registry {
 }
 
 impl Registry {
-    pub(in crate::fabric) fn new() -> Self {
+    /// An empty registry.
+    pub fn new() -> Self {
         Self {
             mrs: HashMap::new(),
             qps: HashMap::new(),
@@ -138,38 +139,20 @@ fn invalid(m: impl Into<String>) -> Failure {
     (ErrorKind::Invalid, m.into())
 }
 
-impl Sup {
-    /// Serves one verbs request (with the fds that came with it) and replies.
-    pub(super) fn handle_verbs(&mut self, id: u64, req: VerbsRequest, fds: Vec<OwnedFd>) {
-        let hello_done = self.clients.get(&id).is_some_and(|c| c.pid != 0);
-        let result = if hello_done {
-            self.serve_verbs(id, req, fds)
-        } else {
-            Err(invalid("first message must be hello"))
-        };
-        match result {
-            Ok((resp, fd)) => {
-                let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
-                self.reply(id, &Response::Verbs(resp), &fds);
-            }
-            Err((kind, message)) => self.reply(id, &Response::Error { kind, message }, &[]),
-        }
-    }
-
+impl Registry {
     fn serve_verbs(
         &mut self,
+        host: &mut dyn Host,
         id: u64,
         req: VerbsRequest,
         fds: Vec<OwnedFd>,
     ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
         match req {
             VerbsRequest::OpenContext { slot } => {
-                self.ready_slot(slot)?;
-                let off = self.allocs[slot as usize - 1]
-                    .alloc(EV_LEN, 64, Instant::now())
-                    .ok_or_else(|| no_room(slot))?;
-                self.win(slot).zero(off, EV_LEN).expect("allocated");
-                self.verbs.ctxs.push(CtxEntry {
+                host.ready_slot(slot)?;
+                let off = host.alloc(slot, EV_LEN, 64).ok_or_else(|| no_room(slot))?;
+                host.window(slot).zero(off, EV_LEN).expect("allocated");
+                self.ctxs.push(CtxEntry {
                     client: id,
                     slot,
                     event_off: off,
@@ -178,13 +161,12 @@ impl Sup {
             }
             VerbsRequest::CloseContext { slot, event_off } => {
                 if let Some(i) = self
-                    .verbs
                     .ctxs
                     .iter()
                     .position(|c| c.client == id && c.slot == slot && c.event_off == event_off)
                 {
-                    let c = self.verbs.ctxs.swap_remove(i);
-                    self.allocs[c.slot as usize - 1].free(c.event_off, EV_LEN, Instant::now());
+                    let c = self.ctxs.swap_remove(i);
+                    host.free(c.slot, c.event_off, EV_LEN);
                 }
                 Ok((VerbsResponse::ContextOpened { event_off }, None))
             }
@@ -194,14 +176,14 @@ impl Sup {
                 len,
                 access,
             } => {
-                self.ready_slot(slot)?;
+                host.ready_slot(slot)?;
                 let fd = match <[OwnedFd; 1]>::try_from(fds) {
                     Ok([fd]) => fd,
                     Err(_) => return Err(invalid("reg_mr carries exactly one memfd")),
                 };
                 let header = check_region_fd(&fd, len, access)?;
-                let key = self.verbs.new_key();
-                self.verbs.mrs.insert(
+                let key = self.new_key();
+                self.mrs.insert(
                     key,
                     MrEntry {
                         client: id,
@@ -216,28 +198,25 @@ impl Sup {
                 Ok((VerbsResponse::MrRegistered { key }, None))
             }
             VerbsRequest::DeregMr { key } => {
-                if self.verbs.mrs.get(&key).is_some_and(|m| m.client == id) {
-                    self.verbs.mrs.remove(&key);
+                if self.mrs.get(&key).is_some_and(|m| m.client == id) {
+                    self.mrs.remove(&key);
                 }
                 Ok((VerbsResponse::MrRegistered { key }, None))
             }
             VerbsRequest::MrGrant { slot, qpn, rkey } => self.grant_mr(id, slot, qpn, rkey),
-            VerbsRequest::DmaGrant { slot, node, rkey } => self.grant_dma(id, slot, node, rkey),
+            VerbsRequest::DmaGrant { slot, node, rkey } => {
+                self.grant_dma(host, id, slot, node, rkey)
+            }
             VerbsRequest::CreateQp {
                 slot,
                 pd,
                 qp_type,
                 ring_len,
                 event_off,
-            } => self.create_qp(id, slot, pd, qp_type, ring_len, event_off),
+            } => self.create_qp(host, id, slot, pd, qp_type, ring_len, event_off),
             VerbsRequest::DestroyQp { slot, qpn } => {
-                if self
-                    .verbs
-                    .qps
-                    .get(&(slot, qpn))
-                    .is_some_and(|q| q.client == id)
-                {
-                    self.destroy_qp((slot, qpn));
+                if self.qps.get(&(slot, qpn)).is_some_and(|q| q.client == id) {
+                    self.destroy_qp(host, (slot, qpn));
                 }
                 Ok((VerbsResponse::QpCreated { qpn, block_off: 0 }, None))
             }
@@ -247,9 +226,9 @@ impl Sup {
                 dest_slot,
                 dest_qpn,
             } => {
-                self.ready_slot(slot)?;
-                self.ready_slot(dest_slot)?;
-                let own_type = match self.verbs.qps.get(&(slot, qpn)) {
+                host.ready_slot(slot)?;
+                host.ready_slot(dest_slot)?;
+                let own_type = match self.qps.get(&(slot, qpn)) {
                     Some(q) if q.client == id => q.qp_type,
                     _ => {
                         return Err(invalid(format!(
@@ -257,7 +236,7 @@ impl Sup {
                         )))
                     }
                 };
-                let dest = self.verbs.qps.get(&(dest_slot, dest_qpn)).ok_or_else(|| {
+                let dest = self.qps.get(&(dest_slot, dest_qpn)).ok_or_else(|| {
                     (
                         ErrorKind::NotFound,
                         format!("node {dest_slot} has no QP {dest_qpn:#x}"),
@@ -269,13 +248,13 @@ impl Sup {
                     )));
                 }
                 let block_off = dest.block_off;
-                if let Some(q) = self.verbs.qps.get_mut(&(slot, qpn)) {
+                if let Some(q) = self.qps.get_mut(&(slot, qpn)) {
                     q.peer = Some((dest_slot, dest_qpn));
                 }
                 Ok((
                     VerbsResponse::QpConnected {
                         block_off,
-                        generation: self.life[dest_slot as usize - 1].generation(),
+                        generation: host.generation(dest_slot),
                     },
                     None,
                 ))
@@ -290,7 +269,7 @@ impl Sup {
         qpn: u32,
         rkey: u32,
     ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
-        let peer = match self.verbs.qps.get(&(slot, qpn)) {
+        let peer = match self.qps.get(&(slot, qpn)) {
             Some(q) if q.client == id => q.peer.ok_or_else(|| {
                 invalid(format!(
                     "QP {qpn:#x} is not connected; move it to RTR first"
@@ -302,7 +281,7 @@ impl Sup {
                 )))
             }
         };
-        let owner = self.verbs.qps.get(&peer).map(|pq| (pq.client, pq.pd));
+        let owner = self.qps.get(&peer).map(|pq| (pq.client, pq.pd));
         self.grant_region(rkey, "of the peer's protection domain", |mr| {
             owner
                 .is_some_and(|(client, pd)| mr.client == client && mr.pd == pd && mr.slot == peer.0)
@@ -315,23 +294,19 @@ impl Sup {
     /// the capability, and the region's access flags decide read-only or writable, as for QPs.
     fn grant_dma(
         &mut self,
+        host: &mut dyn Host,
         id: u64,
         slot: u32,
         node: u32,
         rkey: u32,
     ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
-        self.ready_slot(slot)?;
-        if !self
-            .verbs
-            .ctxs
-            .iter()
-            .any(|c| c.client == id && c.slot == slot)
-        {
+        host.ready_slot(slot)?;
+        if !self.ctxs.iter().any(|c| c.client == id && c.slot == slot) {
             return Err(invalid(format!(
                 "this process has no device context on node {slot}"
             )));
         }
-        self.ready_slot(node)?;
+        host.ready_slot(node)?;
         self.grant_region(rkey, &format!("on node {node}"), |mr| mr.slot == node)
     }
 
@@ -350,7 +325,7 @@ impl Sup {
                 format!("rkey {rkey:#x} names no region {where_}"),
             )
         };
-        let mr = self.verbs.mrs.get(&rkey).ok_or_else(not_found)?;
+        let mr = self.mrs.get(&rkey).ok_or_else(not_found)?;
         if !owner_ok(mr) {
             return Err(not_found());
         }
@@ -377,8 +352,11 @@ impl Sup {
         ))
     }
 
+    // The request's five fields, the host and the client: a struct would only rename them.
+    #[allow(clippy::too_many_arguments)]
     fn create_qp(
         &mut self,
+        host: &mut dyn Host,
         id: u64,
         slot: u32,
         pd: u32,
@@ -386,7 +364,7 @@ impl Sup {
         ring_len: u32,
         event_off: u64,
     ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
-        self.ready_slot(slot)?;
+        host.ready_slot(slot)?;
         if qp_type != 2 && qp_type != 3 {
             return Err(invalid(format!("QP type {qp_type} has no QP block")));
         }
@@ -394,7 +372,6 @@ impl Sup {
             return Err(invalid(format!("ring of {ring_len} bytes is out of range")));
         }
         if !self
-            .verbs
             .ctxs
             .iter()
             .any(|c| c.client == id && c.slot == slot && c.event_off == event_off)
@@ -402,24 +379,22 @@ impl Sup {
             return Err(invalid("the QP's context is not open on this node"));
         }
         let len = QpBlockRepr::footprint(ring_len);
-        let off = self.allocs[slot as usize - 1]
-            .alloc(len, 4096, Instant::now())
-            .ok_or_else(|| no_room(slot))?;
-        let qpn = self.verbs.new_qpn(slot);
-        let w = self.windows[slot as usize - 1].clone();
+        let off = host.alloc(slot, len, 4096).ok_or_else(|| no_room(slot))?;
+        let qpn = self.new_qpn(slot);
+        let w = host.window(slot).clone();
         w.zero(off, QP_RING_OFF).expect("allocated");
         let mut h = [0u8; 64];
         QpBlockRepr {
             qp_type,
             qpn,
             slot,
-            generation: self.life[slot as usize - 1].generation(),
+            generation: host.generation(slot),
             ring_len,
             event_off,
         }
         .emit(&mut QpBlockHeader::new_unchecked(&mut h[..]));
-        super::publish(&w, off, &h, QP_INIT_OFF);
-        self.verbs.qps.insert(
+        publish(&w, off, &h, QP_INIT_OFF);
+        self.qps.insert(
             (slot, qpn),
             QpEntry {
                 client: id,
@@ -441,20 +416,18 @@ impl Sup {
     }
 
     /// Removes a QP: every QP connected to it learns its peer is gone, its block is freed.
-    fn destroy_qp(&mut self, key: (u32, u32)) {
-        let Some(q) = self.verbs.qps.remove(&key) else {
+    fn destroy_qp(&mut self, host: &mut dyn Host, key: (u32, u32)) {
+        let Some(q) = self.qps.remove(&key) else {
             return;
         };
-        let now = Instant::now();
         let peers: Vec<((u32, u32), u64, u64)> = self
-            .verbs
             .qps
             .iter()
             .filter(|(_, p)| p.peer == Some(key))
             .map(|(&k, p)| (k, p.block_off, p.event_off))
             .collect();
         for ((slot, _), block_off, event_off) in peers {
-            let w = self.win(slot);
+            let w = host.window(slot);
             if let Ok(flag) = w.u32_at(block_off + QP_PEER_ERR_OFF as u64) {
                 // SYNC POINT qp-peer-gone (release): the peer QP is gone from the registry.
                 flag.store(1, Ordering::Release);
@@ -463,12 +436,12 @@ impl Sup {
                 sync::ring(bell);
             }
         }
-        self.allocs[key.0 as usize - 1].free(q.block_off, q.block_len, now);
+        host.free(key.0, q.block_off, q.block_len);
     }
 
     /// A client went away: its regions, QPs and contexts go with it.
-    pub(super) fn verbs_drop_client(&mut self, id: u64) {
-        self.verbs.mrs.retain(|_, m| {
+    fn drop_client(&mut self, host: &mut dyn Host, id: u64) {
+        self.mrs.retain(|_, m| {
             let keep = m.client != id;
             if !keep {
                 m.mark_gone();
@@ -476,47 +449,61 @@ impl Sup {
             keep
         });
         let qps: Vec<_> = self
-            .verbs
             .qps
             .iter()
             .filter(|(_, q)| q.client == id)
             .map(|(&k, _)| k)
             .collect();
         for k in qps {
-            self.destroy_qp(k);
+            self.destroy_qp(host, k);
         }
-        self.drop_contexts(|c| c.client == id);
+        self.drop_contexts(host, |c| c.client == id);
     }
 
     /// A node went DOWN: the verbs objects of its processes are stale.
-    pub(super) fn verbs_node_down(&mut self, slot: u32) {
-        self.verbs.mrs.retain(|_, m| {
+    fn drop_node(&mut self, host: &mut dyn Host, slot: u32) {
+        self.mrs.retain(|_, m| {
             let keep = m.slot != slot;
             if !keep {
                 m.mark_gone();
             }
             keep
         });
-        let qps: Vec<_> = self
-            .verbs
-            .qps
-            .keys()
-            .filter(|k| k.0 == slot)
-            .copied()
-            .collect();
+        let qps: Vec<_> = self.qps.keys().filter(|k| k.0 == slot).copied().collect();
         for k in qps {
-            self.destroy_qp(k);
+            self.destroy_qp(host, k);
         }
-        self.drop_contexts(|c| c.slot == slot);
+        self.drop_contexts(host, |c| c.slot == slot);
     }
 
-    fn drop_contexts(&mut self, gone: impl Fn(&CtxEntry) -> bool) {
-        let now = Instant::now();
-        let (dead, live): (Vec<_>, Vec<_>) = self.verbs.ctxs.drain(..).partition(|c| gone(c));
-        self.verbs.ctxs = live;
+    fn drop_contexts(&mut self, host: &mut dyn Host, gone: impl Fn(&CtxEntry) -> bool) {
+        let (dead, live): (Vec<_>, Vec<_>) = self.ctxs.drain(..).partition(|c| gone(c));
+        self.ctxs = live;
         for c in dead {
-            self.allocs[c.slot as usize - 1].free(c.event_off, EV_LEN, now);
+            host.free(c.slot, c.event_off, EV_LEN);
         }
+    }
+}
+
+impl Service for Registry {
+    fn handle(
+        &mut self,
+        host: &mut dyn Host,
+        client: u64,
+        req: VerbsRequest,
+        fds: Vec<OwnedFd>,
+    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+        self.serve_verbs(host, client, req, fds)
+    }
+
+    /// A client went away: its regions, QPs and contexts go with it.
+    fn client_gone(&mut self, host: &mut dyn Host, client: u64) {
+        self.drop_client(host, client);
+    }
+
+    /// A node went DOWN: the verbs objects of its processes are stale.
+    fn node_down(&mut self, host: &mut dyn Host, slot: u32) {
+        self.drop_node(host, slot);
     }
 }
 

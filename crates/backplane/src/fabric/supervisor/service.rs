@@ -1,0 +1,124 @@
+//! Services the supervisor hosts for paths above the control plane. The supervisor knows
+//! nodes, windows and clients; what a path keeps about them — the verbs registry of regions,
+//! grants and QP blocks (`crate::verbs::registry`) — is a [`Service`] handed to
+//! [`super::run`] by whoever starts the supervisor (the `backplane` binary), so `fabric` does
+//! not depend on the paths.
+
+#![forbid(unsafe_code)]
+
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::super::alloc::WindowAlloc;
+use super::super::ctl::ErrorKind;
+use super::super::ctl_verbs::{VerbsRequest, VerbsResponse};
+use super::super::life::NodeLife;
+use crate::mem::Region;
+use crate::wire::NodeState;
+
+/// A refusal: the kind and a one-line message for the client.
+pub type Failure = (ErrorKind, String);
+
+/// What a service may use of the supervisor.
+pub trait Host {
+    /// Ok if `slot` names a node that is READY; otherwise the refusal to answer with.
+    fn ready_slot(&self, slot: u32) -> Result<(), Failure>;
+    /// `len` bytes of node `slot`'s window, `align`-aligned; None when the window is full.
+    fn alloc(&mut self, slot: u32, len: u64, align: u64) -> Option<u64>;
+    /// Gives back a range `alloc` handed out.
+    fn free(&mut self, slot: u32, off: u64, len: u64);
+    /// Node `slot`'s window (`slot` must exist: checked by `ready_slot` or recorded earlier).
+    fn window(&self, slot: u32) -> &Arc<Region>;
+    /// Node `slot`'s generation.
+    fn generation(&self, slot: u32) -> u32;
+}
+
+/// A registry hosted by the supervisor: it serves the verbs part of the control protocol and
+/// hears when a client or a node goes away.
+pub trait Service: Send {
+    /// Serves one request of client `client` (with the descriptors that came with it): the
+    /// response and at most one descriptor to pass back, or a refusal.
+    fn handle(
+        &mut self,
+        host: &mut dyn Host,
+        client: u64,
+        req: VerbsRequest,
+        fds: Vec<OwnedFd>,
+    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure>;
+    /// Client `client` went away (its process died or closed its socket).
+    fn client_gone(&mut self, host: &mut dyn Host, client: u64);
+    /// Node `slot` went DOWN.
+    fn node_down(&mut self, host: &mut dyn Host, slot: u32);
+}
+
+/// The service of a supervisor started without one: every verbs request is refused.
+pub struct NoService;
+
+impl Service for NoService {
+    fn handle(
+        &mut self,
+        _: &mut dyn Host,
+        _: u64,
+        _: VerbsRequest,
+        _: Vec<OwnedFd>,
+    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+        Err((
+            ErrorKind::Invalid,
+            "this supervisor serves no verbs requests".into(),
+        ))
+    }
+    fn client_gone(&mut self, _: &mut dyn Host, _: u64) {}
+    fn node_down(&mut self, _: &mut dyn Host, _: u32) {}
+}
+
+/// Ok if `slot` is one of `nodes` and READY.
+pub(super) fn ready_slot(nodes: u32, life: &[NodeLife], slot: u32) -> Result<(), Failure> {
+    if slot == 0 || slot > nodes {
+        return Err((
+            ErrorKind::NotFound,
+            format!("node {slot} does not exist (nodes 1..={nodes})"),
+        ));
+    }
+    let st = life[slot as usize - 1].state();
+    if st != NodeState::Ready {
+        return Err((
+            ErrorKind::NodeDown,
+            format!("node {slot} is {st}, not READY"),
+        ));
+    }
+    Ok(())
+}
+
+/// The supervisor's parts a service uses, borrowed while it runs.
+pub(super) struct HostView<'a> {
+    pub(super) nodes: u32,
+    pub(super) life: &'a [NodeLife],
+    pub(super) allocs: &'a mut [WindowAlloc],
+    pub(super) windows: &'a [Arc<Region>],
+}
+
+impl Host for HostView<'_> {
+    fn ready_slot(&self, slot: u32) -> Result<(), Failure> {
+        ready_slot(self.nodes, self.life, slot)
+    }
+    fn alloc(&mut self, slot: u32, len: u64, align: u64) -> Option<u64> {
+        self.allocs
+            .get_mut(slot.checked_sub(1)? as usize)?
+            .alloc(len, align, Instant::now())
+    }
+    fn free(&mut self, slot: u32, off: u64, len: u64) {
+        if let Some(a) = slot
+            .checked_sub(1)
+            .and_then(|i| self.allocs.get_mut(i as usize))
+        {
+            a.free(off, len, Instant::now());
+        }
+    }
+    fn window(&self, slot: u32) -> &Arc<Region> {
+        &self.windows[slot as usize - 1]
+    }
+    fn generation(&self, slot: u32) -> u32 {
+        self.life[slot as usize - 1].generation()
+    }
+}
