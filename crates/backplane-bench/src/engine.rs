@@ -485,14 +485,30 @@ struct Setup {
     _guards: Vec<Guard>,
 }
 
-fn peer_argv(ctx: &Ctx, ns: Option<&str>, kind: peer::PeerKind, at: &str) -> Vec<String> {
+/// Starts a bench peer of `kind` at `at` (fabric node 2, port [`PEER_PORT`] for the fabric
+/// kinds), in namespace `ns` if given. Its configuration travels typed on its standard input;
+/// the command line carries the kind only as a label for `ps`.
+fn spawn_peer(
+    ctx: &Ctx,
+    ns: Option<&str>,
+    kind: peer::PeerKind,
+    at: &str,
+) -> anyhow::Result<PeerProc> {
     let mut v = Vec::new();
     if let Some(ns) = ns {
         v.extend(["ip", "netns", "exec", ns].map(String::from));
     }
     v.push(ctx.cfg.exe.to_string_lossy().into_owned());
-    v.extend(["bench-peer", "--kind", kind.as_str(), "--at", at].map(String::from));
-    v
+    v.extend(["bench-peer", kind.as_str()].map(String::from));
+    PeerProc::spawn(
+        &v,
+        &peer::PeerConfig {
+            kind,
+            at: at.to_string(),
+            node: 2,
+            port: PEER_PORT,
+        },
+    )
 }
 
 fn veth<'c>(ctx: &'c mut Ctx) -> anyhow::Result<&'c VethPair> {
@@ -541,9 +557,7 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
     let (link, peer, lossy): (Box<dyn Link>, PeerProc, bool) = match name {
         "fabric-dgram" => {
             let (fname, f) = start_fabric(ctx, &mut guards, None)?;
-            let mut argv = peer_argv(ctx, None, K::Fabric, &fname);
-            argv.extend(["--node", "2", "--port", &PEER_PORT.to_string()].map(String::from));
-            let peer = PeerProc::spawn(&argv)?;
+            let peer = spawn_peer(ctx, None, K::Fabric, &fname)?;
             let mut ep = f.node(1)?.bind(0)?;
             let to = Addr::new(2, PEER_PORT);
             peer::fabric_hello(&mut ep, to)?;
@@ -558,9 +572,7 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
             };
             let mode = kind.verbs_mode().expect("a verbs kind");
             let (fname, f) = start_fabric(ctx, &mut guards, None)?;
-            let mut argv = peer_argv(ctx, None, kind, &fname);
-            argv.extend(["--node", "2", "--port", &PEER_PORT.to_string()].map(String::from));
-            let peer = PeerProc::spawn(&argv)?;
+            let peer = spawn_peer(ctx, None, kind, &fname)?;
             let link = VerbsLink::connect(&f.node(1)?, 2, PEER_PORT, mode, Duration::from_secs(10))
                 .context("cannot connect to the bench peer's queue pair")?;
             fabric = Some(f);
@@ -574,13 +586,13 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
             let at = format!("{}:0", plan.address(2));
             fabric = Some(f);
             if name == "fabric-tcp" {
-                let peer = PeerProc::spawn(&peer_argv(ctx, Some(&ns2), K::Tcp, &at))?;
+                let peer = spawn_peer(ctx, Some(&ns2), K::Tcp, &at)?;
                 let addr: SocketAddr = peer.addr.parse()?;
                 let s = netns::in_ns(&ns1, move || Ok(TcpStream::connect(addr)?))?;
                 s.set_nodelay(true)?;
                 (Box::new(StreamLink::new(s)), peer, false)
             } else {
-                let peer = PeerProc::spawn(&peer_argv(ctx, Some(&ns2), K::Udp, &at))?;
+                let peer = spawn_peer(ctx, Some(&ns2), K::Udp, &at)?;
                 let addr: SocketAddr = peer.addr.parse()?;
                 let me = format!("{}:0", plan.address(1));
                 let s = netns::in_ns(&ns1, move || Ok(UdpSocket::bind(me)?))?;
@@ -589,13 +601,13 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
             }
         }
         "tcp-loopback" => {
-            let peer = PeerProc::spawn(&peer_argv(ctx, None, K::Tcp, "127.0.0.1:0"))?;
+            let peer = spawn_peer(ctx, None, K::Tcp, "127.0.0.1:0")?;
             let s = TcpStream::connect(peer.addr.parse::<SocketAddr>()?)?;
             s.set_nodelay(true)?;
             (Box::new(StreamLink::new(s)), peer, false)
         }
         "udp-loopback" => {
-            let peer = PeerProc::spawn(&peer_argv(ctx, None, K::Udp, "127.0.0.1:0"))?;
+            let peer = spawn_peer(ctx, None, K::Udp, "127.0.0.1:0")?;
             let s = UdpSocket::bind("127.0.0.1:0")?;
             peer::udp_hello(&s, peer.addr.parse()?)?;
             (Box::new(UdpLink::new(s)), peer, true)
@@ -611,7 +623,7 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
                 },
             ));
             let path = dir.join("peer.sock");
-            let peer = PeerProc::spawn(&peer_argv(ctx, None, K::Unix, &path.to_string_lossy()))?;
+            let peer = spawn_peer(ctx, None, K::Unix, &path.to_string_lossy())?;
             let s = UnixStream::connect(&path)?;
             (Box::new(StreamLink::new(s)), peer, false)
         }
@@ -622,7 +634,7 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
                 (v.ns_b.clone(), format!("{}:0", netns::ADDR_B))
             };
             let kind = if tcp { K::Tcp } else { K::Udp };
-            let peer = PeerProc::spawn(&peer_argv(ctx, Some(&ns_b), kind, &at))?;
+            let peer = spawn_peer(ctx, Some(&ns_b), kind, &at)?;
             let addr: SocketAddr = peer.addr.parse()?;
             let v = veth(ctx)?;
             if tcp {

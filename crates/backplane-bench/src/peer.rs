@@ -86,8 +86,9 @@ impl PeerKind {
     }
 }
 
-/// Where the peer listens.
-#[derive(Debug, Clone)]
+/// Where the peer listens: the first line (JSON) on the peer's standard input, before any
+/// command, so the compiler checks both ends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PeerConfig {
     /// Link kind.
     pub kind: PeerKind,
@@ -194,6 +195,19 @@ fn say(r: &Reply) {
 const HANDSHAKE: Duration = Duration::from_secs(10);
 
 /// Runs a peer: set up, print `ready`, serve commands from stdin until `quit` or end of file.
+/// The `bench-peer` process: reads its [`PeerConfig`] (the first line on standard input),
+/// then serves commands until told to quit.
+pub fn run_peer_from_stdin() -> anyhow::Result<()> {
+    let mut line = String::new();
+    io::stdin()
+        .read_line(&mut line)
+        .context("cannot read the bench peer's configuration")?;
+    let cfg: PeerConfig =
+        serde_json::from_str(&line).context("malformed bench peer configuration")?;
+    run_peer(&cfg)
+}
+
+/// Serves one peer of configuration `cfg` (see [`run_peer_from_stdin`]).
 pub fn run_peer(cfg: &PeerConfig) -> anyhow::Result<()> {
     match serve(cfg) {
         Ok(()) => Ok(()),
@@ -559,9 +573,9 @@ pub struct PeerProc {
 }
 
 impl PeerProc {
-    /// Starts `argv` (a `bench-peer` command line, possibly behind `ip netns exec`) and waits
-    /// for its `ready` line.
-    pub fn spawn(argv: &[String]) -> anyhow::Result<PeerProc> {
+    /// Starts `argv` (a `bench-peer` command line, possibly behind `ip netns exec`), hands it
+    /// `cfg`, and waits for its `ready` line.
+    pub fn spawn(argv: &[String], cfg: &PeerConfig) -> anyhow::Result<PeerProc> {
         let mut child = std::process::Command::new(&argv[0])
             .args(&argv[1..])
             .stdin(std::process::Stdio::piped())
@@ -582,6 +596,12 @@ impl PeerProc {
             addr: String::new(),
             _guard: guard,
         };
+        let mut line = serde_json::to_vec(cfg)?;
+        line.push(b'\n');
+        p.stdin
+            .write_all(&line)
+            .and_then(|()| p.stdin.flush())
+            .context("the bench peer is gone")?;
         match p.reply()? {
             Reply::Ready { addr } => p.addr = addr,
             r => bail!("the bench peer said {r:?} instead of ready"),

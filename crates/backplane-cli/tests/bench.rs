@@ -477,7 +477,7 @@ fn a_path_whose_peer_dies_mid_run_is_reported_and_the_next_path_still_runs() {
         std::fs::read_dir("/proc").unwrap().flatten().find_map(|p| {
             let cmd = std::fs::read(p.path().join("cmdline")).ok()?;
             let s = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            (s.starts_with(BIN) && s.contains("bench-peer --kind tcp"))
+            (s.starts_with(BIN) && s.contains("bench-peer tcp"))
                 .then(|| p.file_name().to_string_lossy().parse::<i32>().unwrap())
         })
     })

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use backplane_bench::engine::{self, Config};
-use backplane_bench::peer::{self, PeerConfig, PeerKind};
+use backplane_bench::peer;
 use backplane_bench::report;
 
 use super::parse_size;
@@ -72,21 +72,12 @@ fn parse_secs_or_zero(s: &str) -> Result<f64, String> {
     parse_secs(s)
 }
 
-/// Arguments of the far side (`bench-peer`).
+/// Arguments of the far side (`bench-peer`): none that configure it — its configuration is
+/// the first line (JSON) on its standard input, written by the bench.
 #[derive(clap::Args, Debug)]
 pub struct PeerArgs {
-    /// fabric, udp, tcp or unix.
-    #[arg(long)]
-    kind: String,
-    /// Fabric name, `IP:PORT` to bind, or Unix socket path.
-    #[arg(long)]
-    at: String,
-    /// Fabric node slot.
-    #[arg(long, default_value_t = 2)]
-    node: u32,
-    /// Fabric port.
-    #[arg(long, default_value_t = 0)]
-    port: u32,
+    /// The peer's kind, as a label for `ps` (the configuration on stdin decides).
+    label: Option<String>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -203,14 +194,6 @@ fn partial(r: &report::Report, user_sizes: bool) -> Option<String> {
     (!why.is_empty()).then(|| why.join("; "))
 }
 
-pub fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
-    let Some(kind) = PeerKind::parse(&a.kind) else {
-        bail!("unknown peer kind '{}'", a.kind);
-    };
-    peer::run_peer(&PeerConfig {
-        kind,
-        at: a.at,
-        node: a.node,
-        port: a.port,
-    })
+pub fn run_peer(_: PeerArgs) -> anyhow::Result<()> {
+    peer::run_peer_from_stdin()
 }
