@@ -1,29 +1,18 @@
 //! `backplane agent` (internal): a node's agent, started by the supervisor. The agent itself
-//! is library code ([`backplane::net::agent`]); this file only parses its arguments.
+//! is library code ([`backplane::net::agent`]), configured by the typed `AgentConfig` the
+//! supervisor writes to its standard input; the arguments are labels for `ps`.
 
-use backplane::net::agent::{self, AgentConfig};
+use backplane::net::agent;
 
-use super::NameArg;
-
-/// Arguments of the agent.
+/// Arguments of the agent: the fabric's name and the slot, as labels (not parsed).
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    #[command(flatten)]
-    name: NameArg,
-    #[arg(long)]
-    slot: u32,
-    /// Give the node a bp0 on this subnet (absent: no networking).
-    #[arg(long)]
-    subnet: Option<String>,
-    #[arg(long, default_value_t = backplane::net::DEFAULT_MTU)]
-    mtu: u32,
+    /// Labels for `ps` (fabric name, slot); the configuration comes on standard input.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    labels: Vec<String>,
 }
 
-pub fn run(a: Args) -> anyhow::Result<()> {
-    agent::run(&AgentConfig {
-        fabric: a.name.name,
-        slot: a.slot,
-        net: a.subnet.map(|s| (s, a.mtu)),
-    })?;
+pub fn run(_: Args) -> anyhow::Result<()> {
+    agent::run_from_stdin()?;
     Ok(())
 }

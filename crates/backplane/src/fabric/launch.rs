@@ -13,6 +13,18 @@ use std::time::{Duration, Instant};
 use super::supervisor::{self, Config, StartError};
 use super::{fabric_dir, validate_name, Fabric, FabricError};
 
+/// What a node agent runs with: written by the supervisor as one JSON line on the agent's
+/// standard input (its command line only names fabric and slot, for `ps`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct AgentConfig {
+    /// Fabric name.
+    pub fabric: String,
+    /// The node's slot.
+    pub slot: u32,
+    /// IP over the fabric: the subnet and the MTU of `bp0` (None: no networking).
+    pub net: Option<(String, u32)>,
+}
+
 /// What a fabric is started with.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Options {

@@ -21,20 +21,26 @@ use crate::net::{
 use crate::sync::Ordering;
 use crate::wire::{NodeState, WIN_HEARTBEAT_OFF, WIN_IFSTATS_OFF};
 
-/// What an agent runs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AgentConfig {
-    /// Fabric name.
-    pub fabric: String,
-    /// The node's slot.
-    pub slot: u32,
-    /// IP over the fabric: the subnet and the MTU of `bp0` (None: no networking).
-    pub net: Option<(String, u32)>,
+pub use crate::fabric::launch::AgentConfig;
+
+/// Runs the agent of the configuration read from standard input (one JSON line, as the
+/// supervisor writes it): what `backplane agent` does.
+pub fn run_from_stdin() -> Result<(), AgentError> {
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .map_err(|e| AgentError::Start(format!("cannot read the agent's configuration: {e}")))?;
+    let cfg: AgentConfig = serde_json::from_str(&line)
+        .map_err(|e| AgentError::Start(format!("malformed agent configuration: {e}")))?;
+    run(&cfg)
 }
 
 /// Why an agent could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
+    /// Occurs when the configuration on standard input is missing or malformed.
+    #[error("{0}")]
+    Start(String),
     /// Occurs when the node's network namespace cannot be entered.
     #[error("cannot enter the namespace of node {slot}: {source}")]
     Netns {

@@ -14,7 +14,9 @@ pub struct Config {
     pub window_size: u64,
     /// Restart a dead agent after this long (None: leave it DOWN).
     pub restart_delay: Option<Duration>,
-    /// Program and leading arguments that start a node agent; `--name F --slot N` is appended.
+    /// Program and leading arguments that start a node agent; the fabric's name and the slot
+    /// are appended (labels for `ps`), its [`crate::fabric::launch::AgentConfig`] is written
+    /// to its standard input.
     pub agent_cmd: Vec<String>,
     /// IP over the fabric: `None` for `--no-net`.
     pub net: Option<NetPlan>,

@@ -13,18 +13,20 @@ impl Sup {
             .ok_or_else(|| StartError::Boot("no agent command".into()))?;
         let log = self.log.try_clone().map_err(os("log"))?;
         let log2 = self.log.try_clone().map_err(os("log"))?;
+        let agent_cfg = crate::fabric::launch::AgentConfig {
+            fabric: self.cfg.name.clone(),
+            slot,
+            net: self
+                .cfg
+                .net
+                .map(|p| (format!("{}/{}", p.network, p.prefix), p.mtu)),
+        };
+        let mut line = serde_json::to_vec(&agent_cfg).expect("plain data serialises");
+        line.push(b'\n');
         let mut cmd = Command::new(prog);
         cmd.args(args)
-            .args(["--name", &self.cfg.name, "--slot", &slot.to_string()])
-            .args(self.cfg.net.iter().flat_map(|p| {
-                [
-                    "--subnet".to_string(),
-                    format!("{}/{}", p.network, p.prefix),
-                    "--mtu".to_string(),
-                    p.mtu.to_string(),
-                ]
-            }))
-            .stdin(Stdio::null())
+            .args([self.cfg.name.as_str(), &slot.to_string()])
+            .stdin(Stdio::piped())
             .stdout(log)
             .stderr(log2);
         // SAFETY: the closure only makes the prctl system call (async-signal-safe, no
@@ -37,9 +39,14 @@ impl Sup {
                 Ok(())
             });
         }
-        let child = cmd
+        let mut child = cmd
             .spawn()
             .map_err(os(format!("cannot start the agent of node {slot}")))?;
+        // One line into an empty pipe never blocks; the agent reads it first. If the agent
+        // died already, it is seen DOWN like any other dead agent.
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = std::io::Write::write_all(&mut stdin, &line);
+        }
         let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("child pid > 0");
         let pidfd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
             .map_err(|e| os("pidfd_open")(e.into()))?;
