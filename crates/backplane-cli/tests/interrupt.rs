@@ -68,7 +68,7 @@ fn interrupt(
 }
 
 fn peer_of(name: &str) -> Vec<String> {
-    processes_with(&format!("perf-peer --name {name} "))
+    processes_with(&format!("perf-peer {name} "))
 }
 
 #[test]

@@ -28,7 +28,7 @@ const PEER_PORT: u32 = 18515; // perftest's default port, for familiarity
 const MAX_SIZE: u64 = 1 << 20;
 
 /// Which benchmark.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Test {
     /// Datagram ping-pong latency (one-way = round trip / 2).
@@ -196,13 +196,17 @@ pub struct Args {
 /// Arguments of the far side.
 #[derive(clap::Args, Debug)]
 pub struct PeerArgs {
-    #[arg(long)]
+    /// Labels for `ps` (fabric name, test); the configuration comes on standard input.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    labels: Vec<String>,
+}
+
+/// What the perf peer runs: the first line (JSON) on its standard input.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+struct PeerConfig {
     name: String,
-    #[arg(long, value_enum)]
     test: Test,
-    #[arg(long)]
     node: u32,
-    #[arg(long)]
     port: u32,
 }
 
@@ -382,22 +386,26 @@ fn measure_backplane(a: &Args, sizes: &[u64], first: bool) -> anyhow::Result<(St
         bail!("fabric '{name}' has one node; perf needs nodes 1 and 2");
     }
     let exe = std::env::current_exe()?;
+    // The peer's configuration travels typed on its stdin; fabric and test are labels for ps.
     let mut peer = Command::new(exe)
-        .args([
-            "perf-peer",
-            "--name",
-            &name,
-            "--test",
-            a.test.name(),
-            "--node",
-            "2",
-            "--port",
-            &PEER_PORT.to_string(),
-        ])
-        .stdin(Stdio::null())
+        .args(["perf-peer", &name, a.test.name()])
+        .stdin(Stdio::piped())
         .spawn()
         .context("cannot start the perf peer")?;
     let peer_guard = teardown::child("perf peer", peer.id());
+    {
+        use std::io::Write;
+        let cfg = PeerConfig {
+            name: name.clone(),
+            test: a.test,
+            node: 2,
+            port: PEER_PORT,
+        };
+        let mut line = serde_json::to_vec(&cfg)?;
+        line.push(b'\n');
+        let mut stdin = peer.stdin.take().expect("piped");
+        stdin.write_all(&line).context("the perf peer is gone")?;
+    }
     let announce_run = || {
         if !a.json && first {
             eprintln!(
@@ -562,7 +570,12 @@ fn bw_client(ep: &mut Endpoint, peer: Addr, size: u64, iters: u64) -> anyhow::Re
 
 /// The far side: for each size the client announces (size, count), echoes (latency) or sinks
 /// and acknowledges (bandwidth) `count` messages; size 0 ends the run.
-pub fn run_peer(a: PeerArgs) -> anyhow::Result<()> {
+pub fn run_peer(_: PeerArgs) -> anyhow::Result<()> {
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .context("cannot read the perf peer's configuration")?;
+    let a: PeerConfig = serde_json::from_str(&line).context("malformed perf peer configuration")?;
     let fabric = Fabric::attach(&a.name)?;
     if a.test.is_verbs() {
         return verbs::peer(&fabric, a.test, a.node, a.port);
