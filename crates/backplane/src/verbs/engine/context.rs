@@ -124,8 +124,7 @@ impl Ctx {
             rq_posted: 0,
             credits: 0,
             used_credits: 0,
-            acked: 0,
-            rnr: None,
+            rel: Reliability::default(),
             inbound: None,
             msgs_in: 0,
             msgs_out: 0,
@@ -137,7 +136,6 @@ impl Ctx {
             error: None,
             idle: 0,
             settle_later: false,
-            acked_piggy: 0,
             published: 0,
         };
         let mut eng = self.eng.borrow_mut();

@@ -10,7 +10,7 @@ impl QpEngine {
     pub(super) fn runs_now(&self) -> bool {
         self.state == QpState::Rts
             && self.exec == self.sq.len()
-            && self.rnr.is_none()
+            && !self.rel.rnr_waiting()
             && !self.peer_gone
             && self.ty != QpType::Ud
     }

@@ -112,6 +112,7 @@ use cq::*;
 pub(crate) use cq::{CqState, Cqs};
 use memory::*;
 pub(crate) use memory::{LocalMr, MrTable};
+use reliability::Reliability;
 
 // ---------------------------------------------------------------------------------------------
 // Queue pairs.
@@ -329,12 +330,6 @@ struct InMsg {
     status: WcStatus,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Rnr {
-    left: u8,
-    next: Instant,
-}
-
 /// A queue pair as the engine runs it: its attributes and state, its send and receive
 /// queues, its ring to the peer (`outbound`) and from it (`inbound`), credits, acks and RNR.
 pub(crate) struct QpEngine {
@@ -362,8 +357,8 @@ pub(crate) struct QpEngine {
     rq_posted: u64,
     credits: u64,
     used_credits: u64,
-    acked: u64,
-    rnr: Option<Rnr>,
+    /// Acknowledgements, NAKs and RNR waits (sans-IO; see `reliability.rs`).
+    rel: Reliability,
     inbound: Option<InMsg>,
     msgs_in: u64,
     msgs_out: u64,
@@ -382,8 +377,6 @@ pub(crate) struct QpEngine {
     idle: u32,
     /// The last progress took a message and left the send side for this one.
     settle_later: bool,
-    /// How far piggybacked acknowledgements reached.
-    acked_piggy: u64,
     /// Posted-receive count last written into the peer's block.
     published: u64,
 }
@@ -460,7 +453,7 @@ impl QpEngine {
         }
         self.exec = 0;
         self.flush_rq(cqs);
-        self.rnr = None;
+        self.rel.rnr_clear();
         if self.state != QpState::Err {
             self.state = QpState::Err;
             if let Some(p) = &self.peer {

@@ -38,7 +38,7 @@ impl QpEngine {
             }
             let signaled = self.signaled(wr.send_flags);
             let byte_len = byte_len_of(wr);
-            if self.exec == self.sq.len() && self.rnr.is_none() {
+            if self.exec == self.sq.len() && !self.rel.rnr_waiting() {
                 // Nothing waits ahead of this request: run it now, without copying it.
                 let src = match (wr.send_flags.contains(SendFlags::INLINE), wr.inline_data) {
                     (true, d) if !d.is_empty() => Src::Inline(d),
@@ -75,7 +75,9 @@ impl QpEngine {
                     }
                     Exec::Full | Exec::Rnr => {
                         if matches!(r, Exec::Rnr) {
-                            self.start_rnr();
+                            let delay = self.rnr_delay();
+                            // The first RNR only starts the wait: it cannot exhaust it.
+                            let _ = self.rel.rnr(Instant::now(), self.attr.rnr_retry, delay);
                         }
                         self.sq.push_back(SqEntry {
                             wr_id: wr.wr_id,

@@ -267,17 +267,15 @@ impl QpEngine {
         self.rq.clear();
         self.exec = 0;
         self.inbound = None;
-        self.rnr = None;
+        self.rel.reset();
         self.rq_posted = 0;
         self.credits = 0;
         self.used_credits = 0;
-        self.acked = 0;
         self.msgs_in = 0;
         self.msgs_out = 0;
         self.peer_gone = false;
         self.bell_pending = false;
         self.idle = 0;
-        self.acked_piggy = 0;
         self.published = 0;
         self.remote.clear();
         self.prod = Producer::new();
@@ -307,16 +305,19 @@ impl QpEngine {
             // word only every so often, see `complete_acked`) must wake the channel at once:
             // compare with what this QP has taken in, not with the word as it is now, or the
             // watcher sleeps through an ack that moved before arming.
-            let waiting = self
-                .sq
-                .front()
-                .is_some_and(|e| matches!(e.st, SendPhase::Ack { end, .. } if end > self.acked));
+            let waiting = self.sq.front().is_some_and(
+                |e| matches!(e.st, SendPhase::Ack { end, .. } if end > self.rel.acked()),
+            );
             out.push(Watch::Moved {
                 word: o.ack.clone(),
-                seen: if waiting { ack.min(self.acked) } else { ack },
+                seen: if waiting {
+                    ack.min(self.rel.acked())
+                } else {
+                    ack
+                },
             });
             out.push(Watch::Flag(o.peer_err.clone()));
-            if self.rnr.is_some() {
+            if self.rel.rnr_waiting() {
                 out.push(Watch::Moved {
                     word: o.credits.clone(),
                     // SYNC POINT qp-credits (acquire, watched).
