@@ -450,14 +450,31 @@ impl Span {
     /// Copies `n` bytes at `off` of this span to `dst_off` of `dst`.
     #[inline(always)]
     pub fn copy_to(&self, off: u64, dst: &Span, dst_off: u64, n: usize) -> Result<(), MemError> {
-        let s = self.check(off, n as u64)?;
-        let d = dst.check_write(dst_off, n as u64)?;
+        // One branch for the four conditions (this is the RDMA WRITE's copy: every branch
+        // before the store delays the moment the peer sees the data).
+        let n64 = n as u64;
+        let (s_end, s_over) = off.overflowing_add(n64);
+        let (d_end, d_over) = dst_off.overflowing_add(n64);
+        if s_over | d_over | (s_end > self.len) | (d_end > dst.len) | !dst.writable {
+            return Err(self.copy_error(off, dst, dst_off, n64));
+        }
+        let (s, d) = (off as usize, dst_off as usize);
         // SAFETY: both ranges are inside live spans (checked), the destination writable. They
         // may be the same pages (two spans of one region, or a peer mapping one memfd twice):
         // `copy_bytes` is a byte copy that tolerates overlap of shared memory, which changes
         // bytes, never memory safety.
         unsafe { copy_bytes(self.ptr.as_ptr().add(s), dst.ptr.as_ptr().add(d), n) };
         Ok(())
+    }
+
+    /// Why `copy_to` refused (out of line: the fast path only branches to it).
+    #[cold]
+    #[inline(never)]
+    fn copy_error(&self, off: u64, dst: &Span, dst_off: u64, n: u64) -> MemError {
+        match (self.check(off, n), dst.check_write(dst_off, n)) {
+            (Err(e), _) | (_, Err(e)) => e,
+            _ => MemError::ReadOnly,
+        }
     }
 
     /// As [`Span::copy_to`], storing the last 8 bytes last (see [`Span::write_ordered`]).
