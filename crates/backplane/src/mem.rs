@@ -529,7 +529,7 @@ impl Span {
     #[allow(clippy::mut_from_ref)] // the bytes are shared memory, exclusivity is the contract
     #[inline(always)]
     pub unsafe fn bytes_mut(&self, off: u64, len: usize) -> Result<&mut [u8], MemError> {
-        let o = self.check(off, len as u64)?;
+        let o = self.check_write(off, len as u64)?;
         // SAFETY: inside the live span (checked); exclusivity is the caller's contract.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(o), len) })
     }
@@ -737,6 +737,72 @@ mod tests {
         let mut got = [0u8; 4];
         a.read(0, &mut got).unwrap();
         assert_eq!(&got, b"head");
+    }
+
+    #[test]
+    fn spans_check_every_access_and_refuse_writes_through_a_read_only_mapping() {
+        let rw = Arc::new(Region::create("bp-test", 8192).unwrap());
+        let ro = Arc::new(Region::map(rw.fd().try_clone_to_owned().unwrap(), false).unwrap());
+        let a = Span::new(&rw, 4096, 4096).unwrap();
+        let r = Span::new(&ro, 4096, 4096).unwrap();
+        assert!(Span::new(&rw, 4096, 4097).is_err());
+        assert!(a.sub(4000, 97).is_err());
+        a.write(4088, b"12345678").unwrap();
+        assert!(a.write(4089, b"12345678").is_err());
+        assert!(a.write(u64::MAX, b"x").is_err());
+        let mut got = [0u8; 8];
+        r.read(4088, &mut got).unwrap();
+        assert_eq!(&got, b"12345678", "the same bytes through both mappings");
+        assert!(r.write(0, b"x").is_err(), "read-only mapping");
+        assert!(r.fill(0, 1, 0).is_err());
+        assert!(
+            a.copy_to(0, &r, 0, 8).is_err(),
+            "copy into a read-only span"
+        );
+        assert!(r.copy_to(4088, &a, 0, 8).is_ok());
+        assert!(r.copy_to(4089, &a, 0, 8).is_err());
+        assert!(a.copy_to(0, &a, 4089, 8).is_err());
+        // SAFETY: nothing else uses these spans while the slices live.
+        unsafe {
+            assert!(
+                r.bytes_mut(0, 8).is_err(),
+                "no &mut into a read-only mapping"
+            );
+            assert!(a.bytes_mut(4090, 8).is_err());
+            assert_eq!(a.bytes(4088, 8).unwrap(), b"12345678");
+        }
+        assert!(a.u64_at(4).is_err(), "misaligned");
+        assert!(a.u64_at(4096).is_err());
+        assert_eq!(a.load_volatile(4095).unwrap(), b'8');
+        let w = Word32::at(&rw, 4092).unwrap();
+        assert!(Word32::at(&rw, 8190).is_err());
+        w.store(7, crate::sync::Ordering::Relaxed);
+        assert_eq!(
+            Word32::at(&ro, 4092)
+                .unwrap()
+                .load(crate::sync::Ordering::Relaxed),
+            7
+        );
+    }
+
+    #[test]
+    fn an_ordered_span_write_lands_whole_for_every_length() {
+        let rw = Arc::new(Region::create("bp-test", 8192).unwrap());
+        let src_r = Arc::new(Region::create("bp-test", 8192).unwrap());
+        let (d, s) = (Span::whole(&rw), Span::whole(&src_r));
+        for n in [0usize, 1, 7, 8, 9, 64, 4096] {
+            let src: Vec<u8> = (0..n).map(|i| i as u8 ^ 0x3c).collect();
+            s.write(10, &src).unwrap();
+            d.fill(0, 8192, 0).unwrap();
+            d.write_ordered(100, &src).unwrap();
+            let mut got = vec![0u8; n];
+            d.read(100, &mut got).unwrap();
+            assert_eq!(got, src, "{n} bytes written");
+            d.fill(0, 8192, 0).unwrap();
+            s.copy_to_ordered(10, &d, 200, n).unwrap();
+            d.read(200, &mut got).unwrap();
+            assert_eq!(got, src, "{n} bytes copied");
+        }
     }
 
     #[test]
