@@ -540,10 +540,14 @@ fn copy_piece(src: &End, dst: &End, off: u64, n: usize, stream: bool) -> Result<
         (End::Local(s), End::Local(d)) => spans(s, off, d, off),
         (End::Local(s), End::Remote(r, base)) => r.put(base + off, s, off, n, how),
         (End::Remote(r, base), End::Local(d)) => r.get(base + off, d, off, n, how),
-        // Between two peers: direct where the transport maps both here (shared memory).
+        // Between two peers: direct, the transport maps both here (checked at submission).
         (End::Remote(a, sa), End::Remote(b, sb)) => match (a.local(), b.local()) {
             (Some((s, _)), Some((d, _))) => spans(s, sa + off, d, sb + off),
-            _ => Err(MemError::ReadOnly),
+            _ => Err(MemError::OutOfBounds {
+                off,
+                len: n as u64,
+                size: 0,
+            }),
         },
     }
 }
@@ -1240,6 +1244,13 @@ impl DmaQueue {
             };
             let (_, src) = get(s.src)?;
             let (_, dst) = get(s.dst)?;
+            // A copy between two peers' regions goes direct, so both must be mapped here;
+            // a transport that cannot (a network) refuses the segment rather than fail later.
+            if let (MapBytes::Remote(a), MapBytes::Remote(b)) = (&src.bytes, &dst.bytes) {
+                if a.local().is_none() || b.local().is_none() {
+                    return Err((DmaStatus::InvalidRegion, i));
+                }
+            }
             check_segment(
                 (src.len(), src.readable),
                 (dst.len(), dst.writable),

@@ -573,6 +573,27 @@ impl Span {
         Ok(unsafe { &*p.cast::<AtomicU64>() })
     }
 
+    /// Atomically adds `add` to the 8-aligned u64 at `off`; returns the old value.
+    pub fn fetch_add(&self, off: u64, add: u64) -> Result<u64, MemError> {
+        Ok(self
+            .u64_at(off)?
+            .fetch_add(add, crate::sync::Ordering::SeqCst))
+    }
+
+    /// Atomically replaces the 8-aligned u64 at `off` with `swap` if it equals `compare`;
+    /// returns the old value either way.
+    pub fn compare_swap(&self, off: u64, compare: u64, swap: u64) -> Result<u64, MemError> {
+        use crate::sync::Ordering::SeqCst;
+        Ok(
+            match self
+                .u64_at(off)?
+                .compare_exchange(compare, swap, SeqCst, SeqCst)
+            {
+                Ok(v) | Err(v) => v,
+            },
+        )
+    }
+
     /// Asks the CPU to start loading the line at `off` (a hint; out-of-range offsets are
     /// ignored).
     #[inline(always)]

@@ -158,15 +158,10 @@ impl RemoteRegion for ShmRegion {
         }
     }
     fn fetch_add(&self, off: u64, add: u64) -> Result<u64, MemError> {
-        Ok(self.data.u64_at(off)?.fetch_add(add, Ordering::SeqCst))
+        self.data.fetch_add(off, add)
     }
     fn compare_swap(&self, off: u64, compare: u64, swap: u64) -> Result<u64, MemError> {
-        let w = self.data.u64_at(off)?;
-        Ok(
-            match w.compare_exchange(compare, swap, Ordering::SeqCst, Ordering::SeqCst) {
-                Ok(v) | Err(v) => v,
-            },
-        )
+        self.data.compare_swap(off, compare, swap)
     }
     fn local(&self) -> Option<(&Span, &Word32)> {
         Some((&self.data, &self.state))

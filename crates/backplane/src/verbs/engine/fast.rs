@@ -212,16 +212,9 @@ impl QpEngine {
                     compare_add, swap, ..
                 },
             ) => if op == WcOpcode::FetchAdd {
-                d.data
-                    .u64_at(remote_addr)
-                    .map(|w| w.fetch_add(compare_add, Ordering::SeqCst))
+                d.data.fetch_add(remote_addr, compare_add)
             } else {
-                d.data.u64_at(remote_addr).map(|w| {
-                    match w.compare_exchange(compare_add, swap, Ordering::SeqCst, Ordering::SeqCst)
-                    {
-                        Ok(v) | Err(v) => v,
-                    }
-                })
+                d.data.compare_swap(remote_addr, compare_add, swap)
             }
             .and_then(|old| local.write(local_off, &old.to_le_bytes())),
             _ => return false,

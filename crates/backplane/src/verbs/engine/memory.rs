@@ -177,14 +177,18 @@ impl<'a> Bytes<'a> {
 
     /// Copies these bytes into `dst` (as long as they are).
     pub(super) fn copy_into(&self, dst: &mut [u8]) -> Result<(), MemError> {
+        let (n, size) = (self.len(), dst.len() as u64);
+        let dst = dst.get_mut(..n).ok_or(MemError::OutOfBounds {
+            off: 0,
+            len: n as u64,
+            size,
+        })?;
         match *self {
             Bytes::Slice(d) => {
-                dst.get_mut(..d.len())
-                    .ok_or(MemError::ReadOnly)?
-                    .copy_from_slice(d);
+                dst.copy_from_slice(d);
                 Ok(())
             }
-            Bytes::Span(s, off, n) => s.read(off, dst.get_mut(..n).ok_or(MemError::ReadOnly)?),
+            Bytes::Span(s, off, _) => s.read(off, dst),
         }
     }
 }

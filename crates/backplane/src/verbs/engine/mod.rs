@@ -562,8 +562,8 @@ impl WriteHint {
     };
 }
 
-/// The address of the last byte an RDMA_WRITE of `len` bytes at `remote_addr` lands on, in a
-/// region mapped at `base` — for a prefetch only: computed with wrapping arithmetic, it may
+/// The address of the last byte an RDMA_WRITE of `len` bytes at `remote_addr` lands on, in the
+/// region `data` maps — for a prefetch only: computed with wrapping arithmetic, it may
 /// point anywhere (a prefetch does not fault) and must not be dereferenced.
 #[inline(always)]
 pub(crate) fn write_end(data: &Span, remote_addr: u64, len: usize) -> *const u8 {
