@@ -2,8 +2,6 @@
 //! crate denies unsafe code. Everything that touches shared memory or the fabric lives in the
 //! library; these are process plumbing.
 
-use std::fs::File;
-use std::os::fd::FromRawFd;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 
@@ -23,20 +21,6 @@ pub fn child_default_sigpipe(cmd: &mut Command) {
             Ok(())
         });
     }
-}
-
-/// Takes ownership of descriptor `fd`, inherited from the process that started us, and keeps
-/// it out of the programs we spawn (close-on-exec).
-///
-/// Call it once per descriptor the parent documents passing (the supervisor's ready and
-/// options pipes); `backplane supervisor` is only started that way.
-pub fn inherited_fd(fd: i32) -> anyhow::Result<File> {
-    anyhow::ensure!(fd > 2, "descriptor {fd} is not one a parent passes");
-    // SAFETY: `launch::start` passes this descriptor (a pipe end) and nothing else in this
-    // process uses it; we own it from here on.
-    let f = unsafe { File::from_raw_fd(fd) };
-    rustix::io::fcntl_setfd(&f, rustix::io::FdFlags::CLOEXEC)?;
-    Ok(f)
 }
 
 /// Clock ticks per second (the unit of /proc/PID/stat's CPU times).

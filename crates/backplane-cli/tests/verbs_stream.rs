@@ -1,7 +1,8 @@
 //! The bench's fabric-verbs paths (`backplane_bench::verbs_link`): a byte stream over
 //! RDMA_WRITE_WITH_IMM, SEND or announced RDMA_READs. Everything sent arrives once, in
 //! order, whatever the piece sizes (inline, staged, larger than a chunk, wrapping the ring
-//! many times), in every mode.
+//! many times), in every mode. (Here rather than beside the bench: it starts fabrics with the
+//! `backplane` binary this crate builds.)
 
 mod common;
 use common::*;

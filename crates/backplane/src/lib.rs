@@ -12,7 +12,9 @@
 //! - [`net`]: IP over the fabric — addressing, frame switching, namespaces, TAP;
 //! - [`model`]: link models (pure arithmetic): what a PCIe or Ethernet link delivers;
 //! - [`verbs`]: RDMA verbs (PD, MR, CQ, QP: RC, UC, UD) over the fabric;
-//! - [`dma`]: raw mode — scatter/gather DMA jobs run by engine threads, over verbs regions.
+//! - [`dma`]: raw mode — scatter/gather DMA jobs run by engine threads, over verbs regions;
+//! - [`daemon`]: the fabric's processes (supervisor hosting the verbs registry, node agent)
+//!   as entry points an executable calls — `backplane` and this crate's `backplane-fabricd`.
 //!
 //! ```no_run
 //! use backplane::{fabric::Fabric, dgram::Addr};
@@ -27,6 +29,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#[cfg(not(loom))]
+pub mod daemon;
 #[cfg(not(loom))]
 pub mod dgram;
 #[cfg(not(loom))]

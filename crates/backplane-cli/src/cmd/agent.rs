@@ -1,8 +1,6 @@
 //! `backplane agent` (internal): a node's agent, started by the supervisor. The agent itself
-//! is library code ([`backplane::net::agent`]), configured by the typed `AgentConfig` the
+//! is library code ([`backplane::daemon::agent`]), configured by the typed `AgentConfig` the
 //! supervisor writes to its standard input; the arguments are labels for `ps`.
-
-use backplane::net::agent;
 
 /// Arguments of the agent: the fabric's name and the slot, as labels (not parsed).
 #[derive(clap::Args, Debug)]
@@ -13,6 +11,6 @@ pub struct Args {
 }
 
 pub fn run(_: Args) -> anyhow::Result<()> {
-    agent::run_from_stdin()?;
+    backplane::daemon::agent()?;
     Ok(())
 }

@@ -62,15 +62,12 @@ pub fn options(
     restart_delay_ms: u64,
     net: Option<NetPlan>,
 ) -> anyhow::Result<Options> {
+    let exe = std::env::current_exe().context("cannot find the backplane executable")?;
     Ok(Options {
-        name: name.to_owned(),
-        nodes,
         window_size,
         restart_delay_ms,
-        exe: std::env::current_exe().context("cannot find the backplane executable")?,
         net,
-        link: None,
-        topology: None,
+        ..Options::new(name, nodes, exe)
     })
 }
 

@@ -7,12 +7,6 @@ use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_backplane");
 
-/// A copy of a memory region's bytes (regions are read by copy: peers may write them).
-pub fn bytes(mr: &backplane::verbs::Mr) -> Vec<u8> {
-    mr.to_vec(0, mr.len())
-        .expect("a region holds its own length")
-}
-
 /// Runs `backplane ARGS...`.
 pub fn bp(args: &[&str]) -> Output {
     Command::new(BIN)

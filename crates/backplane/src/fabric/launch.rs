@@ -1,5 +1,6 @@
 //! Starting and stopping fabrics from a program (what `backplane up` / `down` do): a detached
-//! supervisor process is started from the `backplane` executable and waited for. It gets its
+//! supervisor process is started from an executable that runs [`crate::daemon`] (`backplane`
+//! or `backplane-fabricd`) and waited for. It gets its
 //! [`Options`] typed, as JSON on a pipe (fd 4), and answers on another (fd 3): "ready" or
 //! "error: …". Its command line carries only the fabric's name, for `ps` and for finding it.
 
@@ -36,7 +37,8 @@ pub struct Options {
     pub window_size: u64,
     /// Restart a dead node agent after this long (0: leave it DOWN).
     pub restart_delay_ms: u64,
-    /// The `backplane` executable (its `supervisor` and `agent` subcommands are used).
+    /// The executable whose `supervisor` and `agent` commands run [`crate::daemon`]:
+    /// `backplane`, or this crate's `backplane-fabricd`.
     pub exe: PathBuf,
     /// IP over the fabric (`None`: `--no-net`).
     pub net: Option<crate::fabric::netns::NetPlan>,
@@ -71,6 +73,22 @@ pub fn resolve_link(
 }
 
 impl Options {
+    /// A fabric of `nodes` nodes whose processes run from `exe`, with `backplane up`'s
+    /// defaults but no networking: 64 MiB windows, a dead agent restarted after a second,
+    /// memory-speed links.
+    pub fn new(name: &str, nodes: u32, exe: PathBuf) -> Self {
+        Self {
+            name: name.to_owned(),
+            nodes,
+            window_size: 64 << 20,
+            restart_delay_ms: 1000,
+            exe,
+            net: None,
+            link: None,
+            topology: None,
+        }
+    }
+
     /// The supervisor configuration these options describe (reads the topology file).
     pub fn config(&self) -> Result<Config, StartError> {
         let topology = self.topology.as_deref().map(load_topology).transpose()?;

@@ -20,7 +20,7 @@ fn payload(seq: u64, len: usize) -> Vec<u8> {
 
 #[test]
 fn datagrams_of_every_size_arrive_in_order_and_intact() {
-    let fab = Fab::up("dgram_order", 2, &[]);
+    let fab = Fab::up("dgram_order", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let mut rx = f.node(2).unwrap().bind(100).unwrap();
     let mut tx = f.node(1).unwrap().bind(0).unwrap();
@@ -58,7 +58,7 @@ fn datagrams_of_every_size_arrive_in_order_and_intact() {
 
 #[test]
 fn a_full_ring_gives_would_block_or_blocks_and_loses_nothing() {
-    let fab = Fab::up("dgram_full", 2, &[]);
+    let fab = Fab::up("dgram_full", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let mut rx = f.node(2).unwrap().bind(5).unwrap();
     let mut tx = f.node(1).unwrap().bind(0).unwrap();
@@ -100,7 +100,7 @@ fn a_full_ring_gives_would_block_or_blocks_and_loses_nothing() {
 
 #[test]
 fn receive_modes_zero_copy_and_size_errors() {
-    let fab = Fab::up("dgram_modes", 2, &[]);
+    let fab = Fab::up("dgram_modes", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let mut rx = f.node(2).unwrap().bind(9).unwrap();
     let mut tx = f.node(1).unwrap().bind(0).unwrap();
@@ -153,7 +153,7 @@ fn receive_modes_zero_copy_and_size_errors() {
 
 #[test]
 fn doorbells_and_scratchpads_work_between_nodes() {
-    let fab = Fab::up("dgram_bells", 2, &[]);
+    let fab = Fab::up("dgram_bells", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let n1 = f.node(1).unwrap();
     let n2 = f.node(2).unwrap();
@@ -201,7 +201,7 @@ fn a_sender_killed_mid_stream_loses_nothing_it_had_acknowledged() {
     if role().is_some() {
         return;
     }
-    let fab = Fab::up("dgram_killsender", 3, &[]);
+    let fab = Fab::up("dgram_killsender", 3);
     let f = Fabric::attach(&fab.name).unwrap();
     let mut rx = f.node(1).unwrap().bind(77).unwrap();
     let dir = std::env::temp_dir();
@@ -273,7 +273,7 @@ fn several_processes_on_one_node_each_hold_endpoints() {
     if role().is_some() {
         return;
     }
-    let fab = Fab::up("dgram_multiproc", 2, &[]);
+    let fab = Fab::up("dgram_multiproc", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let mut rx = f.node(1).unwrap().bind(78).unwrap();
     let kids: Vec<_> = (0..3)
@@ -349,7 +349,7 @@ fn scribble(w: &backplane::mem::Region, from: u64, to: u64, seed: u64) {
 /// must keep working.
 #[test]
 fn a_hostile_peer_scribbling_over_a_window_causes_errors_not_crashes() {
-    let fab = Fab::up("dgram_hostile", 2, &[]);
+    let fab = Fab::up("dgram_hostile", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let mut rx = f.node(1).unwrap().bind(1).unwrap();
     let mut tx = f.node(2).unwrap().bind(0).unwrap();

@@ -38,7 +38,7 @@ fn await_node(
 
 #[test]
 fn killed_node_is_seen_down_by_peers_and_rejoins_with_a_new_generation() {
-    let fab = Fab::up("live_kill", 3, &["--restart-delay-ms", "300"]);
+    let fab = Fab::up_restarting("live_kill", 3, 300);
     let f = Fabric::attach(&fab.name).unwrap();
     let old_node2 = f.node(2).unwrap();
     let mut rx = old_node2.bind(7).unwrap();
@@ -98,7 +98,7 @@ fn killed_node_is_seen_down_by_peers_and_rejoins_with_a_new_generation() {
 
 #[test]
 fn stopped_node_is_seen_down_by_heartbeat_and_rejoins_when_continued() {
-    let fab = Fab::up("live_stop", 2, &[]);
+    let fab = Fab::up("live_stop", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let info = f.node_info(2).unwrap();
     let pid = Pid::from_raw(info.pid as i32).unwrap();
@@ -122,7 +122,7 @@ fn stopped_node_is_seen_down_by_heartbeat_and_rejoins_when_continued() {
 
 #[test]
 fn a_receiver_blocked_when_the_supervisor_is_killed_gets_an_error_not_a_hang() {
-    let fab = Fab::up("live_supkill", 2, &[]);
+    let fab = Fab::up("live_supkill", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let mut rx = f.node(1).unwrap().bind(3).unwrap();
     let waiter = std::thread::spawn(move || {

@@ -76,7 +76,7 @@ fn seg(src: Mem, src_off: u64, dst: Mem, dst_off: u64, len: u64) -> Segment {
 
 #[test]
 fn many_small_segments_and_a_large_multi_segment_job_arrive_intact() {
-    let fab = Fab::up("dma_integrity", 2, &[]);
+    let fab = Fab::up("dma_integrity", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let c1 = Context::open(&f.node(1).unwrap()).unwrap();
     let c2 = Context::open(&f.node(2).unwrap()).unwrap();
@@ -169,7 +169,7 @@ fn many_small_segments_and_a_large_multi_segment_job_arrive_intact() {
 
 #[test]
 fn invalid_out_of_bounds_overlapping_and_forbidden_segments_fail_naming_the_segment() {
-    let fab = Fab::up("dma_invalid", 2, &[]);
+    let fab = Fab::up("dma_invalid", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let c1 = Context::open(&f.node(1).unwrap()).unwrap();
     let c2 = Context::open(&f.node(2).unwrap()).unwrap();
@@ -376,7 +376,7 @@ fn another_process_regions_read_only_grants_are_mapped_read_only_and_ungranted_o
     if role().is_some() {
         return;
     }
-    let fab = Fab::up("dma_grants", 2, &[]);
+    let fab = Fab::up("dma_grants", 2);
     let mut child = Reap(spawn_role(
         "role_owner",
         "owner",
@@ -461,7 +461,7 @@ impl Drop for Reap {
 
 #[test]
 fn a_node_killed_mid_run_fails_its_jobs_with_node_down_and_nothing_hangs() {
-    let fab = Fab::up("dma_down", 2, &["--restart-delay-ms", "0"]);
+    let fab = Fab::up_restarting("dma_down", 2, 0);
     let f = Fabric::attach(&fab.name).unwrap();
     let c1 = Context::open(&f.node(1).unwrap()).unwrap();
     let c2 = Context::open(&f.node(2).unwrap()).unwrap();
@@ -532,30 +532,4 @@ fn a_node_killed_mid_run_fails_its_jobs_with_node_down_and_nothing_hangs() {
     }
     drop(q);
     drop(dst);
-}
-
-#[test]
-fn perf_dma_bw_reports_bandwidth_cpu_and_memcpy_of_the_same_run() {
-    let out = bp(&[
-        "perf",
-        "dma-bw",
-        "--size",
-        "1M",
-        "--iters",
-        "50",
-        "--segments",
-        "4",
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("memcpy[MB/sec]"), "{text}");
-    assert!(
-        text.contains("cpu[s/GB]") || text.contains("submitter"),
-        "{text}"
-    );
-    let row = text
-        .lines()
-        .find(|l| l.trim_start().starts_with("1048576"))
-        .unwrap_or_else(|| panic!("no 1 MiB row: {text}"));
-    assert!(row.contains('%'), "{row}");
 }

@@ -141,7 +141,7 @@ fn recv(s: &Side, wr_id: u64, off: u64, len: u32) {
 
 #[test]
 fn rc_sends_with_and_without_immediate_arrive_in_order_gathered_and_scattered() {
-    let fab = Fab::up("verbs_rc_send", 2, &[]);
+    let fab = Fab::up("verbs_rc_send", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let (a, b) = pair(&f, QpType::Rc, ALL, 4 << 20);
     // Receives: one split over two SGEs, then plain ones, one of 2 MiB for a fragmented message.
@@ -202,7 +202,7 @@ fn rc_sends_with_and_without_immediate_arrive_in_order_gathered_and_scattered() 
 
 #[test]
 fn rc_write_read_and_atomics_act_on_the_peer_region_directly() {
-    let fab = Fab::up("verbs_rc_onesided", 2, &[]);
+    let fab = Fab::up("verbs_rc_onesided", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let (a, mut b) = pair(&f, QpType::Rc, ALL, 1 << 20);
     a.mr.write(0, b"written!").unwrap();
@@ -266,7 +266,7 @@ fn rc_write_read_and_atomics_act_on_the_peer_region_directly() {
 
 #[test]
 fn unsignaled_work_completes_silently_and_signaled_work_reports() {
-    let fab = Fab::up("verbs_signal", 2, &[]);
+    let fab = Fab::up("verbs_signal", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
     let rkey = b.mr.rkey();
@@ -295,7 +295,7 @@ fn unsignaled_work_completes_silently_and_signaled_work_reports() {
 /// behind a SEND still waiting for its acknowledgement completes after that SEND, not before.
 #[test]
 fn a_write_behind_an_unacknowledged_send_completes_after_it() {
-    let fab = Fab::up("verbs_order", 2, &[]);
+    let fab = Fab::up("verbs_order", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
     // A first write maps B's region, so the one under test takes the fast path.
@@ -324,7 +324,7 @@ fn a_write_behind_an_unacknowledged_send_completes_after_it() {
 /// that take messages, however many keep coming.
 #[test]
 fn a_send_acknowledged_by_a_stream_of_messages_completes_while_they_keep_coming() {
-    let fab = Fab::up("verbs_settle", 2, &[]);
+    let fab = Fab::up("verbs_settle", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
     for i in 0..64 {
@@ -364,7 +364,7 @@ fn a_send_acknowledged_by_a_stream_of_messages_completes_while_they_keep_coming(
 
 #[test]
 fn a_full_cq_counts_send_overruns_and_holds_receives_back_without_losing_any() {
-    let fab = Fab::up("verbs_overrun", 2, &[]);
+    let fab = Fab::up("verbs_overrun", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
     // Small CQs beside the pair's: a 4-entry send CQ on A and a 2-entry receive CQ on B.
@@ -414,7 +414,7 @@ fn a_full_cq_counts_send_overruns_and_holds_receives_back_without_losing_any() {
 
 #[test]
 fn uc_carries_sends_and_writes_refuses_reads_and_atomics_and_drops_without_a_receive() {
-    let fab = Fab::up("verbs_uc", 2, &[]);
+    let fab = Fab::up("verbs_uc", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let (a, b) = pair(&f, QpType::Uc, ALL, 65536);
     let rkey = b.mr.rkey();
@@ -448,7 +448,7 @@ fn uc_carries_sends_and_writes_refuses_reads_and_atomics_and_drops_without_a_rec
 
 #[test]
 fn ud_datagrams_reach_any_peer_with_a_grh_up_to_the_mtu_and_only_with_the_right_qkey() {
-    let fab = Fab::up("verbs_ud", 3, &[]);
+    let fab = Fab::up("verbs_ud", 3);
     let f = Fabric::attach(&fab.name).unwrap();
     let a = side(&f, 1, QpType::Ud, ALL, 16384);
     let b = side(&f, 2, QpType::Ud, ALL, 16384);
@@ -532,7 +532,7 @@ fn ud_datagrams_reach_any_peer_with_a_grh_up_to_the_mtu_and_only_with_the_right_
 
 #[test]
 fn bad_deregistered_out_of_bounds_or_unflagged_remote_access_is_rem_access_err_and_flushes() {
-    let fab = Fab::up("verbs_remacc", 2, &[]);
+    let fab = Fab::up("verbs_remacc", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     // Each case on a fresh pair: one bad operation, then a good one that must flush.
     let check = |name: &str, setup: &dyn Fn(&Side, &mut Side) -> (u64, u32, WrOpcode)| {
@@ -611,7 +611,7 @@ fn bad_deregistered_out_of_bounds_or_unflagged_remote_access_is_rem_access_err_a
 fn a_write_alone_to_where_the_last_one_went_after_the_region_is_gone_is_rem_access_err() {
     // The handle remembers the line the last WRITE went to and prefetches it for the next
     // WRITE to the same rkey and address, before any check: that hint is stale here.
-    let fab = Fab::up("verbs_stalehint", 2, &[]);
+    let fab = Fab::up("verbs_stalehint", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let (a, b) = pair(&f, QpType::Rc, ALL, 8192);
     let m = b.pd.alloc_mr(4096, ALL).unwrap();
@@ -633,7 +633,7 @@ fn a_write_alone_to_where_the_last_one_went_after_the_region_is_gone_is_rem_acce
 
 #[test]
 fn bad_lkey_is_loc_prot_err_and_a_short_receive_is_loc_len_err_with_rem_inv_req_err() {
-    let fab = Fab::up("verbs_local", 2, &[]);
+    let fab = Fab::up("verbs_local", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let (a, b) = pair(&f, QpType::Rc, ALL, 8192);
     let bad = Sge {
@@ -711,7 +711,7 @@ fn ready_rnr(qp: &Qp, peer: &PeerInfo, min_rnr_timer: u8, rnr_retry: u8) {
 
 #[test]
 fn no_receive_on_rc_retries_rnr_rnr_retry_times_then_fails() {
-    let fab = Fab::up("verbs_rnr", 2, &[]);
+    let fab = Fab::up("verbs_rnr", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let a = side(&f, 1, QpType::Rc, ALL, 4096);
     let b = side(&f, 2, QpType::Rc, ALL, 4096);
@@ -748,7 +748,7 @@ fn no_receive_on_rc_retries_rnr_rnr_retry_times_then_fails() {
 
 #[test]
 fn a_peer_node_going_down_fails_outstanding_work_within_a_second() {
-    let fab = Fab::up("verbs_down", 2, &["--restart-delay-ms", "0"]);
+    let fab = Fab::up_restarting("verbs_down", 2, 0);
     let f = Fabric::attach(&fab.name).unwrap();
     // The requester sleeps on a completion channel: the watcher must notice the death.
     let a = watched_side(&f, 1);
@@ -790,7 +790,7 @@ fn a_peer_node_going_down_fails_outstanding_work_within_a_second() {
 
 #[test]
 fn a_peer_scribbling_over_its_window_gets_its_qp_in_error_never_a_panic() {
-    let fab = Fab::up("verbs_hostile", 2, &[]);
+    let fab = Fab::up("verbs_hostile", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
     for i in 0..4 {
@@ -827,7 +827,7 @@ fn a_peer_scribbling_over_its_window_gets_its_qp_in_error_never_a_panic() {
 
 #[test]
 fn wrong_transitions_and_missing_attributes_are_invalid_arguments() {
-    let fab = Fab::up("verbs_fsm", 2, &[]);
+    let fab = Fab::up("verbs_fsm", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let a = side(&f, 1, QpType::Rc, ALL, 4096);
     let rts = QpAttr {
@@ -881,7 +881,7 @@ fn wrong_transitions_and_missing_attributes_are_invalid_arguments() {
 #[test]
 fn a_completion_channel_fd_wakes_a_poll_loop_for_a_peer_send() {
     use rustix::event::{poll, PollFd, PollFlags, Timespec};
-    let fab = Fab::up("verbs_channel", 2, &[]);
+    let fab = Fab::up("verbs_channel", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let a = side(&f, 1, QpType::Rc, ALL, 4096);
     let b = watched_side(&f, 2);
@@ -936,7 +936,7 @@ fn an_ack_that_came_before_arming_still_wakes_the_channel() {
     // A's SEND completes only once B acknowledges it. B takes the message (its ack moves)
     // while A is not polling; A then arms its CQ and waits: the channel must fire for the ack
     // A has not taken in yet, not sleep until another one comes (none will: B is idle).
-    let fab = Fab::up("verbs_ack_arm", 2, &[]);
+    let fab = Fab::up("verbs_ack_arm", 2);
     let f = Fabric::attach(&fab.name).unwrap();
     let a = watched_side(&f, 1);
     let b = side(&f, 2, QpType::Rc, ALL, 4096);
@@ -1170,7 +1170,7 @@ fn two_processes_connect_with_the_helper_and_run_every_rc_operation() {
     if role().is_some() {
         return;
     }
-    let fab = Fab::up("verbs_2proc", 2, &[]);
+    let fab = Fab::up("verbs_2proc", 2);
     let mut c = client(&fab, "ops");
     let rkey = c.peer.rkey;
     assert_eq!(c.say(b"ping"), b"pong");
@@ -1223,7 +1223,7 @@ fn a_peer_without_a_grant_cannot_map_a_region() {
     if role().is_some() {
         return;
     }
-    let fab = Fab::up("verbs_nogrant", 2, &[]);
+    let fab = Fab::up("verbs_nogrant", 2);
     let mut c = client(&fab, "nogrant");
     // The server offered the rkey of a region in another PD than its QP's: no grant.
     c.qp.post_send(&[SendWr::read(1, &[c.mr.sge(0, 8)], 0, c.peer.rkey).signaled()])
@@ -1251,7 +1251,7 @@ fn a_read_only_grant_is_mapped_read_only_and_the_os_refuses_writes() {
     if role().is_some() {
         return;
     }
-    let fab = Fab::up("verbs_rogrant", 2, &[]);
+    let fab = Fab::up("verbs_rogrant", 2);
     let mut c = client(&fab, "ro");
     let rkey = c.peer.rkey;
     c.qp.post_send(&[SendWr::read(1, &[c.mr.sge(0, 4096)], 0, rkey).signaled()])
@@ -1313,35 +1313,4 @@ fn a_read_only_grant_is_mapped_read_only_and_the_os_refuses_writes() {
     let mut child = c.child;
     let _ = child.kill();
     let _ = child.wait();
-}
-
-/// `perf write-lat --rounds` through the binary: every round kept in the JSON, medians on top,
-/// the temporary fabrics of all rounds gone afterwards.
-#[test]
-fn perf_rounds_keep_every_round_and_report_medians() {
-    let out = bp(&[
-        "perf",
-        "write-lat",
-        "-n",
-        "300",
-        "--rounds",
-        "3",
-        "--ucx",
-        "off",
-        "--json",
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let rounds = v["rounds"].as_array().unwrap();
-    assert_eq!(rounds.len(), 3);
-    let typical: Vec<f64> = rounds
-        .iter()
-        .map(|r| r["backplane"][0]["t_typical_us"].as_f64().unwrap())
-        .collect();
-    let mut sorted = typical.clone();
-    sorted.sort_by(f64::total_cmp);
-    assert_eq!(v["backplane"][0]["t_typical_us"].as_f64(), Some(sorted[1]));
-    assert!(typical.iter().all(|&t| t > 0.0 && t < 1e6), "{typical:?}");
-    let bad = bp(&["perf", "write-lat", "--rounds", "0", "--ucx", "off"]);
-    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
 }

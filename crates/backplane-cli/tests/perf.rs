@@ -1,0 +1,62 @@
+//! `backplane perf` through the binary: the measurement commands that run a temporary fabric
+//! and the peers they compare it with.
+
+mod common;
+use common::*;
+
+#[test]
+fn perf_dma_bw_reports_bandwidth_cpu_and_memcpy_of_the_same_run() {
+    let out = bp(&[
+        "perf",
+        "dma-bw",
+        "--size",
+        "1M",
+        "--iters",
+        "50",
+        "--segments",
+        "4",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("memcpy[MB/sec]"), "{text}");
+    assert!(
+        text.contains("cpu[s/GB]") || text.contains("submitter"),
+        "{text}"
+    );
+    let row = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("1048576"))
+        .unwrap_or_else(|| panic!("no 1 MiB row: {text}"));
+    assert!(row.contains('%'), "{row}");
+}
+
+/// `perf write-lat --rounds` through the binary: every round kept in the JSON, medians on top,
+/// the temporary fabrics of all rounds gone afterwards.
+#[test]
+fn perf_rounds_keep_every_round_and_report_medians() {
+    let out = bp(&[
+        "perf",
+        "write-lat",
+        "-n",
+        "300",
+        "--rounds",
+        "3",
+        "--ucx",
+        "off",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rounds = v["rounds"].as_array().unwrap();
+    assert_eq!(rounds.len(), 3);
+    let typical: Vec<f64> = rounds
+        .iter()
+        .map(|r| r["backplane"][0]["t_typical_us"].as_f64().unwrap())
+        .collect();
+    let mut sorted = typical.clone();
+    sorted.sort_by(f64::total_cmp);
+    assert_eq!(v["backplane"][0]["t_typical_us"].as_f64(), Some(sorted[1]));
+    assert!(typical.iter().all(|&t| t > 0.0 && t < 1e6), "{typical:?}");
+    let bad = bp(&["perf", "write-lat", "--rounds", "0", "--ucx", "off"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
+}
