@@ -965,6 +965,7 @@ impl RecordRepr {
 }
 
 // Layouts of the RDMA verbs path live in their own file.
+pub mod registry;
 pub mod verbs;
 
 const _: () = {

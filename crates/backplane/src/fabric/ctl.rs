@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::wire::{DownReason, NodeState};
 
 /// Version of the control protocol.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Largest control message.
 pub const MAX_MSG: usize = 256 * 1024;
 
@@ -89,8 +89,9 @@ pub enum Request {
     Status,
     /// Stop the fabric. Reply: `Ok`, then the supervisor exits.
     Shutdown,
-    /// An RDMA verbs request (see [`super::ctl_verbs`]).
-    Verbs(super::ctl_verbs::VerbsRequest),
+    /// A request for the service the supervisor hosts (the verbs registry), opaque here: a
+    /// JSON object the service decodes. Reply: `Service`.
+    Service(serde_json::Value),
 }
 
 /// One link of a route through a distributed topology.
@@ -169,8 +170,8 @@ pub enum Response {
     },
     /// Reply to `Status`.
     Status(StatusReport),
-    /// Reply to a verbs request.
-    Verbs(super::ctl_verbs::VerbsResponse),
+    /// Reply to `Service`, opaque here (a JSON object the client decodes).
+    Service(serde_json::Value),
     /// The request failed.
     Error {
         /// Class.
@@ -395,45 +396,23 @@ mod tests {
     }
 
     #[test]
-    fn verbs_requests_cross_the_socket_tagged_inside_the_request() {
-        use super::super::ctl_verbs::{VerbsRequest, VerbsResponse};
-        let req = Request::Verbs(VerbsRequest::MrGrant {
-            slot: 1,
-            qpn: 7,
-            rkey: 0xabcd,
-        });
-        let s = serde_json::to_string(&req).unwrap();
+    fn service_requests_cross_the_socket_tagged_inside_the_request() {
+        let body = serde_json::json!({"verb": "mr_grant", "slot": 1, "rkey": 43981});
+        let s = serde_json::to_string(&Request::Service(body.clone())).unwrap();
         assert!(
-            s.contains("\"op\":\"verbs\"") && s.contains("\"verb\":\"mr_grant\""),
+            s.contains("\"op\":\"service\"") && s.contains("\"verb\":\"mr_grant\""),
             "{s}"
         );
-        let back: Request = serde_json::from_str(&s).unwrap();
-        assert!(matches!(
-            back,
-            Request::Verbs(VerbsRequest::MrGrant { rkey: 0xabcd, .. })
-        ));
-        let dma = Request::Verbs(VerbsRequest::DmaGrant {
-            slot: 1,
-            node: 2,
-            rkey: 9,
-        });
-        let s = serde_json::to_string(&dma).unwrap();
-        assert!(s.contains("\"verb\":\"dma_grant\""), "{s}");
-        let back: Request = serde_json::from_str(&s).unwrap();
-        assert!(matches!(
-            back,
-            Request::Verbs(VerbsRequest::DmaGrant {
-                node: 2,
-                rkey: 9,
-                ..
-            })
-        ));
-        let resp = Response::Verbs(VerbsResponse::MrRegistered { key: 5 });
-        let back: Response = serde_json::from_str(&serde_json::to_string(&resp).unwrap()).unwrap();
-        assert!(matches!(
-            back,
-            Response::Verbs(VerbsResponse::MrRegistered { key: 5 })
-        ));
+        let Request::Service(back) = serde_json::from_str(&s).unwrap() else {
+            panic!("not a service request: {s}");
+        };
+        assert_eq!(back, body);
+        let resp = Response::Service(serde_json::json!({"verb": "mr_registered", "key": 5}));
+        let s = serde_json::to_string(&resp).unwrap();
+        let Response::Service(back) = serde_json::from_str(&s).unwrap() else {
+            panic!("not a service reply: {s}");
+        };
+        assert_eq!(back["key"], 5);
     }
 
     #[test]

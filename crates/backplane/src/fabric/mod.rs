@@ -7,7 +7,6 @@
 
 pub mod alloc;
 pub mod ctl;
-pub mod ctl_verbs;
 pub mod launch;
 pub mod life;
 pub mod members;
@@ -385,6 +384,26 @@ impl Fabric {
             return Err(FabricError::Refused { kind, message });
         }
         Ok((resp, fds))
+    }
+
+    /// One request to the service the supervisor hosts (the verbs registry), with `fds`
+    /// passed along: `req` and the reply `R` are the service's messages, opaque to `fabric`
+    /// (JSON inside `Request::Service`). Refusals become `Refused`; a reply that does not
+    /// decode as `R` is a `Protocol` error.
+    pub(crate) fn call_service<R: serde::de::DeserializeOwned>(
+        &self,
+        req: &impl serde::Serialize,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<(R, Vec<OwnedFd>), FabricError> {
+        let body = serde_json::to_value(req)
+            .map_err(|e| FabricError::Protocol(format!("cannot encode a service request: {e}")))?;
+        let (resp, fds) = self.call_with_fds(&Request::Service(body), fds)?;
+        let Response::Service(body) = resp else {
+            return Err(FabricError::Protocol(format!("{resp:?}")));
+        };
+        let r = serde_json::from_value(body)
+            .map_err(|e| FabricError::Protocol(format!("malformed service reply: {e}")))?;
+        Ok((r, fds))
     }
 
     /// The window of `slot`, mapped read-write (granted once per process, then cached).

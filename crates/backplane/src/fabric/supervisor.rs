@@ -417,7 +417,7 @@ impl Sup {
                 None => continue,
             };
             match msg {
-                Ok(Some((Request::Verbs(v), fds))) => self.handle_verbs(*id, v, fds),
+                Ok(Some((Request::Service(v), fds))) => self.handle_service(*id, v, fds),
                 Ok(Some((req, _fds))) => self.handle(*id, req),
                 Ok(None) | Err(_) => self.drop_client(*id),
             }
@@ -493,9 +493,8 @@ impl Sup {
         f(&mut *self.verbs, &mut host)
     }
 
-    /// Serves one verbs request (with the fds that came with it) through the hosted service
-    /// and replies.
-    fn handle_verbs(&mut self, id: u64, req: super::ctl_verbs::VerbsRequest, fds: Vec<OwnedFd>) {
+    /// Serves one request of the hosted service (with the fds that came with it) and replies.
+    fn handle_service(&mut self, id: u64, req: serde_json::Value, fds: Vec<OwnedFd>) {
         let hello_done = self.clients.get(&id).is_some_and(|c| c.pid != 0);
         let result = if hello_done {
             self.with_service(|s, h| s.handle(h, id, req, fds))
@@ -505,7 +504,7 @@ impl Sup {
         match result {
             Ok((resp, fd)) => {
                 let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
-                self.reply(id, &Response::Verbs(resp), &fds);
+                self.reply(id, &Response::Service(resp), &fds);
             }
             Err((kind, message)) => self.reply(id, &Response::Error { kind, message }, &[]),
         }
@@ -621,7 +620,7 @@ impl Sup {
                 Ok((Response::Ok, None))
             }
             Request::Status => Ok((Response::Status(self.status()), None)),
-            Request::Verbs(_) => Err(invalid("verbs requests are served by handle_verbs")),
+            Request::Service(_) => Err(invalid("service requests are served by handle_service")),
             Request::Shutdown => {
                 self.stopping = true;
                 self.say("shutdown requested");

@@ -8,11 +8,10 @@
 use std::sync::Arc;
 
 use super::{CopyKind, GrantRequest, PeerState, RemoteRegion, Transport};
-use crate::fabric::ctl::{Request, Response};
-use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
 use crate::fabric::Fabric;
 use crate::mem::{MemError, Region, Span, Word32};
 use crate::sync::Ordering;
+use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::{MrHeader, MrRepr, MR_DATA_OFF, MR_STATE_OFF, MR_STATE_VALID};
 
 /// The transport of a fabric on one host.
@@ -64,12 +63,12 @@ impl ShmRegion {
                 VerbsRequest::DmaGrant { slot, node, rkey }
             }
         };
-        let (resp, fds) = fabric.call(&Request::Verbs(req)).ok()?;
-        let Response::Verbs(VerbsResponse::MrGranted {
+        let (resp, fds) = fabric.call_service::<VerbsResponse>(&req, &[]).ok()?;
+        let VerbsResponse::MrGranted {
             len,
             access,
             writable,
-        }) = resp
+        } = resp
         else {
             return None;
         };

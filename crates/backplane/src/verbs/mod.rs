@@ -49,12 +49,11 @@ use std::sync::Arc;
 pub use channel::{CompChannel, CqEvent};
 pub use types::*;
 
-use crate::fabric::ctl::{Request, Response};
-use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
 use crate::fabric::{FabricError, Node};
 use crate::mem::{MemError, Region, Span};
 use crate::sync::Ordering;
 use crate::transport::shm::ShmTransport;
+use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::*;
 use crate::wire::NodeState;
 use engine::{CqState, Ctx, Engine, LocalMr};
@@ -74,10 +73,8 @@ impl Context {
         node.check_current()?;
         let (resp, _) = node
             .fabric()
-            .call(&Request::Verbs(VerbsRequest::OpenContext {
-                slot: node.slot(),
-            }))?;
-        let Response::Verbs(VerbsResponse::ContextOpened { event_off }) = resp else {
+            .call_service::<VerbsResponse>(&VerbsRequest::OpenContext { slot: node.slot() }, &[])?;
+        let VerbsResponse::ContextOpened { event_off } = resp else {
             return Err(FabricError::Protocol(format!("{resp:?}")).into());
         };
         let win = node.fabric().window(node.slot())?;
@@ -203,13 +200,13 @@ impl Context {
 
 impl Drop for Ctx {
     fn drop(&mut self) {
-        let _ = self
-            .node
-            .fabric()
-            .call(&Request::Verbs(VerbsRequest::CloseContext {
+        let _ = self.node.fabric().call_service::<VerbsResponse>(
+            &VerbsRequest::CloseContext {
                 slot: self.node.slot(),
                 event_off: self.event_off,
-            }));
+            },
+            &[],
+        );
     }
 }
 
@@ -252,16 +249,16 @@ impl Pd {
         region
             .u32_at(MR_INIT_OFF as u64)?
             .store(crate::wire::INIT_MARK, Ordering::Release);
-        let (resp, _) = node.fabric().call_with_fds(
-            &Request::Verbs(VerbsRequest::RegMr {
+        let (resp, _) = node.fabric().call_service::<VerbsResponse>(
+            &VerbsRequest::RegMr {
                 slot: node.slot(),
                 pd: self.id,
                 len: len as u64,
                 access: access.bits(),
-            }),
+            },
             &[region.fd()],
         )?;
-        let Response::Verbs(VerbsResponse::MrRegistered { key }) = resp else {
+        let VerbsResponse::MrRegistered { key } = resp else {
             return Err(FabricError::Protocol(format!("{resp:?}")).into());
         };
         let region = Arc::new(region);
@@ -470,7 +467,7 @@ impl Drop for Mr {
             .ctx
             .node
             .fabric()
-            .call(&Request::Verbs(VerbsRequest::DeregMr { key: self.key }));
+            .call_service::<VerbsResponse>(&VerbsRequest::DeregMr { key: self.key }, &[]);
     }
 }
 

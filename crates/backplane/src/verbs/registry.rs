@@ -27,10 +27,10 @@ use std::hash::{BuildHasher, Hasher};
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use crate::fabric::ctl::ErrorKind;
-use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
 use crate::fabric::supervisor::{publish, Failure, Host, Service};
 use crate::mem::Region;
 use crate::sync::{self, Ordering};
+use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::*;
 
 /// `IBV_ACCESS_REMOTE_WRITE`.
@@ -490,10 +490,14 @@ impl Service for Registry {
         &mut self,
         host: &mut dyn Host,
         client: u64,
-        req: VerbsRequest,
+        req: serde_json::Value,
         fds: Vec<OwnedFd>,
-    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
-        self.serve_verbs(host, client, req, fds)
+    ) -> Result<(serde_json::Value, Option<OwnedFd>), Failure> {
+        let req: VerbsRequest = serde_json::from_value(req)
+            .map_err(|e| invalid(format!("malformed verbs request: {e}")))?;
+        let (resp, fd) = self.serve_verbs(host, client, req, fds)?;
+        let resp = serde_json::to_value(resp).map_err(|e| invalid(e.to_string()))?;
+        Ok((resp, fd))
     }
 
     /// A client went away: its regions, QPs and contexts go with it.
@@ -559,6 +563,7 @@ fn reopen_read_only(fd: &OwnedFd) -> std::io::Result<OwnedFd> {
 mod tests {
     use super::*;
     use crate::mem::Region;
+    use std::sync::Arc;
 
     #[test]
     fn region_fds_must_be_sealed_memfds_long_enough_for_their_length() {
@@ -614,5 +619,67 @@ mod tests {
         let mut got = [0u8; 5];
         reader.read(4096, &mut got).unwrap();
         assert_eq!(&got, b"still");
+    }
+
+    /// One READY node with a bump allocator over its window: what the supervisor lends.
+    struct OneNode {
+        window: Arc<Region>,
+        next: u64,
+    }
+
+    impl Host for OneNode {
+        fn ready_slot(&self, slot: u32) -> Result<(), Failure> {
+            if slot == 1 {
+                Ok(())
+            } else {
+                Err((ErrorKind::NotFound, format!("node {slot} does not exist")))
+            }
+        }
+        fn alloc(&mut self, _: u32, len: u64, align: u64) -> Option<u64> {
+            let off = self.next.next_multiple_of(align);
+            (off + len <= self.window.len() as u64).then(|| {
+                self.next = off + len;
+                off
+            })
+        }
+        fn free(&mut self, _: u32, _: u64, _: u64) {}
+        fn window(&self, _: u32) -> &Arc<Region> {
+            &self.window
+        }
+        fn generation(&self, _: u32) -> u32 {
+            1
+        }
+    }
+
+    #[test]
+    fn the_service_decodes_its_own_messages_and_refuses_malformed_ones() {
+        let mut host = OneNode {
+            window: Arc::new(Region::create("bp-test-win", 1 << 16).unwrap()),
+            next: 0,
+        };
+        let mut reg = Registry::new();
+        let open = serde_json::to_value(VerbsRequest::OpenContext { slot: 1 }).unwrap();
+        let (resp, fd) = reg.handle(&mut host, 1, open, Vec::new()).unwrap();
+        assert!(fd.is_none());
+        assert!(matches!(
+            serde_json::from_value(resp).unwrap(),
+            VerbsResponse::ContextOpened { .. }
+        ));
+        for bad in [
+            serde_json::json!({"verb": "open_context"}),
+            serde_json::json!({"verb": "format_disk", "slot": 1}),
+            serde_json::json!("open_context"),
+        ] {
+            let Err((kind, msg)) = reg.handle(&mut host, 1, bad.clone(), Vec::new()) else {
+                panic!("{bad} accepted");
+            };
+            assert_eq!(kind, ErrorKind::Invalid, "{bad}");
+            assert!(msg.starts_with("malformed verbs request"), "{msg}");
+        }
+        let elsewhere = serde_json::to_value(VerbsRequest::OpenContext { slot: 9 }).unwrap();
+        let Err((kind, _)) = reg.handle(&mut host, 1, elsewhere, Vec::new()) else {
+            panic!("a context on a node that does not exist");
+        };
+        assert_eq!(kind, ErrorKind::NotFound);
     }
 }

@@ -12,7 +12,6 @@ use std::time::Instant;
 
 use super::super::alloc::WindowAlloc;
 use super::super::ctl::ErrorKind;
-use super::super::ctl_verbs::{VerbsRequest, VerbsResponse};
 use super::super::life::NodeLife;
 use crate::mem::Region;
 use crate::wire::NodeState;
@@ -38,14 +37,16 @@ pub trait Host {
 /// hears when a client or a node goes away.
 pub trait Service: Send {
     /// Serves one request of client `client` (with the descriptors that came with it): the
-    /// response and at most one descriptor to pass back, or a refusal.
+    /// response and at most one descriptor to pass back, or a refusal. Requests and responses
+    /// are the service's own messages as JSON (the registry's are `wire::registry`); the
+    /// supervisor only carries them.
     fn handle(
         &mut self,
         host: &mut dyn Host,
         client: u64,
-        req: VerbsRequest,
+        req: serde_json::Value,
         fds: Vec<OwnedFd>,
-    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure>;
+    ) -> Result<(serde_json::Value, Option<OwnedFd>), Failure>;
     /// Client `client` went away (its process died or closed its socket).
     fn client_gone(&mut self, host: &mut dyn Host, client: u64);
     /// Node `slot` went DOWN.
@@ -60,12 +61,12 @@ impl Service for NoService {
         &mut self,
         _: &mut dyn Host,
         _: u64,
-        _: VerbsRequest,
+        _: serde_json::Value,
         _: Vec<OwnedFd>,
-    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+    ) -> Result<(serde_json::Value, Option<OwnedFd>), Failure> {
         Err((
             ErrorKind::Invalid,
-            "this supervisor serves no verbs requests".into(),
+            "this supervisor hosts no service (no verbs registry)".into(),
         ))
     }
     fn client_gone(&mut self, _: &mut dyn Host, _: u64) {}

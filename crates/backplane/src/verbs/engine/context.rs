@@ -66,17 +66,17 @@ impl Ctx {
                 (ep.local_addr().port, None, Some(ep))
             }
             _ => {
-                let (resp, _) =
-                    self.node
-                        .fabric()
-                        .call(&Request::Verbs(VerbsRequest::CreateQp {
-                            slot: self.node.slot(),
-                            pd,
-                            qp_type: ty as u32,
-                            ring_len,
-                            event_off: self.event_off,
-                        }))?;
-                let Response::Verbs(VerbsResponse::QpCreated { qpn, block_off }) = resp else {
+                let (resp, _) = self.node.fabric().call_service::<VerbsResponse>(
+                    &VerbsRequest::CreateQp {
+                        slot: self.node.slot(),
+                        pd,
+                        qp_type: ty as u32,
+                        ring_len,
+                        event_off: self.event_off,
+                    },
+                    &[],
+                )?;
+                let VerbsResponse::QpCreated { qpn, block_off } = resp else {
                     return Err(FabricError::Protocol(format!("{resp:?}")).into());
                 };
                 let w = &self.win;

@@ -37,13 +37,12 @@ use super::channel::{ChannelShared, Watch};
 use super::fsm;
 use super::types::*;
 use crate::dgram::{Addr, DgramError, Endpoint, Wait};
-use crate::fabric::ctl::{Request, Response};
-use crate::fabric::ctl_verbs::{VerbsRequest, VerbsResponse};
 use crate::fabric::{FabricError, Node};
 use crate::mem::{MemError, Region, Span, Word32, Word64};
 use crate::ring::{Consumer, Producer, RingError, RingMemory};
 use crate::sync::{fence, AtomicU64, Ordering};
 use crate::transport::{CopyKind, GrantRequest, RemoteRegion, Transport};
+use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::*;
 
 /// Payload bytes per message fragment (one ring record).

@@ -192,16 +192,19 @@ impl QpEngine {
                 fabric.nodes()
             )));
         }
-        let (resp, _) = fabric.call(&Request::Verbs(VerbsRequest::ConnectQp {
-            slot: env.node.slot(),
-            qpn: self.qpn,
-            dest_slot,
-            dest_qpn: a.dest_qp_num,
-        }))?;
-        let Response::Verbs(VerbsResponse::QpConnected {
+        let (resp, _) = fabric.call_service::<VerbsResponse>(
+            &VerbsRequest::ConnectQp {
+                slot: env.node.slot(),
+                qpn: self.qpn,
+                dest_slot,
+                dest_qpn: a.dest_qp_num,
+            },
+            &[],
+        )?;
+        let VerbsResponse::QpConnected {
             block_off,
             generation,
-        }) = resp
+        } = resp
         else {
             return Err(FabricError::Protocol(format!("{resp:?}")).into());
         };
@@ -344,13 +347,13 @@ impl QpEngine {
             crate::sync::ring(&p.ev_bell);
         }
         if self.own.is_some() {
-            let _ = env
-                .node
-                .fabric()
-                .call(&Request::Verbs(VerbsRequest::DestroyQp {
+            let _ = env.node.fabric().call_service::<VerbsResponse>(
+                &VerbsRequest::DestroyQp {
                     slot: env.node.slot(),
                     qpn: self.qpn,
-                }));
+                },
+                &[],
+            );
         }
     }
 

@@ -1,4 +1,7 @@
-//! Control requests of the RDMA verbs path (carried as `Request::Verbs` / `Response::Verbs`).
+//! Messages of the verbs registry, the service the supervisor hosts for the RDMA verbs path
+//! ([`crate::verbs::registry`]). The control protocol carries them opaquely as
+//! `Request::Service` / `Response::Service` (JSON), so `fabric` does not know them; clients
+//! send them with `Fabric::call_service`.
 //!
 //! The supervisor keeps the fabric's registries of verbs objects that peers must find or be
 //! allowed to touch: memory regions (the memfd of each, by key), QP blocks (by node and QP
@@ -130,4 +133,41 @@ pub enum VerbsResponse {
         /// The remote node's generation.
         generation: u32,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_and_replies_round_trip_through_json_tagged_by_verb() {
+        let reqs = [
+            VerbsRequest::MrGrant {
+                slot: 1,
+                qpn: 7,
+                rkey: 0xabcd,
+            },
+            VerbsRequest::DmaGrant {
+                slot: 1,
+                node: 2,
+                rkey: 9,
+            },
+            VerbsRequest::OpenContext { slot: 3 },
+        ];
+        for r in reqs {
+            let v = serde_json::to_value(&r).unwrap();
+            assert!(v["verb"].is_string(), "{v}");
+            assert_eq!(serde_json::from_value::<VerbsRequest>(v).unwrap(), r);
+        }
+        let v = serde_json::to_value(VerbsResponse::MrRegistered { key: 5 }).unwrap();
+        assert!(matches!(
+            serde_json::from_value(v).unwrap(),
+            VerbsResponse::MrRegistered { key: 5 }
+        ));
+        // A body that is not one of ours is an error, never a default.
+        assert!(
+            serde_json::from_value::<VerbsRequest>(serde_json::json!({"verb": "reg_mr"})).is_err()
+        );
+        assert!(serde_json::from_value::<VerbsRequest>(serde_json::json!([1, 2])).is_err());
+    }
 }
