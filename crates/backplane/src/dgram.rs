@@ -20,8 +20,9 @@ use std::time::Duration;
 use crate::fabric::ctl::{ErrorKind, Request, Response};
 use crate::fabric::{FabricError, Node};
 use crate::mem::{Region, Span, Word32, Word64};
-use crate::ring::{Consumer, Producer, RingError, RingMemory};
 use crate::sync::{fence, futex_wait, ring, AtomicU64, Deadline, Ordering, SPIN_POLLS};
+use crate::transport::shm::{ShmReceiver, ShmRing, ShmSender};
+use crate::transport::{RecvChannel, RingError, SendChannel};
 use crate::wire::*;
 
 /// A datagram address: a node's slot and a port on it.
@@ -117,81 +118,17 @@ pub struct EndpointStats {
     pub dropped: u64,
 }
 
-/// A ring as seen from one side: the data area in the receiver's window, the credit line in
-/// the sender's. Views are resolved once (after bounds checks) so the hot path does no lookups.
-struct ShmRing {
-    tail: Word64,
-    head: Word64,
-    data: Span,
-}
-
-impl ShmRing {
-    fn new(
-        ring_win: &Arc<Region>,
-        ring_off: u64,
-        data_len: u32,
-        credit_win: &Arc<Region>,
-        credit_off: u64,
-    ) -> Result<Self, FabricError> {
-        ring_win.check(ring_off, RingRepr::footprint(data_len), 64)?;
-        credit_win.check(credit_off, CREDIT_LEN, 64)?;
-        Ok(Self {
-            tail: Word64::at(ring_win, ring_off + RING_TAIL_OFF as u64)?,
-            head: Word64::at(credit_win, credit_off + CREDIT_HEAD_OFF as u64)?,
-            data: Span::new(ring_win, ring_off + RING_DATA_OFF, data_len.into())?,
-        })
-    }
-
-    /// The payload bytes at `[pos, pos+len)` of the data area.
-    ///
-    /// # Safety
-    /// The caller owns that range under the ring protocol (reserved by the producer or peeked
-    /// by the consumer) and drops the slice before commit/release.
-    #[allow(clippy::mut_from_ref)]
-    #[inline]
-    unsafe fn slice_mut(&self, pos: u64, len: usize) -> &mut [u8] {
-        // SAFETY: exclusivity per the contract; the protocol validated the range, and if it
-        // did not, `bytes_mut` refuses it and the caller gets an empty slice.
-        unsafe { self.data.bytes_mut(pos, len) }.unwrap_or(&mut [])
-    }
-}
-
-impl RingMemory for ShmRing {
-    #[inline]
-    fn data_len(&self) -> u64 {
-        self.data.len()
-    }
-    #[inline]
-    fn load_tail(&self) -> u64 {
-        self.tail.load(Ordering::Acquire)
-    }
-    #[inline]
-    fn store_tail(&self, v: u64) {
-        self.tail.store(v, Ordering::Release)
-    }
-    #[inline]
-    fn load_head(&self) -> u64 {
-        self.head.load(Ordering::Acquire)
-    }
-    #[inline]
-    fn store_head(&self, v: u64) {
-        self.head.store(v, Ordering::Release)
-    }
-    #[inline]
-    fn write(&self, pos: u64, src: &[u8]) {
-        // Out of range is unreachable: the protocol validated the range.
-        let _ = self.data.write(pos, src);
-    }
-    #[inline]
-    fn read(&self, pos: u64, dst: &mut [u8]) {
-        if self.data.read(pos, dst).is_err() {
-            dst.fill(0); // unreachable: the protocol validated the range
-        }
-    }
-    #[inline]
-    fn prefetch(&self, pos: u64) {
-        self.data.prefetch(pos);
-    }
+/// The bytes at `[pos, pos+len)` of a channel's data area, for the zero-copy API.
+///
+/// # Safety
+/// The caller owns that range under the ring protocol (reserved by the producer or peeked by
+/// the consumer) and drops the slice before commit/release.
+#[allow(clippy::mut_from_ref)]
+#[inline]
+unsafe fn slice_mut(data: &Span, pos: u64, len: usize) -> &mut [u8] {
+    // SAFETY: exclusivity per the contract; the protocol validated the range, and if it did
+    // not, `bytes_mut` refuses it and the caller gets an empty slice.
+    unsafe { data.bytes_mut(pos, len) }.unwrap_or(&mut [])
 }
 
 /// One link of a route through a distributed topology, resolved for stamping.
@@ -210,8 +147,8 @@ struct TxConn {
     route: Vec<RouteStep>,
     /// The receiver's downlink clock (link emulation), when the link is emulated.
     dst_ingress: Option<Word64>,
-    mem: ShmRing,
-    producer: Producer,
+    /// The channel to the receiver (a shared-memory ring).
+    ch: ShmSender,
     cookie: u32,
     peer_closed: Word32,
     cookie_word: Word32,
@@ -224,8 +161,8 @@ struct TxConn {
 struct RxRing {
     src: Addr,
     ring_off: u64,
-    mem: ShmRing,
-    consumer: Consumer,
+    /// The channel from the sender (a shared-memory ring).
+    ch: ShmReceiver,
     sender_closed: Word32,
     credit_seq: Word32,
     credit_armed: Word32,
@@ -485,14 +422,15 @@ impl Endpoint {
         };
         let dst_win = fabric.window(dst.node)?;
         let me = self.window.clone();
-        let mem = ShmRing::new(
+        let f = FabricError::from;
+        let ring = ShmRing::datagram(
             &dst_win,
             ring_off,
             ring_data_for_window(fabric.window_size()),
             &me,
             credit_off,
-        )?;
-        let f = FabricError::from;
+        )
+        .map_err(f)?;
         let cookie_word = Word32::at(&me, credit_off + CREDIT_COOKIE_OFF as u64).map_err(f)?;
         let emulated = self.link.is_some() && dst.node != self.addr.node;
         let mut route = Vec::new();
@@ -537,12 +475,11 @@ impl Endpoint {
             dst_armed: Word32::at(&dst_win, dst_record_off + EP_ARMED_OFF as u64).map_err(f)?,
             dst_doorbell: Word32::at(&dst_win, dst_record_off + EP_DOORBELL_OFF as u64)
                 .map_err(f)?,
-            producer: Producer::new(),
-            mem,
+            ch: ShmSender::new(ring),
         };
         // The supervisor hands back an existing ring only if this endpoint fed it before and
         // then dropped it (after a corruption): its sequence state is lost, so refuse it.
-        if conn.mem.load_tail() != 0 {
+        if conn.ch.published_anything() {
             return Err(DgramError::Corrupt {
                 addr: dst,
                 what: "ring was retired after an earlier error; bind a new endpoint",
@@ -634,10 +571,10 @@ impl Endpoint {
                 i = self.tx_index(dst)?;
                 continue;
             }
-            match c.producer.reserve(&c.mem, len) {
+            match c.ch.reserve(len) {
                 Ok(mut r) => {
                     // SAFETY: the reservation is inside the data area and ours until commit.
-                    let used = fill(unsafe { c.mem.slice_mut(r.pos, len) });
+                    let used = fill(unsafe { slice_mut(c.ch.data(), r.pos, len) });
                     let Some(used) = used.filter(|&u| u <= len) else {
                         return Ok(false); // abandoned: the producer index never moved
                     };
@@ -654,7 +591,7 @@ impl Endpoint {
                         let down = claim(ing, up + l.hop_ns, ser, now);
                         r.not_before_ns = down + ser;
                     }
-                    c.producer.commit(&c.mem, r);
+                    c.ch.commit(r);
                     // SYNC POINT doorbell-arm (sender): tail published before we read `armed`.
                     fence(Ordering::SeqCst);
                     if c.dst_armed.load(Ordering::Relaxed) != 0 {
@@ -691,12 +628,12 @@ impl Endpoint {
             c.credit_armed.store(1, Ordering::Relaxed);
             // SYNC POINT credit-arm (sender): armed before we re-check the consumer index.
             fence(Ordering::SeqCst);
-            let room = c.producer.has_room(&c.mem, len).unwrap_or(true);
+            let room = c.ch.has_room(len).unwrap_or(true);
             if !room && c.peer_closed.load(Ordering::Acquire) == 0 {
                 futex_wait(seq, s, cap(deadline.remaining()));
             }
             c.credit_armed.store(0, Ordering::Relaxed);
-            let still_full = !c.producer.has_room(&c.mem, len).unwrap_or(true);
+            let still_full = !c.ch.has_room(len).unwrap_or(true);
             self.check_open()?;
             if still_full {
                 self.node.fabric.check_supervisor()?; // slept without credit: still there?
@@ -751,12 +688,11 @@ impl Endpoint {
         w.read(ring_off, &mut h)?;
         let r = RingRepr::parse(&RingHeader::new_checked(&h[..])?)?;
         let src_win = self.node.fabric.window(r.src_slot)?;
-        let mem = ShmRing::new(w, ring_off, r.data_len, &src_win, r.credit_off)?;
+        let ring = ShmRing::datagram(w, ring_off, r.data_len, &src_win, r.credit_off)?;
         Ok(RxRing {
             src: Addr::new(r.src_slot, r.src_port),
             ring_off,
-            mem,
-            consumer: Consumer::new(),
+            ch: ShmReceiver::new(ring),
             sender_closed: Word32::at(w, ring_off + RING_SENDER_CLOSED_OFF as u64)?,
             credit_seq: Word32::at(&src_win, r.credit_off + CREDIT_SEQ_OFF as u64)?,
             credit_armed: Word32::at(&src_win, r.credit_off + CREDIT_ARMED_OFF as u64)?,
@@ -781,7 +717,7 @@ impl Endpoint {
             for k in 0..n {
                 let i = (self.rx_next + k) % n;
                 let r = &mut self.rx[i];
-                match r.consumer.peek(&r.mem) {
+                match r.ch.peek() {
                     Ok(Some(rec))
                         if rec.not_before_ns != 0 && {
                             let now = crate::sync::now_ns();
@@ -798,9 +734,9 @@ impl Endpoint {
                     Ok(Some(rec)) => {
                         // SAFETY: peek validated the record lies inside the data area; it is
                         // ours to read until release.
-                        let payload = unsafe { r.mem.slice_mut(rec.pos, rec.len) };
+                        let payload = unsafe { slice_mut(r.ch.data(), rec.pos, rec.len) };
                         let out = read(r.src, payload)?;
-                        r.consumer.release(&r.mem, rec);
+                        r.ch.release(rec);
                         // SYNC POINT credit-arm (receiver): head published before we read `armed`.
                         fence(Ordering::SeqCst);
                         if r.credit_armed.load(Ordering::Relaxed) != 0 {
@@ -815,7 +751,7 @@ impl Endpoint {
                     Ok(None) => {
                         if r.sender_closed.load(Ordering::Acquire) != 0 {
                             // Re-check after seeing the flag: records published before it count.
-                            if let Ok(None) = r.consumer.peek(&r.mem) {
+                            if let Ok(None) = r.ch.peek() {
                                 retire = Some((i, false));
                                 break;
                             }
@@ -857,10 +793,7 @@ impl Endpoint {
             self.armed.store(1, Ordering::Relaxed);
             // SYNC POINT doorbell-arm (receiver): armed before we re-check every ring.
             fence(Ordering::SeqCst);
-            let pending = self
-                .rx
-                .iter()
-                .any(|r| r.mem.load_tail() != r.consumer.head())
+            let pending = self.rx.iter().any(|r| !r.ch.is_drained())
                 || self.ring_seq.load(Ordering::Acquire) != self.rx_seq_seen
                 || self.closed.load(Ordering::Acquire) != 0;
             if !pending {

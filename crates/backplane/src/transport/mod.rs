@@ -13,11 +13,17 @@
 //! completion), the atomics `ucp_atomic_op_nbx`, and `peer` reports a host that went away as
 //! its nodes DOWN. Nothing in the paths changes.
 //!
-//! What stays below the paths, not yet behind the trait (see `docs/architecture.md`): the
-//! message rings (datagram rings and the QP ring of SEND/RECV) are shared-memory rings built
-//! by [`crate::dgram`] and the verbs engine on windows, with their doorbells; a network
-//! transport carries them as active messages, which needs a `Channel` trait of its own
-//! (reserve/commit/peek/release with credits) — the next step of this module.
+//! Messages go through the other pair of traits, [`SendChannel`] and [`RecvChannel`]: one
+//! direction of a message channel to one peer, with room reserved, filled and committed by the
+//! sender and records peeked, read and released by the receiver, in order, with back-pressure
+//! (a full channel refuses a reservation, it never drops). The datagram rings of
+//! [`crate::dgram`] and the QP ring that carries SEND/RECV and WRITE_WITH_IMM notifications
+//! use nothing else of a ring; [`shm::ShmSender`]/[`shm::ShmReceiver`] are the shared-memory
+//! SPSC ring ([`crate::ring`]) behind them. A network engine implements them as active
+//! messages: `reserve` hands out a local staging span, `commit` sends it, the receiver's
+//! callback appends to a local span that `peek` reads, and `release` returns a credit. The
+//! doorbells that wake a sleeping peer and the setup of a channel (the supervisor's ring
+//! broker, a QP's connect) are still the paths' own; see `docs/architecture.md`.
 //!
 //! Promises of every implementation: an access outside the granted bytes is an error, never an
 //! access; a region whose owner deregistered it, or whose node went DOWN, answers
@@ -32,7 +38,52 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::mem::{MemError, Span, Word32};
+pub use crate::ring::{Record, Reservation, RingError};
 use crate::wire::NodeState;
+
+/// The sending end of one direction of a message channel to a peer: messages are sent in
+/// order, each once; a full channel refuses a reservation (back-pressure, never loss).
+pub trait SendChannel {
+    /// The memory reservations lie in: fill `[r.pos, r.pos + r.len)` of it (checked copies,
+    /// or the zero-copy `Span::bytes_mut` under its contract) between `reserve` and `commit`.
+    fn data(&self) -> &Span;
+    /// Room for a message of `len` bytes: `Full` when there is none right now, `Corrupt` when
+    /// the receiver's side of the channel cannot be trusted any more.
+    fn reserve(&mut self, len: usize) -> Result<Reservation, RingError>;
+    /// Publishes a reserved message (its `len` may have shrunk, its delivery time been set).
+    fn commit(&mut self, r: Reservation);
+    /// Whether a message of `len` bytes would fit now (after a fresh look at the receiver).
+    fn has_room(&mut self, len: usize) -> Result<bool, RingError>;
+    /// The channel position after everything sent so far: it only grows, and the receiver's
+    /// acknowledgements ([`RecvChannel::consumed`] on the other side) count against it.
+    fn sent(&self) -> u64;
+    /// Whether the receiver's side shows anything published: a channel handed out as new
+    /// must not (a retired ring handed out again has lost its sequence state).
+    fn published_anything(&self) -> bool;
+    /// Where the next message and the published position lie, for a cache prefetch: hints,
+    /// never dereferenced (null where a transport has none).
+    fn next_hint(&self) -> [*const u8; 2] {
+        [std::ptr::null(); 2]
+    }
+}
+
+/// The receiving end of one direction of a message channel from a peer.
+pub trait RecvChannel {
+    /// The memory peeked records lie in: read `[rec.pos, rec.pos + rec.len)` of it before
+    /// `release`.
+    fn data(&self) -> &Span;
+    /// The next record, if any, after validating everything the sender wrote; `Corrupt` when
+    /// it cannot be trusted (retire the channel).
+    fn peek(&mut self) -> Result<Option<Record>, RingError>;
+    /// Gives a peeked record's room back to the sender.
+    fn release(&mut self, rec: Record);
+    /// The channel position released so far (what the sender may count as acknowledged).
+    fn consumed(&self) -> u64;
+    /// Whether nothing waits, with one fresh look at the sender's published position.
+    fn is_drained(&self) -> bool;
+    /// Whether everything seen published has been released (no fresh look).
+    fn drained_cached(&self) -> bool;
+}
 
 /// How a copy into a peer's memory is made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,15 +1,20 @@
 //! The shared-memory transport: every node is a process on this host. A grant is the region's
 //! memfd, handed over by the supervisor after its checks (owner, PD, QP connection, access
 //! flags) and mapped read-only unless the grant is writable; an access is a checked copy or
-//! atomic on that mapping.
+//! atomic on that mapping. A message channel is an SPSC ring ([`crate::ring`]) with its data
+//! and published position in the receiver's window and its released position in the sender's.
 
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
 
-use super::{CopyKind, GrantRequest, PeerState, RemoteRegion, Transport};
+use super::{
+    CopyKind, GrantRequest, PeerState, Record, RecvChannel, RemoteRegion, Reservation, RingError,
+    SendChannel, Transport,
+};
 use crate::fabric::Fabric;
-use crate::mem::{MemError, Region, Span, Word32};
+use crate::mem::{MemError, Region, Span, Word32, Word64};
+use crate::ring::{Consumer, Producer, RingMemory};
 use crate::sync::Ordering;
 use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::{MrHeader, MrRepr, MR_DATA_OFF, MR_STATE_OFF, MR_STATE_VALID};
@@ -164,5 +169,176 @@ impl RemoteRegion for ShmRegion {
     }
     fn local(&self) -> Option<(&Span, &Word32)> {
         Some((&self.data, &self.state))
+    }
+}
+
+/// The memory of one ring, seen from either side: data and published position (`tail`) in
+/// the receiver's window, released position (`head`) in the sender's. Views are resolved once,
+/// after bounds checks, so the hot path does no lookups.
+#[derive(Debug, Clone)]
+pub struct ShmRing {
+    tail: Word64,
+    head: Word64,
+    data: Span,
+}
+
+impl ShmRing {
+    /// A ring over views the caller resolved: `data` a power of two long.
+    pub fn new(tail: Word64, head: Word64, data: Span) -> Self {
+        Self { tail, head, data }
+    }
+
+    /// A datagram ring of `data_len` bytes at `ring_off` of the receiver's window (the
+    /// `wire::RingHeader` layout) with its credit line at `credit_off` of the sender's.
+    pub fn datagram(
+        ring_win: &Arc<Region>,
+        ring_off: u64,
+        data_len: u32,
+        credit_win: &Arc<Region>,
+        credit_off: u64,
+    ) -> Result<Self, MemError> {
+        use crate::wire::{RingRepr, CREDIT_HEAD_OFF, CREDIT_LEN, RING_DATA_OFF, RING_TAIL_OFF};
+        ring_win.check(ring_off, RingRepr::footprint(data_len), 64)?;
+        credit_win.check(credit_off, CREDIT_LEN, 64)?;
+        Ok(Self {
+            tail: Word64::at(ring_win, ring_off + RING_TAIL_OFF as u64)?,
+            head: Word64::at(credit_win, credit_off + CREDIT_HEAD_OFF as u64)?,
+            data: Span::new(ring_win, ring_off + RING_DATA_OFF, data_len.into())?,
+        })
+    }
+}
+
+impl RingMemory for ShmRing {
+    #[inline]
+    fn data_len(&self) -> u64 {
+        self.data.len()
+    }
+    #[inline]
+    fn load_tail(&self) -> u64 {
+        self.tail.load(Ordering::Acquire)
+    }
+    #[inline]
+    fn store_tail(&self, v: u64) {
+        self.tail.store(v, Ordering::Release)
+    }
+    #[inline]
+    fn load_head(&self) -> u64 {
+        self.head.load(Ordering::Acquire)
+    }
+    #[inline]
+    fn store_head(&self, v: u64) {
+        self.head.store(v, Ordering::Release)
+    }
+    #[inline]
+    fn write(&self, pos: u64, src: &[u8]) {
+        // Out of range is unreachable: the protocol validated the range.
+        let _ = self.data.write(pos, src);
+    }
+    #[inline]
+    fn read(&self, pos: u64, dst: &mut [u8]) {
+        if self.data.read(pos, dst).is_err() {
+            dst.fill(0); // unreachable: the protocol validated the range
+        }
+    }
+    #[inline]
+    fn prefetch(&self, pos: u64) {
+        self.data.prefetch(pos);
+    }
+}
+
+/// The sending end of a shared-memory ring.
+#[derive(Debug)]
+pub struct ShmSender {
+    ring: ShmRing,
+    producer: Producer,
+}
+
+impl ShmSender {
+    /// The sending end of `ring`, at its start.
+    pub fn new(ring: ShmRing) -> Self {
+        Self {
+            ring,
+            producer: Producer::new(),
+        }
+    }
+}
+
+impl SendChannel for ShmSender {
+    #[inline]
+    fn data(&self) -> &Span {
+        &self.ring.data
+    }
+    #[inline]
+    fn reserve(&mut self, len: usize) -> Result<Reservation, RingError> {
+        self.producer.reserve(&self.ring, len)
+    }
+    #[inline]
+    fn commit(&mut self, r: Reservation) {
+        self.producer.commit(&self.ring, r)
+    }
+    #[inline]
+    fn has_room(&mut self, len: usize) -> Result<bool, RingError> {
+        self.producer.has_room(&self.ring, len)
+    }
+    #[inline]
+    fn sent(&self) -> u64 {
+        self.producer.tail()
+    }
+    fn published_anything(&self) -> bool {
+        self.ring.load_tail() != 0
+    }
+    #[inline]
+    fn next_hint(&self) -> [*const u8; 2] {
+        // The ring's data length is a power of two; if a peer lied about it, this is a wrong
+        // hint, not a wrong access (it is never dereferenced).
+        let d = &self.ring.data;
+        [
+            d.addr(self.producer.tail() & d.len().wrapping_sub(1)),
+            std::ptr::from_ref::<crate::sync::AtomicU64>(&self.ring.tail).cast::<u8>(),
+        ]
+    }
+}
+
+/// The receiving end of a shared-memory ring.
+#[derive(Debug)]
+pub struct ShmReceiver {
+    ring: ShmRing,
+    consumer: Consumer,
+}
+
+impl ShmReceiver {
+    /// The receiving end of `ring`, at its start.
+    pub fn new(ring: ShmRing) -> Self {
+        Self {
+            ring,
+            consumer: Consumer::new(),
+        }
+    }
+}
+
+impl RecvChannel for ShmReceiver {
+    #[inline]
+    fn data(&self) -> &Span {
+        &self.ring.data
+    }
+    #[inline]
+    fn peek(&mut self) -> Result<Option<Record>, RingError> {
+        self.consumer.peek(&self.ring)
+    }
+    #[inline]
+    fn release(&mut self, rec: Record) {
+        self.consumer.release(&self.ring, rec)
+    }
+    #[inline]
+    fn consumed(&self) -> u64 {
+        self.consumer.head()
+    }
+    #[inline]
+    fn is_drained(&self) -> bool {
+        self.consumer.is_drained(&self.ring)
+    }
+    #[inline]
+    fn drained_cached(&self) -> bool {
+        self.consumer.drained_cached()
     }
 }

@@ -116,8 +116,6 @@ impl Ctx {
             },
             own,
             peer: None,
-            prod: Producer::new(),
-            cons: Consumer::new(),
             sq: VecDeque::new(),
             exec: 0,
             rq: VecDeque::new(),

@@ -262,8 +262,10 @@ impl QpEngine {
                 return false;
             }
         }
-        let Some(p) = &self.peer else { return false };
-        let Ok(r) = self.prod.reserve(&p.outbound, HDR + len) else {
+        let Some(p) = &mut self.peer else {
+            return false;
+        };
+        let Ok(r) = p.outbound.reserve(HDR + len) else {
             return false;
         };
         let solicited = if wr.send_flags.contains(SendFlags::SOLICITED) {
@@ -278,22 +280,16 @@ impl QpEngine {
             imm: wr.imm_data,
             msg_len: len as u32,
             frag_off: 0,
-            ack: self.cons.head(),
+            ack: p.inbound.consumed(),
             credits: self.rq_posted,
         }
         .emit(&mut MsgHeader::new_unchecked(&mut hdr[..]));
         // The reservation covers HDR + len bytes at r.pos, ours until commit.
-        p.outbound.write(r.pos, &hdr);
-        let _ = src.copy_to(&p.outbound.data, r.pos + HDR as u64, false);
-        self.prod.commit(&p.outbound, r);
-        self.send_hint = [
-            // The ring's data length is a power of two; if a peer lied about it, this is a
-            // wrong hint, not a wrong access (it is never dereferenced).
-            p.outbound
-                .data
-                .addr(self.prod.tail() & p.outbound.data.len().wrapping_sub(1)),
-            std::ptr::from_ref::<AtomicU64>(&p.outbound.tail).cast::<u8>(),
-        ];
+        let _ = p.outbound.data().write(r.pos, &hdr);
+        let _ = src.copy_to(p.outbound.data(), r.pos + HDR as u64, false);
+        p.outbound.commit(r);
+        self.send_hint = p.outbound.next_hint();
+        let end = p.outbound.sent();
         if rc {
             self.used_credits += 1;
         }
@@ -302,15 +298,7 @@ impl QpEngine {
         self.ring_peer();
         if rc {
             let signaled = self.signaled(wr.send_flags);
-            self.push_executed(
-                wr,
-                signaled,
-                len as u32,
-                SendPhase::Ack {
-                    end: self.prod.tail(),
-                    msg,
-                },
-            );
+            self.push_executed(wr, signaled, len as u32, SendPhase::Ack { end, msg });
         } else {
             self.done_at_once(wr, WcOpcode::Send, len, cqs);
         }

@@ -39,9 +39,11 @@ use super::types::*;
 use crate::dgram::{Addr, DgramError, Endpoint, Wait};
 use crate::fabric::{FabricError, Node};
 use crate::mem::{MemError, Region, Span, Word32, Word64};
-use crate::ring::{Consumer, Producer, RingError, RingMemory};
-use crate::sync::{fence, AtomicU64, Ordering};
-use crate::transport::{CopyKind, GrantRequest, RemoteRegion, Transport};
+use crate::sync::{fence, Ordering};
+use crate::transport::shm::{ShmReceiver, ShmRing, ShmSender};
+use crate::transport::{
+    CopyKind, GrantRequest, RecvChannel, RemoteRegion, RingError, SendChannel, Transport,
+};
 use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::*;
 
@@ -52,49 +54,6 @@ const HDR: usize = 32;
 const IDLE_LOOK: u32 = 512;
 /// Remote regions a QP keeps mapped.
 const REMOTE_CACHE: usize = 64;
-
-// ---------------------------------------------------------------------------------------------
-// The QP ring's memory.
-// ---------------------------------------------------------------------------------------------
-
-/// Ring memory of one direction of a QP pair: data and producer index in the receiver's block,
-/// consumer index in the sender's block.
-#[derive(Debug)]
-struct QRing {
-    tail: Word64,
-    head: Word64,
-    data: Span,
-}
-
-impl RingMemory for QRing {
-    fn data_len(&self) -> u64 {
-        self.data.len()
-    }
-    fn load_tail(&self) -> u64 {
-        self.tail.load(Ordering::Acquire)
-    }
-    fn store_tail(&self, v: u64) {
-        self.tail.store(v, Ordering::Release)
-    }
-    fn load_head(&self) -> u64 {
-        self.head.load(Ordering::Acquire)
-    }
-    fn store_head(&self, v: u64) {
-        self.head.store(v, Ordering::Release)
-    }
-    fn write(&self, pos: u64, src: &[u8]) {
-        // Out of range is unreachable: the ring protocol validated the range.
-        let _ = self.data.write(pos, src);
-    }
-    fn read(&self, pos: u64, dst: &mut [u8]) {
-        if self.data.read(pos, dst).is_err() {
-            dst.fill(0);
-        }
-    }
-    fn prefetch(&self, pos: u64) {
-        self.data.prefetch(pos);
-    }
-}
 
 mod context;
 mod cq;
@@ -316,8 +275,10 @@ struct PeerLink {
     access: Word32,
     ev_bell: Word32,
     ev_armed: Word32,
-    outbound: QRing,
-    inbound: QRing,
+    /// The message channel to the peer (a ring in its block).
+    outbound: ShmSender,
+    /// The message channel from the peer (the ring in our block).
+    inbound: ShmReceiver,
 }
 
 #[derive(Debug)]
@@ -348,8 +309,6 @@ pub(crate) struct QpEngine {
     pub(crate) attr: QpAttr,
     own: Option<OwnBlock>,
     peer: Option<PeerLink>,
-    prod: Producer,
-    cons: Consumer,
     sq: VecDeque<SqEntry>,
     exec: usize,
     rq: VecDeque<RqEntry>,
@@ -402,6 +361,11 @@ impl QpEngine {
             qp_num: self.qpn,
             ..Wc::default()
         }
+    }
+
+    /// The position of the outbound channel after everything sent (0 unconnected).
+    fn sent(&self) -> u64 {
+        self.peer.as_ref().map_or(0, |p| p.outbound.sent())
     }
 
     /// Rings the peer context's bell if its channel sleeps (after our stores are visible).

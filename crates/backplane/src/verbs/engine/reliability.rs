@@ -151,12 +151,12 @@ impl QpEngine {
     }
 
     pub(super) fn note_ack(&mut self, a: u64) -> bool {
-        self.rel.ack(a, self.prod.tail())
+        self.rel.ack(a, self.sent())
     }
 
     /// An acknowledgement piggybacked on a message (see [`Reliability::piggy_ack`]).
     pub(super) fn note_piggy_ack(&mut self, a: u64) -> bool {
-        self.rel.piggy_ack(a, self.prod.tail())
+        self.rel.piggy_ack(a, self.sent())
     }
 
     pub(super) fn complete_acked(&mut self, cqs: &mut Cqs, look: bool) {
@@ -272,9 +272,9 @@ impl QpEngine {
 
     /// A responder error: release the offending record (publishing the NAK), then go to ERR.
     pub(super) fn fail_after_release(&mut self, cqs: &mut Cqs) {
-        if let Some(p) = &self.peer {
-            if let Ok(Some(rec)) = self.cons.peek(&p.inbound) {
-                self.cons.release(&p.inbound, rec);
+        if let Some(p) = &mut self.peer {
+            if let Ok(Some(rec)) = p.inbound.peek() {
+                p.inbound.release(rec);
             }
         }
         self.ring_peer();

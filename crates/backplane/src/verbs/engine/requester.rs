@@ -246,7 +246,7 @@ impl QpEngine {
         self.ring_peer();
         match self.ty {
             QpType::Rc => Exec::Ack {
-                end: self.prod.tail(),
+                end: self.sent(),
                 msg: prog.msg,
             },
             _ => Exec::Done(WcStatus::Success),
@@ -262,7 +262,7 @@ impl QpEngine {
         prog: &mut Progress,
         env: &CtxParts<'_>,
     ) -> Result<bool, WcStatus> {
-        let Some(p) = &self.peer else {
+        let Some(p) = &mut self.peer else {
             return Err(WcStatus::LocQpOpErr);
         };
         let payload = mop != MsgOp::WriteImm;
@@ -272,7 +272,7 @@ impl QpEngine {
             } else {
                 0
             };
-            let r = match self.prod.reserve(&p.outbound, HDR + frag) {
+            let r = match p.outbound.reserve(HDR + frag) {
                 Ok(r) => r,
                 Err(RingError::Full) => return Ok(false),
                 Err(_) => return Err(WcStatus::LocQpOpErr),
@@ -296,11 +296,11 @@ impl QpEngine {
                 imm: op.imm,
                 msg_len: total as u32,
                 frag_off: if payload { prog.pushed as u32 } else { 0 },
-                ack: self.cons.head(),
+                ack: p.inbound.consumed(),
                 credits: self.rq_posted,
             }
             .emit(&mut MsgHeader::new_unchecked(&mut h[..]));
-            p.outbound.write(r.pos, &h);
+            let _ = p.outbound.data().write(r.pos, &h);
             if frag > 0 {
                 // The reservation covers HDR + frag bytes at r.pos, inside the ring; the
                 // source was validated by `prepare` in this same call.
@@ -309,11 +309,11 @@ impl QpEngine {
                     self.pd,
                     prog.pushed,
                     frag,
-                    &p.outbound.data,
+                    p.outbound.data(),
                     r.pos + HDR as u64,
                 );
             }
-            self.prod.commit(&p.outbound, r);
+            p.outbound.commit(r);
             prog.pushed += frag as u64;
             if last {
                 return Ok(true);
@@ -421,7 +421,7 @@ impl QpEngine {
         self.ring_peer();
         match self.ty {
             QpType::Rc => Exec::Ack {
-                end: self.prod.tail(),
+                end: self.sent(),
                 msg: prog.msg,
             },
             _ => Exec::Done(WcStatus::Success),

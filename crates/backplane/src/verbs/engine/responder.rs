@@ -7,11 +7,11 @@ impl QpEngine {
     /// Turns inbound messages into receive completions (RC/UC).
     pub(super) fn drive_rx(&mut self, env: &CtxParts<'_>, cqs: &mut Cqs) {
         loop {
-            let Some(p) = &self.peer else { return };
+            let Some(p) = &mut self.peer else { return };
             if !cq_room(cqs, self.recv_cq) {
                 return;
             }
-            let rec = match self.cons.peek(&p.inbound) {
+            let rec = match p.inbound.peek() {
                 Ok(Some(r)) => r,
                 Ok(None) => return,
                 Err(_) => {
@@ -32,7 +32,8 @@ impl QpEngine {
                 return;
             }
             let mut hb = [0u8; HDR];
-            p.inbound.read(rec.pos, &mut hb);
+            // Inside the data area (validated by the consumer); zeros would not parse.
+            let _ = p.inbound.data().read(rec.pos, &mut hb);
             let Ok(h) = MsgRepr::parse(&MsgHeader::new_unchecked(&hb[..]), rec.len - HDR) else {
                 self.fail_why("a malformed message header", WcStatus::LocQpOpErr, cqs);
                 return;
@@ -53,11 +54,11 @@ impl QpEngine {
             if self.state == QpState::Err {
                 return;
             }
-            let Some(p) = &self.peer else { return };
-            self.cons.release(&p.inbound, rec);
+            let Some(p) = &mut self.peer else { return };
+            p.inbound.release(rec);
             self.bell_pending = true;
             self.idle = 0;
-            if self.cons.drained_cached() {
+            if p.inbound.drained_cached() {
                 // Everything the last look at the producer index announced is taken; what came
                 // since is the next poll's (which looks at the index first), so the message
                 // just taken reaches its completion without one more look now.
@@ -143,7 +144,7 @@ impl QpEngine {
                 self.pd,
                 w.sges.as_slice(),
                 u64::from(h.frag_off),
-                Bytes::Span(&p.inbound.data, payload, frag_len),
+                Bytes::Span(p.inbound.data(), payload, frag_len),
             );
         }
         if h.flags & MSG_LAST != 0 {
@@ -203,7 +204,7 @@ impl QpEngine {
             };
             let Some(p) = &self.peer else { return false };
             // `dst` holds `length >= msg_len = frag_len` bytes of a writable local region.
-            if Bytes::Span(&p.inbound.data, payload, frag_len)
+            if Bytes::Span(p.inbound.data(), payload, frag_len)
                 .copy_to(dst, dst_off, false)
                 .is_err()
             {

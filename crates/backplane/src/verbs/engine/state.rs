@@ -77,7 +77,7 @@ impl QpEngine {
         match &self.peer {
             None => true,
             // SYNC POINT ring-publish (acquire, in is_drained): as in drive_rx.
-            Some(p) => self.cons.is_drained(&p.inbound),
+            Some(p) => p.inbound.is_drained(),
         }
     }
 
@@ -234,20 +234,16 @@ impl QpEngine {
             access: at32(QP_ACCESS_OFF)?,
             ev_bell: Word32::at(&pw, r.event_off + EV_BELL_OFF as u64)?,
             ev_armed: Word32::at(&pw, r.event_off + EV_ARMED_OFF as u64)?,
-            outbound: QRing {
-                tail: at64(QP_TAIL_OFF)?,
-                head: own.ack.clone(),
-                data: {
-                    let d = Span::new(&pw, block_off + QP_RING_OFF, r.ring_len.into())?;
-                    d.populate(true);
-                    d
-                },
-            },
-            inbound: QRing {
-                tail: own.tail.clone(),
-                head: at64(QP_ACK_OFF)?,
-                data: own.data.clone(),
-            },
+            outbound: ShmSender::new(ShmRing::new(at64(QP_TAIL_OFF)?, own.ack.clone(), {
+                let d = Span::new(&pw, block_off + QP_RING_OFF, r.ring_len.into())?;
+                d.populate(true);
+                d
+            })),
+            inbound: ShmReceiver::new(ShmRing::new(
+                own.tail.clone(),
+                at64(QP_ACK_OFF)?,
+                own.data.clone(),
+            )),
         };
         peer.rnr
             .store(u32::from(a.min_rnr_timer) + 1, Ordering::Relaxed);
@@ -255,8 +251,6 @@ impl QpEngine {
         peer.credits.store(self.rq_posted, Ordering::Release);
         self.published = self.rq_posted;
         self.peer = Some(peer);
-        self.prod = Producer::new();
-        self.cons = Consumer::new();
         self.peer_gone = false;
         Ok(())
     }
@@ -281,8 +275,6 @@ impl QpEngine {
         self.idle = 0;
         self.published = 0;
         self.remote.clear();
-        self.prod = Producer::new();
-        self.cons = Consumer::new();
         if let Some(o) = &self.own {
             let _ = env.win.zero(o.off + QP_ACK_OFF as u64, 64);
             // SYNC POINT ring-publish (release): a reset ring has published nothing.
