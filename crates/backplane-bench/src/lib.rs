@@ -10,6 +10,8 @@
 //! - [`dma_path`]: the `fabric-raw` path, DMA jobs through the engine threads;
 //! - [`netns`]: the veth pair between two namespaces;
 //! - [`ucx`]: `ucx_perftest` runs (shared with `backplane perf`);
+//! - [`perf_row`]: `backplane perf`'s rows: latency rows from histograms, UCX rows, medians
+//!   over rounds;
 //! - [`report`] and [`plot`]: JSON, CSV, Markdown, SVG and PNG;
 //! - [`published`]: the seed documents' figures beside a `--link` run;
 //! - [`teardown`]: nothing left behind, on error or Ctrl-C;
@@ -23,6 +25,7 @@ pub mod link;
 pub mod memcpy;
 pub mod netns;
 pub mod peer;
+pub mod perf_row;
 pub mod plot;
 pub mod progress;
 pub mod published;

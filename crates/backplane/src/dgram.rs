@@ -147,7 +147,7 @@ struct TxConn {
     route: Vec<RouteStep>,
     /// The receiver's downlink clock (link emulation), when the link is emulated.
     dst_ingress: Option<Word64>,
-    /// The channel to the receiver (a shared-memory ring).
+    /// The channel to the receiver: a shared-memory ring, used only through `SendChannel`.
     ch: ShmSender,
     cookie: u32,
     peer_closed: Word32,
@@ -161,7 +161,7 @@ struct TxConn {
 struct RxRing {
     src: Addr,
     ring_off: u64,
-    /// The channel from the sender (a shared-memory ring).
+    /// The channel from the sender: a shared-memory ring, used only through `RecvChannel`.
     ch: ShmReceiver,
     sender_closed: Word32,
     credit_seq: Word32,

@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use backplane::dgram::{Addr, DgramError, Endpoint, Wait};
 use backplane::fabric::Fabric;
-use hdrhistogram::Histogram;
 use serde::Serialize;
 
+use backplane_bench::perf_row::{median_rows, Row};
 use backplane_bench::stats::{median, new_histogram};
 use backplane_bench::{teardown, ucx};
 
@@ -208,36 +208,6 @@ struct PeerConfig {
     test: Test,
     node: u32,
     port: u32,
-}
-
-/// One row of results.
-#[derive(Debug, Clone, Serialize, Default)]
-pub struct Row {
-    bytes: u64,
-    iterations: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    t_min_us: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    t_max_us: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    t_typical_us: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    t_avg_us: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    t_stdev_us: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    p99_us: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    p999_us: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    bw_peak_mbps: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    bw_avg_mbps: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    msg_rate_mpps: Option<f64>,
-    /// Single-thread memcpy of the same size, measured in the same run (bandwidth tests).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    memcpy_mbps: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -449,36 +419,6 @@ fn measure_backplane(a: &Args, sizes: &[u64], first: bool) -> anyhow::Result<(St
     Ok((name, rows))
 }
 
-/// Each field's median over rounds, size by size (rounds missing a size are skipped).
-fn median_rows(rounds: &[&[Row]]) -> Vec<Row> {
-    let Some(first) = rounds.first() else {
-        return Vec::new();
-    };
-    first
-        .iter()
-        .enumerate()
-        .map(|(i, r0)| {
-            let rows: Vec<&Row> = rounds.iter().filter_map(|r| r.get(i)).collect();
-            let med = |get: fn(&Row) -> Option<f64>| median(rows.iter().filter_map(|r| get(r)));
-            Row {
-                bytes: r0.bytes,
-                iterations: r0.iterations,
-                t_min_us: med(|r| r.t_min_us),
-                t_max_us: med(|r| r.t_max_us),
-                t_typical_us: med(|r| r.t_typical_us),
-                t_avg_us: med(|r| r.t_avg_us),
-                t_stdev_us: med(|r| r.t_stdev_us),
-                p99_us: med(|r| r.p99_us),
-                p999_us: med(|r| r.p999_us),
-                bw_peak_mbps: med(|r| r.bw_peak_mbps),
-                bw_avg_mbps: med(|r| r.bw_avg_mbps),
-                msg_rate_mpps: med(|r| r.msg_rate_mpps),
-                memcpy_mbps: med(|r| r.memcpy_mbps),
-            }
-        })
-        .collect()
-}
-
 /// Sends one message as consecutive datagrams (shared with `bench`).
 fn send_msg(ep: &mut Endpoint, to: Addr, data: &[u8], wait: Wait) -> Result<(), DgramError> {
     backplane_bench::link::fabric_send_msg(ep, to, data, wait)
@@ -497,24 +437,6 @@ fn memcpy_mbps(size: u64) -> f64 {
     backplane_bench::memcpy::measure(size as usize, passes).mb_per_s
 }
 
-/// A latency row from a histogram of round trips (ns); `halve` for ping-pong tests.
-fn lat_row(h: &Histogram<u64>, size: u64, iters: u64, halve: bool) -> Row {
-    let k = if halve { 2.0 } else { 1.0 };
-    let us = |ns: f64| ns / k / 1000.0;
-    Row {
-        bytes: size,
-        iterations: iters,
-        t_min_us: Some(us(h.min() as f64)),
-        t_max_us: Some(us(h.max() as f64)),
-        t_typical_us: Some(us(h.value_at_quantile(0.5) as f64)),
-        t_avg_us: Some(us(h.mean())),
-        t_stdev_us: Some(us(h.stdev())),
-        p99_us: Some(us(h.value_at_quantile(0.99) as f64)),
-        p999_us: Some(us(h.value_at_quantile(0.999) as f64)),
-        ..Row::default()
-    }
-}
-
 fn lat_client(ep: &mut Endpoint, peer: Addr, size: u64, iters: u64) -> anyhow::Result<Row> {
     let msg = vec![0xA5u8; size as usize];
     let mut h = new_histogram();
@@ -529,7 +451,7 @@ fn lat_client(ep: &mut Endpoint, peer: Addr, size: u64, iters: u64) -> anyhow::R
             h.record(rtt.max(1))?;
         }
     }
-    Ok(lat_row(&h, size, iters, true)) // one-way
+    Ok(Row::latency(&h, size, iters, true)) // one-way
 }
 
 fn bw_client(ep: &mut Endpoint, peer: Addr, size: u64, iters: u64) -> anyhow::Result<Row> {
@@ -623,23 +545,7 @@ fn ucx_run(path: &std::path::Path, test: Test, size: u64, iters: u64) -> anyhow:
         iters,
         (iters / 10).clamp(10, 10_000),
     )?;
-    Ok(ucx_row(&r, test, size))
-}
-
-fn ucx_row(r: &ucx::UcxResult, test: Test, size: u64) -> Row {
-    let mut row = Row {
-        bytes: size,
-        iterations: r.iterations,
-        ..Row::default()
-    };
-    if test.is_lat() {
-        row.t_typical_us = Some(r.typical_lat_us);
-        row.t_avg_us = Some(r.avg_lat_us);
-    } else {
-        row.bw_avg_mbps = Some(r.bw_mb_per_s);
-        row.msg_rate_mpps = Some(r.msg_rate / 1e6);
-    }
-    row
+    Ok(Row::from_ucx(&r, size, test.is_lat()))
 }
 
 /// Two decimals as perftest prints them, three below 1 (sub-microsecond latencies).
@@ -832,25 +738,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rounds_are_summarised_field_by_field_with_medians() {
-        let row = |t: f64, bw: Option<f64>| Row {
-            bytes: 8,
-            iterations: 10,
-            t_typical_us: Some(t),
-            bw_avg_mbps: bw,
-            ..Row::default()
-        };
-        let a = [row(0.1, None)];
-        let b = [row(0.3, Some(5.0))];
-        let c = [row(0.2, None)];
-        let m = median_rows(&[&a, &b, &c]);
-        assert_eq!(m.len(), 1);
-        assert_eq!(m[0].t_typical_us, Some(0.2));
-        assert_eq!(m[0].bw_avg_mbps, Some(5.0)); // only the rounds that have the field
-        assert_eq!(m[0].t_min_us, None);
-    }
-
-    #[test]
     fn the_paired_ratio_is_not_fooled_by_which_side_drew_more_slow_rounds() {
         let row = |t: f64| Row {
             bytes: 8,
@@ -890,19 +777,5 @@ mod tests {
         assert!(text.contains("| median ratio 0.857 "), "{text}");
         assert!(text.contains("| ratio of medians 2.71 "), "{text}");
         assert!(text.contains("as good as UCX in 3 of 5 rounds"), "{text}");
-    }
-
-    #[test]
-    fn ucx_results_become_latency_or_bandwidth_rows() {
-        let text = "iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr\n\
-                    100000,0.135,0.140,0.140,54.65,54.65,7162588,7162588\n";
-        let u = ucx::parse_csv(text).unwrap();
-        let r = ucx_row(&u, Test::DgramLat, 8);
-        assert_eq!((r.bytes, r.iterations), (8, 100000));
-        assert_eq!(r.t_typical_us, Some(0.135));
-        assert_eq!(r.bw_avg_mbps, None);
-        let r = ucx_row(&u, Test::DgramBw, 8);
-        assert!((r.bw_avg_mbps.unwrap() - 54.65 * 1.048576).abs() < 1e-6);
-        assert_eq!(r.msg_rate_mpps, Some(7.162588));
     }
 }

@@ -43,7 +43,7 @@ use crate::wire::NodeState;
 
 /// The sending end of one direction of a message channel to a peer: messages are sent in
 /// order, each once; a full channel refuses a reservation (back-pressure, never loss).
-pub trait SendChannel {
+pub trait SendChannel: Send {
     /// The memory reservations lie in: fill `[r.pos, r.pos + r.len)` of it (checked copies,
     /// or the zero-copy `Span::bytes_mut` under its contract) between `reserve` and `commit`.
     fn data(&self) -> &Span;
@@ -68,7 +68,7 @@ pub trait SendChannel {
 }
 
 /// The receiving end of one direction of a message channel from a peer.
-pub trait RecvChannel {
+pub trait RecvChannel: Send {
     /// The memory peeked records lie in: read `[rec.pos, rec.pos + rec.len)` of it before
     /// `release`.
     fn data(&self) -> &Span;

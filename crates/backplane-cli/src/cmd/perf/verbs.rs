@@ -17,7 +17,8 @@ use backplane::fabric::Fabric;
 use backplane::verbs::cm::{self, ConnParam, PeerInfo};
 use backplane::verbs::*;
 
-use super::{lat_row, Row, Test, MAX_SIZE};
+use super::{Test, MAX_SIZE};
+use backplane_bench::perf_row::Row;
 
 const RX_DEPTH: u32 = 512;
 const TX_DEPTH: u32 = 128;
@@ -466,7 +467,7 @@ fn lat(
         for r in &raw[warm as usize..] {
             h.record(clock.ns(*r).max(1))?;
         }
-        return Ok(lat_row(&h, size, n, true));
+        return Ok(Row::latency(&h, size, n, true));
     }
     for i in 0..warm + n {
         let t0;
@@ -523,7 +524,7 @@ fn lat(
     for s in samples {
         h.record(s.max(1))?;
     }
-    Ok(lat_row(&h, size, n, test.halved()))
+    Ok(Row::latency(&h, size, n, test.halved()))
 }
 
 fn bw(

@@ -275,9 +275,11 @@ struct PeerLink {
     access: Word32,
     ev_bell: Word32,
     ev_armed: Word32,
-    /// The message channel to the peer (a ring in its block).
+    /// The message channel to the peer (a ring in its block), used only through
+    /// `SendChannel`.
     outbound: ShmSender,
-    /// The message channel from the peer (the ring in our block).
+    /// The message channel from the peer (the ring in our block), used only through
+    /// `RecvChannel`.
     inbound: ShmReceiver,
 }
 
