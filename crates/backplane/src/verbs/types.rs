@@ -37,9 +37,20 @@ pub(crate) fn remote_access_allowed(
     addr: u64,
     len: u64,
 ) -> bool {
-    region_access.contains(need)
-        && qp_access.contains(need)
+    remote_flags_allowed(region_access, qp_access, need)
         && addr.checked_add(len).is_some_and(|end| end <= region_len)
+}
+
+/// The flags half of [`remote_access_allowed`], for a path whose copy checks the range
+/// itself against a span exactly as long as the region (the RDMA WRITE fast path: one range
+/// check per write, not two).
+#[inline(always)]
+pub(crate) fn remote_flags_allowed(
+    region_access: AccessFlags,
+    qp_access: AccessFlags,
+    need: AccessFlags,
+) -> bool {
+    region_access.contains(need) && qp_access.contains(need)
 }
 
 bitflags::bitflags! {

@@ -76,19 +76,18 @@ impl QpEngine {
         if m.key != rkey
             // SYNC POINT mr-state (acquire): the owner's deregistration, seen before each access.
             || d.state.load(Ordering::Acquire) != MR_STATE_VALID
-            || !remote_access_allowed(
-                m.len,
+            || !remote_flags_allowed(
                 m.access,
                 // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
                 AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)),
                 AccessFlags::REMOTE_WRITE,
-                remote_addr,
-                len as u64,
             )
         {
             return false;
         }
-        // In bounds (checked just above) and granted writable (REMOTE_WRITE): cannot fail.
+        // The range half of the access rule: `d.data` is exactly the region's granted bytes
+        // (`RemoteMr::new`), so the checked copy refuses what `remote_access_allowed` would;
+        // the general way then reports the error.
         if local.copy_to(&d.data, remote_addr, true).is_err() {
             return false;
         }

@@ -86,16 +86,22 @@ pub(super) struct RemoteMr {
 /// A peer's region mapped into this process (the shared-memory transport): the fast paths
 /// reach it without an indirect call per check (see [`RemoteRegion::local`]).
 pub(super) struct Direct {
+    /// The region's granted bytes, exactly (`len` of the `RemoteMr`).
     pub(super) data: Span,
     pub(super) state: Word32,
 }
 
 impl RemoteMr {
     pub(super) fn new(key: u32, mem: Arc<dyn RemoteRegion>) -> Self {
-        let direct = mem.local().map(|(data, state)| Direct {
-            data: data.clone(),
-            state: state.clone(),
-        });
+        // The direct span is exactly the granted bytes: the WRITE fast path lets its checked
+        // copy stand for the range half of the access rule.
+        let direct =
+            mem.local()
+                .filter(|(data, _)| data.len() == mem.len())
+                .map(|(data, state)| Direct {
+                    data: data.clone(),
+                    state: state.clone(),
+                });
         Self {
             key,
             access: AccessFlags::from_bits_retain(mem.access_bits()),
