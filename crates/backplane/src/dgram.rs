@@ -20,8 +20,8 @@ use std::time::Duration;
 use crate::fabric::ctl::{ErrorKind, Request, Response};
 use crate::fabric::{FabricError, Node};
 use crate::mem::{Region, Span, Word32, Word64};
-use crate::sync::{fence, futex_wait, ring, AtomicU64, Deadline, Ordering, SPIN_POLLS};
-use crate::transport::shm::{ShmReceiver, ShmRing, ShmSender};
+use crate::sync::{fence, futex_wait, AtomicU64, Deadline, Ordering, SPIN_POLLS};
+use crate::transport::shm::{Bell, ShmReceiver, ShmRing, ShmSender};
 use crate::transport::{RecvChannel, RingError, SendChannel};
 use crate::wire::*;
 
@@ -154,8 +154,6 @@ struct TxConn {
     cookie_word: Word32,
     credit_seq: Word32,
     credit_armed: Word32,
-    dst_armed: Word32,
-    dst_doorbell: Word32,
 }
 
 struct RxRing {
@@ -164,8 +162,6 @@ struct RxRing {
     /// The channel from the sender: a shared-memory ring, used only through `RecvChannel`.
     ch: ShmReceiver,
     sender_closed: Word32,
-    credit_seq: Word32,
-    credit_armed: Word32,
 }
 
 /// A datagram endpoint bound to (node, port). Owned by one thread at a time (`Send`, not
@@ -472,10 +468,11 @@ impl Endpoint {
             peer_closed: Word32::at(&me, credit_off + CREDIT_PEER_CLOSED_OFF as u64).map_err(f)?,
             credit_seq: Word32::at(&me, credit_off + CREDIT_SEQ_OFF as u64).map_err(f)?,
             credit_armed: Word32::at(&me, credit_off + CREDIT_ARMED_OFF as u64).map_err(f)?,
-            dst_armed: Word32::at(&dst_win, dst_record_off + EP_ARMED_OFF as u64).map_err(f)?,
-            dst_doorbell: Word32::at(&dst_win, dst_record_off + EP_DOORBELL_OFF as u64)
-                .map_err(f)?,
-            ch: ShmSender::new(ring),
+            // The receiver's doorbell: the endpoint's, shared by every ring it receives from.
+            ch: ShmSender::new(ring).with_bell(Bell::new(
+                Word32::at(&dst_win, dst_record_off + EP_ARMED_OFF as u64).map_err(f)?,
+                Word32::at(&dst_win, dst_record_off + EP_DOORBELL_OFF as u64).map_err(f)?,
+            )),
         };
         // The supervisor hands back an existing ring only if this endpoint fed it before and
         // then dropped it (after a corruption): its sequence state is lost, so refuse it.
@@ -592,11 +589,8 @@ impl Endpoint {
                         r.not_before_ns = down + ser;
                     }
                     c.ch.commit(r);
-                    // SYNC POINT doorbell-arm (sender): tail published before we read `armed`.
-                    fence(Ordering::SeqCst);
-                    if c.dst_armed.load(Ordering::Relaxed) != 0 {
-                        ring(&c.dst_doorbell);
-                    }
+                    // SYNC POINT doorbell-arm (sender): in `wake_receiver` (`Bell::wake`).
+                    c.ch.wake_receiver();
                     self.stats.sent += 1;
                     self.stats.sent_bytes += used as u64;
                     self.publish_stats();
@@ -692,10 +686,12 @@ impl Endpoint {
         Ok(RxRing {
             src: Addr::new(r.src_slot, r.src_port),
             ring_off,
-            ch: ShmReceiver::new(ring),
+            // The sender's credit doorbell, in its credit line.
+            ch: ShmReceiver::new(ring).with_bell(Bell::new(
+                Word32::at(&src_win, r.credit_off + CREDIT_ARMED_OFF as u64)?,
+                Word32::at(&src_win, r.credit_off + CREDIT_SEQ_OFF as u64)?,
+            )),
             sender_closed: Word32::at(w, ring_off + RING_SENDER_CLOSED_OFF as u64)?,
-            credit_seq: Word32::at(&src_win, r.credit_off + CREDIT_SEQ_OFF as u64)?,
-            credit_armed: Word32::at(&src_win, r.credit_off + CREDIT_ARMED_OFF as u64)?,
         })
     }
 
@@ -737,11 +733,8 @@ impl Endpoint {
                         let payload = unsafe { slice_mut(r.ch.data(), rec.pos, rec.len) };
                         let out = read(r.src, payload)?;
                         r.ch.release(rec);
-                        // SYNC POINT credit-arm (receiver): head published before we read `armed`.
-                        fence(Ordering::SeqCst);
-                        if r.credit_armed.load(Ordering::Relaxed) != 0 {
-                            ring(&r.credit_seq);
-                        }
+                        // SYNC POINT credit-arm (receiver): in `wake_sender` (`Bell::wake`).
+                        r.ch.wake_sender();
                         self.rx_next = i + 1;
                         self.stats.received += 1;
                         self.stats.received_bytes += rec.len as u64;

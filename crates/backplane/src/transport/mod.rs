@@ -21,9 +21,11 @@
 //! use nothing else of a ring; [`shm::ShmSender`]/[`shm::ShmReceiver`] are the shared-memory
 //! SPSC ring ([`crate::ring`]) behind them. A network engine implements them as active
 //! messages: `reserve` hands out a local staging span, `commit` sends it, the receiver's
-//! callback appends to a local span that `peek` reads, and `release` returns a credit. The
-//! doorbells that wake a sleeping peer and the setup of a channel (the supervisor's ring
-//! broker, a QP's connect) are still the paths' own; see `docs/architecture.md`.
+//! callback appends to a local span that `peek` reads, and `release` returns a credit. Waking
+//! a sleeping peer is the channel's too (`wake_receiver`, `wake_sender`: a futex doorbell in
+//! the peer's memory here, nothing for a transport whose arrivals wake by themselves). Setting
+//! a channel up (the supervisor's ring broker, a QP's connect) is still the paths' own; see
+//! `docs/architecture.md`.
 //!
 //! Promises of every implementation: an access outside the granted bytes is an error, never an
 //! access; a region whose owner deregistered it, or whose node went DOWN, answers
@@ -65,6 +67,12 @@ pub trait SendChannel: Send {
     fn next_hint(&self) -> [*const u8; 2] {
         [std::ptr::null(); 2]
     }
+    /// Wakes the receiver if it sleeps waiting for messages, after `commit` (or other stores
+    /// it should see): its doorbell, where it armed one. A transport whose delivery wakes the
+    /// receiver by itself does nothing.
+    fn wake_receiver(&self) {}
+    /// Wakes the receiver whether it armed or not: it is being told the channel ends.
+    fn ring_receiver(&self) {}
 }
 
 /// The receiving end of one direction of a message channel from a peer.
@@ -83,6 +91,9 @@ pub trait RecvChannel: Send {
     fn is_drained(&self) -> bool;
     /// Whether everything seen published has been released (no fresh look).
     fn drained_cached(&self) -> bool;
+    /// Wakes the sender if it sleeps waiting for room, after `release`. A transport whose
+    /// credits wake the sender by themselves does nothing.
+    fn wake_sender(&self) {}
 }
 
 /// How a copy into a peer's memory is made.

@@ -246,11 +246,44 @@ impl RingMemory for ShmRing {
     }
 }
 
+/// A futex doorbell in a peer's memory: the peer sets `armed` before it sleeps on `bell`;
+/// whoever published something it waits for bumps `bell` and wakes it, if armed.
+#[derive(Debug, Clone)]
+pub struct Bell {
+    armed: Word32,
+    bell: Word32,
+}
+
+impl Bell {
+    /// The doorbell made of these two words.
+    pub fn new(armed: Word32, bell: Word32) -> Self {
+        Self { armed, bell }
+    }
+
+    /// Rings if the peer armed (after our stores are visible).
+    #[inline]
+    pub fn wake(&self) {
+        // SYNC POINT doorbell-arm (publisher): what we published is visible before we read
+        // `armed`; the sleeper armed before its last look (the datagram path's doorbell-arm
+        // and credit-arm, the QP's qp-bell).
+        crate::sync::fence(Ordering::SeqCst);
+        if self.armed.load(Ordering::Relaxed) != 0 {
+            crate::sync::ring(&self.bell);
+        }
+    }
+
+    /// Rings whether the peer armed or not.
+    pub fn ring(&self) {
+        crate::sync::ring(&self.bell);
+    }
+}
+
 /// The sending end of a shared-memory ring.
 #[derive(Debug)]
 pub struct ShmSender {
     ring: ShmRing,
     producer: Producer,
+    bell: Option<Bell>,
 }
 
 impl ShmSender {
@@ -259,7 +292,14 @@ impl ShmSender {
         Self {
             ring,
             producer: Producer::new(),
+            bell: None,
         }
+    }
+
+    /// With the receiver's doorbell, rung by `wake_receiver`.
+    pub fn with_bell(mut self, bell: Bell) -> Self {
+        self.bell = Some(bell);
+        self
     }
 }
 
@@ -297,6 +337,17 @@ impl SendChannel for ShmSender {
             std::ptr::from_ref::<crate::sync::AtomicU64>(&self.ring.tail).cast::<u8>(),
         ]
     }
+    #[inline]
+    fn wake_receiver(&self) {
+        if let Some(b) = &self.bell {
+            b.wake();
+        }
+    }
+    fn ring_receiver(&self) {
+        if let Some(b) = &self.bell {
+            b.ring();
+        }
+    }
 }
 
 /// The receiving end of a shared-memory ring.
@@ -304,6 +355,7 @@ impl SendChannel for ShmSender {
 pub struct ShmReceiver {
     ring: ShmRing,
     consumer: Consumer,
+    bell: Option<Bell>,
 }
 
 impl ShmReceiver {
@@ -312,7 +364,14 @@ impl ShmReceiver {
         Self {
             ring,
             consumer: Consumer::new(),
+            bell: None,
         }
+    }
+
+    /// With the sender's credit doorbell, rung by `wake_sender`.
+    pub fn with_bell(mut self, bell: Bell) -> Self {
+        self.bell = Some(bell);
+        self
     }
 }
 
@@ -340,5 +399,11 @@ impl RecvChannel for ShmReceiver {
     #[inline]
     fn drained_cached(&self) -> bool {
         self.consumer.drained_cached()
+    }
+    #[inline]
+    fn wake_sender(&self) {
+        if let Some(b) = &self.bell {
+            b.wake();
+        }
     }
 }

@@ -40,7 +40,7 @@ use crate::dgram::{Addr, DgramError, Endpoint, Wait};
 use crate::fabric::{FabricError, Node};
 use crate::mem::{MemError, Region, Span, Word32, Word64};
 use crate::sync::{fence, Ordering};
-use crate::transport::shm::{ShmReceiver, ShmRing, ShmSender};
+use crate::transport::shm::{Bell, ShmReceiver, ShmRing, ShmSender};
 use crate::transport::{
     CopyKind, GrantRequest, RecvChannel, RemoteRegion, RingError, SendChannel, Transport,
 };
@@ -273,8 +273,6 @@ struct PeerLink {
     peer_err: Word32,
     rnr: Word32,
     access: Word32,
-    ev_bell: Word32,
-    ev_armed: Word32,
     /// The message channel to the peer (a ring in its block), used only through
     /// `SendChannel`.
     outbound: ShmSender,
@@ -370,15 +368,14 @@ impl QpEngine {
         self.peer.as_ref().map_or(0, |p| p.outbound.sent())
     }
 
-    /// Rings the peer context's bell if its channel sleeps (after our stores are visible).
+    /// Rings the peer context's bell if its channel sleeps (after our stores are visible):
+    /// the outbound channel's receiver doorbell is the peer context's event block.
     fn ring_peer(&mut self) {
         self.bell_pending = false;
         if let Some(p) = &self.peer {
-            // SYNC POINT qp-bell (sender): ring/ack stores are visible before we read `armed`.
-            fence(Ordering::SeqCst);
-            if p.ev_armed.load(Ordering::Relaxed) != 0 {
-                crate::sync::ring(&p.ev_bell);
-            }
+            // SYNC POINT qp-bell (sender): in `wake_receiver` (`Bell::wake`): ring and ack
+            // stores are visible before it reads `armed`.
+            p.outbound.wake_receiver();
         }
     }
 
@@ -425,7 +422,7 @@ impl QpEngine {
                 // SYNC POINT qp-peer-gone (release): our acks and NAKs are visible before the flag.
                 p.peer_err.store(1, Ordering::Release);
                 if !self.peer_gone {
-                    crate::sync::ring(&p.ev_bell);
+                    p.outbound.ring_receiver();
                 }
             }
         }
