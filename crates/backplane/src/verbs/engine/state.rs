@@ -232,17 +232,13 @@ impl QpEngine {
             peer_err: at32(QP_PEER_ERR_OFF)?,
             rnr: at32(QP_PEER_RNR_OFF)?,
             access: at32(QP_ACCESS_OFF)?,
-            // The peer context's event block is the outbound channel's receiver doorbell: its
-            // completion channel sleeps on it.
+            ev_bell: Word32::at(&pw, r.event_off + EV_BELL_OFF as u64)?,
+            ev_armed: Word32::at(&pw, r.event_off + EV_ARMED_OFF as u64)?,
             outbound: ShmSender::new(ShmRing::new(at64(QP_TAIL_OFF)?, own.ack.clone(), {
                 let d = Span::new(&pw, block_off + QP_RING_OFF, r.ring_len.into())?;
                 d.populate(true);
                 d
-            }))
-            .with_bell(Bell::new(
-                Word32::at(&pw, r.event_off + EV_ARMED_OFF as u64)?,
-                Word32::at(&pw, r.event_off + EV_BELL_OFF as u64)?,
-            )),
+            })),
             inbound: ShmReceiver::new(ShmRing::new(
                 own.tail.clone(),
                 at64(QP_ACK_OFF)?,
@@ -340,7 +336,7 @@ impl QpEngine {
         if let Some(p) = self.peer.take() {
             // SYNC POINT qp-peer-gone (release): our last acks and NAKs are visible before the flag.
             p.peer_err.store(1, Ordering::Release);
-            p.outbound.ring_receiver();
+            crate::sync::ring(&p.ev_bell);
         }
         if self.own.is_some() {
             let _ = env.node.fabric().call_service::<VerbsResponse>(
