@@ -109,11 +109,20 @@ impl Sup {
             }
         ));
         match t.state {
-            NodeState::Down => self.node_down(slot),
-            NodeState::Ready => self.init_window(slot, t.generation),
-            _ => {}
+            // DOWN is published before its consequences (regions marked gone, rings torn
+            // down): a peer that sees one of them and then reads the node table must find the
+            // node DOWN, or it reports "region deregistered" for a dead node.
+            NodeState::Down => {
+                self.write_entry(slot, t.reason);
+                self.node_down(slot);
+            }
+            // A window is initialised before READY says it may be used.
+            NodeState::Ready => {
+                self.init_window(slot, t.generation);
+                self.write_entry(slot, t.reason);
+            }
+            _ => self.write_entry(slot, t.reason),
         }
-        self.write_entry(slot, t.reason);
     }
 
     pub(super) fn init_window(&mut self, slot: u32, generation: u32) {
