@@ -21,31 +21,14 @@ use crate::fabric::ctl::{ErrorKind, Request, Response};
 use crate::fabric::{FabricError, Node};
 use crate::mem::{Region, Span, Word32, Word64};
 use crate::sync::{fence, futex_wait, AtomicU64, Deadline, Ordering, SPIN_POLLS};
-use crate::transport::shm::{Bell, ShmReceiver, ShmRing, ShmSender};
-use crate::transport::{RecvChannel, RingError, SendChannel};
+use crate::transport::shm::ShmTransport;
+pub use crate::transport::Addr;
+use crate::transport::{Channels, RecvChannel, RingError, SendChannel};
 use crate::wire::*;
 
-/// A datagram address: a node's slot and a port on it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Addr {
-    /// Slot of the node.
-    pub node: u32,
-    /// Port on the node.
-    pub port: u32,
-}
-
-impl Addr {
-    /// `node:port`.
-    pub const fn new(node: u32, port: u32) -> Self {
-        Self { node, port }
-    }
-}
-
-impl fmt::Display for Addr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.node, self.port)
-    }
-}
+/// The channels an endpoint sends and receives through, from its transport.
+type Tx = <ShmTransport as Channels>::Tx;
+type Rx = <ShmTransport as Channels>::Rx;
 
 /// How long an operation may wait when the ring is full (send) or empty (receive).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,27 +130,24 @@ struct TxConn {
     route: Vec<RouteStep>,
     /// The receiver's downlink clock (link emulation), when the link is emulated.
     dst_ingress: Option<Word64>,
-    /// The channel to the receiver: a shared-memory ring, used only through `SendChannel`.
-    ch: ShmSender,
-    cookie: u32,
-    peer_closed: Word32,
-    cookie_word: Word32,
-    credit_seq: Word32,
-    credit_armed: Word32,
+    /// The channel to the receiver, used only through `SendChannel`.
+    ch: Tx,
 }
 
 struct RxRing {
     src: Addr,
+    /// Where the transport announced the channel (the token it is retired by).
     ring_off: u64,
-    /// The channel from the sender: a shared-memory ring, used only through `RecvChannel`.
-    ch: ShmReceiver,
-    sender_closed: Word32,
+    /// The channel from the sender, used only through `RecvChannel`.
+    ch: Rx,
 }
 
 /// A datagram endpoint bound to (node, port). Owned by one thread at a time (`Send`, not
 /// `Sync`); several endpoints, in one process or many, may live on the same node.
 pub struct Endpoint {
     node: Node,
+    /// How channels to and from other endpoints are set up.
+    transport: ShmTransport,
     addr: Addr,
     window: Arc<Region>,
     record_off: u64,
@@ -274,6 +254,7 @@ impl Node {
         let c = record_off + EP_COUNTERS_OFF as u64;
         let ep = Endpoint {
             node: self.clone(),
+            transport: ShmTransport::new(self.fabric.clone()),
             addr: Addr::new(self.slot, port),
             doorbell: at32(EP_DOORBELL_OFF)?,
             armed: at32(EP_ARMED_OFF)?,
@@ -377,15 +358,8 @@ impl Endpoint {
 
     fn connect(&mut self, dst: Addr) -> Result<usize, DgramError> {
         let fabric = self.node.fabric.clone();
-        fabric.check_slot(dst.node)?;
-        let resp = fabric.call(&Request::Connect {
-            src_slot: self.addr.node,
-            src_port: self.addr.port,
-            dst_slot: dst.node,
-            dst_port: dst.port,
-        });
-        let resp = match resp {
-            Ok((r, _)) => r,
+        let opened = match self.transport.open_datagram(self.addr, dst) {
+            Ok(o) => o,
             Err(FabricError::Refused { kind, .. }) => {
                 self.stats.dropped += 1;
                 self.publish_stats();
@@ -406,29 +380,10 @@ impl Endpoint {
             }
             Err(e) => return Err(e.into()),
         };
-        let Response::Connected {
-            ring_off,
-            credit_off,
-            dst_record_off,
-            route: hops,
-            ..
-        } = resp
-        else {
-            return Err(FabricError::Protocol(format!("{resp:?}")).into());
-        };
-        let dst_win = fabric.window(dst.node)?;
-        let me = self.window.clone();
+        // Link emulation (the link model's clocks live in the nodes' windows).
         let f = FabricError::from;
-        let ring = ShmRing::datagram(
-            &dst_win,
-            ring_off,
-            ring_data_for_window(fabric.window_size()),
-            &me,
-            credit_off,
-        )
-        .map_err(f)?;
-        let cookie_word = Word32::at(&me, credit_off + CREDIT_COOKIE_OFF as u64).map_err(f)?;
         let emulated = self.link.is_some() && dst.node != self.addr.node;
+        let hops = &opened.route;
         let mut route = Vec::new();
         for (k, h) in hops.iter().enumerate() {
             fabric.check_slot(h.from)?;
@@ -455,24 +410,17 @@ impl Endpoint {
                 fwd,
             });
         }
+        let dst_ingress = if emulated {
+            let dst_win = fabric.window(dst.node)?;
+            Some(Word64::at(&dst_win, WIN_LINK_INGRESS_OFF as u64).map_err(f)?)
+        } else {
+            None
+        };
         let conn = TxConn {
             dst,
             route,
-            dst_ingress: if emulated {
-                Some(Word64::at(&dst_win, WIN_LINK_INGRESS_OFF as u64).map_err(f)?)
-            } else {
-                None
-            },
-            cookie: cookie_word.load(Ordering::Acquire),
-            cookie_word,
-            peer_closed: Word32::at(&me, credit_off + CREDIT_PEER_CLOSED_OFF as u64).map_err(f)?,
-            credit_seq: Word32::at(&me, credit_off + CREDIT_SEQ_OFF as u64).map_err(f)?,
-            credit_armed: Word32::at(&me, credit_off + CREDIT_ARMED_OFF as u64).map_err(f)?,
-            // The receiver's doorbell: the endpoint's, shared by every ring it receives from.
-            ch: ShmSender::new(ring).with_bell(Bell::new(
-                Word32::at(&dst_win, dst_record_off + EP_ARMED_OFF as u64).map_err(f)?,
-                Word32::at(&dst_win, dst_record_off + EP_DOORBELL_OFF as u64).map_err(f)?,
-            )),
+            dst_ingress,
+            ch: opened.ch,
         };
         // The supervisor hands back an existing ring only if this endpoint fed it before and
         // then dropped it (after a corruption): its sequence state is lost, so refuse it.
@@ -554,9 +502,7 @@ impl Endpoint {
         let mut reconnected = false;
         loop {
             let c = &mut self.tx[i];
-            if c.peer_closed.load(Ordering::Acquire) != 0
-                || c.cookie_word.load(Ordering::Acquire) != c.cookie
-            {
+            if c.ch.receiver_gone() {
                 // The ring was torn down under us (receiver gone, its node or a forwarding
                 // node DOWN). Connect once more: that re-routes, or says why it cannot.
                 self.drop_conn(i);
@@ -617,16 +563,8 @@ impl Endpoint {
                 continue;
             }
             let c = &mut self.tx[i];
-            let seq = &c.credit_seq;
-            let s = seq.load(Ordering::Acquire);
-            c.credit_armed.store(1, Ordering::Relaxed);
-            // SYNC POINT credit-arm (sender): armed before we re-check the consumer index.
-            fence(Ordering::SeqCst);
-            let room = c.ch.has_room(len).unwrap_or(true);
-            if !room && c.peer_closed.load(Ordering::Acquire) == 0 {
-                futex_wait(seq, s, cap(deadline.remaining()));
-            }
-            c.credit_armed.store(0, Ordering::Relaxed);
+            // SYNC POINT credit-arm (sender): in `wait_for_room`.
+            c.ch.wait_for_room(len, cap(deadline.remaining()));
             let still_full = !c.ch.has_room(len).unwrap_or(true);
             self.check_open()?;
             if still_full {
@@ -677,22 +615,8 @@ impl Endpoint {
     }
 
     fn open_rx(&self, ring_off: u64) -> Result<RxRing, FabricError> {
-        let w = &self.window;
-        let mut h = [0u8; 64];
-        w.read(ring_off, &mut h)?;
-        let r = RingRepr::parse(&RingHeader::new_checked(&h[..])?)?;
-        let src_win = self.node.fabric.window(r.src_slot)?;
-        let ring = ShmRing::datagram(w, ring_off, r.data_len, &src_win, r.credit_off)?;
-        Ok(RxRing {
-            src: Addr::new(r.src_slot, r.src_port),
-            ring_off,
-            // The sender's credit doorbell, in its credit line.
-            ch: ShmReceiver::new(ring).with_bell(Bell::new(
-                Word32::at(&src_win, r.credit_off + CREDIT_ARMED_OFF as u64)?,
-                Word32::at(&src_win, r.credit_off + CREDIT_SEQ_OFF as u64)?,
-            )),
-            sender_closed: Word32::at(w, ring_off + RING_SENDER_CLOSED_OFF as u64)?,
-        })
+        let (src, ch) = self.transport.accept_datagram(self.addr, ring_off)?;
+        Ok(RxRing { src, ring_off, ch })
     }
 
     /// Zero-copy receive: calls `read` with the sender's address and the payload in place in
@@ -742,7 +666,7 @@ impl Endpoint {
                         return Ok(out);
                     }
                     Ok(None) => {
-                        if r.sender_closed.load(Ordering::Acquire) != 0 {
+                        if r.ch.sender_gone() {
                             // Re-check after seeing the flag: records published before it count.
                             if let Ok(None) = r.ch.peek() {
                                 retire = Some((i, false));
@@ -762,11 +686,7 @@ impl Endpoint {
                     self.stats.dropped += 1;
                     self.publish_stats();
                 }
-                // Best effort: the supervisor tears the ring down; a live sender reconnects.
-                let _ = self.node.fabric.call(&Request::RetireRing {
-                    slot: self.addr.node,
-                    ring_off: r.ring_off,
-                });
+                self.transport.retire_datagram(self.addr, r.ring_off);
                 continue;
             }
             match wait {

@@ -23,8 +23,12 @@
 //! messages: `reserve` hands out a local staging span, `commit` sends it, the receiver's
 //! callback appends to a local span that `peek` reads, and `release` returns a credit. Waking
 //! a sleeping peer is the channel's too (`wake_receiver`, `wake_sender`: a futex doorbell in
-//! the peer's memory here, nothing for a transport whose arrivals wake by themselves). Setting
-//! a channel up (the supervisor's ring broker, a QP's connect) is still the paths' own; see
+//! the peer's memory here, nothing for a transport whose arrivals wake by themselves), and so
+//! is the channel's life (`receiver_gone`, `sender_gone`, `wait_for_room`). Datagram channels
+//! are set up through the transport too ([`Channels`]: `open_datagram`, `accept_datagram`,
+//! `retire_datagram`), so the datagram path never speaks the supervisor's ring broker. A QP's
+//! connection is not yet: it maps its peer's QP block and keeps its reliability words
+//! (credits, NAK, RNR, peer error) and its peer's event doorbell there; see
 //! `docs/architecture.md`.
 //!
 //! Promises of every implementation: an access outside the granted bytes is an error, never an
@@ -38,10 +42,35 @@ pub mod shm;
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
+use crate::fabric::ctl::RouteHop;
+use crate::fabric::FabricError;
 use crate::mem::{MemError, Span, Word32};
 pub use crate::ring::{Record, Reservation, RingError};
 use crate::wire::NodeState;
+
+/// A datagram address: a node's slot and a port on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Addr {
+    /// Slot of the node.
+    pub node: u32,
+    /// Port on the node.
+    pub port: u32,
+}
+
+impl Addr {
+    /// `node:port`.
+    pub const fn new(node: u32, port: u32) -> Self {
+        Self { node, port }
+    }
+}
+
+impl fmt::Display for Addr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.node, self.port)
+    }
+}
 
 /// The sending end of one direction of a message channel to a peer: messages are sent in
 /// order, each once; a full channel refuses a reservation (back-pressure, never loss).
@@ -73,6 +102,16 @@ pub trait SendChannel: Send {
     fn wake_receiver(&self) {}
     /// Wakes the receiver whether it armed or not: it is being told the channel ends.
     fn ring_receiver(&self) {}
+    /// True once the channel was torn down under the sender (the receiver closed, or the
+    /// channel was handed to another incarnation of it): nothing sent now would be read, so
+    /// the sender drops the channel and opens a new one (which says why it cannot).
+    fn receiver_gone(&self) -> bool {
+        false
+    }
+    /// Sleeps until a message of `len` bytes may fit, the receiver is gone, or `timeout`
+    /// passes (spurious returns are allowed: the caller looks again). A channel without a
+    /// way to sleep returns at once.
+    fn wait_for_room(&mut self, _len: usize, _timeout: Option<Duration>) {}
 }
 
 /// The receiving end of one direction of a message channel from a peer.
@@ -94,6 +133,43 @@ pub trait RecvChannel: Send {
     /// Wakes the sender if it sleeps waiting for room, after `release`. A transport whose
     /// credits wake the sender by themselves does nothing.
     fn wake_sender(&self) {}
+    /// True once the sender closed its end: after the last record (read everything `peek`
+    /// still returns), the channel can be retired.
+    fn sender_gone(&self) -> bool {
+        false
+    }
+}
+
+/// A datagram channel a sender opened: the channel, and the links its records cross on the
+/// way (distributed topologies, for the link model's delivery stamps; empty when direct).
+#[derive(Debug)]
+pub struct OpenedDatagram<T> {
+    /// The sending end.
+    pub ch: T,
+    /// The links crossed, in order.
+    pub route: Vec<RouteHop>,
+}
+
+/// Setting up message channels: how a path gets the channels it then uses only through
+/// [`SendChannel`] and [`RecvChannel`]. The channel types are associated types, not boxes,
+/// so the paths' hot loops are compiled against the implementation (measured: a boxed
+/// channel cost `send-lat` ~35 ns; see `docs/architecture.md`).
+pub trait Channels {
+    /// The sending end of a channel.
+    type Tx: SendChannel;
+    /// The receiving end of a channel.
+    type Rx: RecvChannel;
+    /// Opens the datagram channel from endpoint `src` (bound in this process) to endpoint
+    /// `dst`: `Refused` (with the fabric's error class) when nothing is bound there, either
+    /// node is not READY, or no route through READY nodes exists.
+    fn open_datagram(&self, src: Addr, dst: Addr) -> Result<OpenedDatagram<Self::Tx>, FabricError>;
+    /// The receiving end of a channel a sender opened to endpoint `dst` of this process,
+    /// announced to it at `at` (a token of the transport's: the endpoint lists them), with
+    /// the sender's address; an error when what the sender's side shows fails a check.
+    fn accept_datagram(&self, dst: Addr, at: u64) -> Result<(Addr, Self::Rx), FabricError>;
+    /// Retires the channel announced at `at` to `dst` (its sender closed, or it is corrupt):
+    /// best effort, a live sender opens a new one.
+    fn retire_datagram(&self, dst: Addr, at: u64);
 }
 
 /// How a copy into a peer's memory is made.

@@ -8,16 +8,23 @@
 
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use super::{
-    CopyKind, GrantRequest, PeerState, Record, RecvChannel, RemoteRegion, Reservation, RingError,
-    SendChannel, Transport,
+    Addr, Channels, CopyKind, GrantRequest, OpenedDatagram, PeerState, Record, RecvChannel,
+    RemoteRegion, Reservation, RingError, SendChannel, Transport,
 };
-use crate::fabric::Fabric;
+use crate::fabric::ctl::{Request, Response};
+use crate::fabric::{Fabric, FabricError};
 use crate::mem::{MemError, Region, Span, Word32, Word64};
 use crate::ring::{Consumer, Producer, RingMemory};
 use crate::sync::Ordering;
 use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::{MrHeader, MrRepr, MR_DATA_OFF, MR_STATE_OFF, MR_STATE_VALID};
+use crate::wire::{
+    RingHeader, RingRepr, CREDIT_ARMED_OFF, CREDIT_COOKIE_OFF, CREDIT_PEER_CLOSED_OFF,
+    CREDIT_SEQ_OFF, EP_ARMED_OFF, EP_DOORBELL_OFF, RING_SENDER_CLOSED_OFF,
+};
 
 /// The transport of a fabric on one host.
 #[derive(Debug, Clone)]
@@ -44,6 +51,100 @@ impl Transport for ShmTransport {
             generation: i.generation,
         })
     }
+}
+
+/// Datagram channels are rings the supervisor's ring broker makes: one per (sender endpoint,
+/// receiver endpoint), in the receiver's window, with the sender's credit line (released
+/// position, credit doorbell, cookie, peer-closed flag) in the sender's.
+impl Channels for ShmTransport {
+    type Tx = ShmSender;
+    type Rx = ShmReceiver;
+
+    fn open_datagram(
+        &self,
+        src: Addr,
+        dst: Addr,
+    ) -> Result<OpenedDatagram<ShmSender>, FabricError> {
+        let fabric = &self.fabric;
+        fabric.check_slot(dst.node)?;
+        let (resp, _) = fabric.call(&Request::Connect {
+            src_slot: src.node,
+            src_port: src.port,
+            dst_slot: dst.node,
+            dst_port: dst.port,
+        })?;
+        let Response::Connected {
+            ring_off,
+            credit_off,
+            dst_record_off,
+            route,
+            ..
+        } = resp
+        else {
+            return Err(FabricError::Protocol(format!("{resp:?}")));
+        };
+        let dst_win = fabric.window(dst.node)?;
+        let me = fabric.window(src.node)?;
+        let ring = ShmRing::datagram(
+            &dst_win,
+            ring_off,
+            crate::wire::ring_data_for_window(fabric.window_size()),
+            &me,
+            credit_off,
+        )?;
+        let credit = |o: usize| Word32::at(&me, credit_off + o as u64);
+        let cookie_word = credit(CREDIT_COOKIE_OFF)?;
+        let life = SenderLife {
+            cookie: cookie_word.load(Ordering::Acquire),
+            cookie_word,
+            peer_closed: credit(CREDIT_PEER_CLOSED_OFF)?,
+            credit_seq: credit(CREDIT_SEQ_OFF)?,
+            credit_armed: credit(CREDIT_ARMED_OFF)?,
+        };
+        // The receiver's doorbell: its endpoint's, shared by every ring it receives from.
+        let bell = Bell::new(
+            Word32::at(&dst_win, dst_record_off + EP_ARMED_OFF as u64)?,
+            Word32::at(&dst_win, dst_record_off + EP_DOORBELL_OFF as u64)?,
+        );
+        let mut ch = ShmSender::new(ring).with_bell(bell);
+        ch.life = Some(life);
+        Ok(OpenedDatagram { ch, route })
+    }
+
+    fn accept_datagram(&self, dst: Addr, at: u64) -> Result<(Addr, ShmReceiver), FabricError> {
+        let w = self.fabric.window(dst.node)?;
+        let mut h = [0u8; 64];
+        w.read(at, &mut h)?;
+        let r = RingRepr::parse(&RingHeader::new_checked(&h[..])?)?;
+        let src_win = self.fabric.window(r.src_slot)?;
+        let ring = ShmRing::datagram(&w, at, r.data_len, &src_win, r.credit_off)?;
+        // The sender's credit doorbell, in its credit line.
+        let mut ch = ShmReceiver::new(ring).with_bell(Bell::new(
+            Word32::at(&src_win, r.credit_off + CREDIT_ARMED_OFF as u64)?,
+            Word32::at(&src_win, r.credit_off + CREDIT_SEQ_OFF as u64)?,
+        ));
+        ch.sender_closed = Some(Word32::at(&w, at + RING_SENDER_CLOSED_OFF as u64)?);
+        Ok((Addr::new(r.src_slot, r.src_port), ch))
+    }
+
+    fn retire_datagram(&self, dst: Addr, at: u64) {
+        // Best effort: the supervisor tears the ring down; a live sender reconnects.
+        let _ = self.fabric.call(&Request::RetireRing {
+            slot: dst.node,
+            ring_off: at,
+        });
+    }
+}
+
+/// A datagram sender's view of its channel's life, in its credit line: the receiver's
+/// incarnation (cookie) and closed flag, and the credit doorbell it sleeps on when full.
+#[derive(Debug)]
+struct SenderLife {
+    cookie: u32,
+    cookie_word: Word32,
+    peer_closed: Word32,
+    credit_seq: Word32,
+    credit_armed: Word32,
 }
 
 /// A peer's region mapped in this process.
@@ -284,6 +385,7 @@ pub struct ShmSender {
     ring: ShmRing,
     producer: Producer,
     bell: Option<Bell>,
+    life: Option<SenderLife>,
 }
 
 impl ShmSender {
@@ -293,6 +395,7 @@ impl ShmSender {
             ring,
             producer: Producer::new(),
             bell: None,
+            life: None,
         }
     }
 
@@ -348,6 +451,25 @@ impl SendChannel for ShmSender {
             b.ring();
         }
     }
+    #[inline]
+    fn receiver_gone(&self) -> bool {
+        self.life.as_ref().is_some_and(|l| {
+            l.peer_closed.load(Ordering::Acquire) != 0
+                || l.cookie_word.load(Ordering::Acquire) != l.cookie
+        })
+    }
+    fn wait_for_room(&mut self, len: usize, timeout: Option<Duration>) {
+        let Some(l) = &self.life else { return };
+        let s = l.credit_seq.load(Ordering::Acquire);
+        l.credit_armed.store(1, Ordering::Relaxed);
+        // SYNC POINT credit-arm (sender): armed before we re-check the consumer index.
+        crate::sync::fence(Ordering::SeqCst);
+        let room = self.producer.has_room(&self.ring, len).unwrap_or(true);
+        if !room && l.peer_closed.load(Ordering::Acquire) == 0 {
+            crate::sync::futex_wait(&l.credit_seq, s, timeout);
+        }
+        l.credit_armed.store(0, Ordering::Relaxed);
+    }
 }
 
 /// The receiving end of a shared-memory ring.
@@ -356,6 +478,7 @@ pub struct ShmReceiver {
     ring: ShmRing,
     consumer: Consumer,
     bell: Option<Bell>,
+    sender_closed: Option<Word32>,
 }
 
 impl ShmReceiver {
@@ -365,6 +488,7 @@ impl ShmReceiver {
             ring,
             consumer: Consumer::new(),
             bell: None,
+            sender_closed: None,
         }
     }
 
@@ -405,5 +529,11 @@ impl RecvChannel for ShmReceiver {
         if let Some(b) = &self.bell {
             b.wake();
         }
+    }
+    #[inline]
+    fn sender_gone(&self) -> bool {
+        self.sender_closed
+            .as_ref()
+            .is_some_and(|w| w.load(Ordering::Acquire) != 0)
     }
 }
