@@ -57,14 +57,14 @@ impl Transport for ShmTransport {
 /// receiver endpoint), in the receiver's window, with the sender's credit line (released
 /// position, credit doorbell, cookie, peer-closed flag) in the sender's.
 impl Channels for ShmTransport {
-    type Tx = ShmSender;
-    type Rx = ShmReceiver;
+    type Tx = DatagramSender;
+    type Rx = DatagramReceiver;
 
     fn open_datagram(
         &self,
         src: Addr,
         dst: Addr,
-    ) -> Result<OpenedDatagram<ShmSender>, FabricError> {
+    ) -> Result<OpenedDatagram<DatagramSender>, FabricError> {
         let fabric = &self.fabric;
         fabric.check_slot(dst.node)?;
         let (resp, _) = fabric.call(&Request::Connect {
@@ -106,12 +106,14 @@ impl Channels for ShmTransport {
             Word32::at(&dst_win, dst_record_off + EP_ARMED_OFF as u64)?,
             Word32::at(&dst_win, dst_record_off + EP_DOORBELL_OFF as u64)?,
         );
-        let mut ch = ShmSender::new(ring).with_bell(bell);
-        ch.life = Some(life);
+        let ch = DatagramSender {
+            ch: ShmSender::new(ring).with_bell(bell),
+            life,
+        };
         Ok(OpenedDatagram { ch, route })
     }
 
-    fn accept_datagram(&self, dst: Addr, at: u64) -> Result<(Addr, ShmReceiver), FabricError> {
+    fn accept_datagram(&self, dst: Addr, at: u64) -> Result<(Addr, DatagramReceiver), FabricError> {
         let w = self.fabric.window(dst.node)?;
         let mut h = [0u8; 64];
         w.read(at, &mut h)?;
@@ -119,11 +121,13 @@ impl Channels for ShmTransport {
         let src_win = self.fabric.window(r.src_slot)?;
         let ring = ShmRing::datagram(&w, at, r.data_len, &src_win, r.credit_off)?;
         // The sender's credit doorbell, in its credit line.
-        let mut ch = ShmReceiver::new(ring).with_bell(Bell::new(
-            Word32::at(&src_win, r.credit_off + CREDIT_ARMED_OFF as u64)?,
-            Word32::at(&src_win, r.credit_off + CREDIT_SEQ_OFF as u64)?,
-        ));
-        ch.sender_closed = Some(Word32::at(&w, at + RING_SENDER_CLOSED_OFF as u64)?);
+        let ch = DatagramReceiver {
+            ch: ShmReceiver::new(ring).with_bell(Bell::new(
+                Word32::at(&src_win, r.credit_off + CREDIT_ARMED_OFF as u64)?,
+                Word32::at(&src_win, r.credit_off + CREDIT_SEQ_OFF as u64)?,
+            )),
+            sender_closed: Word32::at(&w, at + RING_SENDER_CLOSED_OFF as u64)?,
+        };
         Ok((Addr::new(r.src_slot, r.src_port), ch))
     }
 
@@ -145,6 +149,113 @@ struct SenderLife {
     peer_closed: Word32,
     credit_seq: Word32,
     credit_armed: Word32,
+}
+
+/// The sending end of a datagram channel: the ring, and the channel's life in the sender's
+/// credit line. (A wrapper rather than fields of [`ShmSender`]: the QP's sender, which has
+/// no such life, stays as small as it was — measured, `send-lat` 8 B read ~10 ns slower with
+/// the fields in.)
+#[derive(Debug)]
+pub struct DatagramSender {
+    ch: ShmSender,
+    life: SenderLife,
+}
+
+impl SendChannel for DatagramSender {
+    #[inline]
+    fn data(&self) -> &Span {
+        self.ch.data()
+    }
+    #[inline]
+    fn reserve(&mut self, len: usize) -> Result<Reservation, RingError> {
+        self.ch.reserve(len)
+    }
+    #[inline]
+    fn commit(&mut self, r: Reservation) {
+        self.ch.commit(r)
+    }
+    #[inline]
+    fn has_room(&mut self, len: usize) -> Result<bool, RingError> {
+        self.ch.has_room(len)
+    }
+    #[inline]
+    fn sent(&self) -> u64 {
+        self.ch.sent()
+    }
+    fn published_anything(&self) -> bool {
+        self.ch.published_anything()
+    }
+    #[inline]
+    fn next_hint(&self) -> [*const u8; 2] {
+        self.ch.next_hint()
+    }
+    #[inline]
+    fn wake_receiver(&self) {
+        self.ch.wake_receiver()
+    }
+    fn ring_receiver(&self) {
+        self.ch.ring_receiver()
+    }
+    #[inline]
+    fn receiver_gone(&self) -> bool {
+        let l = &self.life;
+        l.peer_closed.load(Ordering::Acquire) != 0
+            || l.cookie_word.load(Ordering::Acquire) != l.cookie
+    }
+    fn wait_for_room(&mut self, len: usize, timeout: Option<Duration>) {
+        let l = &self.life;
+        let s = l.credit_seq.load(Ordering::Acquire);
+        l.credit_armed.store(1, Ordering::Relaxed);
+        // SYNC POINT credit-arm (sender): armed before we re-check the consumer index.
+        crate::sync::fence(Ordering::SeqCst);
+        let room = self.ch.has_room(len).unwrap_or(true);
+        if !room && l.peer_closed.load(Ordering::Acquire) == 0 {
+            crate::sync::futex_wait(&l.credit_seq, s, timeout);
+        }
+        l.credit_armed.store(0, Ordering::Relaxed);
+    }
+}
+
+/// The receiving end of a datagram channel: the ring and the sender's closed flag.
+#[derive(Debug)]
+pub struct DatagramReceiver {
+    ch: ShmReceiver,
+    sender_closed: Word32,
+}
+
+impl RecvChannel for DatagramReceiver {
+    #[inline]
+    fn data(&self) -> &Span {
+        self.ch.data()
+    }
+    #[inline]
+    fn peek(&mut self) -> Result<Option<Record>, RingError> {
+        self.ch.peek()
+    }
+    #[inline]
+    fn release(&mut self, rec: Record) {
+        self.ch.release(rec)
+    }
+    #[inline]
+    fn consumed(&self) -> u64 {
+        self.ch.consumed()
+    }
+    #[inline]
+    fn is_drained(&self) -> bool {
+        self.ch.is_drained()
+    }
+    #[inline]
+    fn drained_cached(&self) -> bool {
+        self.ch.drained_cached()
+    }
+    #[inline]
+    fn wake_sender(&self) {
+        self.ch.wake_sender()
+    }
+    #[inline]
+    fn sender_gone(&self) -> bool {
+        self.sender_closed.load(Ordering::Acquire) != 0
+    }
 }
 
 /// A peer's region mapped in this process.
@@ -385,7 +496,6 @@ pub struct ShmSender {
     ring: ShmRing,
     producer: Producer,
     bell: Option<Bell>,
-    life: Option<SenderLife>,
 }
 
 impl ShmSender {
@@ -395,7 +505,6 @@ impl ShmSender {
             ring,
             producer: Producer::new(),
             bell: None,
-            life: None,
         }
     }
 
@@ -451,25 +560,6 @@ impl SendChannel for ShmSender {
             b.ring();
         }
     }
-    #[inline]
-    fn receiver_gone(&self) -> bool {
-        self.life.as_ref().is_some_and(|l| {
-            l.peer_closed.load(Ordering::Acquire) != 0
-                || l.cookie_word.load(Ordering::Acquire) != l.cookie
-        })
-    }
-    fn wait_for_room(&mut self, len: usize, timeout: Option<Duration>) {
-        let Some(l) = &self.life else { return };
-        let s = l.credit_seq.load(Ordering::Acquire);
-        l.credit_armed.store(1, Ordering::Relaxed);
-        // SYNC POINT credit-arm (sender): armed before we re-check the consumer index.
-        crate::sync::fence(Ordering::SeqCst);
-        let room = self.producer.has_room(&self.ring, len).unwrap_or(true);
-        if !room && l.peer_closed.load(Ordering::Acquire) == 0 {
-            crate::sync::futex_wait(&l.credit_seq, s, timeout);
-        }
-        l.credit_armed.store(0, Ordering::Relaxed);
-    }
 }
 
 /// The receiving end of a shared-memory ring.
@@ -478,7 +568,6 @@ pub struct ShmReceiver {
     ring: ShmRing,
     consumer: Consumer,
     bell: Option<Bell>,
-    sender_closed: Option<Word32>,
 }
 
 impl ShmReceiver {
@@ -488,7 +577,6 @@ impl ShmReceiver {
             ring,
             consumer: Consumer::new(),
             bell: None,
-            sender_closed: None,
         }
     }
 
@@ -529,11 +617,5 @@ impl RecvChannel for ShmReceiver {
         if let Some(b) = &self.bell {
             b.wake();
         }
-    }
-    #[inline]
-    fn sender_gone(&self) -> bool {
-        self.sender_closed
-            .as_ref()
-            .is_some_and(|w| w.load(Ordering::Acquire) != 0)
     }
 }
