@@ -153,7 +153,7 @@ pub fn start(o: &Options) -> Result<(), StartError> {
     .stdin(Stdio::null())
     .stdout(Stdio::null())
     .stderr(Stdio::null());
-    // SAFETY: only async-signal-safe calls (setsid, dup, dup2) run between fork and exec.
+    // SAFETY: only async-signal-safe calls (setsid, dup, dup2, fcntl) run between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
             libc::setsid();
@@ -165,6 +165,14 @@ pub fn start(o: &Options) -> Result<(), StartError> {
             };
             if opts < 0 || libc::dup2(wr_raw, 3) < 0 || libc::dup2(opts, 4) < 0 {
                 return Err(std::io::Error::last_os_error());
+            }
+            // dup2 onto itself (an end that already was fd 3 or 4, which a process with
+            // threads opening and closing descriptors gets now and then) keeps close-on-exec:
+            // clear it, or the supervisor starts without its pipe and start-up fails.
+            for fd in [3, 4] {
+                if libc::fcntl(fd, libc::F_SETFD, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
             }
             Ok(())
         });
