@@ -10,7 +10,9 @@ mode=${1:-main}
 # iproute2: namespaces and interfaces of IP over the fabric. procps: ps. ip also builds `bench`'s veth pair.
 # (No fonts: the bench's plots embed DejaVu Sans.)
 # iperf3, iputils-ping, sockperf: the network tests and the IP benchmark.
-packages=(ucx-utils iproute2 procps iperf3 iputils-ping sockperf)
+# libibverbs-dev: the header the drop-in libibverbs.so.1 (backplane-ibverbs) is checked
+# against when it builds; ibverbs-utils, perftest: the unmodified RDMA programs it is tested with.
+packages=(ucx-utils iproute2 procps iperf3 iputils-ping sockperf libibverbs-dev ibverbs-utils perftest)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -36,5 +38,5 @@ fi
 if [ "$mode" = "--test" ]; then
   cargo build --workspace --all-targets
 else
-  cargo build --release -p backplane-cli
+  cargo build --release -p backplane-cli -p backplane-ibverbs
 fi

@@ -1,6 +1,8 @@
 //! `backplane exec NODE -- CMD...`: run a program inside a node — in its network namespace
 //! (where `bp0` and the names `node1`..`nodeN` live), with `BACKPLANE_FABRIC` and
-//! `BACKPLANE_NODE` set so programs using the library know where they are.
+//! `BACKPLANE_NODE` set so programs using the library know where they are. With `--verbs`,
+//! the program finds backplane's drop-in `libibverbs.so.1` first on its library search path,
+//! so unmodified libibverbs programs (ibverbs-utils, perftest) run on the fabric.
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
@@ -16,6 +18,10 @@ use super::NameArg;
 pub struct Args {
     #[command(flatten)]
     name: NameArg,
+    /// Run the program with backplane's `libibverbs.so.1` (the `backplane-ibverbs` crate,
+    /// found beside this executable) first on its library search path.
+    #[arg(long)]
+    verbs: bool,
     /// Node (slot) to run in.
     node: u32,
     /// The program and its arguments.
@@ -40,6 +46,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     cmd.env("BACKPLANE_FABRIC", name)
         .env("BACKPLANE_NODE", a.node.to_string());
+    if a.verbs {
+        let dir = verbs_lib_dir(name)?;
+        let mut path = std::ffi::OsString::from(dir.as_os_str());
+        if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|p| !p.is_empty()) {
+            path.push(":");
+            path.push(old);
+        }
+        cmd.env("LD_LIBRARY_PATH", path);
+    }
     crate::sys::child_default_sigpipe(&mut cmd);
     let status = cmd
         .status()
@@ -51,4 +66,34 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         std::process::exit(128 + sig);
     }
     bail!("'{}' ended abnormally", a.cmd[0])
+}
+
+/// A directory in the fabric's run directory (gone with `down`) holding `libibverbs.so.1`, a
+/// link to the `libibverbs.so` built beside this executable.
+fn verbs_lib_dir(name: &str) -> anyhow::Result<std::path::PathBuf> {
+    let exe = std::env::current_exe().context("cannot find the backplane executable")?;
+    let lib = exe.with_file_name("libibverbs.so");
+    if !lib.is_file() {
+        bail!(
+            "--verbs needs {} (build it: cargo build -p backplane-ibverbs{})",
+            lib.display(),
+            if exe.parent().is_some_and(|d| d.ends_with("release")) {
+                " --release"
+            } else {
+                ""
+            }
+        );
+    }
+    let dir = backplane::fabric::fabric_dir(name).join("verbs-lib");
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let link = dir.join("libibverbs.so.1");
+    if std::fs::read_link(&link).ok().as_deref() != Some(lib.as_path()) {
+        // Another exec may be making it at the same moment: make ours aside, rename over.
+        let tmp = dir.join(format!(".libibverbs.so.1.{}", std::process::id()));
+        let _ = std::fs::remove_file(&tmp);
+        std::os::unix::fs::symlink(&lib, &tmp)
+            .and_then(|()| std::fs::rename(&tmp, &link))
+            .with_context(|| format!("cannot link {} to {}", link.display(), lib.display()))?;
+    }
+    Ok(dir)
 }

@@ -1,0 +1,170 @@
+//! Links `libibverbs.so` the way programs built against rdma-core expect it: soname
+//! `libibverbs.so.1` and rdma-core's version nodes (the symbols are put in them by `.symver`
+//! lines next to each function, see `src/abi.rs`), and checks our `#[repr(C)]` mirrors of
+//! `<infiniband/verbs.h>` against the header when it is installed (`libibverbs-dev`, which
+//! `scripts/setup.sh` installs): the sizes and offsets gcc reports become compile-time
+//! assertions, so the layouts cannot drift from the header.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::Command;
+
+/// rdma-core 44's version nodes (`libibverbs/libibverbs.map.in`). Only declared: a node that
+/// lists symbols would be overridden by rustc's own anonymous version script.
+const NODES: &[&str] = &[
+    "IBVERBS_1.0",
+    "IBVERBS_1.1",
+    "IBVERBS_1.5",
+    "IBVERBS_1.6",
+    "IBVERBS_1.7",
+    "IBVERBS_1.8",
+    "IBVERBS_1.9",
+    "IBVERBS_1.10",
+    "IBVERBS_1.11",
+    "IBVERBS_1.12",
+    "IBVERBS_1.13",
+    "IBVERBS_1.14",
+    "IBVERBS_PRIVATE_34",
+];
+
+/// A C struct, its Rust mirror, and (C field, Rust field) pairs whose offsets must agree.
+type Layout = (&'static str, &'static str, &'static [(&'static str, &'static str)]);
+
+/// The structs whose layouts must agree with the header.
+const LAYOUTS: &[Layout] = &[
+    (
+        "struct ibv_device",
+        "IbvDevice",
+        &[
+            ("node_type", "node_type"),
+            ("transport_type", "transport_type"),
+            ("name", "name"),
+            ("dev_name", "dev_name"),
+            ("dev_path", "dev_path"),
+            ("ibdev_path", "ibdev_path"),
+        ],
+    ),
+    (
+        "struct ibv_context",
+        "IbvContext",
+        &[
+            ("device", "device"),
+            ("ops.poll_cq", "ops.poll_cq"),
+            ("ops.req_notify_cq", "ops.req_notify_cq"),
+            ("ops.post_srq_recv", "ops.post_srq_recv"),
+            ("ops.post_send", "ops.post_send"),
+            ("ops.post_recv", "ops.post_recv"),
+            ("cmd_fd", "cmd_fd"),
+            ("async_fd", "async_fd"),
+            ("num_comp_vectors", "num_comp_vectors"),
+            ("mutex", "mutex"),
+            ("abi_compat", "abi_compat"),
+        ],
+    ),
+    (
+        "struct ibv_device_attr",
+        "IbvDeviceAttr",
+        &[
+            ("node_guid", "node_guid"),
+            ("max_mr_size", "max_mr_size"),
+            ("vendor_id", "vendor_id"),
+            ("max_qp_wr", "max_qp_wr"),
+            ("max_sge", "max_sge"),
+            ("max_cqe", "max_cqe"),
+            ("max_qp_rd_atom", "max_qp_rd_atom"),
+            ("atomic_cap", "atomic_cap"),
+            ("max_srq_sge", "max_srq_sge"),
+            ("max_pkeys", "max_pkeys"),
+            ("phys_port_cnt", "phys_port_cnt"),
+        ],
+    ),
+    (
+        "struct ibv_port_attr",
+        "IbvPortAttr",
+        &[
+            ("state", "state"),
+            ("active_mtu", "active_mtu"),
+            ("gid_tbl_len", "gid_tbl_len"),
+            ("max_msg_sz", "max_msg_sz"),
+            ("pkey_tbl_len", "pkey_tbl_len"),
+            ("lid", "lid"),
+            ("active_width", "active_width"),
+            ("phys_state", "phys_state"),
+            ("link_layer", "link_layer"),
+            ("flags", "flags"),
+            ("port_cap_flags2", "port_cap_flags2"),
+        ],
+    ),
+    (
+        "struct ibv_gid_entry",
+        "IbvGidEntry",
+        &[
+            ("gid", "gid"),
+            ("gid_index", "gid_index"),
+            ("port_num", "port_num"),
+            ("gid_type", "gid_type"),
+            ("ndev_ifindex", "ndev_ifindex"),
+        ],
+    ),
+];
+
+fn main() {
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    let map = out.join("libibverbs.map");
+    let mut s = String::new();
+    for n in NODES {
+        let _ = writeln!(s, "{n} {{ }};");
+    }
+    std::fs::write(&map, s).expect("write the version script");
+    println!(
+        "cargo:rustc-cdylib-link-arg=-Wl,--version-script={}",
+        map.display()
+    );
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libibverbs.so.1");
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=/usr/include/infiniband/verbs.h");
+    std::fs::write(out.join("layout_checks.rs"), layout_checks(&out)).expect("write checks");
+}
+
+/// Compile-time assertions from the installed header, or none (with a warning) without it.
+fn layout_checks(out: &std::path::Path) -> String {
+    if !std::path::Path::new("/usr/include/infiniband/verbs.h").exists() {
+        println!(
+            "cargo:warning=<infiniband/verbs.h> is not installed (apt-get install libibverbs-dev): \
+             the ABI layouts are not checked against it"
+        );
+        return String::new();
+    }
+    let mut c = String::from(
+        "#include <stdio.h>\n#include <stddef.h>\n#include <infiniband/verbs.h>\nint main(void) {\n",
+    );
+    for (cs, rs, fields) in LAYOUTS {
+        let _ = writeln!(
+            c,
+            "  printf(\"const _: () = assert!(core::mem::size_of::<{rs}>() == %zu);\\n\", sizeof({cs}));"
+        );
+        for (cf, rf) in *fields {
+            let _ = writeln!(
+                c,
+                "  printf(\"const _: () = assert!(core::mem::offset_of!({rs}, {rf}) == %zu);\\n\", offsetof({cs}, {cf}));"
+            );
+        }
+    }
+    c += "  return 0;\n}\n";
+    let src = out.join("layout.c");
+    let exe = out.join("layout");
+    std::fs::write(&src, c).expect("write layout.c");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let ok = Command::new(&cc)
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !ok {
+        panic!("cannot compile the layout check against <infiniband/verbs.h> with {cc}");
+    }
+    let o = Command::new(&exe).output().expect("run the layout check");
+    String::from_utf8(o.stdout).expect("layout check output")
+}

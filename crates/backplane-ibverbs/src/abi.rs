@@ -1,0 +1,210 @@
+//! The structures of rdma-core's `<infiniband/verbs.h>` (44) that this library hands out or
+//! fills, as `#[repr(C)]` mirrors; `build.rs` checks their sizes and offsets against the
+//! installed header at compile time. Field names follow the header.
+
+#![allow(missing_docs)]
+
+use std::ffi::{c_char, c_int, c_void};
+
+/// `struct _ibv_device_ops`: two unused pointers (always null here).
+#[repr(C)]
+pub struct IbvDeviceOps {
+    pub _dummy1: *const c_void,
+    pub _dummy2: *const c_void,
+}
+
+/// `IBV_SYSFS_NAME_MAX`.
+pub const SYSFS_NAME_MAX: usize = 64;
+/// `IBV_SYSFS_PATH_MAX`.
+pub const SYSFS_PATH_MAX: usize = 256;
+
+/// `struct ibv_device`.
+#[repr(C)]
+pub struct IbvDevice {
+    pub ops: IbvDeviceOps,
+    pub node_type: c_int,
+    pub transport_type: c_int,
+    pub name: [c_char; SYSFS_NAME_MAX],
+    pub dev_name: [c_char; SYSFS_NAME_MAX],
+    pub dev_path: [c_char; SYSFS_PATH_MAX],
+    pub ibdev_path: [c_char; SYSFS_PATH_MAX],
+}
+
+/// `struct ibv_context_ops`: the table the inline data-path calls (`ibv_poll_cq`,
+/// `ibv_req_notify_cq`, `ibv_post_send`, `ibv_post_recv`, `ibv_post_srq_recv`, the memory
+/// window calls) jump through; the `_compat_*` slots are unused by programs built against
+/// rdma-core ≥ 17. A null slot is an operation this library does not offer yet.
+#[repr(C)]
+pub struct IbvContextOps {
+    pub _compat_query_device: *const c_void,
+    pub _compat_query_port: *const c_void,
+    pub _compat_alloc_pd: *const c_void,
+    pub _compat_dealloc_pd: *const c_void,
+    pub _compat_reg_mr: *const c_void,
+    pub _compat_rereg_mr: *const c_void,
+    pub _compat_dereg_mr: *const c_void,
+    pub alloc_mw: *const c_void,
+    pub bind_mw: *const c_void,
+    pub dealloc_mw: *const c_void,
+    pub _compat_create_cq: *const c_void,
+    pub poll_cq: *const c_void,
+    pub req_notify_cq: *const c_void,
+    pub _compat_cq_event: *const c_void,
+    pub _compat_resize_cq: *const c_void,
+    pub _compat_destroy_cq: *const c_void,
+    pub _compat_create_srq: *const c_void,
+    pub _compat_modify_srq: *const c_void,
+    pub _compat_query_srq: *const c_void,
+    pub _compat_destroy_srq: *const c_void,
+    pub post_srq_recv: *const c_void,
+    pub _compat_create_qp: *const c_void,
+    pub _compat_query_qp: *const c_void,
+    pub _compat_modify_qp: *const c_void,
+    pub _compat_destroy_qp: *const c_void,
+    pub post_send: *const c_void,
+    pub post_recv: *const c_void,
+    pub _compat_create_ah: *const c_void,
+    pub _compat_destroy_ah: *const c_void,
+    pub _compat_attach_mcast: *const c_void,
+    pub _compat_detach_mcast: *const c_void,
+    pub _compat_async_event: *const c_void,
+}
+
+/// `struct ibv_context`. `abi_compat` is not `__VERBS_ABI_IS_EXTENDED`, so the header's
+/// inline wrappers of extended operations (`ibv_query_port`, `ibv_query_device_ex`) fall back
+/// to the exported functions and the others (`ibv_create_qp_ex`, …) answer `EOPNOTSUPP`.
+#[repr(C)]
+pub struct IbvContext {
+    pub device: *mut IbvDevice,
+    pub ops: IbvContextOps,
+    pub cmd_fd: c_int,
+    pub async_fd: c_int,
+    pub num_comp_vectors: c_int,
+    pub mutex: libc::pthread_mutex_t,
+    pub abi_compat: *mut c_void,
+}
+
+/// `struct ibv_device_attr`.
+#[repr(C)]
+pub struct IbvDeviceAttr {
+    pub fw_ver: [c_char; 64],
+    pub node_guid: u64,
+    pub sys_image_guid: u64,
+    pub max_mr_size: u64,
+    pub page_size_cap: u64,
+    pub vendor_id: u32,
+    pub vendor_part_id: u32,
+    pub hw_ver: u32,
+    pub max_qp: c_int,
+    pub max_qp_wr: c_int,
+    pub device_cap_flags: u32,
+    pub max_sge: c_int,
+    pub max_sge_rd: c_int,
+    pub max_cq: c_int,
+    pub max_cqe: c_int,
+    pub max_mr: c_int,
+    pub max_pd: c_int,
+    pub max_qp_rd_atom: c_int,
+    pub max_ee_rd_atom: c_int,
+    pub max_res_rd_atom: c_int,
+    pub max_qp_init_rd_atom: c_int,
+    pub max_ee_init_rd_atom: c_int,
+    pub atomic_cap: c_int,
+    pub max_ee: c_int,
+    pub max_rdd: c_int,
+    pub max_mw: c_int,
+    pub max_raw_ipv6_qp: c_int,
+    pub max_raw_ethy_qp: c_int,
+    pub max_mcast_grp: c_int,
+    pub max_mcast_qp_attach: c_int,
+    pub max_total_mcast_qp_attach: c_int,
+    pub max_ah: c_int,
+    pub max_fmr: c_int,
+    pub max_map_per_fmr: c_int,
+    pub max_srq: c_int,
+    pub max_srq_wr: c_int,
+    pub max_srq_sge: c_int,
+    pub max_pkeys: u16,
+    pub local_ca_ack_delay: u8,
+    pub phys_port_cnt: u8,
+}
+
+/// `struct ibv_port_attr`.
+#[repr(C)]
+#[derive(Default)]
+pub struct IbvPortAttr {
+    pub state: c_int,
+    pub max_mtu: c_int,
+    pub active_mtu: c_int,
+    pub gid_tbl_len: c_int,
+    pub port_cap_flags: u32,
+    pub max_msg_sz: u32,
+    pub bad_pkey_cntr: u32,
+    pub qkey_viol_cntr: u32,
+    pub pkey_tbl_len: u16,
+    pub lid: u16,
+    pub sm_lid: u16,
+    pub lmc: u8,
+    pub max_vl_num: u8,
+    pub sm_sl: u8,
+    pub subnet_timeout: u8,
+    pub init_type_reply: u8,
+    pub active_width: u8,
+    pub active_speed: u8,
+    pub phys_state: u8,
+    pub link_layer: u8,
+    pub flags: u8,
+    pub port_cap_flags2: u16,
+}
+
+impl Default for IbvDeviceAttr {
+    fn default() -> Self {
+        // SAFETY: plain integers and a char array: all zeroes is a valid value.
+        unsafe { std::mem::zeroed() }
+    }
+}
+
+/// The part of `ibv_port_attr` the exported `ibv_query_port` fills (rdma-core's
+/// `_compat_ibv_port_attr`: everything before `port_cap_flags2`).
+pub const COMPAT_PORT_ATTR_LEN: usize = std::mem::offset_of!(IbvPortAttr, port_cap_flags2);
+
+/// `struct ibv_gid_entry`.
+#[repr(C)]
+#[derive(Default)]
+pub struct IbvGidEntry {
+    pub gid: [u8; 16],
+    pub gid_index: u32,
+    pub port_num: u32,
+    pub gid_type: u32,
+    pub ndev_ifindex: u32,
+}
+
+/// `IBV_NODE_CA`.
+pub const NODE_CA: c_int = 1;
+/// `IBV_TRANSPORT_IB`.
+pub const TRANSPORT_IB: c_int = 0;
+/// `IBV_PORT_DOWN`, `IBV_PORT_ACTIVE`.
+pub const PORT_DOWN: c_int = 1;
+pub const PORT_ACTIVE: c_int = 4;
+/// `IBV_MTU_4096`.
+pub const MTU_4096: c_int = 5;
+/// `IBV_LINK_LAYER_INFINIBAND`.
+pub const LINK_LAYER_INFINIBAND: u8 = 1;
+/// `IBV_ATOMIC_GLOB`.
+pub const ATOMIC_GLOB: c_int = 2;
+/// `IBV_GID_TYPE_ROCE_V2` (`ibv_gid_entry`) and `IBV_GID_TYPE_SYSFS_ROCE_V2` (the private
+/// `ibv_query_gid_type`).
+pub const GID_TYPE_ROCE_V2: u32 = 2;
+pub const GID_TYPE_SYSFS_ROCE_V2: c_int = 1;
+
+include!(concat!(env!("OUT_DIR"), "/layout_checks.rs"));
+
+/// Gives the exported function `$imp` the public name and version `$ver`
+/// (`"ibv_get_device_list@@IBVERBS_1.1"`), as rdma-core's version script does; the nodes are
+/// declared by `build.rs`.
+macro_rules! symver {
+    ($imp:ident, $ver:literal) => {
+        core::arch::global_asm!(concat!(".symver ", stringify!($imp), ", ", $ver));
+    };
+}
+pub(crate) use symver;

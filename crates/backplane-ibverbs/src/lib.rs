@@ -1,0 +1,697 @@
+//! A drop-in `libibverbs.so.1`: programs built against rdma-core's libibverbs (Debian's
+//! ibverbs-utils, perftest, your own) run unmodified on a backplane fabric, with no RDMA
+//! hardware and no kernel module. `backplane exec --verbs NODE -- CMD` runs CMD in a node with
+//! this library first on its search path; `LD_LIBRARY_PATH` pointing at a directory holding it
+//! as `libibverbs.so.1` works too.
+//!
+//! Exported symbols carry rdma-core's version tags (`ibv_get_device_list@@IBVERBS_1.1`, …;
+//! see `abi::symver!`), and the structures handed out have the header's layouts (checked
+//! against the installed header at build time). It is a thin layer over
+//! [`backplane::verbs`], not a second engine.
+//!
+//! **Devices.** One per fabric the process runs in (a node of it), named `bp_FABRIC`; port 1, ACTIVE while the node is
+//! READY, link layer InfiniBand, LID = the node's slot, GID 0 = the node's `bp0` address as
+//! an IPv4-mapped IPv6 address (RoCE v2 style; `fe80::` + the node GUID on a fabric without
+//! IP). Opening a device needs to know the node: the process runs in it (`BACKPLANE_FABRIC` and
+//! `BACKPLANE_NODE`, which `backplane exec` sets, or the node's network namespace).
+//!
+//! **State of this library**: device discovery, open/close and the queries (device, port, GID,
+//! P_Key) — enough for `ibv_devices` and `ibv_devinfo`. Protection domains, memory regions,
+//! CQs and QPs (`ibv_rc_pingpong`, perftest) are not exported yet.
+
+pub mod abi;
+mod stubs;
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ptr::null_mut;
+use std::sync::Mutex;
+
+use abi::*;
+use backplane::fabric::Fabric;
+use backplane::verbs::Context;
+
+/// A device as handed out: the public struct first, so a `*mut IbvDevice` is a `*mut Dev`.
+#[repr(C)]
+struct Dev {
+    ibv: IbvDevice,
+    fabric: String,
+}
+
+// SAFETY: a device is never written after it is made, and its only pointers (`_ops`) are
+// null; sharing it between threads is sharing plain data.
+unsafe impl Sync for Dev {}
+
+/// Every device ever listed in this process, by fabric: programs compare device pointers
+/// across `ibv_get_device_list` calls, and a device must outlive the lists it was in.
+static DEVICES: Mutex<Vec<&'static Dev>> = Mutex::new(Vec::new());
+
+/// An open context: the public struct first, so a `*mut IbvContext` is a `*mut Ctx`.
+#[repr(C)]
+struct Ctx {
+    ibv: IbvContext,
+    ctx: Context,
+    fabric: Fabric,
+    slot: u32,
+    gid: [u8; 16],
+}
+
+fn set_errno(e: c_int) {
+    // SAFETY: errno is this thread's; writing it is what every libc function does.
+    unsafe { *libc::__errno_location() = e };
+}
+
+/// Copies `s` into a C char array, truncated, NUL-terminated.
+fn put_str(dst: &mut [c_char], s: &str) {
+    let n = s.len().min(dst.len().saturating_sub(1));
+    for (d, b) in dst.iter_mut().zip(s.bytes().take(n)) {
+        *d = b as c_char;
+    }
+    dst[n] = 0;
+}
+
+/// The fabrics this process can reach — whose supervisor runs and in one of whose nodes it
+/// runs — with that node's slot.
+fn reachable_fabrics() -> Vec<(String, u32)> {
+    running_fabrics()
+        .into_iter()
+        .filter_map(|f| {
+            let nodes = Fabric::attach(&f).ok()?.nodes();
+            let slot = own_slot(&f, nodes)?;
+            Some((f, slot))
+        })
+        .collect()
+}
+
+/// The fabrics whose supervisor runs now, by name.
+fn running_fabrics() -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir(backplane::fabric::run_root()) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = dir
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| backplane::fabric::validate_name(n).is_ok())
+        .filter(|n| backplane::fabric::supervisor::is_running(n))
+        .collect();
+    names.sort();
+    names
+}
+
+fn device_for(fabric: &str) -> &'static Dev {
+    let mut all = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(d) = all.iter().find(|d| d.fabric == fabric) {
+        return d;
+    }
+    let mut ibv = IbvDevice {
+        ops: IbvDeviceOps {
+            _dummy1: std::ptr::null(),
+            _dummy2: std::ptr::null(),
+        },
+        node_type: NODE_CA,
+        transport_type: TRANSPORT_IB,
+        name: [0; SYSFS_NAME_MAX],
+        dev_name: [0; SYSFS_NAME_MAX],
+        dev_path: [0; SYSFS_PATH_MAX],
+        ibdev_path: [0; SYSFS_PATH_MAX],
+    };
+    put_str(&mut ibv.name, &format!("bp_{fabric}"));
+    put_str(&mut ibv.dev_name, &format!("uverbs_bp_{fabric}"));
+    let dir = backplane::fabric::fabric_dir(fabric);
+    put_str(&mut ibv.dev_path, &dir.to_string_lossy());
+    put_str(&mut ibv.ibdev_path, &dir.to_string_lossy());
+    let d: &'static Dev = Box::leak(Box::new(Dev {
+        ibv,
+        fabric: fabric.to_owned(),
+    }));
+    all.push(d);
+    d
+}
+
+/// The `Dev` behind a device pointer this library handed out, or `None`.
+fn dev_of(device: *mut IbvDevice) -> Option<&'static Dev> {
+    let all = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    all.iter().find(|d| std::ptr::eq(&d.ibv, device)).copied()
+}
+
+/// `ibv_get_device_list`: a NULL-terminated array (free it with `ibv_free_device_list`).
+///
+/// # Safety
+/// `num_devices` is NULL or points to a writable int.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_get_device_list(num_devices: *mut c_int) -> *mut *mut IbvDevice {
+    let devs: Vec<&'static Dev> = reachable_fabrics()
+        .iter()
+        .map(|(f, _)| device_for(f))
+        .collect();
+    // SAFETY: calloc of (n + 1) pointers; checked for NULL below.
+    let list = unsafe { libc::calloc(devs.len() + 1, std::mem::size_of::<*mut IbvDevice>()) }
+        .cast::<*mut IbvDevice>();
+    if list.is_null() {
+        set_errno(libc::ENOMEM);
+        return null_mut();
+    }
+    for (i, d) in devs.iter().enumerate() {
+        // SAFETY: `list` holds devs.len() + 1 pointers; the device lives forever (leaked).
+        unsafe { *list.add(i) = std::ptr::from_ref(&d.ibv).cast_mut() };
+    }
+    if !num_devices.is_null() {
+        // SAFETY: the caller passes NULL or a writable int.
+        unsafe { *num_devices = devs.len() as c_int };
+    }
+    list
+}
+abi::symver!(bp_ibv_get_device_list, "ibv_get_device_list@@IBVERBS_1.1");
+
+/// `ibv_free_device_list`: frees the array, not the devices (they stay valid).
+///
+/// # Safety
+/// `list` is NULL or an array `ibv_get_device_list` returned, not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_free_device_list(list: *mut *mut IbvDevice) {
+    // SAFETY: `list` came from calloc in `ibv_get_device_list` (or is NULL).
+    unsafe { libc::free(list.cast()) };
+}
+abi::symver!(bp_ibv_free_device_list, "ibv_free_device_list@@IBVERBS_1.1");
+
+/// `ibv_get_device_name`.
+#[no_mangle]
+pub extern "C" fn bp_ibv_get_device_name(device: *mut IbvDevice) -> *const c_char {
+    match dev_of(device) {
+        Some(d) => d.ibv.name.as_ptr(),
+        None => {
+            set_errno(libc::EINVAL);
+            std::ptr::null()
+        }
+    }
+}
+abi::symver!(bp_ibv_get_device_name, "ibv_get_device_name@@IBVERBS_1.1");
+
+/// The node GUID of slot `slot` (as `Context::query_device` makes it), big-endian.
+fn guid_be(slot: u32) -> u64 {
+    ((u64::from(slot) << 32) | 0x0b0b).to_be()
+}
+
+/// The node this process runs in, on fabric `fabric` of `nodes` nodes: `BACKPLANE_FABRIC` and
+/// `BACKPLANE_NODE` (set by `backplane exec`), else the node whose network namespace it is in.
+fn own_slot(fabric: &str, nodes: u32) -> Option<u32> {
+    if std::env::var("BACKPLANE_FABRIC").ok().as_deref() == Some(fabric) {
+        if let Some(n) = std::env::var("BACKPLANE_NODE")
+            .ok()
+            .and_then(|s| s.parse::<u32>().ok())
+            .filter(|n| (1..=nodes).contains(n))
+        {
+            return Some(n);
+        }
+    }
+    use std::os::unix::fs::MetadataExt;
+    let mine = std::fs::metadata("/proc/self/ns/net").ok()?.ino();
+    (1..=nodes).find(|&s| {
+        std::fs::metadata(
+            std::path::Path::new("/run/netns")
+                .join(backplane::fabric::netns::netns_name(fabric, s)),
+        )
+        .is_ok_and(|m| m.ino() == mine)
+    })
+}
+
+/// `ibv_get_device_guid`: the node GUID of the node this process runs in (0 if it runs in
+/// none of the fabric's nodes).
+#[no_mangle]
+pub extern "C" fn bp_ibv_get_device_guid(device: *mut IbvDevice) -> u64 {
+    let Some(d) = dev_of(device) else {
+        set_errno(libc::EINVAL);
+        return 0;
+    };
+    let nodes = Fabric::attach(&d.fabric).map(|f| f.nodes()).unwrap_or(0);
+    own_slot(&d.fabric, nodes).map_or(0, guid_be)
+}
+abi::symver!(bp_ibv_get_device_guid, "ibv_get_device_guid@@IBVERBS_1.1");
+
+/// GID 0 of node `slot`: its `bp0` address (from the hosts file the fabric gives each node)
+/// as `::ffff:a.b.c.d`, else `fe80::` and the node GUID.
+fn gid_of(fabric: &str, slot: u32) -> [u8; 16] {
+    let hosts = backplane::fabric::netns::netns_etc(fabric, slot).join("hosts");
+    let me = format!("node{slot}");
+    let addr = std::fs::read_to_string(hosts).ok().and_then(|s| {
+        s.lines().find_map(|l| {
+            let mut w = l.split_whitespace();
+            let a = w.next()?;
+            w.any(|n| n == me)
+                .then(|| a.parse::<std::net::Ipv4Addr>().ok())
+                .flatten()
+        })
+    });
+    match addr {
+        Some(a) => a.to_ipv6_mapped().octets(),
+        None => {
+            let mut g = [0u8; 16];
+            g[0] = 0xfe;
+            g[1] = 0x80;
+            g[8..].copy_from_slice(&guid_be(slot).to_ne_bytes());
+            g
+        }
+    }
+}
+
+/// `ibv_open_device`: a context on the node this process runs in.
+#[no_mangle]
+pub extern "C" fn bp_ibv_open_device(device: *mut IbvDevice) -> *mut IbvContext {
+    let Some(d) = dev_of(device) else {
+        set_errno(libc::EINVAL);
+        return null_mut();
+    };
+    match open(d) {
+        Ok(c) => c,
+        Err((errno, msg)) => {
+            eprintln!("libibverbs (backplane): bp_{}: {msg}", d.fabric);
+            set_errno(errno);
+            null_mut()
+        }
+    }
+}
+abi::symver!(bp_ibv_open_device, "ibv_open_device@@IBVERBS_1.1");
+
+fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
+    let fabric = Fabric::attach(&d.fabric).map_err(|e| (libc::ENODEV, e.to_string()))?;
+    let slot = own_slot(&d.fabric, fabric.nodes()).ok_or_else(|| {
+        (
+            libc::ENODEV,
+            format!(
+                "this process runs in no node of fabric '{}' (start it with `backplane exec \
+                 --verbs NODE -- …`, or set BACKPLANE_FABRIC and BACKPLANE_NODE)",
+                d.fabric
+            ),
+        )
+    })?;
+    let node = fabric
+        .node(slot)
+        .map_err(|e| (libc::ENODEV, e.to_string()))?;
+    let ctx = Context::open(&node).map_err(|e| (libc::ENODEV, e.to_string()))?;
+    // SAFETY: plain syscall; the fd is checked.
+    let async_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if async_fd < 0 {
+        return Err((
+            std::io::Error::last_os_error()
+                .raw_os_error()
+                .unwrap_or(libc::EMFILE),
+            "cannot make the asynchronous event descriptor".into(),
+        ));
+    }
+    let null = std::ptr::null::<c_void>();
+    let ops = IbvContextOps {
+        _compat_query_device: null,
+        _compat_query_port: null,
+        _compat_alloc_pd: null,
+        _compat_dealloc_pd: null,
+        _compat_reg_mr: null,
+        _compat_rereg_mr: null,
+        _compat_dereg_mr: null,
+        alloc_mw: null,
+        bind_mw: null,
+        dealloc_mw: null,
+        _compat_create_cq: null,
+        poll_cq: null,
+        req_notify_cq: null,
+        _compat_cq_event: null,
+        _compat_resize_cq: null,
+        _compat_destroy_cq: null,
+        _compat_create_srq: null,
+        _compat_modify_srq: null,
+        _compat_query_srq: null,
+        _compat_destroy_srq: null,
+        post_srq_recv: null,
+        _compat_create_qp: null,
+        _compat_query_qp: null,
+        _compat_modify_qp: null,
+        _compat_destroy_qp: null,
+        post_send: null,
+        post_recv: null,
+        _compat_create_ah: null,
+        _compat_destroy_ah: null,
+        _compat_attach_mcast: null,
+        _compat_detach_mcast: null,
+        _compat_async_event: null,
+    };
+    let c = Box::new(Ctx {
+        ibv: IbvContext {
+            device: std::ptr::from_ref(&d.ibv).cast_mut(),
+            ops,
+            cmd_fd: -1,
+            async_fd,
+            num_comp_vectors: 1,
+            mutex: libc::PTHREAD_MUTEX_INITIALIZER,
+            abi_compat: null_mut(),
+        },
+        gid: gid_of(&d.fabric, slot),
+        ctx,
+        fabric,
+        slot,
+    });
+    let p = Box::into_raw(c);
+    OPEN.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(p as usize);
+    Ok(p.cast())
+}
+
+/// Contexts open now (their addresses): a pointer that is not one is refused with EINVAL.
+static OPEN: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+/// The `Ctx` behind a context pointer this library handed out and that is still open.
+fn ctx_of<'a>(context: *mut IbvContext) -> Option<&'a Ctx> {
+    let open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
+    if !open.contains(&(context as usize)) {
+        return None;
+    }
+    // SAFETY: the pointer is a live `Box<Ctx>` (in OPEN until `ibv_close_device` frees it);
+    // `ibv` is its first field.
+    Some(unsafe { &*context.cast::<Ctx>() })
+}
+
+/// `ibv_close_device`: 0, or -1 with errno.
+#[no_mangle]
+pub extern "C" fn bp_ibv_close_device(context: *mut IbvContext) -> c_int {
+    let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(i) = open.iter().position(|&p| p == context as usize) else {
+        set_errno(libc::EINVAL);
+        return -1;
+    };
+    open.swap_remove(i);
+    // SAFETY: it was a live `Box<Ctx>` from `ibv_open_device`, now out of OPEN.
+    let c = unsafe { Box::from_raw(context.cast::<Ctx>()) };
+    // SAFETY: our eventfd, closed once.
+    unsafe { libc::close(c.ibv.async_fd) };
+    drop(c);
+    0
+}
+abi::symver!(bp_ibv_close_device, "ibv_close_device@@IBVERBS_1.1");
+
+/// `ibv_query_device`: 0 or an errno.
+///
+/// # Safety
+/// `attr` is NULL or points to a writable `struct ibv_device_attr`.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_query_device(
+    context: *mut IbvContext,
+    attr: *mut IbvDeviceAttr,
+) -> c_int {
+    let Some(c) = ctx_of(context) else {
+        return libc::EINVAL;
+    };
+    if attr.is_null() {
+        return libc::EINVAL;
+    }
+    let d = c.ctx.query_device();
+    let mut a = IbvDeviceAttr {
+        node_guid: d.node_guid.to_be(),
+        sys_image_guid: guid_be(0),
+        max_mr_size: d.max_mr_size,
+        page_size_cap: d.page_size_cap,
+        vendor_id: 0,
+        vendor_part_id: 0,
+        max_qp: 1 << 16,
+        max_qp_wr: d.max_qp_wr as c_int,
+        max_sge: d.max_sge as c_int,
+        max_sge_rd: d.max_sge as c_int,
+        max_cq: 1 << 16,
+        max_cqe: d.max_cqe as c_int,
+        max_mr: 1 << 20,
+        max_pd: 1 << 16,
+        max_qp_rd_atom: d.max_qp_rd_atom as c_int,
+        max_res_rd_atom: (d.max_qp_rd_atom as c_int) << 16,
+        max_qp_init_rd_atom: d.max_qp_rd_atom as c_int,
+        atomic_cap: ATOMIC_GLOB,
+        max_ah: 1 << 16,
+        max_pkeys: 1,
+        phys_port_cnt: d.phys_port_cnt,
+        ..IbvDeviceAttr::default()
+    };
+    put_str(&mut a.fw_ver, &d.fw_ver);
+    // SAFETY: non-null, and the caller promises it is writable.
+    unsafe { attr.write(a) };
+    0
+}
+abi::symver!(bp_ibv_query_device, "ibv_query_device@@IBVERBS_1.1");
+
+/// `ibv_query_port` (what the header's inline wrapper calls when the context has no extended
+/// `query_port`): fills rdma-core's compat prefix of `ibv_port_attr`; 0 or an errno.
+///
+/// # Safety
+/// `attr` is NULL or points to at least `COMPAT_PORT_ATTR_LEN` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_query_port(
+    context: *mut IbvContext,
+    port: u8,
+    attr: *mut IbvPortAttr,
+) -> c_int {
+    let Some(c) = ctx_of(context) else {
+        return libc::EINVAL;
+    };
+    if attr.is_null() {
+        return libc::EINVAL;
+    }
+    let Ok(p) = c.ctx.query_port(port) else {
+        return libc::EINVAL;
+    };
+    let a = IbvPortAttr {
+        state: if p.state == backplane::verbs::PortState::Active {
+            PORT_ACTIVE
+        } else {
+            PORT_DOWN
+        },
+        max_mtu: MTU_4096,
+        active_mtu: MTU_4096,
+        gid_tbl_len: 1,
+        max_msg_sz: p.max_msg_sz,
+        pkey_tbl_len: 1,
+        lid: p.lid,
+        max_vl_num: 1,
+        active_width: 2,  // 4x
+        active_speed: 32, // EDR
+        phys_state: 5,    // LinkUp
+        link_layer: LINK_LAYER_INFINIBAND,
+        ..IbvPortAttr::default()
+    };
+    // SAFETY: the caller gives at least the compat prefix; we write only that much.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            std::ptr::from_ref(&a).cast::<u8>(),
+            attr.cast::<u8>(),
+            COMPAT_PORT_ATTR_LEN,
+        )
+    };
+    0
+}
+abi::symver!(bp_ibv_query_port, "ibv_query_port@@IBVERBS_1.1");
+
+/// `ibv_query_gid`: 0, or -1 (bad port or index).
+///
+/// # Safety
+/// `gid` is NULL or points to 16 writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_query_gid(
+    context: *mut IbvContext,
+    port: u8,
+    index: c_int,
+    gid: *mut [u8; 16],
+) -> c_int {
+    let Some(c) = ctx_of(context) else {
+        set_errno(libc::EINVAL);
+        return -1;
+    };
+    if port != 1 || index != 0 || gid.is_null() {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: non-null, 16 writable bytes per the contract.
+    unsafe { gid.write(c.gid) };
+    0
+}
+abi::symver!(bp_ibv_query_gid, "ibv_query_gid@@IBVERBS_1.1");
+
+/// `_ibv_query_gid_ex` (behind the header's `ibv_query_gid_ex`): 0 or a positive errno
+/// (`ENODATA` for an index past the table).
+///
+/// # Safety
+/// `entry` is NULL or points to `entry_size` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_query_gid_ex(
+    context: *mut IbvContext,
+    port: u32,
+    index: u32,
+    entry: *mut IbvGidEntry,
+    flags: u32,
+    entry_size: usize,
+) -> c_int {
+    let Some(c) = ctx_of(context) else {
+        return libc::EINVAL;
+    };
+    if flags != 0 || entry.is_null() || entry_size < std::mem::size_of::<IbvGidEntry>() {
+        return libc::EINVAL;
+    }
+    if port != 1 {
+        return libc::EINVAL;
+    }
+    if index != 0 {
+        return libc::ENODATA;
+    }
+    let e = IbvGidEntry {
+        gid: c.gid,
+        gid_index: 0,
+        port_num: 1,
+        gid_type: GID_TYPE_ROCE_V2,
+        ndev_ifindex: 0,
+    };
+    // SAFETY: non-null and large enough per the contract.
+    unsafe { entry.write(e) };
+    0
+}
+abi::symver!(bp_ibv_query_gid_ex, "_ibv_query_gid_ex@@IBVERBS_1.11");
+
+/// `ibv_query_gid_type` (rdma-core private, used by `ibv_devinfo`): 0 or -1.
+///
+/// # Safety
+/// `ty` is NULL or points to a writable int.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_query_gid_type(
+    context: *mut IbvContext,
+    port: u8,
+    index: u32,
+    ty: *mut c_int,
+) -> c_int {
+    if ctx_of(context).is_none() || port != 1 || index != 0 || ty.is_null() {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: non-null, writable per the contract.
+    unsafe { ty.write(GID_TYPE_SYSFS_ROCE_V2) };
+    0
+}
+abi::symver!(
+    bp_ibv_query_gid_type,
+    "ibv_query_gid_type@@IBVERBS_PRIVATE_34"
+);
+
+/// `ibv_query_pkey`: the one P_Key, 0xffff (full member, default partition), big-endian.
+///
+/// # Safety
+/// `pkey` is NULL or points to a writable `__be16`.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_query_pkey(
+    context: *mut IbvContext,
+    port: u8,
+    index: c_int,
+    pkey: *mut u16,
+) -> c_int {
+    if ctx_of(context).is_none() || port != 1 || index != 0 || pkey.is_null() {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: non-null, writable per the contract.
+    unsafe { pkey.write(0xffffu16.to_be()) };
+    0
+}
+abi::symver!(bp_ibv_query_pkey, "ibv_query_pkey@@IBVERBS_1.1");
+
+/// `ibv_read_sysfs_file`: reads `dir/file` into `buf` (NUL-terminated, trailing newline
+/// dropped); its length, or -1.
+///
+/// # Safety
+/// `dir` and `file` are NUL-terminated strings; `buf` has `size` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_read_sysfs_file(
+    dir: *const c_char,
+    file: *const c_char,
+    buf: *mut c_char,
+    size: usize,
+) -> c_int {
+    if dir.is_null() || file.is_null() || buf.is_null() || size == 0 {
+        set_errno(libc::EINVAL);
+        return -1;
+    }
+    // SAFETY: NUL-terminated per the contract.
+    let (d, f) = unsafe { (CStr::from_ptr(dir), CStr::from_ptr(file)) };
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::path::Path::new(std::ffi::OsStr::from_bytes(d.to_bytes()))
+        .join(std::ffi::OsStr::from_bytes(f.to_bytes()));
+    let data = match std::fs::read(path) {
+        Ok(d) => d,
+        Err(e) => {
+            set_errno(e.raw_os_error().unwrap_or(libc::EIO));
+            return -1;
+        }
+    };
+    let n = data.len().min(size - 1);
+    // SAFETY: `buf` has `size` > n bytes.
+    let out = unsafe { std::slice::from_raw_parts_mut(buf.cast::<u8>(), size) };
+    out[..n].copy_from_slice(&data[..n]);
+    let n = if n > 0 && out[n - 1] == b'\n' {
+        n - 1
+    } else {
+        n
+    };
+    out[n] = 0;
+    n as c_int
+}
+abi::symver!(bp_ibv_read_sysfs_file, "ibv_read_sysfs_file@@IBVERBS_1.0");
+
+/// `ibv_wc_status_str`: rdma-core's text for a completion status.
+#[no_mangle]
+pub extern "C" fn bp_ibv_wc_status_str(status: c_int) -> *const c_char {
+    const S: [&CStr; 22] = [
+        c"success",
+        c"local length error",
+        c"local QP operation error",
+        c"local EE context operation error",
+        c"local protection error",
+        c"Work Request Flushed Error",
+        c"memory management operation error",
+        c"bad response error",
+        c"local access error",
+        c"remote invalid request error",
+        c"remote access error",
+        c"remote operation error",
+        c"transport retry counter exceeded",
+        c"RNR retry counter exceeded",
+        c"local RDD violation error",
+        c"remote invalid RD request",
+        c"aborted error",
+        c"invalid EE context number",
+        c"invalid EE context state",
+        c"fatal error",
+        c"response timeout error",
+        c"general error",
+    ];
+    usize::try_from(status)
+        .ok()
+        .and_then(|i| S.get(i))
+        .map_or(c"unknown".as_ptr(), |s| s.as_ptr())
+}
+abi::symver!(bp_ibv_wc_status_str, "ibv_wc_status_str@@IBVERBS_1.1");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strings_are_truncated_and_terminated() {
+        let mut b = [1 as c_char; 4];
+        put_str(&mut b, "abcdef");
+        assert_eq!(b, [b'a' as c_char, b'b' as c_char, b'c' as c_char, 0]);
+    }
+
+    #[test]
+    fn a_pointer_never_handed_out_is_refused() {
+        let mut x = 0u64;
+        assert!(dev_of(std::ptr::from_mut(&mut x).cast()).is_none());
+        assert!(ctx_of(std::ptr::from_mut(&mut x).cast()).is_none());
+        assert_eq!(bp_ibv_close_device(std::ptr::from_mut(&mut x).cast()), -1);
+    }
+
+    #[test]
+    fn gid_without_ip_is_link_local_with_the_guid() {
+        let g = gid_of("no-such-fabric-gid", 3);
+        assert_eq!(&g[..2], &[0xfe, 0x80]);
+        assert_eq!(&g[8..], &guid_be(3).to_ne_bytes());
+    }
+}
