@@ -28,7 +28,11 @@ const NODES: &[&str] = &[
 ];
 
 /// A C struct, its Rust mirror, and (C field, Rust field) pairs whose offsets must agree.
-type Layout = (&'static str, &'static str, &'static [(&'static str, &'static str)]);
+type Layout = (
+    &'static str,
+    &'static str,
+    &'static [(&'static str, &'static str)],
+);
 
 /// The structs whose layouts must agree with the header.
 const LAYOUTS: &[Layout] = &[

@@ -638,34 +638,7 @@ abi::symver!(bp_ibv_read_sysfs_file, "ibv_read_sysfs_file@@IBVERBS_1.0");
 /// `ibv_wc_status_str`: rdma-core's text for a completion status.
 #[no_mangle]
 pub extern "C" fn bp_ibv_wc_status_str(status: c_int) -> *const c_char {
-    const S: [&CStr; 22] = [
-        c"success",
-        c"local length error",
-        c"local QP operation error",
-        c"local EE context operation error",
-        c"local protection error",
-        c"Work Request Flushed Error",
-        c"memory management operation error",
-        c"bad response error",
-        c"local access error",
-        c"remote invalid request error",
-        c"remote access error",
-        c"remote operation error",
-        c"transport retry counter exceeded",
-        c"RNR retry counter exceeded",
-        c"local RDD violation error",
-        c"remote invalid RD request",
-        c"aborted error",
-        c"invalid EE context number",
-        c"invalid EE context state",
-        c"fatal error",
-        c"response timeout error",
-        c"general error",
-    ];
-    usize::try_from(status)
-        .ok()
-        .and_then(|i| S.get(i))
-        .map_or(c"unknown".as_ptr(), |s| s.as_ptr())
+    backplane::verbs::wc_status_cstr(status).as_ptr()
 }
 abi::symver!(bp_ibv_wc_status_str, "ibv_wc_status_str@@IBVERBS_1.1");
 

@@ -25,7 +25,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::os::fd::{AsFd, AsRawFd};
 use std::ptr::{null_mut, NonNull};
 use std::sync::{Mutex, OnceLock};
@@ -62,6 +62,7 @@ mod tests {
     use super::device::*;
     use super::*;
     use backplane::verbs::{WcOpcode, WcStatus};
+    use std::ffi::CStr;
 
     fn errno() -> Option<c_int> {
         std::io::Error::last_os_error().raw_os_error()

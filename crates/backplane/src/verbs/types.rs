@@ -222,6 +222,39 @@ pub enum WcOpcode {
     RecvRdmaWithImm = 129,
 }
 
+/// libibverbs' text for completion status number `status` (`ibv_wc_status_str`), as a C
+/// string for the C API and the drop-in libibverbs; "unknown" outside the table.
+pub fn wc_status_cstr(status: i32) -> &'static std::ffi::CStr {
+    const S: [&std::ffi::CStr; 22] = [
+        c"success",
+        c"local length error",
+        c"local QP operation error",
+        c"local EE context operation error",
+        c"local protection error",
+        c"Work Request Flushed Error",
+        c"memory management operation error",
+        c"bad response error",
+        c"local access error",
+        c"remote invalid request error",
+        c"remote access error",
+        c"remote operation error",
+        c"transport retry counter exceeded",
+        c"RNR retry counter exceeded",
+        c"local RDD violation error",
+        c"remote invalid RD request",
+        c"aborted error",
+        c"invalid EE context number",
+        c"invalid EE context state",
+        c"fatal error",
+        c"response timeout error",
+        c"general error",
+    ];
+    usize::try_from(status)
+        .ok()
+        .and_then(|i| S.get(i).copied())
+        .unwrap_or(c"unknown")
+}
+
 /// Work completion status (`IBV_WC_*`), numbered as in libibverbs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum WcStatus {
