@@ -10,6 +10,9 @@
 //! by copy (`read`, `write`, `copy_to`), never as `&[u8]`: a reference would promise Rust that
 //! nobody changes them, which no process sharing a window can promise.
 
+mod adopt;
+pub use adopt::Adopted;
+
 use std::ops::Deref;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;

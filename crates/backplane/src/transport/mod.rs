@@ -218,6 +218,12 @@ pub trait RemoteRegion: Send + Sync + fmt::Debug {
     }
     /// The access flags the owner registered the region with (`ibv_access_flags` bits).
     fn access_bits(&self) -> u32;
+    /// The owner's address of the region's first byte: peers name remote bytes by it
+    /// (`remote_addr`), so `remote_addr - iova` is the offset the methods below take. 0 for a
+    /// zero-based region.
+    fn iova(&self) -> u64 {
+        0
+    }
     /// True if this process may write the region (the grant was writable).
     fn writable(&self) -> bool;
     /// False once the owner deregistered the region (or its node went DOWN): the next access

@@ -264,6 +264,7 @@ pub struct ShmRegion {
     data: Span,
     state: Word32,
     access: u32,
+    iova: u64,
     ident: (u64, u64),
 }
 
@@ -304,7 +305,7 @@ impl ShmRegion {
         }
         // fstat of a memfd we hold does not fail; if it did, the mapping's address stands in
         // (unique, so two such mappings are never seen as one region).
-        let data = Span::new(&region, MR_DATA_OFF, len).ok()?;
+        let data = Span::new(&region, MR_DATA_OFF + u64::from(repr.skew), len).ok()?;
         let ident = rustix::fs::fstat(region.fd())
             .map(|s| (s.st_dev, s.st_ino))
             .unwrap_or((u64::MAX, data.addr(0) as u64));
@@ -312,6 +313,7 @@ impl ShmRegion {
             data,
             state,
             access,
+            iova: repr.iova,
             ident,
         })
     }
@@ -325,6 +327,10 @@ impl RemoteRegion for ShmRegion {
     #[inline]
     fn access_bits(&self) -> u32 {
         self.access
+    }
+    #[inline]
+    fn iova(&self) -> u64 {
+        self.iova
     }
     fn writable(&self) -> bool {
         self.data.writable()

@@ -222,24 +222,72 @@ impl Pd {
     /// `access` — what `malloc` + `ibv_reg_mr` are in libibverbs code. REMOTE_WRITE and
     /// REMOTE_ATOMIC need LOCAL_WRITE, as in libibverbs.
     pub fn alloc_mr(&self, len: usize, access: AccessFlags) -> Result<Mr, VerbsError> {
-        if len == 0 || len as u64 > 1 << 40 {
-            return Err(VerbsError::inval(format!("region of {len} bytes")));
+        check_mr_args(len, access)?;
+        let region = self.mr_region(len)?;
+        self.register(Arc::new(region), 0, len, access, 0, None)
+    }
+
+    /// Registers memory the program allocated (`ibv_reg_mr` on a `malloc`/`mmap` buffer):
+    /// the pages under `[addr, addr + len)` are put under a new region in place — their bytes
+    /// and addresses kept (see [`crate::mem::Adopted`]) — so peers reach them and the program
+    /// sees a peer's RDMA WRITE at `addr`. Scatter/gather entries and peers' `remote_addr`
+    /// name the bytes by `iova + (address - addr)` (libibverbs passes `iova = addr`). At drop,
+    /// the pages become private memory again (with their bytes).
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` is memory of this process that no other thread writes during the
+    /// call, and whose pages may change backing (the notes of [`crate::mem::Adopted`]).
+    pub unsafe fn reg_user_mr(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+        iova: u64,
+    ) -> Result<Mr, VerbsError> {
+        check_mr_args(len, access)?;
+        if iova.checked_add(len as u64).is_none() {
+            return Err(VerbsError::inval(format!("iova {iova:#x} + {len} wraps")));
         }
-        if access.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
-            && !access.contains(AccessFlags::LOCAL_WRITE)
-        {
-            return Err(VerbsError::inval(
-                "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE",
-            ));
-        }
+        let page_start = addr as usize & !4095;
+        let skew = addr as usize - page_start;
+        let pages = (skew + len).div_ceil(4096) * 4096;
+        let region = Arc::new(self.mr_region(pages)?);
+        // SAFETY: the caller's contract is `Adopted::new`'s; the region holds `pages` bytes
+        // after its header page.
+        let adopted =
+            unsafe { crate::mem::Adopted::new(&region, MR_DATA_OFF, page_start as *mut u8, pages) }
+                .map_err(|e| VerbsError::inval(format!("cannot register {addr:p}+{len}: {e}")))?;
+        self.register(region, skew as u32, len, access, iova, Some(adopted))
+    }
+
+    /// A zero-filled region memfd with room for the header page and `len` data bytes.
+    fn mr_region(&self, len: usize) -> Result<Region, VerbsError> {
         let node = &self.ctx.node;
         let size = (MR_DATA_OFF + len as u64).div_ceil(4096) * 4096;
-        let region = Region::create(
+        Ok(Region::create(
             &format!("bp-{}-mr-n{}", node.fabric().name(), node.slot()),
             size as usize,
-        )?;
+        )?)
+    }
+
+    /// Writes the region's header, registers it with the supervisor and in the engine.
+    fn register(
+        &self,
+        region: Arc<Region>,
+        skew: u32,
+        len: usize,
+        access: AccessFlags,
+        iova: u64,
+        adopted: Option<crate::mem::Adopted>,
+    ) -> Result<Mr, VerbsError> {
+        let node = &self.ctx.node;
         let mut h = [0u8; 64];
-        MrRepr { len: len as u64 }.emit(&mut MrHeader::new_unchecked(&mut h[..]));
+        MrRepr {
+            len: len as u64,
+            skew,
+            iova,
+        }
+        .emit(&mut MrHeader::new_unchecked(&mut h[..]));
         h[MR_INIT_OFF..MR_INIT_OFF + 4].fill(0);
         region.write(0, &h)?;
         region
@@ -261,14 +309,14 @@ impl Pd {
         let VerbsResponse::MrRegistered { key } = resp else {
             return Err(FabricError::Protocol(format!("{resp:?}")).into());
         };
-        let region = Arc::new(region);
-        let data = Span::new(&region, MR_DATA_OFF, len as u64)?;
+        let data = Span::new(&region, MR_DATA_OFF + u64::from(skew), len as u64)?;
         data.populate(true);
         self.ctx.eng.borrow_mut().mrs.insert(
             key,
             LocalMr {
                 pd: self.id,
                 access,
+                iova,
                 data: data.clone(),
             },
         );
@@ -279,6 +327,8 @@ impl Pd {
             data,
             len,
             access,
+            iova,
+            adopted,
         })
     }
 
@@ -350,8 +400,9 @@ impl Pd {
     }
 }
 
-/// A memory region (`ibv_mr`): shareable memory the library allocated, registered in a PD.
-/// Dropping it deregisters it: peers that mapped it get REM_ACCESS_ERR from then on.
+/// A memory region (`ibv_mr`): shareable memory the library allocated ([`Pd::alloc_mr`]) or
+/// the program's own put under a region ([`Pd::reg_user_mr`]), registered in a PD. Dropping it
+/// deregisters it: peers that mapped it get REM_ACCESS_ERR from then on.
 pub struct Mr {
     ctx: Rc<Ctx>,
     key: u32,
@@ -359,6 +410,25 @@ pub struct Mr {
     data: Span,
     len: usize,
     access: AccessFlags,
+    iova: u64,
+    /// The program's pages under the region (`reg_user_mr`); dropped after the deregistration.
+    adopted: Option<crate::mem::Adopted>,
+}
+
+/// The checks every registration makes: a length in range, and the remote rights that need
+/// LOCAL_WRITE (as in libibverbs).
+fn check_mr_args(len: usize, access: AccessFlags) -> Result<(), VerbsError> {
+    if len == 0 || len as u64 > 1 << 40 {
+        return Err(VerbsError::inval(format!("region of {len} bytes")));
+    }
+    if access.intersects(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC)
+        && !access.contains(AccessFlags::LOCAL_WRITE)
+    {
+        return Err(VerbsError::inval(
+            "REMOTE_WRITE and REMOTE_ATOMIC need LOCAL_WRITE",
+        ));
+    }
+    Ok(())
 }
 
 impl std::fmt::Debug for Mr {
@@ -392,10 +462,15 @@ impl Mr {
     pub fn access(&self) -> AccessFlags {
         self.access
     }
+    /// The address of byte 0 that scatter/gather entries and peers use (0 for a region the
+    /// library allocated).
+    pub fn iova(&self) -> u64 {
+        self.iova
+    }
     /// A scatter/gather entry for `[offset, offset+length)` of this region.
     pub fn sge(&self, offset: u64, length: u32) -> Sge {
         Sge {
-            addr: offset,
+            addr: self.iova + offset,
             length,
             lkey: self.key,
         }
@@ -450,7 +525,10 @@ impl Mr {
     /// the copies above.
     #[inline]
     pub fn as_ptr(&self) -> *mut u8 {
-        self.data.addr(0).cast_mut()
+        match &self.adopted {
+            Some(a) => a.addr().wrapping_add(self.data.addr(0) as usize % 4096),
+            None => self.data.addr(0).cast_mut(),
+        }
     }
     /// Deregisters the region (`ibv_dereg_mr`); the same as dropping it.
     pub fn dereg(self) {}

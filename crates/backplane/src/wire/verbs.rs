@@ -20,8 +20,8 @@ use super::{check, rd_u32, rd_u64, wr_u32, wr_u64, LayoutError, CACHE_LINE, INIT
 
 /// Magic of a memory region: `BPMEMREG`.
 pub const MR_MAGIC: u64 = u64::from_le_bytes(*b"BPMEMREG");
-/// Layout version of the memory region header.
-pub const MR_VERSION: u32 = 1;
+/// Layout version of the memory region header (2: `skew` and `iova`).
+pub const MR_VERSION: u32 = 2;
 /// Where the region's data begins in its memfd (one page of header).
 pub const MR_DATA_OFF: u64 = 4096;
 /// The registration state word (u32), on its own cache line; written by the owner only.
@@ -39,6 +39,8 @@ mod mr_field {
     pub const HEADER_LEN: usize = 12;
     pub const LEN: usize = 16;
     pub const INITIALIZED: usize = 24;
+    pub const SKEW: usize = 28;
+    pub const IOVA: usize = 32;
 }
 
 packet!(
@@ -52,6 +54,12 @@ packet!(
 pub struct MrRepr {
     /// Data bytes (the registered length).
     pub len: u64,
+    /// Where the registered bytes begin after [`MR_DATA_OFF`] (below a page): a region made
+    /// under memory the program allocated keeps that memory's place in its page.
+    pub skew: u32,
+    /// The address of the first registered byte in the owner's address space (0 for a region
+    /// the library allocated: zero-based). Peers name remote bytes by it (`remote_addr`).
+    pub iova: u64,
 }
 
 impl MrRepr {
@@ -77,14 +85,32 @@ impl MrRepr {
                 value: hl.into(),
             });
         }
+        let skew = rd_u32(b, mr_field::SKEW);
+        if u64::from(skew) >= MR_DATA_OFF {
+            return Err(LayoutError::BadField {
+                field: "skew",
+                value: skew.into(),
+            });
+        }
         let len = rd_u64(b, mr_field::LEN);
-        if len == 0 || len.checked_add(MR_DATA_OFF).is_none_or(|e| e > mapped) {
+        if len == 0
+            || len
+                .checked_add(MR_DATA_OFF + u64::from(skew))
+                .is_none_or(|e| e > mapped)
+        {
             return Err(LayoutError::BadField {
                 field: "len",
                 value: len,
             });
         }
-        Ok(Self { len })
+        let iova = rd_u64(b, mr_field::IOVA);
+        if iova.checked_add(len).is_none() {
+            return Err(LayoutError::BadField {
+                field: "iova",
+                value: iova,
+            });
+        }
+        Ok(Self { len, skew, iova })
     }
 
     /// Writes the header, `initialized` included.
@@ -94,6 +120,8 @@ impl MrRepr {
         wr_u32(b, mr_field::VERSION, MR_VERSION);
         wr_u32(b, mr_field::HEADER_LEN, MR_DATA_OFF as u32);
         wr_u64(b, mr_field::LEN, self.len);
+        wr_u32(b, mr_field::SKEW, self.skew);
+        wr_u64(b, mr_field::IOVA, self.iova);
         wr_u32(b, mr_field::INITIALIZED, INIT_MARK);
     }
 }
@@ -634,12 +662,14 @@ mod tests {
     #[test]
     fn mr_header_round_trips_and_rejects_bad_length_or_marker() {
         let mut b = [0u8; 64];
-        MrRepr { len: 8192 }.emit(&mut MrHeader::new_unchecked(&mut b[..]));
+        let repr = MrRepr {
+            len: 8192,
+            skew: 0,
+            iova: 0,
+        };
+        repr.emit(&mut MrHeader::new_unchecked(&mut b[..]));
         let p = MrHeader::new_unchecked(&b[..]);
-        assert_eq!(
-            MrRepr::parse(&p, 4096 + 8192).unwrap(),
-            MrRepr { len: 8192 }
-        );
+        assert_eq!(MrRepr::parse(&p, 4096 + 8192).unwrap(), repr);
         assert!(
             MrRepr::parse(&p, 4096 + 8191).is_err(),
             "longer than mapped"
@@ -654,6 +684,29 @@ mod tests {
         bad[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(MrRepr::parse(&MrHeader::new_unchecked(&bad[..]), u64::MAX).is_err());
         assert!(MrHeader::new_checked(&b[..63]).is_err());
+    }
+
+    #[test]
+    fn mr_header_skew_keeps_the_data_inside_the_mapping_and_iova_cannot_wrap() {
+        let mut b = [0u8; 64];
+        let repr = MrRepr {
+            len: 100,
+            skew: 4000,
+            iova: 0x7f00_0000_0fa0,
+        };
+        repr.emit(&mut MrHeader::new_unchecked(&mut b[..]));
+        let p = MrHeader::new_unchecked(&b[..]);
+        assert_eq!(MrRepr::parse(&p, 4096 + 4000 + 100).unwrap(), repr);
+        assert!(
+            MrRepr::parse(&p, 4096 + 4000 + 99).is_err(),
+            "skew + len past the end"
+        );
+        let mut bad = b;
+        bad[28..32].copy_from_slice(&4096u32.to_le_bytes());
+        assert!(MrRepr::parse(&MrHeader::new_unchecked(&bad[..]), 1 << 20).is_err());
+        let mut bad = b;
+        bad[32..40].copy_from_slice(&(u64::MAX - 50).to_le_bytes());
+        assert!(MrRepr::parse(&MrHeader::new_unchecked(&bad[..]), 1 << 20).is_err());
     }
 
     #[test]

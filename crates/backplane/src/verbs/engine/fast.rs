@@ -69,8 +69,11 @@ impl QpEngine {
         else {
             return false;
         };
+        // Remote bytes are named by the owner's addresses (`iova`); a wrapped offset is far past
+        // the end, which the checked copy refuses.
+        let off = remote_addr.wrapping_sub(m.iova);
         // The line the write ends in (the one a peer polls) starts coming while the checks run.
-        let end_line = write_end(&d.data, remote_addr, len);
+        let end_line = write_end(&d.data, off, len);
         crate::sync::prefetch_write(end_line);
         let Some(p) = &self.peer else { return false };
         if m.key != rkey
@@ -88,7 +91,7 @@ impl QpEngine {
         // The range half of the access rule: `d.data` is exactly the region's granted bytes
         // (`RemoteMr::new`), so the checked copy refuses what `remote_access_allowed` would;
         // the general way then reports the error.
-        if local.copy_to(&d.data, remote_addr, true).is_err() {
+        if local.copy_to(&d.data, off, true).is_err() {
             return false;
         }
         self.write_hint = WriteHint {
@@ -186,6 +189,7 @@ impl QpEngine {
         else {
             return false;
         };
+        let remote_addr = remote_addr.wrapping_sub(m.iova);
         let Some(p) = &self.peer else { return false };
         // SYNC POINT mr-state (acquire): the owner's deregistration, seen before each access.
         if d.state.load(Ordering::Acquire) != MR_STATE_VALID

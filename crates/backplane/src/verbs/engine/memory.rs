@@ -68,6 +68,9 @@ impl MrTable {
 pub(crate) struct LocalMr {
     pub(crate) pd: u32,
     pub(crate) access: AccessFlags,
+    /// The address of the first byte (scatter/gather entries name bytes by it): 0 for a
+    /// region the library allocated, the program's own address for memory it registered.
+    pub(crate) iova: u64,
     /// The data bytes (the region past its header).
     pub(crate) data: Span,
 }
@@ -76,6 +79,8 @@ pub(crate) struct LocalMr {
 pub(super) struct RemoteMr {
     pub(super) key: u32,
     pub(super) access: AccessFlags,
+    /// The owner's address of the first byte (`remote_addr`s name bytes by it).
+    pub(super) iova: u64,
     /// Granted bytes.
     pub(super) len: u64,
     pub(super) mem: Arc<dyn RemoteRegion>,
@@ -105,6 +110,7 @@ impl RemoteMr {
         Self {
             key,
             access: AccessFlags::from_bits_retain(mem.access_bits()),
+            iova: mem.iova(),
             len: mem.len(),
             mem,
             direct,
@@ -209,14 +215,17 @@ pub(super) fn resolve<'m>(
     write: bool,
 ) -> Result<Bytes<'m>, WcStatus> {
     let mr = mrs.get(sge.lkey).ok_or(WcStatus::LocProtErr)?;
-    let end = sge.addr.checked_add(u64::from(sge.length));
+    // Bytes are named by the region's addresses (`iova`, 0 for zero-based regions); an address
+    // below the region wraps far past its end.
+    let off = sge.addr.wrapping_sub(mr.iova);
+    let end = off.checked_add(u64::from(sge.length));
     if mr.pd != pd
         || end.is_none_or(|e| e > mr.data.len())
         || (write && !mr.access.contains(AccessFlags::LOCAL_WRITE))
     {
         return Err(WcStatus::LocProtErr);
     }
-    Ok(Bytes::Span(&mr.data, sge.addr, sge.length as usize))
+    Ok(Bytes::Span(&mr.data, off, sge.length as usize))
 }
 
 pub(super) fn check_sges(

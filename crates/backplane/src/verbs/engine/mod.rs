@@ -568,6 +568,7 @@ mod tests {
         let mr = LocalMr {
             pd,
             access,
+            iova: 0,
             data: Span::whole(&r),
         };
         (mr, r)

@@ -354,7 +354,7 @@ impl QpEngine {
         len: u64,
         need: AccessFlags,
         env: &CtxParts<'_>,
-    ) -> Result<Rc<RemoteMr>, WcStatus> {
+    ) -> Result<(Rc<RemoteMr>, u64), WcStatus> {
         let peer_access = self
             .peer
             .as_ref()
@@ -362,10 +362,13 @@ impl QpEngine {
             .map(|p| AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)))
             .ok_or(WcStatus::LocQpOpErr)?;
         let m = self.remote_mr(rkey, env).ok_or(WcStatus::RemAccessErr)?;
-        if !remote_access_allowed(m.len, m.access, peer_access, need, addr, len) {
+        // The owner's address of a byte → its offset in the region; below the region wraps
+        // past its end, which the bounds check refuses.
+        let off = addr.wrapping_sub(m.iova);
+        if !remote_access_allowed(m.len, m.access, peer_access, need, off, len) {
             return Err(WcStatus::RemAccessErr);
         }
-        Ok(m)
+        Ok((m, off))
     }
 
     pub(super) fn exec_write(
@@ -381,7 +384,7 @@ impl QpEngine {
         let op = &op.with_src(src);
         let imm = op.opcode == WrOpcode::RdmaWriteWithImm;
         if !prog.started {
-            let m = match self.remote_access(
+            let (m, off) = match self.remote_access(
                 op.rkey,
                 op.remote_addr,
                 total,
@@ -401,14 +404,7 @@ impl QpEngine {
             prog.started = true;
             // [remote_addr, +total) is inside the region (remote_access checked the bounds;
             // REMOTE_WRITE regions are granted writable); the source was validated by `prepare`.
-            ordered_write(
-                &op.src,
-                env.mrs,
-                self.pd,
-                &*m.mem,
-                op.remote_addr,
-                total as usize,
-            );
+            ordered_write(&op.src, env.mrs, self.pd, &*m.mem, off, total as usize);
         }
         if !imm {
             return Exec::Done(WcStatus::Success);
@@ -436,7 +432,7 @@ impl QpEngine {
             Ok(t) => t,
             Err(s) => return Exec::Fatal(s),
         };
-        let m = match self.remote_access(
+        let (m, off) = match self.remote_access(
             op.rkey,
             op.remote_addr,
             total,
@@ -450,9 +446,7 @@ impl QpEngine {
         // validated writable.
         walk_sges(env.mrs, self.pd, sges, 0, total as usize, true, |at, b| {
             if let Bytes::Span(dst, dst_off, n) = b {
-                let _ = m
-                    .mem
-                    .get(op.remote_addr + at as u64, dst, dst_off, n, CopyKind::Plain);
+                let _ = m.mem.get(off + at as u64, dst, dst_off, n, CopyKind::Plain);
             }
         });
         Exec::Done(WcStatus::Success)
@@ -470,15 +464,15 @@ impl QpEngine {
         if !op.remote_addr.is_multiple_of(8) {
             return Exec::Fatal(WcStatus::RemAccessErr);
         }
-        let m =
+        let (m, off) =
             match self.remote_access(op.rkey, op.remote_addr, 8, AccessFlags::REMOTE_ATOMIC, env) {
                 Ok(m) => m,
                 Err(s) => return Exec::Fatal(s),
             };
         let old = if op.opcode == WrOpcode::AtomicFetchAndAdd {
-            m.mem.fetch_add(op.remote_addr, op.compare_add)
+            m.mem.fetch_add(off, op.compare_add)
         } else {
-            m.mem.compare_swap(op.remote_addr, op.compare_add, op.swap)
+            m.mem.compare_swap(off, op.compare_add, op.swap)
         };
         let Ok(old) = old else {
             return Exec::Fatal(WcStatus::RemAccessErr);

@@ -1,0 +1,386 @@
+//! Memory a program allocated, put under a region in place: how an unmodified libibverbs
+//! program's `ibv_reg_mr(pd, malloc'd buffer, …)` becomes memory peers can map.
+//!
+//! Peers reach a region by mapping its memfd, so registered bytes must live in one. A program's
+//! `malloc`/`mmap` buffer is private anonymous memory; [`Adopted::new`] moves it into a region
+//! without changing its addresses: the pages' bytes are copied into the region's memfd (mapped
+//! at a spare address), and that mapping is then moved onto the buffer's pages with
+//! `mremap(MREMAP_FIXED)`, which replaces them in one step (no moment where the addresses are
+//! unmapped). The program keeps its pointers and reads a peer's RDMA WRITE where it expects
+//! it, zero-copy. Dropping an [`Adopted`] (deregistration) does the reverse — private
+//! anonymous pages with the same bytes — if the pages are still the region's, so a peer's
+//! mapping of the memfd no longer reaches memory the program reuses.
+//!
+//! The alternative, leaving the buffer where it is and having peers write it with
+//! `process_vm_writev`, costs a system call per access (see `docs/architecture.md` for the
+//! figures) and leaves no memory a peer can poll: it was measured and not chosen.
+//!
+//! What the program must know (as with pinning on a NIC): bytes another thread writes into the
+//! buffer's pages *while* `ibv_reg_mr` runs may be lost; after `fork()` the child shares the
+//! registered pages with the parent instead of copying them (libibverbs' `ibv_fork_init`
+//! problem, the other way round); and pages already shared (a `MAP_SHARED` mapping, or a page
+//! of another live registration) are refused rather than silently split.
+
+use std::sync::Arc;
+
+use super::{MemError, Region};
+
+const PAGE: usize = 4096;
+
+/// A range of this process's pages backed by (part of) a region, until dropped.
+#[derive(Debug)]
+pub struct Adopted {
+    at: usize,
+    len: usize,
+    region: Arc<Region>,
+    /// The memfd's identity, to recognise the pages as still ours at drop.
+    ident: (u64, u64),
+    /// The protections the pages had, per `/proc/self/maps` segment: restored at both ends.
+    prots: Vec<(usize, usize, rustix::mm::MprotectFlags)>,
+}
+
+/// One line of `/proc/self/maps`.
+struct Segment {
+    start: usize,
+    end: usize,
+    perms: [u8; 4],
+    dev_ino: (u64, u64),
+}
+
+fn segments() -> std::io::Result<Vec<Segment>> {
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    Ok(maps.lines().filter_map(parse_segment).collect())
+}
+
+fn parse_segment(l: &str) -> Option<Segment> {
+    let mut w = l.split_whitespace();
+    let (s, e) = w.next()?.split_once('-')?;
+    let p = w.next()?.as_bytes();
+    let _off = w.next()?;
+    let (maj, min) = w.next()?.split_once(':')?;
+    let ino = w.next()?.parse::<u64>().ok()?;
+    let dev = (u64::from_str_radix(maj, 16).ok()? << 8) | u64::from_str_radix(min, 16).ok()?;
+    Some(Segment {
+        start: usize::from_str_radix(s, 16).ok()?,
+        end: usize::from_str_radix(e, 16).ok()?,
+        perms: p.get(..4)?.try_into().ok()?,
+        dev_ino: (dev, ino),
+    })
+}
+
+/// The segments covering `[at, at + len)`, clipped to it; an error if a byte is unmapped.
+fn covering(at: usize, len: usize) -> Result<Vec<Segment>, String> {
+    let all = segments().map_err(|e| format!("cannot read /proc/self/maps: {e}"))?;
+    let end = at + len;
+    let mut next = at;
+    let mut out = Vec::new();
+    for s in all.into_iter().filter(|s| s.end > at && s.start < end) {
+        if s.start > next {
+            break;
+        }
+        next = s.end;
+        out.push(Segment {
+            start: s.start.max(at),
+            end: s.end.min(end),
+            ..s
+        });
+    }
+    if next < end {
+        return Err(format!("{:#x}..{:#x} is not all mapped memory", at, end));
+    }
+    Ok(out)
+}
+
+fn prot_of(p: &[u8; 4]) -> rustix::mm::MprotectFlags {
+    use rustix::mm::MprotectFlags as F;
+    let mut f = F::empty();
+    if p[0] == b'r' {
+        f |= F::READ;
+    }
+    if p[1] == b'w' {
+        f |= F::WRITE;
+    }
+    if p[2] == b'x' {
+        f |= F::EXEC;
+    }
+    f
+}
+
+fn memfd_ident(region: &Region) -> (u64, u64) {
+    rustix::fs::fstat(region.fd())
+        .map(|s| (s.st_dev, s.st_ino))
+        .unwrap_or((u64::MAX, u64::MAX))
+}
+
+/// The kernel's `st_dev` for a memfd is the encoded device number; `/proc/self/maps` prints
+/// major:minor. Both sides are compared through this.
+fn dev_as_maps(dev: u64) -> u64 {
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
+    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
+    (major << 8) | minor
+}
+
+fn map_err(len: usize, e: impl Into<std::io::Error>) -> MemError {
+    MemError::Map {
+        len,
+        source: e.into(),
+    }
+}
+
+impl Adopted {
+    /// Puts the pages `[at, at + len)` of this process (page-aligned) under `region` at
+    /// `off` (page-aligned, `off + len` inside the region), keeping their bytes, addresses and
+    /// protections. Fails (nothing changed) if a byte is unmapped or unreadable, or a page is
+    /// shared memory already.
+    ///
+    /// # Safety
+    /// The range is memory of this process whose contents may move to other physical pages:
+    /// no thread writes it during the call, and nothing relies on its pages being private
+    /// (the module's notes).
+    pub unsafe fn new(
+        region: &Arc<Region>,
+        off: u64,
+        at: *mut u8,
+        len: usize,
+    ) -> Result<Self, MemError> {
+        use rustix::mm::{mmap, mprotect, mremap_fixed, MapFlags, MremapFlags, ProtFlags};
+        let at = at as usize;
+        let inval = |m: String| {
+            map_err(
+                len,
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, m),
+            )
+        };
+        if !at.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) || len == 0 {
+            return Err(inval(format!("{at:#x}+{len} is not whole pages")));
+        }
+        region.check(off, len as u64, PAGE as u64)?;
+        let segs = covering(at, len).map_err(inval)?;
+        if let Some(s) = segs.iter().find(|s| s.perms[0] != b'r') {
+            return Err(inval(format!(
+                "{:#x}..{:#x} is not readable",
+                s.start, s.end
+            )));
+        }
+        if let Some(s) = segs.iter().find(|s| s.perms[3] == b's') {
+            return Err(inval(format!(
+                "{:#x}..{:#x} is shared memory already (a MAP_SHARED mapping or a page of \
+                 another registered region): only private memory can be registered in place",
+                s.start, s.end
+            )));
+        }
+        let prots: Vec<_> = segs
+            .iter()
+            .map(|s| (s.start, s.end, prot_of(&s.perms)))
+            .collect();
+        // SAFETY: a fresh kernel-chosen mapping of the memfd (aliases nothing); unmapped below
+        // on failure or moved onto `at`.
+        let tmp = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED | MapFlags::POPULATE,
+                region.fd(),
+                off,
+            )
+        }
+        .map_err(|e| map_err(len, e))?;
+        // SAFETY: `at..at+len` is mapped and readable (checked above); `tmp` is our fresh
+        // writable mapping of `len` bytes; they do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(at as *const u8, tmp.cast::<u8>(), len) };
+        // SAFETY: moves our mapping onto the caller's pages, replacing them atomically; the
+        // caller promised the pages may change backing; `tmp` is not used after.
+        let moved = unsafe {
+            mremap_fixed(
+                tmp,
+                len,
+                len,
+                MremapFlags::MAYMOVE,
+                at as *mut std::ffi::c_void,
+            )
+        };
+        if let Err(e) = moved {
+            // SAFETY: our own temporary mapping, not moved.
+            let _ = unsafe { rustix::mm::munmap(tmp, len) };
+            return Err(map_err(len, e));
+        }
+        for &(s, e, p) in &prots {
+            if p != rustix::mm::MprotectFlags::READ | rustix::mm::MprotectFlags::WRITE {
+                // SAFETY: a part of the range we just mapped; the protection it had before.
+                let _ = unsafe { mprotect(s as *mut std::ffi::c_void, e - s, p) };
+            }
+        }
+        Ok(Self {
+            at,
+            len,
+            ident: memfd_ident(region),
+            region: region.clone(),
+            prots,
+        })
+    }
+
+    /// The first adopted address.
+    pub fn addr(&self) -> *mut u8 {
+        self.at as *mut u8
+    }
+
+    /// The region the pages are under.
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    /// True if every page of the range still maps this region's memfd (the program did not
+    /// unmap or remap it meanwhile).
+    fn still_ours(&self) -> bool {
+        let (dev, ino) = self.ident;
+        covering(self.at, self.len).is_ok_and(|segs| {
+            segs.iter()
+                .all(|s| s.dev_ino == (dev_as_maps(dev), ino) && s.perms[3] == b's')
+        })
+    }
+}
+
+impl Drop for Adopted {
+    fn drop(&mut self) {
+        use rustix::mm::{
+            mmap_anonymous, mprotect, mremap_fixed, MapFlags, MremapFlags, ProtFlags,
+        };
+        if !self.still_ours() {
+            return;
+        }
+        let len = self.len;
+        // SAFETY: a fresh private anonymous mapping (aliases nothing).
+        let Ok(tmp) = (unsafe {
+            mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE | MapFlags::POPULATE,
+            )
+        }) else {
+            return;
+        };
+        // Unreadable pages (mprotect'ed by the program) cannot be copied; make them readable
+        // for the copy (their protection is restored below).
+        // SAFETY: the range is ours (checked), the protection change is undone below.
+        let _ = unsafe {
+            mprotect(
+                self.at as *mut std::ffi::c_void,
+                len,
+                rustix::mm::MprotectFlags::READ,
+            )
+        };
+        // SAFETY: `at..at+len` is our readable mapping; `tmp` a fresh writable one.
+        unsafe { std::ptr::copy_nonoverlapping(self.at as *const u8, tmp.cast::<u8>(), len) };
+        // SAFETY: replaces our shared pages with the private copy in one step.
+        let moved = unsafe {
+            mremap_fixed(
+                tmp,
+                len,
+                len,
+                MremapFlags::MAYMOVE,
+                self.at as *mut std::ffi::c_void,
+            )
+        };
+        if moved.is_err() {
+            // SAFETY: our temporary mapping, not moved.
+            let _ = unsafe { rustix::mm::munmap(tmp, len) };
+        }
+        for &(s, e, p) in &self.prots {
+            // SAFETY: part of the range; the protection the program gave it.
+            let _ = unsafe { mprotect(s as *mut std::ffi::c_void, e - s, p) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn byte(r: &Region, off: u64) -> u8 {
+        let mut b = [0u8];
+        r.read(off, &mut b).unwrap();
+        b[0]
+    }
+
+    fn anon(len: usize) -> *mut u8 {
+        use rustix::mm::{mmap_anonymous, MapFlags, ProtFlags};
+        // SAFETY: a fresh private mapping, leaked by the test.
+        unsafe {
+            mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .unwrap()
+        .cast()
+    }
+
+    #[test]
+    fn adopted_pages_keep_their_bytes_and_share_the_region_until_dropped() {
+        let p = anon(3 * PAGE);
+        // SAFETY: our fresh mapping of three pages.
+        unsafe { std::ptr::write_bytes(p, 0x5a, 3 * PAGE) };
+        let r = Arc::new(Region::create("bp-test-adopt", 4 * PAGE).unwrap());
+        // SAFETY: the test's own private pages, written by no other thread.
+        let a = unsafe { Adopted::new(&r, PAGE as u64, p, 3 * PAGE) }.unwrap();
+        assert_eq!(
+            byte(&r, PAGE as u64 + 7),
+            0x5a,
+            "bytes moved into the region"
+        );
+        // SAFETY: still our mapping (now the region's pages).
+        unsafe { *p.add(9) = 1 };
+        assert_eq!(
+            byte(&r, PAGE as u64 + 9),
+            1,
+            "program writes reach the region"
+        );
+        r.write(PAGE as u64 + 10, &[2]).unwrap();
+        // SAFETY: as above.
+        assert_eq!(unsafe { *p.add(10) }, 2, "region writes reach the program");
+        assert!(a.still_ours());
+        drop(a);
+        // SAFETY: private again, same bytes.
+        assert_eq!(unsafe { *p.add(10) }, 2);
+        r.write(PAGE as u64 + 11, &[3]).unwrap();
+        // SAFETY: as above.
+        assert_eq!(unsafe { *p.add(11) }, 0x5a, "no longer shared after drop");
+    }
+
+    #[test]
+    fn unmapped_shared_and_unaligned_ranges_are_refused() {
+        let r = Arc::new(Region::create("bp-test-adopt", 4 * PAGE).unwrap());
+        let p = anon(2 * PAGE);
+        // SAFETY: refused before anything changes (unaligned).
+        assert!(unsafe { Adopted::new(&r, PAGE as u64, p.wrapping_add(1), PAGE) }.is_err());
+        // SAFETY: as above (past the region).
+        assert!(unsafe { Adopted::new(&r, 3 * PAGE as u64, p, 2 * PAGE) }.is_err());
+        // A shared page (the region's own mapping) is refused.
+        let shared = r.ptr.as_ptr();
+        // SAFETY: refused before anything changes.
+        let e = unsafe { Adopted::new(&r, PAGE as u64, shared, PAGE) }.unwrap_err();
+        assert!(e.to_string().contains("shared memory already"), "{e}");
+        // SAFETY: our mapping; unmap its second page, then ask for both.
+        unsafe { rustix::mm::munmap(p.add(PAGE).cast(), PAGE).unwrap() };
+        // SAFETY: refused before anything changes.
+        let e = unsafe { Adopted::new(&r, PAGE as u64, p, 2 * PAGE) }.unwrap_err();
+        assert!(e.to_string().contains("not all mapped"), "{e}");
+    }
+
+    #[test]
+    fn pages_the_program_unmapped_are_left_alone_at_drop() {
+        let p = anon(PAGE);
+        let r = Arc::new(Region::create("bp-test-adopt", 2 * PAGE).unwrap());
+        // SAFETY: the test's own page.
+        let a = unsafe { Adopted::new(&r, PAGE as u64, p, PAGE) }.unwrap();
+        // SAFETY: the program frees its buffer before deregistering.
+        unsafe { rustix::mm::munmap(p.cast(), PAGE).unwrap() };
+        assert!(!a.still_ours());
+        drop(a);
+        assert!(covering(p as usize, PAGE).is_err(), "nothing mapped back");
+    }
+}
