@@ -20,10 +20,13 @@
 //! CQs and QPs (`ibv_rc_pingpong`, perftest) are not exported yet.
 
 pub mod abi;
+mod objects;
+mod qp;
 mod stubs;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr::null_mut;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use abi::*;
@@ -53,6 +56,33 @@ struct Ctx {
     fabric: Fabric,
     slot: u32,
     gid: [u8; 16],
+    /// Held by every call that reaches the engine. The engine takes no lock (a context's
+    /// objects belong to one thread in the Rust API); libibverbs programs may use one context
+    /// from several threads, so calls are made one at a time here.
+    busy: AtomicBool,
+}
+
+/// A context's engine, held (see [`Ctx::busy`]).
+struct Held<'a>(&'a AtomicBool);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+impl Ctx {
+    /// Waits for the context's engine to be free and holds it.
+    fn lock(&self) -> Held<'_> {
+        while self
+            .busy
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            std::hint::spin_loop();
+        }
+        Held(&self.busy)
+    }
 }
 
 fn set_errno(e: c_int) {
@@ -310,8 +340,8 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         bind_mw: null,
         dealloc_mw: null,
         _compat_create_cq: null,
-        poll_cq: null,
-        req_notify_cq: null,
+        poll_cq: objects::poll_cq as *const c_void,
+        req_notify_cq: objects::req_notify_cq as *const c_void,
         _compat_cq_event: null,
         _compat_resize_cq: null,
         _compat_destroy_cq: null,
@@ -324,8 +354,8 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         _compat_query_qp: null,
         _compat_modify_qp: null,
         _compat_destroy_qp: null,
-        post_send: null,
-        post_recv: null,
+        post_send: qp::post_send as *const c_void,
+        post_recv: qp::post_recv as *const c_void,
         _compat_create_ah: null,
         _compat_destroy_ah: null,
         _compat_attach_mcast: null,
@@ -346,6 +376,7 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         ctx,
         fabric,
         slot,
+        busy: AtomicBool::new(false),
     });
     let p = Box::into_raw(c);
     OPEN.lock()

@@ -66,12 +66,6 @@ fail!(
     "execute_ioctl",
     "execute_ioctl@@IBVERBS_PRIVATE_34"
 );
-void!(bp_stub_ibv_ack_cq_events, "ibv_ack_cq_events@@IBVERBS_1.1");
-null!(
-    bp_stub_ibv_alloc_pd,
-    "ibv_alloc_pd",
-    "ibv_alloc_pd@@IBVERBS_1.1"
-);
 fail!(
     bp_stub_ibv_attach_mcast,
     "ibv_attach_mcast",
@@ -353,64 +347,14 @@ fail!(
     "ibv_copy_qp_attr_from_kern@@IBVERBS_1.0"
 );
 null!(
-    bp_stub_ibv_create_ah,
-    "ibv_create_ah",
-    "ibv_create_ah@@IBVERBS_1.1"
-);
-null!(
     bp_stub_ibv_create_ah_from_wc,
     "ibv_create_ah_from_wc",
     "ibv_create_ah_from_wc@@IBVERBS_1.1"
 );
 null!(
-    bp_stub_ibv_create_comp_channel,
-    "ibv_create_comp_channel",
-    "ibv_create_comp_channel@@IBVERBS_1.0"
-);
-null!(
-    bp_stub_ibv_create_cq,
-    "ibv_create_cq",
-    "ibv_create_cq@@IBVERBS_1.1"
-);
-null!(
-    bp_stub_ibv_create_qp,
-    "ibv_create_qp",
-    "ibv_create_qp@@IBVERBS_1.1"
-);
-null!(
     bp_stub_ibv_create_srq,
     "ibv_create_srq",
     "ibv_create_srq@@IBVERBS_1.1"
-);
-fail!(
-    bp_stub_ibv_dealloc_pd,
-    "ibv_dealloc_pd",
-    "ibv_dealloc_pd@@IBVERBS_1.1"
-);
-fail!(
-    bp_stub_ibv_dereg_mr,
-    "ibv_dereg_mr",
-    "ibv_dereg_mr@@IBVERBS_1.1"
-);
-fail!(
-    bp_stub_ibv_destroy_ah,
-    "ibv_destroy_ah",
-    "ibv_destroy_ah@@IBVERBS_1.1"
-);
-fail!(
-    bp_stub_ibv_destroy_comp_channel,
-    "ibv_destroy_comp_channel",
-    "ibv_destroy_comp_channel@@IBVERBS_1.0"
-);
-fail!(
-    bp_stub_ibv_destroy_cq,
-    "ibv_destroy_cq",
-    "ibv_destroy_cq@@IBVERBS_1.1"
-);
-fail!(
-    bp_stub_ibv_destroy_qp,
-    "ibv_destroy_qp",
-    "ibv_destroy_qp@@IBVERBS_1.1"
 );
 fail!(
     bp_stub_ibv_destroy_srq,
@@ -428,11 +372,6 @@ zero!(
     "ibv_dontfork_range@@IBVERBS_1.1"
 );
 fail!(
-    bp_stub_ibv_get_cq_event,
-    "ibv_get_cq_event",
-    "ibv_get_cq_event@@IBVERBS_1.1"
-);
-fail!(
     bp_stub_ibv_get_device_index,
     "ibv_get_device_index",
     "ibv_get_device_index@@IBVERBS_1.9"
@@ -447,11 +386,6 @@ fail!(
     "ibv_get_sysfs_path",
     "ibv_get_sysfs_path@@IBVERBS_1.0"
 );
-fail!(
-    bp_stub_ibv_modify_qp,
-    "ibv_modify_qp",
-    "ibv_modify_qp@@IBVERBS_1.1"
-);
 null!(
     bp_stub_ibv_qp_to_qp_ex,
     "ibv_qp_to_qp_ex",
@@ -461,17 +395,6 @@ fail!(
     bp_stub_ibv_query_ece,
     "ibv_query_ece",
     "ibv_query_ece@@IBVERBS_1.10"
-);
-fail!(
-    bp_stub_ibv_query_qp,
-    "ibv_query_qp",
-    "ibv_query_qp@@IBVERBS_1.1"
-);
-null!(bp_stub_ibv_reg_mr, "ibv_reg_mr", "ibv_reg_mr@@IBVERBS_1.1");
-null!(
-    bp_stub_ibv_reg_mr_iova2,
-    "ibv_reg_mr_iova2",
-    "ibv_reg_mr_iova2@@IBVERBS_1.8"
 );
 fail!(
     bp_stub_ibv_resolve_eth_l2_from_gid,

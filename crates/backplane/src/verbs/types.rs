@@ -374,11 +374,14 @@ pub struct Wc {
     pub pkey_index: u16,
 }
 
-/// A scatter/gather entry (`struct ibv_sge`). `addr` is an offset into the region named by
-/// `lkey` (zero-based addressing, as with `IBV_ACCESS_ZERO_BASED`): offsets, never pointers.
+/// A scatter/gather entry (`struct ibv_sge`, same layout). `addr` names a byte of the region
+/// `lkey` by the region's addresses: an offset for regions the library allocated (zero-based,
+/// as with `IBV_ACCESS_ZERO_BASED`), the program's own address for memory it registered
+/// ([`super::Pd::reg_user_mr`]); [`super::Mr::sge`] makes the right one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[repr(C)]
 pub struct Sge {
-    /// Offset in the region.
+    /// Address in the region (`Mr::iova` + offset).
     pub addr: u64,
     /// Bytes.
     pub length: u32,

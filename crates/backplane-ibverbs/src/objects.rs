@@ -1,0 +1,633 @@
+//! Protection domains, memory regions, completion channels, CQs and address handles.
+//!
+//! Every object handed out is a box whose first field is the public struct (`struct ibv_pd`,
+//! …), so the program's pointer is the box's. The control calls (create, destroy, modify,
+//! query) look the pointer up in [`LIVE`] first and refuse one this library did not hand out
+//! or already destroyed (`EINVAL`); the data-path calls the header inlines (`ibv_post_send`,
+//! `ibv_poll_cq`, …) trust it, as libibverbs' providers do.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_uint, c_void};
+use std::os::fd::{AsFd, AsRawFd};
+use std::ptr::null_mut;
+use std::sync::{Mutex, MutexGuard};
+
+use backplane::verbs::{AccessFlags, Ah, AhAttr, CompChannel, Cq, Mr, Pd, VerbsError};
+
+use crate::abi::*;
+use crate::{ctx_of, set_errno, Ctx};
+
+/// What a live pointer is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Pd,
+    Mr,
+    Channel,
+    Cq,
+    Qp,
+    Ah,
+}
+
+/// Objects alive now, by address: control calls check a pointer here before using it.
+static LIVE: Mutex<Option<HashMap<usize, Kind>>> = Mutex::new(None);
+
+fn live() -> MutexGuard<'static, Option<HashMap<usize, Kind>>> {
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub(crate) fn add_live<T>(p: *mut T, k: Kind) {
+    live().get_or_insert_with(HashMap::new).insert(p as usize, k);
+}
+
+pub(crate) fn remove_live<T>(p: *mut T) {
+    if let Some(m) = live().as_mut() {
+        m.remove(&(p as usize));
+    }
+}
+
+/// The object behind `p` if it is a live object of kind `k`.
+pub(crate) fn obj<'a, T>(p: *mut c_void, k: Kind) -> Option<&'a mut T> {
+    let ok = live()
+        .as_ref()
+        .and_then(|m| m.get(&(p as usize)).copied())
+        == Some(k);
+    // SAFETY: a live pointer of kind `k` is a `Box<T>` for that kind's `T` (every `add_live`
+    // caller passes the box it leaked), freed only after `remove_live`.
+    ok.then(|| unsafe { &mut *p.cast::<T>() })
+}
+
+/// The errno of a verbs error, as libibverbs' providers report them.
+pub(crate) fn errno_of(e: &VerbsError) -> c_int {
+    use backplane::fabric::FabricError as F;
+    match e {
+        VerbsError::InvalidArgument(_) => libc::EINVAL,
+        VerbsError::QueueFull(_) | VerbsError::Mem(_) => libc::ENOMEM,
+        VerbsError::Post { source, .. } => errno_of(source),
+        VerbsError::TimedOut => libc::ETIMEDOUT,
+        VerbsError::Refused(_) => libc::ECONNREFUSED,
+        VerbsError::Fabric(F::NodeNotReady { .. }) => libc::ENETDOWN,
+        VerbsError::Fabric(F::NotRunning(_) | F::SupervisorGone(_)) => libc::ENODEV,
+        VerbsError::Fabric(_) => libc::EIO,
+        VerbsError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+    }
+}
+
+/// Reports a failed control call: one line on stderr (what programs print — "Couldn't
+/// create QP" — does not say why), errno set; returns the errno.
+pub(crate) fn fail(call: &str, errno: c_int, why: impl std::fmt::Display) -> c_int {
+    eprintln!("libibverbs (backplane): {call}: {why}");
+    set_errno(errno);
+    errno
+}
+
+pub(crate) fn fail_verbs(call: &str, e: &VerbsError) -> c_int {
+    fail(call, errno_of(e), e)
+}
+
+/// A counter for the `handle` fields (unique per process, as the kernel's are per context).
+pub(crate) fn next_handle() -> u32 {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Protection domains.
+// ---------------------------------------------------------------------------------------------
+
+#[repr(C)]
+pub(crate) struct PdObj {
+    pub(crate) ibv: IbvPd,
+    pub(crate) pd: Pd,
+    pub(crate) ctx: *const Ctx,
+}
+
+/// `ibv_alloc_pd`.
+#[no_mangle]
+pub extern "C" fn bp_ibv_alloc_pd(context: *mut IbvContext) -> *mut IbvPd {
+    let Some(c) = ctx_of(context) else {
+        fail("ibv_alloc_pd", libc::EINVAL, "not an open context");
+        return null_mut();
+    };
+    let _g = c.lock();
+    let pd = c.ctx.alloc_pd();
+    let p = Box::into_raw(Box::new(PdObj {
+        ibv: IbvPd {
+            context,
+            handle: next_handle(),
+        },
+        pd,
+        ctx: c,
+    }));
+    add_live(p, Kind::Pd);
+    p.cast()
+}
+crate::abi::symver!(bp_ibv_alloc_pd, "ibv_alloc_pd@@IBVERBS_1.1");
+
+/// `ibv_dealloc_pd`: 0 or an errno. The engine keeps what still uses the PD alive; libibverbs
+/// would answer `EBUSY`, which programs tearing down in the wrong order then ignore.
+#[no_mangle]
+pub extern "C" fn bp_ibv_dealloc_pd(pd: *mut IbvPd) -> c_int {
+    let Some(p) = obj::<PdObj>(pd.cast(), Kind::Pd) else {
+        return fail("ibv_dealloc_pd", libc::EINVAL, "not a live PD");
+    };
+    // SAFETY: the context outlives its PDs (the program closes it last).
+    let _g = unsafe { &*p.ctx }.lock();
+    remove_live(pd);
+    // SAFETY: live (checked), out of LIVE now: freed once.
+    drop(unsafe { Box::from_raw(pd.cast::<PdObj>()) });
+    0
+}
+crate::abi::symver!(bp_ibv_dealloc_pd, "ibv_dealloc_pd@@IBVERBS_1.1");
+
+// ---------------------------------------------------------------------------------------------
+// Memory regions.
+// ---------------------------------------------------------------------------------------------
+
+#[repr(C)]
+pub(crate) struct MrObj {
+    pub(crate) ibv: IbvMr,
+    pub(crate) mr: Option<Mr>,
+    pub(crate) ctx: *const Ctx,
+}
+
+/// `IBV_ACCESS_*` bits this library knows: the four rights, MW_BIND (memory windows are not
+/// offered, so it grants nothing) and ZERO_BASED.
+const ACCESS_RIGHTS: u32 = 0xf;
+const ACCESS_MW_BIND: u32 = 1 << 4;
+const ACCESS_ZERO_BASED: u32 = 1 << 5;
+const ACCESS_ON_DEMAND: u32 = 1 << 6;
+const ACCESS_HUGETLB: u32 = 1 << 7;
+/// `IBV_ACCESS_OPTIONAL_RANGE`: hints a device may ignore (relaxed ordering, …); libibverbs
+/// drops those a device does not support, and so does this library.
+const ACCESS_OPTIONAL: u32 = 0x3ff << 20;
+
+fn reg(pd: *mut IbvPd, addr: *mut c_void, len: usize, iova: u64, access: c_int) -> *mut IbvMr {
+    let call = "ibv_reg_mr";
+    let Some(p) = obj::<PdObj>(pd.cast(), Kind::Pd) else {
+        fail(call, libc::EINVAL, "not a live PD");
+        return null_mut();
+    };
+    let access = access as u32 & !ACCESS_OPTIONAL;
+    if access & ACCESS_ON_DEMAND != 0 {
+        fail(
+            call,
+            libc::EOPNOTSUPP,
+            "on-demand paging (IBV_ACCESS_ON_DEMAND) is not offered: registered memory is \
+             shared with peers when it is registered",
+        );
+        return null_mut();
+    }
+    let unknown = access & !(ACCESS_RIGHTS | ACCESS_MW_BIND | ACCESS_ZERO_BASED | ACCESS_HUGETLB);
+    if unknown != 0 {
+        fail(call, libc::EINVAL, format!("access flags {unknown:#x} are not offered"));
+        return null_mut();
+    }
+    if addr.is_null() || len == 0 {
+        fail(call, libc::EINVAL, format!("nothing to register ({addr:p}, {len} bytes)"));
+        return null_mut();
+    }
+    let iova = if access & ACCESS_ZERO_BASED != 0 { 0 } else { iova };
+    // SAFETY: the context outlives its PDs.
+    let c = unsafe { &*p.ctx };
+    let _g = c.lock();
+    let rights = AccessFlags::from_bits_retain(access & ACCESS_RIGHTS);
+    // SAFETY: the program registers its own memory and, as with any RDMA device, keeps it
+    // mapped and leaves it alone while registering (the notes of `Adopted`).
+    let mr = match unsafe { p.pd.reg_user_mr(addr.cast(), len, rights, iova) } {
+        Ok(m) => m,
+        Err(e) => {
+            fail_verbs(call, &e);
+            return null_mut();
+        }
+    };
+    let m = Box::into_raw(Box::new(MrObj {
+        ibv: IbvMr {
+            context: p.ibv.context,
+            pd,
+            addr,
+            length: len,
+            handle: next_handle(),
+            lkey: mr.lkey(),
+            rkey: mr.rkey(),
+        },
+        mr: Some(mr),
+        ctx: p.ctx,
+    }));
+    add_live(m, Kind::Mr);
+    m.cast()
+}
+
+/// `ibv_reg_mr` (the exported function; the header's macro calls it for constant flags).
+#[no_mangle]
+pub extern "C" fn bp_ibv_reg_mr(
+    pd: *mut IbvPd,
+    addr: *mut c_void,
+    length: usize,
+    access: c_int,
+) -> *mut IbvMr {
+    reg(pd, addr, length, addr as u64, access)
+}
+crate::abi::symver!(bp_ibv_reg_mr, "ibv_reg_mr@@IBVERBS_1.1");
+
+/// `ibv_reg_mr_iova`.
+#[no_mangle]
+pub extern "C" fn bp_ibv_reg_mr_iova(
+    pd: *mut IbvPd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: c_int,
+) -> *mut IbvMr {
+    reg(pd, addr, length, iova, access)
+}
+crate::abi::symver!(bp_ibv_reg_mr_iova, "ibv_reg_mr_iova@@IBVERBS_1.7");
+
+/// `ibv_reg_mr_iova2` (what the header's `ibv_reg_mr` macro calls for flags not known at
+/// compile time, perftest's case).
+#[no_mangle]
+pub extern "C" fn bp_ibv_reg_mr_iova2(
+    pd: *mut IbvPd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: c_uint,
+) -> *mut IbvMr {
+    reg(pd, addr, length, iova, access as c_int)
+}
+crate::abi::symver!(bp_ibv_reg_mr_iova2, "ibv_reg_mr_iova2@@IBVERBS_1.8");
+
+/// `ibv_dereg_mr`: peers lose access at once; the program's pages become private memory
+/// again, with their bytes.
+#[no_mangle]
+pub extern "C" fn bp_ibv_dereg_mr(mr: *mut IbvMr) -> c_int {
+    let Some(m) = obj::<MrObj>(mr.cast(), Kind::Mr) else {
+        return fail("ibv_dereg_mr", libc::EINVAL, "not a live MR");
+    };
+    // SAFETY: the context outlives its MRs.
+    let _g = unsafe { &*m.ctx }.lock();
+    m.mr.take();
+    remove_live(mr);
+    // SAFETY: live (checked), out of LIVE now: freed once.
+    drop(unsafe { Box::from_raw(mr.cast::<MrObj>()) });
+    0
+}
+crate::abi::symver!(bp_ibv_dereg_mr, "ibv_dereg_mr@@IBVERBS_1.1");
+
+// ---------------------------------------------------------------------------------------------
+// Completion channels and CQs.
+// ---------------------------------------------------------------------------------------------
+
+#[repr(C)]
+pub(crate) struct ChObj {
+    pub(crate) ibv: IbvCompChannel,
+    pub(crate) ch: CompChannel,
+    /// The CQs reporting here: (engine CQ id, the CQ's pointer).
+    pub(crate) cqs: Mutex<Vec<(u32, usize)>>,
+}
+
+/// `ibv_create_comp_channel`.
+#[no_mangle]
+pub extern "C" fn bp_ibv_create_comp_channel(context: *mut IbvContext) -> *mut IbvCompChannel {
+    let call = "ibv_create_comp_channel";
+    let Some(c) = ctx_of(context) else {
+        fail(call, libc::EINVAL, "not an open context");
+        return null_mut();
+    };
+    let _g = c.lock();
+    let ch = match c.ctx.create_comp_channel() {
+        Ok(ch) => ch,
+        Err(e) => {
+            fail_verbs(call, &e);
+            return null_mut();
+        }
+    };
+    let p = Box::into_raw(Box::new(ChObj {
+        ibv: IbvCompChannel {
+            context,
+            fd: ch.as_fd().as_raw_fd(),
+            refcnt: 0,
+        },
+        ch,
+        cqs: Mutex::new(Vec::new()),
+    }));
+    add_live(p, Kind::Channel);
+    p.cast()
+}
+crate::abi::symver!(bp_ibv_create_comp_channel, "ibv_create_comp_channel@@IBVERBS_1.0");
+
+/// `ibv_destroy_comp_channel`: `EBUSY` while CQs report to it.
+#[no_mangle]
+pub extern "C" fn bp_ibv_destroy_comp_channel(channel: *mut IbvCompChannel) -> c_int {
+    let call = "ibv_destroy_comp_channel";
+    let Some(ch) = obj::<ChObj>(channel.cast(), Kind::Channel) else {
+        return fail(call, libc::EINVAL, "not a live completion channel");
+    };
+    if ch.ibv.refcnt > 0 {
+        return fail(call, libc::EBUSY, format!("{} CQs still use it", ch.ibv.refcnt));
+    }
+    remove_live(channel);
+    // SAFETY: live (checked), out of LIVE now: freed once.
+    drop(unsafe { Box::from_raw(channel.cast::<ChObj>()) });
+    0
+}
+crate::abi::symver!(bp_ibv_destroy_comp_channel, "ibv_destroy_comp_channel@@IBVERBS_1.0");
+
+#[repr(C)]
+pub(crate) struct CqObj {
+    pub(crate) ibv: IbvCq,
+    pub(crate) cq: Cq,
+    pub(crate) ctx: *const Ctx,
+}
+
+/// `ibv_create_cq`.
+#[no_mangle]
+pub extern "C" fn bp_ibv_create_cq(
+    context: *mut IbvContext,
+    cqe: c_int,
+    cq_context: *mut c_void,
+    channel: *mut IbvCompChannel,
+    comp_vector: c_int,
+) -> *mut IbvCq {
+    let call = "ibv_create_cq";
+    let Some(c) = ctx_of(context) else {
+        fail(call, libc::EINVAL, "not an open context");
+        return null_mut();
+    };
+    if comp_vector != 0 {
+        fail(call, libc::EINVAL, format!("comp_vector {comp_vector}: the device has one (0)"));
+        return null_mut();
+    }
+    if cqe <= 0 {
+        fail(call, libc::EINVAL, format!("cqe {cqe}"));
+        return null_mut();
+    }
+    let ch = if channel.is_null() {
+        None
+    } else {
+        match obj::<ChObj>(channel.cast(), Kind::Channel) {
+            Some(ch) if ch.ibv.context == context => Some(ch),
+            _ => {
+                fail(call, libc::EINVAL, "not a live completion channel of this context");
+                return null_mut();
+            }
+        }
+    };
+    let _g = c.lock();
+    let cq = match c.ctx.create_cq(cqe as usize, ch.as_ref().map(|c| &c.ch)) {
+        Ok(cq) => cq,
+        Err(e) => {
+            fail_verbs(call, &e);
+            return null_mut();
+        }
+    };
+    let id = cq.id();
+    let p = Box::into_raw(Box::new(CqObj {
+        ibv: IbvCq {
+            context,
+            channel,
+            cq_context,
+            handle: next_handle(),
+            cqe,
+            mutex: libc::PTHREAD_MUTEX_INITIALIZER,
+            cond: libc::PTHREAD_COND_INITIALIZER,
+            comp_events_completed: 0,
+            async_events_completed: 0,
+        },
+        cq,
+        ctx: c,
+    }));
+    if let Some(ch) = ch {
+        ch.ibv.refcnt += 1;
+        ch.cqs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((id, p as usize));
+    }
+    add_live(p, Kind::Cq);
+    p.cast()
+}
+crate::abi::symver!(bp_ibv_create_cq, "ibv_create_cq@@IBVERBS_1.1");
+
+/// `ibv_destroy_cq`.
+#[no_mangle]
+pub extern "C" fn bp_ibv_destroy_cq(cq: *mut IbvCq) -> c_int {
+    let Some(c) = obj::<CqObj>(cq.cast(), Kind::Cq) else {
+        return fail("ibv_destroy_cq", libc::EINVAL, "not a live CQ");
+    };
+    if let Some(ch) = obj::<ChObj>(c.ibv.channel.cast(), Kind::Channel) {
+        ch.ibv.refcnt -= 1;
+        ch.cqs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|&(_, p)| p != cq as usize);
+    }
+    // SAFETY: the context outlives its CQs.
+    let _g = unsafe { &*c.ctx }.lock();
+    remove_live(cq);
+    // SAFETY: live (checked), out of LIVE now: freed once.
+    drop(unsafe { Box::from_raw(cq.cast::<CqObj>()) });
+    0
+}
+crate::abi::symver!(bp_ibv_destroy_cq, "ibv_destroy_cq@@IBVERBS_1.1");
+
+/// `ibv_get_cq_event`: waits for the next event of a CQ reporting to `channel`; 0 or -1.
+///
+/// # Safety
+/// `cq` and `cq_context` are writable.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_get_cq_event(
+    channel: *mut IbvCompChannel,
+    cq: *mut *mut IbvCq,
+    cq_context: *mut *mut c_void,
+) -> c_int {
+    let call = "ibv_get_cq_event";
+    let Some(ch) = obj::<ChObj>(channel.cast(), Kind::Channel) else {
+        fail(call, libc::EINVAL, "not a live completion channel");
+        return -1;
+    };
+    loop {
+        // Not under the context's lock: another thread may post and poll meanwhile.
+        let ev = match ch.ch.get_cq_event(None) {
+            Ok(ev) => ev,
+            Err(e) => {
+                fail_verbs(call, &e);
+                return -1;
+            }
+        };
+        let found = ch
+            .cqs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|&&(id, _)| id == ev.cq_id)
+            .map(|&(_, p)| p as *mut IbvCq);
+        // An event of a CQ destroyed since is nobody's.
+        let Some(p) = found else { continue };
+        // SAFETY: the caller passes writable pointers; `p` is a live CQ (listed by its
+        // channel until destroyed), whose `cq_context` the program may have changed.
+        unsafe {
+            if !cq.is_null() {
+                *cq = p;
+            }
+            if !cq_context.is_null() {
+                *cq_context = (*p).cq_context;
+            }
+        }
+        return 0;
+    }
+}
+crate::abi::symver!(bp_ibv_get_cq_event, "ibv_get_cq_event@@IBVERBS_1.1");
+
+/// `ibv_ack_cq_events`.
+#[no_mangle]
+pub extern "C" fn bp_ibv_ack_cq_events(cq: *mut IbvCq, nevents: c_uint) {
+    if let Some(c) = obj::<CqObj>(cq.cast(), Kind::Cq) {
+        c.ibv.comp_events_completed = c.ibv.comp_events_completed.wrapping_add(nevents);
+    }
+}
+crate::abi::symver!(bp_ibv_ack_cq_events, "ibv_ack_cq_events@@IBVERBS_1.1");
+
+/// `ops.poll_cq` (the header's inline `ibv_poll_cq`): the number of completions written, or
+/// -1 (the CQ overran: it is in error, as after `IBV_EVENT_CQ_ERR`).
+///
+/// # Safety
+/// `cq` is a CQ this library made, alive; `wc` holds `num_entries` writable entries.
+pub(crate) unsafe extern "C" fn poll_cq(cq: *mut IbvCq, num_entries: c_int, wc: *mut IbvWc) -> c_int {
+    // SAFETY: caller contract (the inline wrapper passes the program's CQ).
+    let c = unsafe { &*cq.cast::<CqObj>() };
+    // SAFETY: the context outlives its CQs.
+    let _g = unsafe { &*c.ctx }.lock();
+    if c.cq.overruns() > 0 {
+        return -1;
+    }
+    let want = num_entries.max(0) as usize;
+    let mut buf = [backplane::verbs::Wc::default(); 16];
+    if want == 0 {
+        // Nothing to take, but the poll still moves the CQ's QPs along.
+        c.cq.poll(&mut []);
+        return 0;
+    }
+    let mut n = 0usize;
+    while n < want {
+        let k = c.cq.poll(&mut buf[..(want - n).min(16)]);
+        for (i, w) in buf[..k].iter().enumerate() {
+            // SAFETY: n + i < num_entries, which the caller promises are writable.
+            unsafe { wc.add(n + i).write(wc_out(w)) };
+        }
+        n += k;
+        if k < 16 {
+            break;
+        }
+    }
+    n as c_int
+}
+
+fn wc_out(w: &backplane::verbs::Wc) -> IbvWc {
+    IbvWc {
+        wr_id: w.wr_id,
+        status: w.status as c_int,
+        opcode: w.opcode as c_int,
+        vendor_err: w.vendor_err,
+        byte_len: w.byte_len,
+        imm_data: w.imm_data.to_be(),
+        qp_num: w.qp_num,
+        src_qp: w.src_qp,
+        wc_flags: w.wc_flags.bits(),
+        pkey_index: w.pkey_index,
+        slid: w.slid,
+        sl: w.sl,
+        dlid_path_bits: w.dlid_path_bits,
+    }
+}
+
+/// `ops.req_notify_cq` (the header's inline `ibv_req_notify_cq`): 0 or an errno.
+///
+/// # Safety
+/// `cq` is a CQ this library made, alive.
+pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut IbvCq, solicited_only: c_int) -> c_int {
+    // SAFETY: caller contract.
+    let c = unsafe { &*cq.cast::<CqObj>() };
+    // SAFETY: the context outlives its CQs.
+    let _g = unsafe { &*c.ctx }.lock();
+    match c.cq.req_notify(solicited_only != 0) {
+        Ok(()) => 0,
+        Err(e) => errno_of(&e),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Address handles.
+// ---------------------------------------------------------------------------------------------
+
+#[repr(C)]
+pub(crate) struct AhObj {
+    pub(crate) ibv: IbvAh,
+    pub(crate) ah: Ah,
+    pub(crate) ctx: *const Ctx,
+}
+
+pub(crate) fn ah_in(a: &IbvAhAttr) -> AhAttr {
+    AhAttr {
+        dlid: a.dlid,
+        sl: a.sl,
+        src_path_bits: a.src_path_bits,
+        static_rate: a.static_rate,
+        is_global: a.is_global != 0,
+        port_num: a.port_num,
+    }
+}
+
+/// `ibv_create_ah`: to the node whose LID (= slot) is `dlid`.
+///
+/// # Safety
+/// `attr` is readable.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_create_ah(pd: *mut IbvPd, attr: *mut IbvAhAttr) -> *mut IbvAh {
+    let call = "ibv_create_ah";
+    let Some(p) = obj::<PdObj>(pd.cast(), Kind::Pd) else {
+        fail(call, libc::EINVAL, "not a live PD");
+        return null_mut();
+    };
+    if attr.is_null() {
+        fail(call, libc::EINVAL, "attr is NULL");
+        return null_mut();
+    }
+    // SAFETY: non-null; the caller promises it is readable.
+    let a = unsafe { attr.read() };
+    // SAFETY: the context outlives its PDs.
+    let _g = unsafe { &*p.ctx }.lock();
+    let ah = match p.pd.create_ah(&ah_in(&a)) {
+        Ok(ah) => ah,
+        Err(e) => {
+            fail_verbs(call, &e);
+            return null_mut();
+        }
+    };
+    let h = Box::into_raw(Box::new(AhObj {
+        ibv: IbvAh {
+            context: p.ibv.context,
+            pd,
+            handle: next_handle(),
+        },
+        ah,
+        ctx: p.ctx,
+    }));
+    add_live(h, Kind::Ah);
+    h.cast()
+}
+crate::abi::symver!(bp_ibv_create_ah, "ibv_create_ah@@IBVERBS_1.1");
+
+/// `ibv_destroy_ah`.
+#[no_mangle]
+pub extern "C" fn bp_ibv_destroy_ah(ah: *mut IbvAh) -> c_int {
+    let Some(h) = obj::<AhObj>(ah.cast(), Kind::Ah) else {
+        return fail("ibv_destroy_ah", libc::EINVAL, "not a live address handle");
+    };
+    // SAFETY: the context outlives its AHs.
+    let _g = unsafe { &*h.ctx }.lock();
+    remove_live(ah);
+    // SAFETY: live (checked), out of LIVE now: freed once.
+    drop(unsafe { Box::from_raw(ah.cast::<AhObj>()) });
+    0
+}
+crate::abi::symver!(bp_ibv_destroy_ah, "ibv_destroy_ah@@IBVERBS_1.1");

@@ -1,0 +1,608 @@
+//! Queue pairs: create, modify (the connection: `dest_qp_num` + `ah_attr.dlid`, the peer's
+//! LID being its node slot), query, destroy, and the two posting calls the header inlines.
+
+use std::ffi::c_int;
+use std::ptr::null_mut;
+
+use backplane::verbs::{
+    Mtu, Qp, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType, RecvWr, SendFlags, SendWr,
+    Sge, VerbsError, WrDetail, WrOpcode,
+};
+
+use crate::abi::*;
+use crate::objects::*;
+use crate::Ctx;
+
+#[repr(C)]
+pub(crate) struct QpObj {
+    pub(crate) ibv: IbvQp,
+    pub(crate) qp: Qp,
+    pub(crate) ctx: *const Ctx,
+}
+
+fn qp_type_in(v: c_int) -> Option<QpType> {
+    Some(match v {
+        2 => QpType::Rc,
+        3 => QpType::Uc,
+        4 => QpType::Ud,
+        _ => return None,
+    })
+}
+
+fn qp_state_in(v: c_int) -> Option<QpState> {
+    Some(match v {
+        0 => QpState::Reset,
+        1 => QpState::Init,
+        2 => QpState::Rtr,
+        3 => QpState::Rts,
+        4 => QpState::Sqd,
+        5 => QpState::Sqe,
+        6 => QpState::Err,
+        _ => return None,
+    })
+}
+
+fn mtu_in(v: c_int) -> Option<Mtu> {
+    Some(match v {
+        1 => Mtu::Mtu256,
+        2 => Mtu::Mtu512,
+        3 => Mtu::Mtu1024,
+        4 => Mtu::Mtu2048,
+        5 => Mtu::Mtu4096,
+        _ => return None,
+    })
+}
+
+fn cap_in(c: IbvQpCap) -> QpCap {
+    let d = QpCap::default();
+    let or = |v: u32, d: u32| if v == 0 { d } else { v };
+    QpCap {
+        max_send_wr: or(c.max_send_wr, d.max_send_wr),
+        max_recv_wr: or(c.max_recv_wr, d.max_recv_wr),
+        max_send_sge: or(c.max_send_sge, d.max_send_sge),
+        max_recv_sge: or(c.max_recv_sge, d.max_recv_sge),
+        max_inline_data: c.max_inline_data,
+    }
+}
+
+fn cap_out(c: QpCap) -> IbvQpCap {
+    IbvQpCap {
+        max_send_wr: c.max_send_wr,
+        max_recv_wr: c.max_recv_wr,
+        max_send_sge: c.max_send_sge,
+        max_recv_sge: c.max_recv_sge,
+        max_inline_data: c.max_inline_data,
+    }
+}
+
+/// `ibv_create_qp`: RC, UC or UD, without a shared receive queue.
+///
+/// # Safety
+/// `attr` is readable and writable (the granted `cap` is written back).
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAttr) -> *mut IbvQp {
+    let call = "ibv_create_qp";
+    let Some(p) = obj::<PdObj>(pd.cast(), Kind::Pd) else {
+        fail(call, libc::EINVAL, "not a live PD");
+        return null_mut();
+    };
+    if attr.is_null() {
+        fail(call, libc::EINVAL, "attr is NULL");
+        return null_mut();
+    }
+    // SAFETY: non-null; the caller promises it is readable.
+    let a = unsafe { &mut *attr };
+    if !a.srq.is_null() {
+        fail(call, libc::EOPNOTSUPP, "shared receive queues are not offered");
+        return null_mut();
+    }
+    let Some(ty) = qp_type_in(a.qp_type) else {
+        fail(
+            call,
+            libc::EOPNOTSUPP,
+            format!("QP type {} is not offered (RC, UC and UD are)", a.qp_type),
+        );
+        return null_mut();
+    };
+    let (Some(scq), Some(rcq)) = (
+        obj::<CqObj>(a.send_cq.cast(), Kind::Cq),
+        obj::<CqObj>(a.recv_cq.cast(), Kind::Cq),
+    ) else {
+        fail(call, libc::EINVAL, "send_cq or recv_cq is not a live CQ");
+        return null_mut();
+    };
+    if scq.ibv.context != p.ibv.context || rcq.ibv.context != p.ibv.context {
+        fail(call, libc::EINVAL, "a CQ belongs to another context than the PD");
+        return null_mut();
+    }
+    // SAFETY: the context outlives its PDs.
+    let _g = unsafe { &*p.ctx }.lock();
+    let init = QpInitAttr {
+        send_cq: &scq.cq,
+        recv_cq: &rcq.cq,
+        cap: cap_in(a.cap),
+        qp_type: ty,
+        sq_sig_all: a.sq_sig_all != 0,
+        ring_bytes: 0,
+    };
+    let qp = match p.pd.create_qp(&init) {
+        Ok(q) => q,
+        Err(e) => {
+            fail_verbs(call, &e);
+            return null_mut();
+        }
+    };
+    a.cap = cap_out(qp.query().cap);
+    let q = Box::into_raw(Box::new(QpObj {
+        ibv: IbvQp {
+            context: p.ibv.context,
+            qp_context: a.qp_context,
+            pd,
+            send_cq: a.send_cq,
+            recv_cq: a.recv_cq,
+            srq: null_mut(),
+            handle: next_handle(),
+            qp_num: qp.qp_num(),
+            state: QpState::Reset as c_int,
+            qp_type: a.qp_type,
+            mutex: libc::PTHREAD_MUTEX_INITIALIZER,
+            cond: libc::PTHREAD_COND_INITIALIZER,
+            events_completed: 0,
+        },
+        qp,
+        ctx: p.ctx,
+    }));
+    add_live(q, Kind::Qp);
+    q.cast()
+}
+crate::abi::symver!(bp_ibv_create_qp, "ibv_create_qp@@IBVERBS_1.1");
+
+/// `ibv_destroy_qp`.
+#[no_mangle]
+pub extern "C" fn bp_ibv_destroy_qp(qp: *mut IbvQp) -> c_int {
+    let Some(q) = obj::<QpObj>(qp.cast(), Kind::Qp) else {
+        return fail("ibv_destroy_qp", libc::EINVAL, "not a live QP");
+    };
+    // SAFETY: the context outlives its QPs.
+    let _g = unsafe { &*q.ctx }.lock();
+    remove_live(qp);
+    // SAFETY: live (checked), out of LIVE now: freed once.
+    drop(unsafe { Box::from_raw(qp.cast::<QpObj>()) });
+    0
+}
+crate::abi::symver!(bp_ibv_destroy_qp, "ibv_destroy_qp@@IBVERBS_1.1");
+
+/// `IBV_QP_*` bits this library applies; the alternate path, path migration and rate limit
+/// are refused.
+const UNSUPPORTED_MASK: u32 = (1 << 14) | (1 << 18) | (1 << 25);
+
+/// `ibv_modify_qp`: 0 or an errno. Reads only the fields the mask names (programs leave the
+/// others uninitialized).
+///
+/// # Safety
+/// `attr` is readable.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_modify_qp(qp: *mut IbvQp, attr: *mut IbvQpAttr, mask: c_int) -> c_int {
+    let call = "ibv_modify_qp";
+    let Some(q) = obj::<QpObj>(qp.cast(), Kind::Qp) else {
+        return fail(call, libc::EINVAL, "not a live QP");
+    };
+    if attr.is_null() {
+        return fail(call, libc::EINVAL, "attr is NULL");
+    }
+    let mask = mask as u32;
+    if mask & UNSUPPORTED_MASK != 0 {
+        return fail(
+            call,
+            libc::EOPNOTSUPP,
+            format!("attribute mask {:#x}: alternate paths, path migration and rate limits are not offered", mask & UNSUPPORTED_MASK),
+        );
+    }
+    let m = QpAttrMask::from_bits_truncate(mask);
+    // SAFETY: non-null; the caller promises it is readable (the fields the mask names are
+    // initialized; the others are read only as plain integers, never interpreted).
+    let a = unsafe { attr.read() };
+    let d = QpAttr::default();
+    let pick = |bit: QpAttrMask| m.contains(bit);
+    let state = |v: c_int, what: &str| {
+        qp_state_in(v).ok_or_else(|| VerbsError::InvalidArgument(format!("{what} {v} is not an IBV_QPS_* value")))
+    };
+    let r = (|| -> Result<QpAttr, VerbsError> {
+        Ok(QpAttr {
+            qp_state: if pick(QpAttrMask::STATE) { state(a.qp_state, "qp_state")? } else { d.qp_state },
+            cur_qp_state: if pick(QpAttrMask::CUR_STATE) {
+                state(a.cur_qp_state, "cur_qp_state")?
+            } else {
+                d.cur_qp_state
+            },
+            path_mtu: if pick(QpAttrMask::PATH_MTU) {
+                mtu_in(a.path_mtu).ok_or_else(|| {
+                    VerbsError::InvalidArgument(format!("path_mtu {} is not an IBV_MTU_* value", a.path_mtu))
+                })?
+            } else {
+                d.path_mtu
+            },
+            qkey: if pick(QpAttrMask::QKEY) { a.qkey } else { d.qkey },
+            rq_psn: if pick(QpAttrMask::RQ_PSN) { a.rq_psn } else { d.rq_psn },
+            sq_psn: if pick(QpAttrMask::SQ_PSN) { a.sq_psn } else { d.sq_psn },
+            dest_qp_num: if pick(QpAttrMask::DEST_QPN) { a.dest_qp_num } else { d.dest_qp_num },
+            qp_access_flags: if pick(QpAttrMask::ACCESS_FLAGS) {
+                backplane::verbs::AccessFlags::from_bits_retain(a.qp_access_flags & 0xe)
+            } else {
+                d.qp_access_flags
+            },
+            cap: if pick(QpAttrMask::CAP) { cap_in(a.cap) } else { d.cap },
+            ah_attr: if pick(QpAttrMask::AV) { ah_in(&a.ah_attr) } else { d.ah_attr },
+            pkey_index: if pick(QpAttrMask::PKEY_INDEX) { a.pkey_index } else { d.pkey_index },
+            en_sqd_async_notify: if pick(QpAttrMask::EN_SQD_ASYNC_NOTIFY) {
+                a.en_sqd_async_notify
+            } else {
+                d.en_sqd_async_notify
+            },
+            max_rd_atomic: if pick(QpAttrMask::MAX_QP_RD_ATOMIC) { a.max_rd_atomic } else { d.max_rd_atomic },
+            max_dest_rd_atomic: if pick(QpAttrMask::MAX_DEST_RD_ATOMIC) {
+                a.max_dest_rd_atomic
+            } else {
+                d.max_dest_rd_atomic
+            },
+            min_rnr_timer: if pick(QpAttrMask::MIN_RNR_TIMER) { a.min_rnr_timer } else { d.min_rnr_timer },
+            port_num: if pick(QpAttrMask::PORT) { a.port_num } else { d.port_num },
+            timeout: if pick(QpAttrMask::TIMEOUT) { a.timeout } else { d.timeout },
+            retry_cnt: if pick(QpAttrMask::RETRY_CNT) { a.retry_cnt } else { d.retry_cnt },
+            rnr_retry: if pick(QpAttrMask::RNR_RETRY) { a.rnr_retry } else { d.rnr_retry },
+        })
+    })();
+    let r = match r {
+        Ok(r) => r,
+        Err(e) => return fail_verbs(call, &e),
+    };
+    // SAFETY: the context outlives its QPs.
+    let _g = unsafe { &*q.ctx }.lock();
+    let res = q.qp.modify(&r, m);
+    q.ibv.state = q.qp.state() as c_int;
+    match res {
+        Ok(()) => 0,
+        Err(e) => fail_verbs(call, &e),
+    }
+}
+crate::abi::symver!(bp_ibv_modify_qp, "ibv_modify_qp@@IBVERBS_1.1");
+
+/// `ibv_query_qp`: every attribute, whatever the mask.
+///
+/// # Safety
+/// `attr` is writable; `init_attr` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn bp_ibv_query_qp(
+    qp: *mut IbvQp,
+    attr: *mut IbvQpAttr,
+    _mask: c_int,
+    init_attr: *mut IbvQpInitAttr,
+) -> c_int {
+    let call = "ibv_query_qp";
+    let Some(q) = obj::<QpObj>(qp.cast(), Kind::Qp) else {
+        return fail(call, libc::EINVAL, "not a live QP");
+    };
+    if attr.is_null() {
+        return fail(call, libc::EINVAL, "attr is NULL");
+    }
+    // SAFETY: the context outlives its QPs.
+    let _g = unsafe { &*q.ctx }.lock();
+    let a = q.qp.query();
+    let ah = IbvAhAttr {
+        dlid: a.ah_attr.dlid,
+        sl: a.ah_attr.sl,
+        src_path_bits: a.ah_attr.src_path_bits,
+        static_rate: a.ah_attr.static_rate,
+        is_global: u8::from(a.ah_attr.is_global),
+        port_num: a.ah_attr.port_num,
+        ..IbvAhAttr::default()
+    };
+    let out = IbvQpAttr {
+        qp_state: a.qp_state as c_int,
+        cur_qp_state: a.cur_qp_state as c_int,
+        path_mtu: a.path_mtu as c_int,
+        qkey: a.qkey,
+        rq_psn: a.rq_psn,
+        sq_psn: a.sq_psn,
+        dest_qp_num: a.dest_qp_num,
+        qp_access_flags: a.qp_access_flags.bits(),
+        cap: cap_out(a.cap),
+        ah_attr: ah,
+        pkey_index: a.pkey_index,
+        en_sqd_async_notify: a.en_sqd_async_notify,
+        max_rd_atomic: a.max_rd_atomic,
+        max_dest_rd_atomic: a.max_dest_rd_atomic,
+        min_rnr_timer: a.min_rnr_timer,
+        port_num: a.port_num,
+        timeout: a.timeout,
+        retry_cnt: a.retry_cnt,
+        rnr_retry: a.rnr_retry,
+        ..IbvQpAttr::default()
+    };
+    // SAFETY: the caller promises `attr` is writable and `init_attr` NULL or writable.
+    unsafe {
+        attr.write(out);
+        if !init_attr.is_null() {
+            init_attr.write(IbvQpInitAttr {
+                qp_context: q.ibv.qp_context,
+                send_cq: q.ibv.send_cq,
+                recv_cq: q.ibv.recv_cq,
+                srq: null_mut(),
+                cap: cap_out(a.cap),
+                qp_type: q.ibv.qp_type,
+                sq_sig_all: 0,
+            });
+        }
+    }
+    q.ibv.state = a.qp_state as c_int;
+    0
+}
+crate::abi::symver!(bp_ibv_query_qp, "ibv_query_qp@@IBVERBS_1.1");
+
+// ---------------------------------------------------------------------------------------------
+// Posting.
+// ---------------------------------------------------------------------------------------------
+
+/// Longest list one `ibv_post_send`/`ibv_post_recv` takes (a cycle in `next` ends there).
+const MAX_LIST: usize = 1 << 16;
+
+fn opcode_in(v: c_int) -> Option<WrOpcode> {
+    Some(match v {
+        0 => WrOpcode::RdmaWrite,
+        1 => WrOpcode::RdmaWriteWithImm,
+        2 => WrOpcode::Send,
+        3 => WrOpcode::SendWithImm,
+        4 => WrOpcode::RdmaRead,
+        5 => WrOpcode::AtomicCmpAndSwp,
+        6 => WrOpcode::AtomicFetchAndAdd,
+        _ => return None,
+    })
+}
+
+/// The program's scatter/gather list, in place (`struct ibv_sge` is [`Sge`]).
+///
+/// # Safety
+/// `sg` holds `n` readable entries (when `n > 0`), left alone during the call.
+unsafe fn sges<'a>(sg: *const IbvSge, n: c_int) -> &'a [Sge] {
+    if n <= 0 || sg.is_null() {
+        &[]
+    } else {
+        // SAFETY: caller contract.
+        unsafe { std::slice::from_raw_parts(sg, n as usize) }
+    }
+}
+
+/// One request of the program's list as the engine's, reading only what its opcode uses.
+/// `inline` holds the gathered bytes of an inline request with several entries.
+///
+/// # Safety
+/// `w` is a readable request whose `sg_list` holds `num_sge` readable entries, and, if
+/// INLINE, whose entries name readable memory.
+unsafe fn send_in<'a>(
+    w: &'a IbvSendWr,
+    ud: bool,
+    inline: &'a mut Vec<u8>,
+) -> Result<SendWr<'a>, c_int> {
+    let opcode = opcode_in(w.opcode).ok_or(libc::EINVAL)?;
+    let flags = SendFlags::from_bits_truncate(w.send_flags);
+    // SAFETY: caller contract.
+    let list = unsafe { sges(w.sg_list, w.num_sge) };
+    let (sg_list, inline_data): (&[Sge], &[u8]) = if flags.contains(SendFlags::INLINE) {
+        match list {
+            [] => (&[], &[]),
+            // SAFETY: an inline request's entries name readable memory (caller), by address.
+            [one] => (&[], unsafe {
+                std::slice::from_raw_parts(one.addr as usize as *const u8, one.length as usize)
+            }),
+            many => {
+                inline.clear();
+                for s in many {
+                    // SAFETY: as above.
+                    inline.extend_from_slice(unsafe {
+                        std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
+                    });
+                }
+                (&[], inline.as_slice())
+            }
+        }
+    } else {
+        (list, &[])
+    };
+    // SAFETY (all three): the opcode says which member of the union the program filled.
+    let detail = match opcode {
+        WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::RdmaRead => {
+            let r = unsafe { w.wr.rdma };
+            WrDetail::Rdma {
+                remote_addr: r.remote_addr,
+                rkey: r.rkey,
+            }
+        }
+        WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
+            let a = unsafe { w.wr.atomic };
+            WrDetail::Atomic {
+                remote_addr: a.remote_addr,
+                compare_add: a.compare_add,
+                swap: a.swap,
+                rkey: a.rkey,
+            }
+        }
+        WrOpcode::Send | WrOpcode::SendWithImm if ud => {
+            let u = unsafe { w.wr.ud };
+            let ah = obj::<AhObj>(u.ah.cast(), Kind::Ah).ok_or(libc::EINVAL)?;
+            WrDetail::Ud {
+                ah: &ah.ah,
+                remote_qpn: u.remote_qpn,
+                remote_qkey: u.remote_qkey,
+            }
+        }
+        _ => WrDetail::None,
+    };
+    Ok(SendWr {
+        wr_id: w.wr_id,
+        sg_list,
+        opcode,
+        send_flags: flags,
+        imm_data: match opcode {
+            WrOpcode::RdmaWriteWithImm | WrOpcode::SendWithImm => u32::from_be(w.imm_data),
+            _ => 0,
+        },
+        wr: detail,
+        inline_data,
+    })
+}
+
+/// `ops.post_send` (the header's inline `ibv_post_send`): 0, or an errno with `*bad_wr` the
+/// first request not posted.
+///
+/// # Safety
+/// `qp` is a QP this library made, alive; `wr` a NULL-terminated list of readable requests
+/// (see `send_in`); `bad_wr` writable.
+pub(crate) unsafe extern "C" fn post_send(
+    qp: *mut IbvQp,
+    wr: *mut IbvSendWr,
+    bad_wr: *mut *mut IbvSendWr,
+) -> c_int {
+    // SAFETY: caller contract.
+    let q = unsafe { &mut *qp.cast::<QpObj>() };
+    let ud = q.ibv.qp_type == QpType::Ud as c_int;
+    // SAFETY: the context outlives its QPs.
+    let _g = unsafe { &*q.ctx }.lock();
+    let mut bad = wr;
+    let rc = 'post: {
+        if wr.is_null() {
+            break 'post libc::EINVAL;
+        }
+        let mut inline = Vec::new();
+        // SAFETY: `wr` is readable (caller).
+        let first = unsafe { &*wr };
+        if first.next.is_null() {
+            // One request, the common case: nothing to collect.
+            // SAFETY: caller contract.
+            let w = match unsafe { send_in(first, ud, &mut inline) } {
+                Ok(w) => w,
+                Err(e) => break 'post e,
+            };
+            break 'post match q.qp.post_send(std::slice::from_ref(&w)) {
+                Ok(()) => {
+                    bad = null_mut();
+                    0
+                }
+                Err(e) => errno_of(&e),
+            };
+        }
+        let mut ptrs = Vec::new();
+        let mut p = wr;
+        while !p.is_null() && ptrs.len() < MAX_LIST {
+            ptrs.push(p);
+            // SAFETY: every `next` is NULL or readable (caller).
+            p = unsafe { (*p).next };
+        }
+        let mut bufs: Vec<Vec<u8>> = (0..ptrs.len()).map(|_| Vec::new()).collect();
+        let mut wrs = Vec::with_capacity(ptrs.len());
+        let mut conv_err = None;
+        for (i, (&p, buf)) in ptrs.iter().zip(bufs.iter_mut()).enumerate() {
+            // SAFETY: `p` is readable (caller).
+            match unsafe { send_in(&*p, ud, buf) } {
+                Ok(w) => wrs.push(w),
+                Err(e) => {
+                    conv_err = Some((i, e));
+                    break;
+                }
+            }
+        }
+        let r = if wrs.is_empty() { Ok(()) } else { q.qp.post_send(&wrs) };
+        match (r, conv_err) {
+            (Err(VerbsError::Post { bad_wr: i, source }), _) => {
+                bad = ptrs[i.min(ptrs.len() - 1)];
+                errno_of(&source)
+            }
+            (Err(e), _) => errno_of(&e),
+            (Ok(()), Some((i, e))) => {
+                bad = ptrs[i];
+                e
+            }
+            (Ok(()), None) => {
+                bad = null_mut();
+                0
+            }
+        }
+    };
+    q.ibv.state = q.qp.state() as c_int;
+    if !bad_wr.is_null() {
+        // SAFETY: non-null; the caller promises it is writable.
+        unsafe { *bad_wr = if rc == 0 { null_mut() } else { bad } };
+    }
+    rc
+}
+
+/// `ops.post_recv` (the header's inline `ibv_post_recv`).
+///
+/// # Safety
+/// `qp` is a QP this library made, alive; `wr` a NULL-terminated list of readable requests
+/// whose `sg_list` hold `num_sge` entries; `bad_wr` writable.
+pub(crate) unsafe extern "C" fn post_recv(
+    qp: *mut IbvQp,
+    wr: *mut IbvRecvWr,
+    bad_wr: *mut *mut IbvRecvWr,
+) -> c_int {
+    // SAFETY: caller contract.
+    let q = unsafe { &*qp.cast::<QpObj>() };
+    // SAFETY: the context outlives its QPs.
+    let _g = unsafe { &*q.ctx }.lock();
+    if !wr.is_null() {
+        // SAFETY: `wr` is readable (caller).
+        let w = unsafe { &*wr };
+        if w.next.is_null() {
+            // One request, the common case: nothing to collect.
+            let one = RecvWr {
+                wr_id: w.wr_id,
+                // SAFETY: its list holds `num_sge` entries (caller).
+                sg_list: unsafe { sges(w.sg_list, w.num_sge) },
+            };
+            let rc = match q.qp.post_recv(std::slice::from_ref(&one)) {
+                Ok(()) => 0,
+                Err(e) => errno_of(&e),
+            };
+            if !bad_wr.is_null() {
+                // SAFETY: non-null; the caller promises it is writable.
+                unsafe { *bad_wr = if rc == 0 { null_mut() } else { wr } };
+            }
+            return rc;
+        }
+    }
+    let mut ptrs = Vec::new();
+    let mut p = wr;
+    while !p.is_null() && ptrs.len() < MAX_LIST {
+        ptrs.push(p);
+        // SAFETY: every `next` is NULL or readable (caller).
+        p = unsafe { (*p).next };
+    }
+    let wrs: Vec<RecvWr<'_>> = ptrs
+        .iter()
+        .map(|&p| {
+            // SAFETY: `p` is readable and its list holds `num_sge` entries (caller).
+            let w = unsafe { &*p };
+            RecvWr {
+                wr_id: w.wr_id,
+                // SAFETY: as above.
+                sg_list: unsafe { sges(w.sg_list, w.num_sge) },
+            }
+        })
+        .collect();
+    let (rc, bad) = if wrs.is_empty() {
+        (libc::EINVAL, wr)
+    } else {
+        match q.qp.post_recv(&wrs) {
+            Ok(()) => (0, null_mut()),
+            Err(VerbsError::Post { bad_wr: i, source }) => {
+                (errno_of(&source), ptrs[i.min(ptrs.len() - 1)])
+            }
+            Err(e) => (errno_of(&e), wr),
+        }
+    };
+    if !bad_wr.is_null() {
+        // SAFETY: non-null; the caller promises it is writable.
+        unsafe { *bad_wr = bad };
+    }
+    rc
+}
