@@ -211,7 +211,11 @@ const LAYOUTS: &[Layout] = &[
     (
         "struct ibv_recv_wr",
         "IbvRecvWr",
-        &[("next", "next"), ("sg_list", "sg_list"), ("num_sge", "num_sge")],
+        &[
+            ("next", "next"),
+            ("sg_list", "sg_list"),
+            ("num_sge", "num_sge"),
+        ],
     ),
     (
         "struct ibv_wc",

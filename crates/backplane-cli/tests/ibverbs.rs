@@ -29,8 +29,12 @@ fn lib_built() {
 
 /// `backplane exec --verbs --name F NODE -- ARGS...`
 fn exec_verbs(fab: &Fab, node: u32, args: &[&str]) -> Output {
+    exec_verbs_in(&fab.name, node, args)
+}
+
+fn exec_verbs_in(fabric: &str, node: u32, args: &[&str]) -> Output {
     let n = node.to_string();
-    let mut a = vec!["exec", "--verbs", "--name", &fab.name, &n, "--"];
+    let mut a = vec!["exec", "--verbs", "--name", fabric, &n, "--"];
     a.extend_from_slice(args);
     bp(&a)
 }
@@ -101,24 +105,141 @@ fn ibv_devices_and_ibv_devinfo_see_the_fabric_as_a_device_with_a_lid_per_node() 
     );
 }
 
+/// True once something listens on TCP `port` (IPv4 or IPv6), read from /proc/net: a probe
+/// connection would be taken by the server as its peer.
+fn listening(port: u16) -> bool {
+    let want = format!(":{port:04X} ");
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+        std::fs::read_to_string(f).is_ok_and(|t| {
+            t.lines().skip(1).any(|l| {
+                let mut w = l.split_whitespace();
+                let local = w.nth(1).unwrap_or("");
+                let state = w.nth(1).unwrap_or("");
+                format!("{local} ").ends_with(&want) && state == "0A"
+            })
+        })
+    })
+}
+
+/// Runs `prog` as a server in node 1 and as a client of it in node 2 (TCP `port` on
+/// loopback, the fabric having no IP), each bounded by `timeout`; both outputs.
+fn pair(fab: &Fab, prog: &str, port: u16, args: &[&str]) -> (Output, Output) {
+    let p = port.to_string();
+    let mut server: Vec<String> = ["timeout", "60", prog, "-p", &p]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    server.extend(args.iter().map(|s| s.to_string()));
+    let mut client = server.clone();
+    client.push("localhost".into());
+    let name = fab.name.clone();
+    let srv = std::thread::spawn(move || {
+        let a: Vec<&str> = server.iter().map(String::as_str).collect();
+        exec_verbs_in(&name, 1, &a)
+    });
+    let t0 = std::time::Instant::now();
+    while !listening(port) {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(30) && !srv.is_finished(),
+            "{prog} did not start listening on {port}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let a: Vec<&str> = client.iter().map(String::as_str).collect();
+    let c = exec_verbs(fab, 2, &a);
+    let s = srv.join().expect("server thread");
+    (s, c)
+}
+
+fn both_succeed(what: &str, (s, c): &(Output, Output)) {
+    assert!(s.status.success(), "{what} server: {}", text(s));
+    assert!(c.status.success(), "{what} client: {}", text(c));
+}
+
 #[test]
-fn a_program_needing_what_is_not_offered_yet_stops_with_its_own_error_not_a_load_failure() {
+fn the_pingpong_examples_run_rc_uc_and_ud_with_their_data_checks() {
     if !have("ibv_rc_pingpong") {
         return;
     }
     lib_built();
-    let fab = Fab::up("ibv_notyet", 2, &[]);
-    // Every symbol it binds at start-up (BIND_NOW) is there; the first verb we do not offer
-    // yet fails as libibverbs reports failure and the program says so itself.
-    let o = exec_verbs(&fab, 1, &["ibv_rc_pingpong"]);
-    let t = text(&o);
-    assert!(!o.status.success(), "{t}");
-    assert!(
-        !t.contains("symbol lookup error") && !t.contains("not found"),
-        "{t}"
-    );
-    assert!(t.contains("Couldn't allocate PD"), "{t}");
-    assert!(t.contains("ibv_alloc_pd is not offered yet"), "{t}");
+    let fab = Fab::up("ibv_pingpong", 2, &[]);
+    // `-c`: each side checks every byte it received (the buffers are the programs' own
+    // memalign'ed memory, registered in place).
+    for (i, (prog, extra)) in [
+        ("ibv_rc_pingpong", &["-n", "300", "-c"][..]),
+        ("ibv_rc_pingpong", &["-n", "100", "-c", "-s", "65536"][..]),
+        ("ibv_rc_pingpong", &["-n", "100", "-c", "-e"][..]),
+        ("ibv_uc_pingpong", &["-n", "300", "-c"][..]),
+        ("ibv_ud_pingpong", &["-n", "300", "-c"][..]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = pair(&fab, prog, 18700 + i as u16, extra);
+        both_succeed(&format!("{prog} {extra:?}"), &r);
+        let out = String::from_utf8_lossy(&r.1.stdout).into_owned();
+        assert!(out.contains("iters in"), "{prog}: {out}");
+        assert!(out.contains("remote address: LID 0x0001"), "{prog}: {out}");
+    }
+}
+
+#[test]
+fn perftest_runs_every_rdma_operation_between_two_nodes() {
+    if !have("ib_write_bw") {
+        return;
+    }
+    lib_built();
+    let fab = Fab::up("ibv_perftest", 2, &[]);
+    for (i, prog) in [
+        "ib_write_bw",
+        "ib_write_lat",
+        "ib_read_bw",
+        "ib_read_lat",
+        "ib_send_bw",
+        "ib_send_lat",
+        "ib_atomic_bw",
+        "ib_atomic_lat",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = pair(&fab, prog, 18720 + i as u16, &["-n", "200"]);
+        both_succeed(prog, &r);
+        let out = String::from_utf8_lossy(&r.1.stdout).into_owned();
+        assert!(out.contains(&format!("bp_{}", fab.name)), "{prog}: {out}");
+        assert!(
+            out.contains(" 200 "),
+            "{prog} ran its 200 iterations: {out}"
+        );
+    }
+}
+
+#[test]
+fn what_is_not_offered_stops_the_program_with_its_own_error_not_a_crash() {
+    if !have("ibv_srq_pingpong") || !have("ib_write_bw") {
+        return;
+    }
+    lib_built();
+    let fab = Fab::up("ibv_notoffered", 2, &[]);
+    for (args, says) in [
+        (&["ibv_srq_pingpong"][..], "Couldn't create SRQ"),
+        (
+            &["ib_write_bw", "-R"][..],
+            "Unable to create RDMA_CM resources",
+        ),
+        (&["ibv_rc_pingpong", "--new_send"][..], "Couldn't create QP"),
+        (&["ibv_rc_pingpong", "-o"][..], "ODP"),
+    ] {
+        let o = exec_verbs(&fab, 1, args);
+        let t = text(&o);
+        assert_eq!(
+            o.status.code(),
+            Some(1),
+            "{args:?} exits 1, not by a signal: {t}"
+        );
+        assert!(t.contains(says), "{args:?}: {t}");
+        assert!(!t.contains("symbol lookup error"), "{t}");
+    }
 }
 
 #[test]

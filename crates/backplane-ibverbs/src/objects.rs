@@ -36,7 +36,9 @@ fn live() -> MutexGuard<'static, Option<HashMap<usize, Kind>>> {
 }
 
 pub(crate) fn add_live<T>(p: *mut T, k: Kind) {
-    live().get_or_insert_with(HashMap::new).insert(p as usize, k);
+    live()
+        .get_or_insert_with(HashMap::new)
+        .insert(p as usize, k);
 }
 
 pub(crate) fn remove_live<T>(p: *mut T) {
@@ -47,10 +49,7 @@ pub(crate) fn remove_live<T>(p: *mut T) {
 
 /// The object behind `p` if it is a live object of kind `k`.
 pub(crate) fn obj<'a, T>(p: *mut c_void, k: Kind) -> Option<&'a mut T> {
-    let ok = live()
-        .as_ref()
-        .and_then(|m| m.get(&(p as usize)).copied())
-        == Some(k);
+    let ok = live().as_ref().and_then(|m| m.get(&(p as usize)).copied()) == Some(k);
     // SAFETY: a live pointer of kind `k` is a `Box<T>` for that kind's `T` (every `add_live`
     // caller passes the box it leaked), freed only after `remove_live`.
     ok.then(|| unsafe { &mut *p.cast::<T>() })
@@ -179,14 +178,26 @@ fn reg(pd: *mut IbvPd, addr: *mut c_void, len: usize, iova: u64, access: c_int) 
     }
     let unknown = access & !(ACCESS_RIGHTS | ACCESS_MW_BIND | ACCESS_ZERO_BASED | ACCESS_HUGETLB);
     if unknown != 0 {
-        fail(call, libc::EINVAL, format!("access flags {unknown:#x} are not offered"));
+        fail(
+            call,
+            libc::EINVAL,
+            format!("access flags {unknown:#x} are not offered"),
+        );
         return null_mut();
     }
     if addr.is_null() || len == 0 {
-        fail(call, libc::EINVAL, format!("nothing to register ({addr:p}, {len} bytes)"));
+        fail(
+            call,
+            libc::EINVAL,
+            format!("nothing to register ({addr:p}, {len} bytes)"),
+        );
         return null_mut();
     }
-    let iova = if access & ACCESS_ZERO_BASED != 0 { 0 } else { iova };
+    let iova = if access & ACCESS_ZERO_BASED != 0 {
+        0
+    } else {
+        iova
+    };
     // SAFETY: the context outlives its PDs.
     let c = unsafe { &*p.ctx };
     let _g = c.lock();
@@ -313,7 +324,10 @@ pub extern "C" fn bp_ibv_create_comp_channel(context: *mut IbvContext) -> *mut I
     add_live(p, Kind::Channel);
     p.cast()
 }
-crate::abi::symver!(bp_ibv_create_comp_channel, "ibv_create_comp_channel@@IBVERBS_1.0");
+crate::abi::symver!(
+    bp_ibv_create_comp_channel,
+    "ibv_create_comp_channel@@IBVERBS_1.0"
+);
 
 /// `ibv_destroy_comp_channel`: `EBUSY` while CQs report to it.
 #[no_mangle]
@@ -323,14 +337,21 @@ pub extern "C" fn bp_ibv_destroy_comp_channel(channel: *mut IbvCompChannel) -> c
         return fail(call, libc::EINVAL, "not a live completion channel");
     };
     if ch.ibv.refcnt > 0 {
-        return fail(call, libc::EBUSY, format!("{} CQs still use it", ch.ibv.refcnt));
+        return fail(
+            call,
+            libc::EBUSY,
+            format!("{} CQs still use it", ch.ibv.refcnt),
+        );
     }
     remove_live(channel);
     // SAFETY: live (checked), out of LIVE now: freed once.
     drop(unsafe { Box::from_raw(channel.cast::<ChObj>()) });
     0
 }
-crate::abi::symver!(bp_ibv_destroy_comp_channel, "ibv_destroy_comp_channel@@IBVERBS_1.0");
+crate::abi::symver!(
+    bp_ibv_destroy_comp_channel,
+    "ibv_destroy_comp_channel@@IBVERBS_1.0"
+);
 
 #[repr(C)]
 pub(crate) struct CqObj {
@@ -354,7 +375,11 @@ pub extern "C" fn bp_ibv_create_cq(
         return null_mut();
     };
     if comp_vector != 0 {
-        fail(call, libc::EINVAL, format!("comp_vector {comp_vector}: the device has one (0)"));
+        fail(
+            call,
+            libc::EINVAL,
+            format!("comp_vector {comp_vector}: the device has one (0)"),
+        );
         return null_mut();
     }
     if cqe <= 0 {
@@ -367,7 +392,11 @@ pub extern "C" fn bp_ibv_create_cq(
         match obj::<ChObj>(channel.cast(), Kind::Channel) {
             Some(ch) if ch.ibv.context == context => Some(ch),
             _ => {
-                fail(call, libc::EINVAL, "not a live completion channel of this context");
+                fail(
+                    call,
+                    libc::EINVAL,
+                    "not a live completion channel of this context",
+                );
                 return null_mut();
             }
         }
@@ -492,7 +521,11 @@ crate::abi::symver!(bp_ibv_ack_cq_events, "ibv_ack_cq_events@@IBVERBS_1.1");
 ///
 /// # Safety
 /// `cq` is a CQ this library made, alive; `wc` holds `num_entries` writable entries.
-pub(crate) unsafe extern "C" fn poll_cq(cq: *mut IbvCq, num_entries: c_int, wc: *mut IbvWc) -> c_int {
+pub(crate) unsafe extern "C" fn poll_cq(
+    cq: *mut IbvCq,
+    num_entries: c_int,
+    wc: *mut IbvWc,
+) -> c_int {
     // SAFETY: caller contract (the inline wrapper passes the program's CQ).
     let c = unsafe { &*cq.cast::<CqObj>() };
     // SAFETY: the context outlives its CQs.

@@ -93,7 +93,11 @@ pub unsafe extern "C" fn bp_ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAt
     // SAFETY: non-null; the caller promises it is readable.
     let a = unsafe { &mut *attr };
     if !a.srq.is_null() {
-        fail(call, libc::EOPNOTSUPP, "shared receive queues are not offered");
+        fail(
+            call,
+            libc::EOPNOTSUPP,
+            "shared receive queues are not offered",
+        );
         return null_mut();
     }
     let Some(ty) = qp_type_in(a.qp_type) else {
@@ -112,7 +116,11 @@ pub unsafe extern "C" fn bp_ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAt
         return null_mut();
     };
     if scq.ibv.context != p.ibv.context || rcq.ibv.context != p.ibv.context {
-        fail(call, libc::EINVAL, "a CQ belongs to another context than the PD");
+        fail(
+            call,
+            libc::EINVAL,
+            "a CQ belongs to another context than the PD",
+        );
         return null_mut();
     }
     // SAFETY: the context outlives its PDs.
@@ -182,7 +190,11 @@ const UNSUPPORTED_MASK: u32 = (1 << 14) | (1 << 18) | (1 << 25);
 /// # Safety
 /// `attr` is readable.
 #[no_mangle]
-pub unsafe extern "C" fn bp_ibv_modify_qp(qp: *mut IbvQp, attr: *mut IbvQpAttr, mask: c_int) -> c_int {
+pub unsafe extern "C" fn bp_ibv_modify_qp(
+    qp: *mut IbvQp,
+    attr: *mut IbvQpAttr,
+    mask: c_int,
+) -> c_int {
     let call = "ibv_modify_qp";
     let Some(q) = obj::<QpObj>(qp.cast(), Kind::Qp) else {
         return fail(call, libc::EINVAL, "not a live QP");
@@ -205,11 +217,17 @@ pub unsafe extern "C" fn bp_ibv_modify_qp(qp: *mut IbvQp, attr: *mut IbvQpAttr, 
     let d = QpAttr::default();
     let pick = |bit: QpAttrMask| m.contains(bit);
     let state = |v: c_int, what: &str| {
-        qp_state_in(v).ok_or_else(|| VerbsError::InvalidArgument(format!("{what} {v} is not an IBV_QPS_* value")))
+        qp_state_in(v).ok_or_else(|| {
+            VerbsError::InvalidArgument(format!("{what} {v} is not an IBV_QPS_* value"))
+        })
     };
     let r = (|| -> Result<QpAttr, VerbsError> {
         Ok(QpAttr {
-            qp_state: if pick(QpAttrMask::STATE) { state(a.qp_state, "qp_state")? } else { d.qp_state },
+            qp_state: if pick(QpAttrMask::STATE) {
+                state(a.qp_state, "qp_state")?
+            } else {
+                d.qp_state
+            },
             cur_qp_state: if pick(QpAttrMask::CUR_STATE) {
                 state(a.cur_qp_state, "cur_qp_state")?
             } else {
@@ -217,39 +235,94 @@ pub unsafe extern "C" fn bp_ibv_modify_qp(qp: *mut IbvQp, attr: *mut IbvQpAttr, 
             },
             path_mtu: if pick(QpAttrMask::PATH_MTU) {
                 mtu_in(a.path_mtu).ok_or_else(|| {
-                    VerbsError::InvalidArgument(format!("path_mtu {} is not an IBV_MTU_* value", a.path_mtu))
+                    VerbsError::InvalidArgument(format!(
+                        "path_mtu {} is not an IBV_MTU_* value",
+                        a.path_mtu
+                    ))
                 })?
             } else {
                 d.path_mtu
             },
-            qkey: if pick(QpAttrMask::QKEY) { a.qkey } else { d.qkey },
-            rq_psn: if pick(QpAttrMask::RQ_PSN) { a.rq_psn } else { d.rq_psn },
-            sq_psn: if pick(QpAttrMask::SQ_PSN) { a.sq_psn } else { d.sq_psn },
-            dest_qp_num: if pick(QpAttrMask::DEST_QPN) { a.dest_qp_num } else { d.dest_qp_num },
+            qkey: if pick(QpAttrMask::QKEY) {
+                a.qkey
+            } else {
+                d.qkey
+            },
+            rq_psn: if pick(QpAttrMask::RQ_PSN) {
+                a.rq_psn
+            } else {
+                d.rq_psn
+            },
+            sq_psn: if pick(QpAttrMask::SQ_PSN) {
+                a.sq_psn
+            } else {
+                d.sq_psn
+            },
+            dest_qp_num: if pick(QpAttrMask::DEST_QPN) {
+                a.dest_qp_num
+            } else {
+                d.dest_qp_num
+            },
             qp_access_flags: if pick(QpAttrMask::ACCESS_FLAGS) {
                 backplane::verbs::AccessFlags::from_bits_retain(a.qp_access_flags & 0xe)
             } else {
                 d.qp_access_flags
             },
-            cap: if pick(QpAttrMask::CAP) { cap_in(a.cap) } else { d.cap },
-            ah_attr: if pick(QpAttrMask::AV) { ah_in(&a.ah_attr) } else { d.ah_attr },
-            pkey_index: if pick(QpAttrMask::PKEY_INDEX) { a.pkey_index } else { d.pkey_index },
+            cap: if pick(QpAttrMask::CAP) {
+                cap_in(a.cap)
+            } else {
+                d.cap
+            },
+            ah_attr: if pick(QpAttrMask::AV) {
+                ah_in(&a.ah_attr)
+            } else {
+                d.ah_attr
+            },
+            pkey_index: if pick(QpAttrMask::PKEY_INDEX) {
+                a.pkey_index
+            } else {
+                d.pkey_index
+            },
             en_sqd_async_notify: if pick(QpAttrMask::EN_SQD_ASYNC_NOTIFY) {
                 a.en_sqd_async_notify
             } else {
                 d.en_sqd_async_notify
             },
-            max_rd_atomic: if pick(QpAttrMask::MAX_QP_RD_ATOMIC) { a.max_rd_atomic } else { d.max_rd_atomic },
+            max_rd_atomic: if pick(QpAttrMask::MAX_QP_RD_ATOMIC) {
+                a.max_rd_atomic
+            } else {
+                d.max_rd_atomic
+            },
             max_dest_rd_atomic: if pick(QpAttrMask::MAX_DEST_RD_ATOMIC) {
                 a.max_dest_rd_atomic
             } else {
                 d.max_dest_rd_atomic
             },
-            min_rnr_timer: if pick(QpAttrMask::MIN_RNR_TIMER) { a.min_rnr_timer } else { d.min_rnr_timer },
-            port_num: if pick(QpAttrMask::PORT) { a.port_num } else { d.port_num },
-            timeout: if pick(QpAttrMask::TIMEOUT) { a.timeout } else { d.timeout },
-            retry_cnt: if pick(QpAttrMask::RETRY_CNT) { a.retry_cnt } else { d.retry_cnt },
-            rnr_retry: if pick(QpAttrMask::RNR_RETRY) { a.rnr_retry } else { d.rnr_retry },
+            min_rnr_timer: if pick(QpAttrMask::MIN_RNR_TIMER) {
+                a.min_rnr_timer
+            } else {
+                d.min_rnr_timer
+            },
+            port_num: if pick(QpAttrMask::PORT) {
+                a.port_num
+            } else {
+                d.port_num
+            },
+            timeout: if pick(QpAttrMask::TIMEOUT) {
+                a.timeout
+            } else {
+                d.timeout
+            },
+            retry_cnt: if pick(QpAttrMask::RETRY_CNT) {
+                a.retry_cnt
+            } else {
+                d.retry_cnt
+            },
+            rnr_retry: if pick(QpAttrMask::RNR_RETRY) {
+                a.rnr_retry
+            } else {
+                d.rnr_retry
+            },
         })
     })();
     let r = match r {
@@ -408,9 +481,9 @@ unsafe fn send_in<'a>(
     } else {
         (list, &[])
     };
-    // SAFETY (all three): the opcode says which member of the union the program filled.
     let detail = match opcode {
         WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::RdmaRead => {
+            // SAFETY: the opcode says which member of the union the program filled.
             let r = unsafe { w.wr.rdma };
             WrDetail::Rdma {
                 remote_addr: r.remote_addr,
@@ -418,6 +491,7 @@ unsafe fn send_in<'a>(
             }
         }
         WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
+            // SAFETY: the opcode says which member of the union the program filled.
             let a = unsafe { w.wr.atomic };
             WrDetail::Atomic {
                 remote_addr: a.remote_addr,
@@ -427,6 +501,7 @@ unsafe fn send_in<'a>(
             }
         }
         WrOpcode::Send | WrOpcode::SendWithImm if ud => {
+            // SAFETY: the opcode says which member of the union the program filled.
             let u = unsafe { w.wr.ud };
             let ah = obj::<AhObj>(u.ah.cast(), Kind::Ah).ok_or(libc::EINVAL)?;
             WrDetail::Ud {
@@ -510,7 +585,11 @@ pub(crate) unsafe extern "C" fn post_send(
                 }
             }
         }
-        let r = if wrs.is_empty() { Ok(()) } else { q.qp.post_send(&wrs) };
+        let r = if wrs.is_empty() {
+            Ok(())
+        } else {
+            q.qp.post_send(&wrs)
+        };
         match (r, conv_err) {
             (Err(VerbsError::Post { bad_wr: i, source }), _) => {
                 bad = ptrs[i.min(ptrs.len() - 1)];

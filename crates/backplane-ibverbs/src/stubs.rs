@@ -381,11 +381,12 @@ fail!(
     "ibv_get_pkey_index",
     "ibv_get_pkey_index@@IBVERBS_1.5"
 );
-fail!(
-    bp_stub_ibv_get_sysfs_path,
-    "ibv_get_sysfs_path",
-    "ibv_get_sysfs_path@@IBVERBS_1.0"
-);
+/// `ibv_get_sysfs_path` (librdmacm reads its ABI version below it): where sysfs is.
+#[no_mangle]
+pub extern "C" fn bp_ibv_get_sysfs_path() -> *const std::ffi::c_char {
+    c"/sys".as_ptr()
+}
+crate::abi::symver!(bp_ibv_get_sysfs_path, "ibv_get_sysfs_path@@IBVERBS_1.0");
 null!(
     bp_stub_ibv_qp_to_qp_ex,
     "ibv_qp_to_qp_ex",
