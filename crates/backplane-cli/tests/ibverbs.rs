@@ -103,6 +103,11 @@ fn ibv_devices_and_ibv_devinfo_see_the_fabric_as_a_device_with_a_lid_per_node() 
         "{}",
         text(&o)
     );
+    let hint = stderr(&o);
+    assert!(
+        hint.contains("runs in no node of fabric") && hint.contains("exec --verbs"),
+        "a one-line hint: {hint}"
+    );
 }
 
 /// True once something listens on TCP `port` (IPv4 or IPv6), read from /proc/net: a probe

@@ -15,9 +15,13 @@
 //! IP). Opening a device needs to know the node: the process runs in it (`BACKPLANE_FABRIC` and
 //! `BACKPLANE_NODE`, which `backplane exec` sets, or the node's network namespace).
 //!
-//! **State of this library**: device discovery, open/close and the queries (device, port, GID,
-//! P_Key) — enough for `ibv_devices` and `ibv_devinfo`. Protection domains, memory regions,
-//! CQs and QPs (`ibv_rc_pingpong`, perftest) are not exported yet.
+//! **Objects** (`objects`, `qp`): PDs, MRs — the program's own buffers, registered in place
+//! ([`backplane::verbs::Pd::reg_user_mr`]) — completion channels, CQs, RC/UC/UD QPs and
+//! address handles are the engine's; the header's inline data path (`ibv_post_send`,
+//! `ibv_post_recv`, `ibv_poll_cq`, `ibv_req_notify_cq`) jumps through the context's `ops`.
+//! Not offered (the program gets libibverbs' failure and stops with its own error): SRQs, the
+//! extended API (`verbs_context` is not provided, so the header's `ibv_create_qp_ex` & co.
+//! answer `EOPNOTSUPP`), memory windows, multicast, ODP, `rdma_cm`.
 
 pub mod abi;
 mod objects;
@@ -60,6 +64,8 @@ struct Ctx {
     /// objects belong to one thread in the Rust API); libibverbs programs may use one context
     /// from several threads, so calls are made one at a time here.
     busy: AtomicBool,
+    /// PDs, MRs, channels, CQs, QPs and AHs made on it and not destroyed yet.
+    objects: std::sync::atomic::AtomicUsize,
 }
 
 /// A context's engine, held (see [`Ctx::busy`]).
@@ -173,6 +179,9 @@ pub unsafe extern "C" fn bp_ibv_get_device_list(num_devices: *mut c_int) -> *mut
         .iter()
         .map(|(f, _)| device_for(f))
         .collect();
+    if devs.is_empty() {
+        no_device_hint();
+    }
     // SAFETY: calloc of (n + 1) pointers; checked for NULL below.
     let list = unsafe { libc::calloc(devs.len() + 1, std::mem::size_of::<*mut IbvDevice>()) }
         .cast::<*mut IbvDevice>();
@@ -191,6 +200,27 @@ pub unsafe extern "C" fn bp_ibv_get_device_list(num_devices: *mut c_int) -> *mut
     list
 }
 abi::symver!(bp_ibv_get_device_list, "ibv_get_device_list@@IBVERBS_1.1");
+
+/// Says once per process, on stderr, why the list is empty: libibverbs programs then print
+/// only "No IB devices found".
+fn no_device_hint() {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if SAID.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let running = running_fabrics();
+    if running.is_empty() {
+        eprintln!(
+            "libibverbs (backplane): no device: no backplane fabric is running (backplane up)"
+        );
+    } else {
+        eprintln!(
+            "libibverbs (backplane): no device: this process runs in no node of fabric {} \
+             (run it with `backplane exec --verbs NODE -- …`)",
+            running.join(", ")
+        );
+    }
+}
 
 /// `ibv_free_device_list`: frees the array, not the devices (they stay valid).
 ///
@@ -377,6 +407,7 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         fabric,
         slot,
         busy: AtomicBool::new(false),
+        objects: std::sync::atomic::AtomicUsize::new(0),
     });
     let p = Box::into_raw(c);
     OPEN.lock()
@@ -408,11 +439,20 @@ pub extern "C" fn bp_ibv_close_device(context: *mut IbvContext) -> c_int {
         return -1;
     };
     open.swap_remove(i);
-    // SAFETY: it was a live `Box<Ctx>` from `ibv_open_device`, now out of OPEN.
-    let c = unsafe { Box::from_raw(context.cast::<Ctx>()) };
-    // SAFETY: our eventfd, closed once.
+    // SAFETY: a live `Box<Ctx>` (it was in OPEN).
+    let c = unsafe { &*context.cast::<Ctx>() };
+    let left = c.objects.load(Ordering::Relaxed);
+    // SAFETY: our eventfd, closed once (the context is out of OPEN).
     unsafe { libc::close(c.ibv.async_fd) };
-    drop(c);
+    if left > 0 {
+        // libibverbs closes a context whatever is left of it (the kernel cleans up after a
+        // program that does not destroy everything — perftest's `ib_send_bw` client keeps
+        // its receive CQ); the objects left keep pointing at the context, so its memory stays.
+        return 0;
+    }
+    // SAFETY: it was a live `Box<Ctx>` from `ibv_open_device`, now out of OPEN, with no
+    // object pointing at it.
+    drop(unsafe { Box::from_raw(context.cast::<Ctx>()) });
     0
 }
 abi::symver!(bp_ibv_close_device, "ibv_close_device@@IBVERBS_1.1");

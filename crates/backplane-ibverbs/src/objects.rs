@@ -35,16 +35,33 @@ fn live() -> MutexGuard<'static, Option<HashMap<usize, Kind>>> {
     LIVE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The context an object belongs to: every object struct starts with `struct ibv_context
+/// *context`, which is a [`Ctx`] this library opened.
+fn ctx_of_obj<'a, T>(p: *mut T) -> &'a Ctx {
+    // SAFETY: `p` is one of this module's boxes, whose first field is the public struct,
+    // whose first field is the context pointer; a context is freed only with no objects left
+    // (`ibv_close_device` keeps it otherwise).
+    unsafe { &*(*p.cast::<*mut IbvContext>()).cast::<Ctx>() }
+}
+
+/// Records a new object (a leaked box of kind `k`).
 pub(crate) fn add_live<T>(p: *mut T, k: Kind) {
+    ctx_of_obj(p)
+        .objects
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     live()
         .get_or_insert_with(HashMap::new)
         .insert(p as usize, k);
 }
 
+/// Forgets an object about to be freed.
 pub(crate) fn remove_live<T>(p: *mut T) {
     if let Some(m) = live().as_mut() {
         m.remove(&(p as usize));
     }
+    ctx_of_obj(p)
+        .objects
+        .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// The object behind `p` if it is a live object of kind `k`.
@@ -358,7 +375,13 @@ pub(crate) struct CqObj {
     pub(crate) ibv: IbvCq,
     pub(crate) cq: Cq,
     pub(crate) ctx: *const Ctx,
+    /// Completions taken from the engine before they are written out in libibverbs' layout
+    /// (made once: a poll must not initialise a buffer each time).
+    pub(crate) scratch: Vec<backplane::verbs::Wc>,
 }
+
+/// Completions taken from the engine per step of a poll.
+const POLL_STEP: usize = 16;
 
 /// `ibv_create_cq`.
 #[no_mangle]
@@ -424,6 +447,7 @@ pub extern "C" fn bp_ibv_create_cq(
         },
         cq,
         ctx: c,
+        scratch: vec![backplane::verbs::Wc::default(); POLL_STEP],
     }));
     if let Some(ch) = ch {
         ch.ibv.refcnt += 1;
@@ -526,15 +550,12 @@ pub(crate) unsafe extern "C" fn poll_cq(
     num_entries: c_int,
     wc: *mut IbvWc,
 ) -> c_int {
-    // SAFETY: caller contract (the inline wrapper passes the program's CQ).
-    let c = unsafe { &*cq.cast::<CqObj>() };
+    // SAFETY: caller contract (the inline wrapper passes the program's CQ); the context's
+    // lock, taken next, makes this call the only one using it.
+    let c = unsafe { &mut *cq.cast::<CqObj>() };
     // SAFETY: the context outlives its CQs.
     let _g = unsafe { &*c.ctx }.lock();
-    if c.cq.overruns() > 0 {
-        return -1;
-    }
     let want = num_entries.max(0) as usize;
-    let mut buf = [backplane::verbs::Wc::default(); 16];
     if want == 0 {
         // Nothing to take, but the poll still moves the CQ's QPs along.
         c.cq.poll(&mut []);
@@ -542,15 +563,19 @@ pub(crate) unsafe extern "C" fn poll_cq(
     }
     let mut n = 0usize;
     while n < want {
-        let k = c.cq.poll(&mut buf[..(want - n).min(16)]);
-        for (i, w) in buf[..k].iter().enumerate() {
+        let k = c.cq.poll(&mut c.scratch[..(want - n).min(POLL_STEP)]);
+        for (i, w) in c.scratch[..k].iter().enumerate() {
             // SAFETY: n + i < num_entries, which the caller promises are writable.
             unsafe { wc.add(n + i).write(wc_out(w)) };
         }
         n += k;
-        if k < 16 {
+        if k < POLL_STEP {
             break;
         }
+    }
+    // An overrun CQ is in error (as after IBV_EVENT_CQ_ERR): said when it has nothing left.
+    if n == 0 && c.cq.overruns() > 0 {
+        return -1;
     }
     n as c_int
 }

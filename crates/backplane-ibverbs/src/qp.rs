@@ -538,7 +538,7 @@ pub(crate) unsafe extern "C" fn post_send(
     bad_wr: *mut *mut IbvSendWr,
 ) -> c_int {
     // SAFETY: caller contract.
-    let q = unsafe { &mut *qp.cast::<QpObj>() };
+    let q = unsafe { &*qp.cast::<QpObj>() };
     let ud = q.ibv.qp_type == QpType::Ud as c_int;
     // SAFETY: the context outlives its QPs.
     let _g = unsafe { &*q.ctx }.lock();
@@ -606,7 +606,7 @@ pub(crate) unsafe extern "C" fn post_send(
             }
         }
     };
-    q.ibv.state = q.qp.state() as c_int;
+    // `qp->state` is left as it is: libibverbs changes it in modify and query only.
     if !bad_wr.is_null() {
         // SAFETY: non-null; the caller promises it is writable.
         unsafe { *bad_wr = if rc == 0 { null_mut() } else { bad } };

@@ -70,7 +70,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 /// A directory in the fabric's run directory (gone with `down`) holding `libibverbs.so.1`, a
 /// link to the `libibverbs.so` built beside this executable.
-fn verbs_lib_dir(name: &str) -> anyhow::Result<std::path::PathBuf> {
+pub(crate) fn verbs_lib_dir(name: &str) -> anyhow::Result<std::path::PathBuf> {
     let exe = std::env::current_exe().context("cannot find the backplane executable")?;
     let lib = exe.with_file_name("libibverbs.so");
     if !lib.is_file() {

@@ -8,6 +8,7 @@
 //! RC QP pair with the connection helper.
 
 mod dma;
+mod perftest;
 mod verbs;
 
 use std::process::{Command, Stdio};
@@ -166,6 +167,10 @@ pub struct Args {
     /// Run `ucx_perftest` (UCX_TLS=posix,cma,self) with the same sizes in the same run.
     #[arg(long, value_enum, default_value = "auto")]
     ucx: UcxMode,
+    /// Verbs tests: run perftest's program for the same operation (`ib_write_lat`, …),
+    /// unmodified, over the fabric through the drop-in `libibverbs.so.1`, in the same run.
+    #[arg(long, value_enum, default_value = "auto")]
+    perftest: UcxMode,
     /// Repeat the whole comparison this many times, backplane and its peer (UCX; veth for
     /// `ip`; memcpy for `dma-bw`) alternating, and report each field's median over the rounds
     /// with every round's ratio and their median (a shared, noisy machine moves single runs
@@ -218,6 +223,11 @@ struct Report {
     backplane: Vec<Row>,
     ucx: Option<Vec<Row>>,
     ucx_note: Option<String>,
+    /// perftest's program for the same operation over the same fabric (verbs tests).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    perftest: Option<Vec<Row>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    perftest_note: Option<String>,
     /// With `--rounds` > 1: every round's rows (`backplane` and `ucx` above are then each
     /// field's median over these).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -229,6 +239,8 @@ struct Report {
 struct Round {
     backplane: Vec<Row>,
     ucx: Option<Vec<Row>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    perftest: Option<Vec<Row>>,
 }
 
 fn sizes(a: &Args) -> anyhow::Result<Vec<u64>> {
@@ -279,8 +291,22 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut rounds = Vec::new();
     let mut fabric_name = String::new();
     let mut ucx_note = ucx_path.as_ref().err().cloned();
+    let mut perftest_note = match (a.perftest, perftest::unavailable(a.test)) {
+        (_, None) => None,
+        (UcxMode::Require, Some(why)) => bail!("{why}"),
+        (UcxMode::Off, Some(_)) => None,
+        (UcxMode::Auto, Some(why)) => Some(why),
+    };
+    let with_perftest = perftest::program(a.test).is_some()
+        && a.perftest != UcxMode::Off
+        && perftest_note.is_none();
     for round in 0..a.rounds {
-        let (name, rows) = measure_backplane(&a, &sizes, round == 0)?;
+        let (name, rows, pt) = measure_backplane(
+            &a,
+            &sizes,
+            round == 0,
+            with_perftest.then_some(&mut perftest_note),
+        )?;
         fabric_name = name;
         let ucx = match &ucx_path {
             Ok(path) => {
@@ -309,15 +335,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         rounds.push(Round {
             backplane: rows,
             ucx,
+            perftest: pt,
         });
     }
-    let (rows, ucx) = if rounds.len() == 1 {
+    let (rows, ucx, perftest) = if rounds.len() == 1 {
         let r = rounds.pop().expect("one round");
-        (r.backplane, r.ucx)
+        (r.backplane, r.ucx, r.perftest)
     } else {
         let bp: Vec<&[Row]> = rounds.iter().map(|r| &r.backplane[..]).collect();
         let ucx: Option<Vec<&[Row]>> = rounds.iter().map(|r| r.ucx.as_deref()).collect();
-        (median_rows(&bp), ucx.map(|u| median_rows(&u)))
+        let pt: Option<Vec<&[Row]>> = rounds.iter().map(|r| r.perftest.as_deref()).collect();
+        (
+            median_rows(&bp),
+            ucx.map(|u| median_rows(&u)),
+            pt.map(|p| median_rows(&p)),
+        )
     };
     let report = Report {
         version: 1,
@@ -326,6 +358,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         backplane: rows,
         ucx,
         ucx_note,
+        perftest,
+        perftest_note,
         rounds,
     };
     if a.json {
@@ -338,7 +372,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 /// One backplane measurement of every size: a temporary fabric (unless `--name`), the peer
 /// process, the rows (with same-run memcpy for bandwidth), everything torn down after.
-fn measure_backplane(a: &Args, sizes: &[u64], first: bool) -> anyhow::Result<(String, Vec<Row>)> {
+/// With `perftest` (the note to set if it fails), perftest's program for the same operation
+/// runs next on the same fabric, after the backplane peer stopped.
+fn measure_backplane(
+    a: &Args,
+    sizes: &[u64],
+    first: bool,
+    perftest: Option<&mut Option<String>>,
+) -> anyhow::Result<(String, Vec<Row>, Option<Vec<Row>>)> {
     // Everything this round starts is registered with the bench's teardown, so an error, a
     // return or Ctrl-C/SIGTERM (the handler `run` installs) removes it.
     let mut fabric_guard = None;
@@ -408,6 +449,19 @@ fn measure_backplane(a: &Args, sizes: &[u64], first: bool) -> anyhow::Result<(St
     }
     let _ = peer.wait();
     peer_guard.disarm(); // reaped
+    let pt = perftest.and_then(|note| {
+        let mut out = Vec::new();
+        for &size in sizes {
+            match perftest::run(&name, a.test, size, iters_for(a, size)) {
+                Ok(r) => out.push(r),
+                Err(e) => {
+                    *note = Some(format!("perftest failed at {size} B: {e:#}"));
+                    return None;
+                }
+            }
+        }
+        Some(out)
+    });
     drop(fabric);
     drop(fabric_guard);
     if !a.test.is_lat() {
@@ -416,7 +470,7 @@ fn measure_backplane(a: &Args, sizes: &[u64], first: bool) -> anyhow::Result<(St
             r.memcpy_mbps = Some(memcpy_mbps(r.bytes));
         }
     }
-    Ok((name, rows))
+    Ok((name, rows, pt))
 }
 
 /// Sends one message as consecutive datagrams (shared with `bench`).
@@ -669,12 +723,55 @@ fn render(r: &Report) -> String {
         }
         o += &format!("{line}\n");
     }
+    if let Some(p) = &r.perftest {
+        o += &render_perftest(r, p);
+    }
     if !r.rounds.is_empty() {
         o += &render_rounds(r);
     }
     if let Some(n) = &r.ucx_note {
         o += &format!(" note: {n}\n");
     }
+    if let Some(n) = &r.perftest_note {
+        o += &format!(" note: {n}\n");
+    }
+    o
+}
+
+/// perftest's block: its figures and the ratio to the engine measured directly (the ABI
+/// layer's cost), per size, and with rounds the median of the per-round ratios.
+fn render_perftest(r: &Report, p: &[Row]) -> String {
+    let lat = r.test.is_lat();
+    let value = |x: &Row| if lat { x.t_typical_us } else { x.bw_avg_mbps };
+    let mut o = format!(
+        " same run: perftest {} (unmodified, over the fabric through the drop-in libibverbs.so.1); \
+         ratio = perftest / backplane ({} is better)\n{:>9} {:>12} {:>19} {:>26}\n",
+        perftest::program(r.test).unwrap_or("-"),
+        if lat { "<=1" } else { ">=1" },
+        "#bytes",
+        "#iterations",
+        if lat { "t_typical[usec]" } else { "BW average[MB/sec]" },
+        "ratio (median per round)"
+    );
+    for (i, (x, b)) in p.iter().zip(&r.backplane).enumerate() {
+        let per_round: Vec<f64> = r
+            .rounds
+            .iter()
+            .filter_map(|rd| {
+                Some(value(rd.perftest.as_ref()?.get(i)?)? / value(rd.backplane.get(i)?)?)
+            })
+            .collect();
+        let ratio = median(per_round.iter().copied())
+            .or_else(|| value(x).zip(value(b)).map(|(p, b)| p / b));
+        o += &format!(
+            "{:>9} {:>12} {:>19} {:>26}\n",
+            x.bytes,
+            x.iterations,
+            f(value(x)),
+            f(ratio)
+        );
+    }
+    o += &format!("{}\n", "-".repeat(100));
     o
 }
 
@@ -759,6 +856,7 @@ mod tests {
             .map(|&(b, u)| Round {
                 backplane: vec![row(b)],
                 ucx: Some(vec![row(u)]),
+                perftest: None,
             })
             .collect();
         let bp: Vec<Vec<Row>> = rounds.iter().map(|r| r.backplane.clone()).collect();
@@ -770,6 +868,8 @@ mod tests {
             backplane: median_rows(&bp.iter().map(|v| &v[..]).collect::<Vec<_>>()),
             ucx: Some(median_rows(&ux.iter().map(|v| &v[..]).collect::<Vec<_>>())),
             ucx_note: None,
+            perftest: None,
+            perftest_note: None,
             rounds,
         };
         let text = render_rounds(&r);
