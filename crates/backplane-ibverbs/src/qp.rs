@@ -75,6 +75,32 @@ fn cap_out(c: QpCap) -> IbvQpCap {
     }
 }
 
+/// The inbound ring of each RC/UC QP: `BACKPLANE_VERBS_RING` (bytes, a power of two from
+/// 256 KiB to 64 MiB, with K/M suffixes), else the engine's default. Only SEND data travels
+/// through it (RDMA WRITE/READ go straight to the peer's memory); a larger ring keeps more
+/// SEND data in flight, at the cost of window space per QP.
+fn ring_bytes() -> u32 {
+    static RING: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *RING.get_or_init(|| {
+        let Ok(v) = std::env::var("BACKPLANE_VERBS_RING") else {
+            return 0;
+        };
+        let t = v.trim();
+        let (num, mul) = match t.char_indices().last() {
+            Some((i, 'K' | 'k')) => (&t[..i], 1 << 10),
+            Some((i, 'M' | 'm')) => (&t[..i], 1 << 20),
+            _ => (t, 1),
+        };
+        match num.parse::<u32>().ok().and_then(|n| n.checked_mul(mul)) {
+            Some(n) => n,
+            None => {
+                eprintln!("libibverbs (backplane): BACKPLANE_VERBS_RING={v} is not a size; using the default");
+                0
+            }
+        }
+    })
+}
+
 /// `ibv_create_qp`: RC, UC or UD, without a shared receive queue.
 ///
 /// # Safety
@@ -131,7 +157,7 @@ pub unsafe extern "C" fn bp_ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAt
         cap: cap_in(a.cap),
         qp_type: ty,
         sq_sig_all: a.sq_sig_all != 0,
-        ring_bytes: 0,
+        ring_bytes: ring_bytes(),
     };
     let qp = match p.pd.create_qp(&init) {
         Ok(q) => q,

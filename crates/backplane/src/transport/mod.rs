@@ -46,7 +46,7 @@ use std::time::Duration;
 
 use crate::fabric::ctl::RouteHop;
 use crate::fabric::FabricError;
-use crate::mem::{MemError, Span, Word32};
+use crate::mem::{MemError, Span, Word32, Word64};
 pub use crate::ring::{Record, Reservation, RingError};
 use crate::wire::NodeState;
 
@@ -170,6 +170,131 @@ pub trait Channels {
     /// Retires the channel announced at `at` to `dst` (its sender closed, or it is corrupt):
     /// best effort, a live sender opens a new one.
     fn retire_datagram(&self, dst: Addr, at: u64);
+}
+
+/// Something a completion channel's watcher compares with what it was when the CQ was armed,
+/// and sleeps on: words of the transport's shared memory.
+#[derive(Debug, Clone)]
+pub enum Watch {
+    /// A 64-bit index that moves when work arrives (a ring's producer index, an ack).
+    Moved {
+        /// The word.
+        word: Word64,
+        /// Its value at arming.
+        seen: u64,
+    },
+    /// A flag that fires when non-zero (peer gone).
+    Flag(Word32),
+    /// A futex doorbell that peers bump (UD endpoints); the watcher also sleeps on it.
+    Bell {
+        /// The word.
+        word: Word32,
+        /// Its value at arming.
+        seen: u32,
+    },
+}
+
+/// This end of a reliable connection (a queue pair's home): what the peer tells it besides
+/// messages — how far it consumed them, NAKs, its posted receives (credits), that it is gone,
+/// the RNR timer it asks for — and the remote rights this end grants, for the peer to read.
+pub trait QpHome {
+    /// How far the peer consumed this end's outbound messages (acquire: a NAK, read next with
+    /// [`QpHome::nak`], was published before it).
+    fn acked(&self) -> u64;
+    /// The peer's negative acknowledgement, `(message seq + 1) << 8 | syndrome` (0: none).
+    fn nak(&self) -> u64;
+    /// Receives the peer has posted so far (acquire).
+    fn credits(&self) -> u64;
+    /// True once the peer said it is gone (acquire: its last acks and NAKs are seen).
+    fn peer_gone(&self) -> bool;
+    /// The RNR timer the peer asks this end to wait (IB encoding + 1; 0: not said).
+    fn peer_rnr(&self) -> u32;
+    /// Publishes the remote operations this end accepts (release: requesters read them
+    /// before each one-sided operation).
+    fn set_access(&self, bits: u32);
+    /// Back to nothing received and nothing acknowledged (RESET).
+    fn reset(&self);
+    /// What a completion channel watches for this end: arriving messages, the ack moving past
+    /// `ack_seen(current ack)`, the peer going, and with `credits` the peer's credits.
+    fn watches(&self, out: &mut Vec<Watch>, ack_seen: impl FnOnce(u64) -> u64, credits: bool);
+}
+
+/// The peer's end of a reliable connection as this end writes it: the counterpart of the
+/// peer's [`QpHome`], and its context's doorbell.
+pub trait QpLink {
+    /// Publishes this end's posted-receive count (release: the peer may send once it sees it).
+    fn publish_credits(&self, posted: u64);
+    /// Publishes a NAK (published by the consumer index released after it).
+    fn publish_nak(&self, v: u64);
+    /// Tells the peer the RNR timer to wait (IB encoding + 1).
+    fn publish_rnr(&self, v: u32);
+    /// Tells the peer this end is gone (release: acks and NAKs before it are seen first).
+    fn publish_gone(&self);
+    /// The remote operations the peer accepts (a relaxed read of a word that only gates).
+    fn peer_access(&self) -> u32;
+    /// Wakes the peer's completion channel if it sleeps (after this end's stores).
+    fn wake_peer(&self);
+    /// Wakes the peer's completion channel whether or not it sleeps.
+    fn ring_peer(&self);
+}
+
+/// A queue pair connected through a transport: the peer, the two message channels, and the
+/// control words.
+#[derive(Debug)]
+pub struct QpConnection<Tx, Rx, L> {
+    /// The peer's node.
+    pub slot: u32,
+    /// The peer's QP number.
+    pub qpn: u32,
+    /// The generation the peer's node was in when the connection was made.
+    pub generation: u32,
+    /// The peer's end, written from here.
+    pub link: L,
+    /// Messages to the peer.
+    pub outbound: Tx,
+    /// Messages from the peer.
+    pub inbound: Rx,
+}
+
+/// The connection type of a [`QpChannels`] implementation.
+pub type ConnectionOf<C> =
+    QpConnection<<C as QpChannels>::QpTx, <C as QpChannels>::QpRx, <C as QpChannels>::Link>;
+
+/// Setting up a queue pair's reliable connection (RC and UC): its home, made when the QP is
+/// created, and the connection to a peer's QP (INIT → RTR). As with [`Channels`], the types
+/// are associated, not boxed: the verbs fast paths are compiled against them.
+pub trait QpChannels {
+    /// This end of a connection.
+    type Home: QpHome;
+    /// The peer's end, as written from here.
+    type Link: QpLink;
+    /// Messages to the peer.
+    type QpTx: SendChannel;
+    /// Messages from the peer.
+    type QpRx: RecvChannel;
+    /// Makes the home of a new RC/UC QP of node `slot` (type `qp_type`, inbound ring of
+    /// `ring_len` bytes, its context's event block at `event_off`): its QP number and home.
+    fn create_qp_home(
+        &self,
+        slot: u32,
+        pd: u32,
+        qp_type: u32,
+        ring_len: u32,
+        event_off: u64,
+    ) -> Result<(u32, Self::Home), FabricError>;
+    /// Connects QP `qpn` of node `slot` (home `home`) to QP `dest_qpn` of node `dest_slot`,
+    /// of the same type: refused unless the peer exists and matches.
+    fn connect_qp(
+        &self,
+        home: &Self::Home,
+        slot: u32,
+        qpn: u32,
+        qp_type: u32,
+        dest_slot: u32,
+        dest_qpn: u32,
+    ) -> Result<ConnectionOf<Self>, FabricError>;
+    /// Gives QP `qpn` of node `slot` back (destroyed).
+    fn destroy_qp_home(&self, slot: u32, qpn: u32);
 }
 
 /// How a copy into a peer's memory is made.

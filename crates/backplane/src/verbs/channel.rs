@@ -21,33 +21,14 @@ use std::time::{Duration, Instant};
 use super::types::VerbsError;
 use crate::fabric::Fabric;
 use crate::mem::Region;
-use crate::mem::{Word32, Word64};
+use crate::mem::Word32;
 use crate::sync::{fence, futex_wait, futex_wake, AtomicU32, Ordering};
 use crate::wire::NodeState;
 
 /// Longest sleep of the watcher: node liveness is checked at least this often.
 const MAX_SLEEP: Duration = Duration::from_millis(100);
 
-/// Something the watcher compares with what it was when the CQ was armed.
-#[derive(Debug, Clone)]
-pub(crate) enum Watch {
-    /// A 64-bit index that moves when work arrives (a ring's producer index, an ack).
-    Moved {
-        /// The word.
-        word: Word64,
-        /// Its value at arming.
-        seen: u64,
-    },
-    /// A flag that fires when non-zero (peer gone).
-    Flag(Word32),
-    /// A futex doorbell that peers bump (UD endpoints); the watcher also sleeps on it.
-    Bell {
-        /// The word.
-        word: Word32,
-        /// Its value at arming.
-        seen: u32,
-    },
-}
+pub(crate) use crate::transport::Watch;
 
 /// An armed completion queue.
 #[derive(Debug, Clone)]

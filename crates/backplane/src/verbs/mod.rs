@@ -83,6 +83,7 @@ impl Context {
             inner: Rc::new(Ctx {
                 node: node.clone(),
                 transport: Arc::new(ShmTransport::new(node.fabric().clone())),
+                links: ShmTransport::new(node.fabric().clone()),
                 win,
                 event_off,
                 eng: RefCell::new(Engine::default()),

@@ -22,6 +22,9 @@ pub(crate) struct Ctx {
     pub(crate) node: Node,
     /// How the context reaches peers' memory and learns whether they live.
     pub(crate) transport: Arc<dyn Transport>,
+    /// How the context's queue pairs connect (the same transport, by its concrete type: the
+    /// fast paths are compiled against it).
+    pub(crate) links: ShmTransport,
     pub(crate) win: Arc<Region>,
     pub(crate) event_off: u64,
     pub(crate) eng: RefCell<Engine>,
@@ -41,7 +44,7 @@ impl Ctx {
         CtxParts {
             node: &self.node,
             transport: &*self.transport,
-            win: &self.win,
+            links: &self.links,
             mrs,
         }
     }
@@ -66,37 +69,14 @@ impl Ctx {
                 (ep.local_addr().port, None, Some(ep))
             }
             _ => {
-                let (resp, _) = self.node.fabric().call_service::<VerbsResponse>(
-                    &VerbsRequest::CreateQp {
-                        slot: self.node.slot(),
-                        pd,
-                        qp_type: ty as u32,
-                        ring_len,
-                        event_off: self.event_off,
-                    },
-                    &[],
+                let (qpn, home) = self.links.create_qp_home(
+                    self.node.slot(),
+                    pd,
+                    ty as u32,
+                    ring_len,
+                    self.event_off,
                 )?;
-                let VerbsResponse::QpCreated { qpn, block_off } = resp else {
-                    return Err(FabricError::Protocol(format!("{resp:?}")).into());
-                };
-                let w = &self.win;
-                w.check(block_off, QpBlockRepr::footprint(ring_len), 64)?;
-                let own = OwnBlock {
-                    off: block_off,
-                    ack: Word64::at(w, block_off + QP_ACK_OFF as u64)?,
-                    credits: Word64::at(w, block_off + QP_CREDITS_OFF as u64)?,
-                    nak: Word64::at(w, block_off + QP_NAK_OFF as u64)?,
-                    peer_err: Word32::at(w, block_off + QP_PEER_ERR_OFF as u64)?,
-                    peer_rnr: Word32::at(w, block_off + QP_PEER_RNR_OFF as u64)?,
-                    access: Word32::at(w, block_off + QP_ACCESS_OFF as u64)?,
-                    tail: Word64::at(w, block_off + QP_TAIL_OFF as u64)?,
-                    data: {
-                        let d = Span::new(w, block_off + QP_RING_OFF, ring_len.into())?;
-                        d.populate(true);
-                        d
-                    },
-                };
-                (qpn, Some(own), None)
+                (qpn, Some(home), None)
             }
         };
         let st = QpEngine {
@@ -206,7 +186,7 @@ impl Ctx {
         let env = CtxParts {
             node: &self.node,
             transport: &*self.transport,
-            win: &self.win,
+            links: &self.links,
             mrs: &eng.mrs,
         };
         let own_ok = !epoch_moved || self.node.check_current().is_ok();

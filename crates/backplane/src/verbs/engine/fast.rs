@@ -82,7 +82,7 @@ impl QpEngine {
             || !remote_flags_allowed(
                 m.access,
                 // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
-                AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)),
+                AccessFlags::from_bits_retain(p.link.peer_access()),
                 AccessFlags::REMOTE_WRITE,
             )
         {
@@ -197,7 +197,7 @@ impl QpEngine {
                 m.len,
                 m.access,
                 // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
-                AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)),
+                AccessFlags::from_bits_retain(p.link.peer_access()),
                 need,
                 remote_addr,
                 len as u64,
@@ -258,8 +258,7 @@ impl QpEngine {
         let rc = self.ty == QpType::Rc;
         if rc && self.used_credits >= self.credits {
             if let Some(o) = &self.own {
-                // SYNC POINT qp-credits (acquire).
-                self.credits = self.credits.max(o.credits.load(Ordering::Acquire));
+                self.credits = self.credits.max(o.credits());
             }
             if self.used_credits >= self.credits {
                 return false;

@@ -37,14 +37,14 @@ use super::channel::{ChannelShared, Watch};
 use super::fsm;
 use super::types::*;
 use crate::dgram::{Addr, DgramError, Endpoint, Wait};
-use crate::fabric::{FabricError, Node};
-use crate::mem::{MemError, Region, Span, Word32, Word64};
+use crate::fabric::Node;
+use crate::mem::{MemError, Region, Span, Word32};
 use crate::sync::{fence, Ordering};
-use crate::transport::shm::{ShmReceiver, ShmRing, ShmSender};
+use crate::transport::shm::ShmTransport;
 use crate::transport::{
-    CopyKind, GrantRequest, RecvChannel, RemoteRegion, RingError, SendChannel, Transport,
+    CopyKind, GrantRequest, QpChannels, QpHome, QpLink, RecvChannel, RemoteRegion, RingError,
+    SendChannel, Transport,
 };
-use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::*;
 
 /// Payload bytes per message fragment (one ring record).
@@ -250,40 +250,19 @@ enum Exec {
     Fatal(WcStatus),
 }
 
-#[derive(Debug)]
-struct OwnBlock {
-    off: u64,
-    ack: Word64,
-    credits: Word64,
-    nak: Word64,
-    peer_err: Word32,
-    peer_rnr: Word32,
-    access: Word32,
-    tail: Word64,
-    /// The inbound ring's data area.
-    data: Span,
-}
+/// A QP's home (its end of the connection), through the transport.
+type Home = <ShmTransport as QpChannels>::Home;
 
 struct PeerLink {
     slot: u32,
     qpn: u32,
     generation: u32,
-    credits: Word64,
-    nak: Word64,
-    peer_err: Word32,
-    rnr: Word32,
-    access: Word32,
-    /// The peer context's event block: its completion channel sleeps on it. Rung here, not
-    /// through the outbound channel's `wake_receiver`: that cost send-lat 8 B 10–15 ns
-    /// (alternating A/Bs), and acks and credits ring it without a message too.
-    ev_bell: Word32,
-    ev_armed: Word32,
-    /// The message channel to the peer (a ring in its block), used only through
-    /// `SendChannel`.
-    outbound: ShmSender,
-    /// The message channel from the peer (the ring in our block), used only through
-    /// `RecvChannel`.
-    inbound: ShmReceiver,
+    /// The peer's control words and doorbell, used only through `QpLink`.
+    link: <ShmTransport as QpChannels>::Link,
+    /// The message channel to the peer, used only through `SendChannel`.
+    outbound: <ShmTransport as QpChannels>::QpTx,
+    /// The message channel from the peer, used only through `RecvChannel`.
+    inbound: <ShmTransport as QpChannels>::QpRx,
 }
 
 #[derive(Debug)]
@@ -312,7 +291,7 @@ pub(crate) struct QpEngine {
     sig_all: bool,
     pub(crate) cap: QpCap,
     pub(crate) attr: QpAttr,
-    own: Option<OwnBlock>,
+    own: Option<Home>,
     peer: Option<PeerLink>,
     sq: VecDeque<SqEntry>,
     exec: usize,
@@ -348,7 +327,8 @@ pub(crate) struct QpEngine {
 pub(crate) struct CtxParts<'a> {
     pub(crate) node: &'a Node,
     pub(crate) transport: &'a dyn Transport,
-    pub(crate) win: &'a Arc<Region>,
+    /// Queue pairs' connections.
+    pub(crate) links: &'a ShmTransport,
     pub(crate) mrs: &'a MrTable,
 }
 
@@ -377,11 +357,7 @@ impl QpEngine {
     fn ring_peer(&mut self) {
         self.bell_pending = false;
         if let Some(p) = &self.peer {
-            // SYNC POINT qp-bell (sender): ring/ack stores are visible before we read `armed`.
-            fence(Ordering::SeqCst);
-            if p.ev_armed.load(Ordering::Relaxed) != 0 {
-                crate::sync::ring(&p.ev_bell);
-            }
+            p.link.wake_peer();
         }
     }
 
@@ -425,10 +401,9 @@ impl QpEngine {
         if self.state != QpState::Err {
             self.state = QpState::Err;
             if let Some(p) = &self.peer {
-                // SYNC POINT qp-peer-gone (release): our acks and NAKs are visible before the flag.
-                p.peer_err.store(1, Ordering::Release);
+                p.link.publish_gone();
                 if !self.peer_gone {
-                    crate::sync::ring(&p.ev_bell);
+                    p.link.ring_peer();
                 }
             }
         }

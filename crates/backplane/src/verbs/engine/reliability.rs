@@ -126,11 +126,7 @@ impl Reliability {
 
 impl QpEngine {
     pub(super) fn rnr_delay(&self) -> Duration {
-        let v = self
-            .own
-            .as_ref()
-            .map(|o| o.peer_rnr.load(Ordering::Relaxed))
-            .unwrap_or(0);
+        let v = self.own.as_ref().map(|o| o.peer_rnr()).unwrap_or(0);
         Duration::from_micros(fsm::rnr_timer_us(v.saturating_sub(1) as u8))
     }
 
@@ -143,8 +139,7 @@ impl QpEngine {
     pub(super) fn publish_credits(&mut self) {
         if self.published != self.rq_posted {
             if let Some(p) = &self.peer {
-                // SYNC POINT qp-credits (release): the peer may send once it sees the count.
-                p.credits.store(self.rq_posted, Ordering::Release);
+                p.link.publish_credits(self.rq_posted);
                 self.published = self.rq_posted;
             }
         }
@@ -181,8 +176,7 @@ impl QpEngine {
 
     pub(super) fn refresh_ack(&mut self) {
         if let Some(o) = &self.own {
-            // SYNC POINT qp-ack (acquire): the peer consumed (and NAK'd, if it did) up to here.
-            let a = o.ack.load(Ordering::Acquire);
+            let a = o.acked();
             if !self.note_ack(a) {
                 self.peer_gone = true;
             }
@@ -196,7 +190,7 @@ impl QpEngine {
                 SendPhase::Ack { end, msg } => {
                     let own = &self.own;
                     // The NAK word, read after the ack word's acquire (qp-ack).
-                    let nak = || own.as_ref().map_or(0, |o| o.nak.load(Ordering::Relaxed));
+                    let nak = || own.as_ref().map_or(0, |o| o.nak());
                     match self.rel.settle(end, msg, nak) {
                         None => break,
                         Some(WcStatus::Success) => WcStatus::Success,
@@ -264,9 +258,7 @@ impl QpEngine {
     /// that follows publishes it.
     pub(super) fn nak(&self, msg: u64, syndrome: u8) {
         if let Some(p) = &self.peer {
-            // SYNC POINT qp-ack (release, with the consumer index stored after it).
-            p.nak
-                .store(((msg + 1) << 8) | u64::from(syndrome), Ordering::Relaxed);
+            p.link.publish_nak(((msg + 1) << 8) | u64::from(syndrome));
         }
     }
 

@@ -200,8 +200,7 @@ impl QpEngine {
         }
         if self.used_credits >= self.credits {
             if let Some(o) = &self.own {
-                // SYNC POINT qp-credits (acquire).
-                self.credits = self.credits.max(o.credits.load(Ordering::Acquire));
+                self.credits = self.credits.max(o.credits());
             }
             if self.used_credits >= self.credits {
                 return false;
@@ -359,7 +358,7 @@ impl QpEngine {
             .peer
             .as_ref()
             // SYNC POINT qp-access (relaxed read of a word that only gates, never publishes).
-            .map(|p| AccessFlags::from_bits_retain(p.access.load(Ordering::Relaxed)))
+            .map(|p| AccessFlags::from_bits_retain(p.link.peer_access()))
             .ok_or(WcStatus::LocQpOpErr)?;
         let m = self.remote_mr(rkey, env).ok_or(WcStatus::RemAccessErr)?;
         // The owner's address of a byte → its offset in the region; below the region wraps

@@ -42,14 +42,12 @@ impl QpEngine {
         if self.state == QpState::Rts && !self.sq.is_empty() {
             // Idle for a while (about 5-10 µs of polls) or the send queue filling up.
             let look = self.idle >= IDLE_LOOK || self.sq.len() * 2 >= self.cap.max_send_wr as usize;
-            if look && self.ty != QpType::Ud && !self.peer_gone {
-                if let Some(o) = &self.own {
-                    // SYNC POINT qp-peer-gone (acquire): the peer's acks and NAKs before the
-                    // flag are seen.
-                    if o.peer_err.load(Ordering::Acquire) != 0 {
-                        self.peer_gone = true;
-                    }
-                }
+            if look
+                && self.ty != QpType::Ud
+                && !self.peer_gone
+                && self.own.as_ref().is_some_and(|o| o.peer_gone())
+            {
+                self.peer_gone = true;
             }
             self.complete_acked(cqs, look);
             if self.exec < self.sq.len() {
@@ -113,14 +111,11 @@ impl QpEngine {
             QpState::Err => {
                 self.fail_why("moved to ERR by modify", WcStatus::WrFlushErr, cqs);
             }
-            QpState::Reset => self.reset(env),
+            QpState::Reset => self.reset(),
             _ => {}
         }
         if let Some(o) = &self.own {
-            o.access
-                // SYNC POINT qp-access (release): requesters read the flags before each
-                // one-sided operation.
-                .store(self.attr.qp_access_flags.bits(), Ordering::Release);
+            o.set_access(self.attr.qp_access_flags.bits());
         }
         self.state = next;
         Ok(())
@@ -171,8 +166,7 @@ impl QpEngine {
         if set(QpAttrMask::MIN_RNR_TIMER) {
             t.min_rnr_timer = a.min_rnr_timer;
             if let Some(p) = &self.peer {
-                p.rnr
-                    .store(u32::from(a.min_rnr_timer) + 1, Ordering::Relaxed);
+                p.link.publish_rnr(u32::from(a.min_rnr_timer) + 1);
             }
         }
         if set(QpAttrMask::DEST_QPN) {
@@ -192,73 +186,38 @@ impl QpEngine {
                 fabric.nodes()
             )));
         }
-        let (resp, _) = fabric.call_service::<VerbsResponse>(
-            &VerbsRequest::ConnectQp {
-                slot: env.node.slot(),
-                qpn: self.qpn,
-                dest_slot,
-                dest_qpn: a.dest_qp_num,
-            },
-            &[],
-        )?;
-        let VerbsResponse::QpConnected {
-            block_off,
-            generation,
-        } = resp
-        else {
-            return Err(FabricError::Protocol(format!("{resp:?}")).into());
-        };
-        let pw = fabric.window(dest_slot)?;
-        let mut h = [0u8; 64];
-        pw.read(block_off, &mut h)?;
-        let r =
-            QpBlockRepr::parse(&QpBlockHeader::new_unchecked(&h[..])).map_err(FabricError::from)?;
-        if r.qpn != a.dest_qp_num || r.slot != dest_slot || r.qp_type != self.ty as u32 {
-            return Err(FabricError::Protocol("peer QP block does not match".into()).into());
-        }
-        pw.check(block_off, QpBlockRepr::footprint(r.ring_len), 64)?;
         let own = self
             .own
             .as_ref()
             .ok_or_else(|| VerbsError::inval("QP has no block"))?;
-        let at32 = |o: usize| Word32::at(&pw, block_off + o as u64);
-        let at64 = |o: usize| Word64::at(&pw, block_off + o as u64);
+        let c = env.links.connect_qp(
+            own,
+            env.node.slot(),
+            self.qpn,
+            self.ty as u32,
+            dest_slot,
+            a.dest_qp_num,
+        )?;
         let peer = PeerLink {
-            slot: dest_slot,
-            qpn: a.dest_qp_num,
-            generation,
-            credits: at64(QP_CREDITS_OFF)?,
-            nak: at64(QP_NAK_OFF)?,
-            peer_err: at32(QP_PEER_ERR_OFF)?,
-            rnr: at32(QP_PEER_RNR_OFF)?,
-            access: at32(QP_ACCESS_OFF)?,
-            ev_bell: Word32::at(&pw, r.event_off + EV_BELL_OFF as u64)?,
-            ev_armed: Word32::at(&pw, r.event_off + EV_ARMED_OFF as u64)?,
-            outbound: ShmSender::new(ShmRing::new(at64(QP_TAIL_OFF)?, own.ack.clone(), {
-                let d = Span::new(&pw, block_off + QP_RING_OFF, r.ring_len.into())?;
-                d.populate(true);
-                d
-            })),
-            inbound: ShmReceiver::new(ShmRing::new(
-                own.tail.clone(),
-                at64(QP_ACK_OFF)?,
-                own.data.clone(),
-            )),
+            slot: c.slot,
+            qpn: c.qpn,
+            generation: c.generation,
+            link: c.link,
+            outbound: c.outbound,
+            inbound: c.inbound,
         };
-        peer.rnr
-            .store(u32::from(a.min_rnr_timer) + 1, Ordering::Relaxed);
-        // SYNC POINT qp-credits (release): receives posted before the connection count.
-        peer.credits.store(self.rq_posted, Ordering::Release);
+        peer.link.publish_rnr(u32::from(a.min_rnr_timer) + 1);
+        // Receives posted before the connection count.
+        peer.link.publish_credits(self.rq_posted);
         self.published = self.rq_posted;
         self.peer = Some(peer);
         self.peer_gone = false;
         Ok(())
     }
 
-    pub(super) fn reset(&mut self, env: &CtxParts<'_>) {
+    pub(super) fn reset(&mut self) {
         if let Some(p) = self.peer.take() {
-            // SYNC POINT qp-peer-gone (release): as in `fail`.
-            p.peer_err.store(1, Ordering::Release);
+            p.link.publish_gone();
         }
         self.sq.clear();
         self.rq.clear();
@@ -276,9 +235,7 @@ impl QpEngine {
         self.published = 0;
         self.remote.clear();
         if let Some(o) = &self.own {
-            let _ = env.win.zero(o.off + QP_ACK_OFF as u64, 64);
-            // SYNC POINT ring-publish (release): a reset ring has published nothing.
-            o.tail.store(0, Ordering::Release);
+            o.reset();
         }
         self.attr = QpAttr {
             cap: self.cap,
@@ -289,13 +246,6 @@ impl QpEngine {
     /// What the completion channel watches for this QP.
     pub(crate) fn watches(&self, out: &mut Vec<Watch>) {
         if let Some(o) = &self.own {
-            out.push(Watch::Moved {
-                word: o.tail.clone(),
-                // SYNC POINT ring-publish (acquire, watched): what the peer published so far.
-                seen: o.tail.load(Ordering::Acquire),
-            });
-            // SYNC POINT qp-ack (acquire, watched).
-            let ack = o.ack.load(Ordering::Acquire);
             // Work waiting for an acknowledgement the peer already gave (polls look at the ack
             // word only every so often, see `complete_acked`) must wake the channel at once:
             // compare with what this QP has taken in, not with the word as it is now, or the
@@ -303,22 +253,12 @@ impl QpEngine {
             let waiting = self.sq.front().is_some_and(
                 |e| matches!(e.st, SendPhase::Ack { end, .. } if end > self.rel.acked()),
             );
-            out.push(Watch::Moved {
-                word: o.ack.clone(),
-                seen: if waiting {
-                    ack.min(self.rel.acked())
-                } else {
-                    ack
-                },
-            });
-            out.push(Watch::Flag(o.peer_err.clone()));
-            if self.rel.rnr_waiting() {
-                out.push(Watch::Moved {
-                    word: o.credits.clone(),
-                    // SYNC POINT qp-credits (acquire, watched).
-                    seen: o.credits.load(Ordering::Acquire),
-                });
-            }
+            let acked = self.rel.acked();
+            o.watches(
+                out,
+                |ack| if waiting { ack.min(acked) } else { ack },
+                self.rel.rnr_waiting(),
+            );
         }
         if let Some(ep) = &self.ud {
             let (bell, armed) = ep.doorbell_words();
@@ -334,18 +274,12 @@ impl QpEngine {
 
     pub(crate) fn destroy(&mut self, env: &CtxParts<'_>) {
         if let Some(p) = self.peer.take() {
-            // SYNC POINT qp-peer-gone (release): our last acks and NAKs are visible before the flag.
-            p.peer_err.store(1, Ordering::Release);
-            crate::sync::ring(&p.ev_bell);
+            // Our last acks and NAKs are visible before the flag (`publish_gone`).
+            p.link.publish_gone();
+            p.link.ring_peer();
         }
         if self.own.is_some() {
-            let _ = env.node.fabric().call_service::<VerbsResponse>(
-                &VerbsRequest::DestroyQp {
-                    slot: env.node.slot(),
-                    qpn: self.qpn,
-                },
-                &[],
-            );
+            env.links.destroy_qp_home(env.node.slot(), self.qpn);
         }
     }
 
