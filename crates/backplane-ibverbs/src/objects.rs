@@ -64,6 +64,33 @@ pub(crate) fn remove_live<T>(p: *mut T) {
         .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
 }
 
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Pd => "PD",
+            Kind::Mr => "MR",
+            Kind::Channel => "completion channel",
+            Kind::Cq => "CQ",
+            Kind::Qp => "QP",
+            Kind::Ah => "address handle",
+        }
+    }
+}
+
+/// Frees the object at `p` if it is a live one of kind `k`, its Rust objects dropped under
+/// its context's lock: 0, or `EINVAL` with a line naming `call`.
+pub(crate) fn destroy<T>(p: *mut T, k: Kind, call: &str) -> c_int {
+    if obj::<T>(p.cast(), k).is_none() {
+        return fail(call, libc::EINVAL, format!("not a live {}", k.name()));
+    }
+    let c = ctx_of_obj(p);
+    let _g = c.lock();
+    remove_live(p);
+    // SAFETY: a live `Box<T>` of kind `k` (checked), out of LIVE now: freed once.
+    drop(unsafe { Box::from_raw(p) });
+    0
+}
+
 /// The object behind `p` if it is a live object of kind `k`.
 pub(crate) fn obj<'a, T>(p: *mut c_void, k: Kind) -> Option<&'a mut T> {
     let ok = live().as_ref().and_then(|m| m.get(&(p as usize)).copied()) == Some(k);
@@ -143,15 +170,7 @@ crate::abi::symver!(bp_ibv_alloc_pd, "ibv_alloc_pd@@IBVERBS_1.1");
 /// would answer `EBUSY`, which programs tearing down in the wrong order then ignore.
 #[no_mangle]
 pub extern "C" fn bp_ibv_dealloc_pd(pd: *mut IbvPd) -> c_int {
-    let Some(p) = obj::<PdObj>(pd.cast(), Kind::Pd) else {
-        return fail("ibv_dealloc_pd", libc::EINVAL, "not a live PD");
-    };
-    // SAFETY: the context outlives its PDs (the program closes it last).
-    let _g = unsafe { &*p.ctx }.lock();
-    remove_live(pd);
-    // SAFETY: live (checked), out of LIVE now: freed once.
-    drop(unsafe { Box::from_raw(pd.cast::<PdObj>()) });
-    0
+    destroy(pd.cast::<PdObj>(), Kind::Pd, "ibv_dealloc_pd")
 }
 crate::abi::symver!(bp_ibv_dealloc_pd, "ibv_dealloc_pd@@IBVERBS_1.1");
 
@@ -288,16 +307,7 @@ crate::abi::symver!(bp_ibv_reg_mr_iova2, "ibv_reg_mr_iova2@@IBVERBS_1.8");
 /// again, with their bytes.
 #[no_mangle]
 pub extern "C" fn bp_ibv_dereg_mr(mr: *mut IbvMr) -> c_int {
-    let Some(m) = obj::<MrObj>(mr.cast(), Kind::Mr) else {
-        return fail("ibv_dereg_mr", libc::EINVAL, "not a live MR");
-    };
-    // SAFETY: the context outlives its MRs.
-    let _g = unsafe { &*m.ctx }.lock();
-    m.mr.take();
-    remove_live(mr);
-    // SAFETY: live (checked), out of LIVE now: freed once.
-    drop(unsafe { Box::from_raw(mr.cast::<MrObj>()) });
-    0
+    destroy(mr.cast::<MrObj>(), Kind::Mr, "ibv_dereg_mr")
 }
 crate::abi::symver!(bp_ibv_dereg_mr, "ibv_dereg_mr@@IBVERBS_1.1");
 
@@ -350,20 +360,16 @@ crate::abi::symver!(
 #[no_mangle]
 pub extern "C" fn bp_ibv_destroy_comp_channel(channel: *mut IbvCompChannel) -> c_int {
     let call = "ibv_destroy_comp_channel";
-    let Some(ch) = obj::<ChObj>(channel.cast(), Kind::Channel) else {
-        return fail(call, libc::EINVAL, "not a live completion channel");
-    };
-    if ch.ibv.refcnt > 0 {
-        return fail(
-            call,
-            libc::EBUSY,
-            format!("{} CQs still use it", ch.ibv.refcnt),
-        );
+    if let Some(ch) = obj::<ChObj>(channel.cast(), Kind::Channel) {
+        if ch.ibv.refcnt > 0 {
+            return fail(
+                call,
+                libc::EBUSY,
+                format!("{} CQs still use it", ch.ibv.refcnt),
+            );
+        }
     }
-    remove_live(channel);
-    // SAFETY: live (checked), out of LIVE now: freed once.
-    drop(unsafe { Box::from_raw(channel.cast::<ChObj>()) });
-    0
+    destroy(channel.cast::<ChObj>(), Kind::Channel, call)
 }
 crate::abi::symver!(
     bp_ibv_destroy_comp_channel,
@@ -464,22 +470,16 @@ crate::abi::symver!(bp_ibv_create_cq, "ibv_create_cq@@IBVERBS_1.1");
 /// `ibv_destroy_cq`.
 #[no_mangle]
 pub extern "C" fn bp_ibv_destroy_cq(cq: *mut IbvCq) -> c_int {
-    let Some(c) = obj::<CqObj>(cq.cast(), Kind::Cq) else {
-        return fail("ibv_destroy_cq", libc::EINVAL, "not a live CQ");
-    };
-    if let Some(ch) = obj::<ChObj>(c.ibv.channel.cast(), Kind::Channel) {
-        ch.ibv.refcnt -= 1;
-        ch.cqs
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|&(_, p)| p != cq as usize);
+    if let Some(c) = obj::<CqObj>(cq.cast(), Kind::Cq) {
+        if let Some(ch) = obj::<ChObj>(c.ibv.channel.cast(), Kind::Channel) {
+            ch.ibv.refcnt -= 1;
+            ch.cqs
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|&(_, p)| p != cq as usize);
+        }
     }
-    // SAFETY: the context outlives its CQs.
-    let _g = unsafe { &*c.ctx }.lock();
-    remove_live(cq);
-    // SAFETY: live (checked), out of LIVE now: freed once.
-    drop(unsafe { Box::from_raw(cq.cast::<CqObj>()) });
-    0
+    destroy(cq.cast::<CqObj>(), Kind::Cq, "ibv_destroy_cq")
 }
 crate::abi::symver!(bp_ibv_destroy_cq, "ibv_destroy_cq@@IBVERBS_1.1");
 
@@ -678,14 +678,6 @@ crate::abi::symver!(bp_ibv_create_ah, "ibv_create_ah@@IBVERBS_1.1");
 /// `ibv_destroy_ah`.
 #[no_mangle]
 pub extern "C" fn bp_ibv_destroy_ah(ah: *mut IbvAh) -> c_int {
-    let Some(h) = obj::<AhObj>(ah.cast(), Kind::Ah) else {
-        return fail("ibv_destroy_ah", libc::EINVAL, "not a live address handle");
-    };
-    // SAFETY: the context outlives its AHs.
-    let _g = unsafe { &*h.ctx }.lock();
-    remove_live(ah);
-    // SAFETY: live (checked), out of LIVE now: freed once.
-    drop(unsafe { Box::from_raw(ah.cast::<AhObj>()) });
-    0
+    destroy(ah.cast::<AhObj>(), Kind::Ah, "ibv_destroy_ah")
 }
 crate::abi::symver!(bp_ibv_destroy_ah, "ibv_destroy_ah@@IBVERBS_1.1");

@@ -21,36 +21,15 @@ pub(crate) struct QpObj {
 }
 
 fn qp_type_in(v: c_int) -> Option<QpType> {
-    Some(match v {
-        2 => QpType::Rc,
-        3 => QpType::Uc,
-        4 => QpType::Ud,
-        _ => return None,
-    })
+    QpType::from_ibv(v as u32)
 }
 
 fn qp_state_in(v: c_int) -> Option<QpState> {
-    Some(match v {
-        0 => QpState::Reset,
-        1 => QpState::Init,
-        2 => QpState::Rtr,
-        3 => QpState::Rts,
-        4 => QpState::Sqd,
-        5 => QpState::Sqe,
-        6 => QpState::Err,
-        _ => return None,
-    })
+    QpState::from_ibv(v as u32)
 }
 
 fn mtu_in(v: c_int) -> Option<Mtu> {
-    Some(match v {
-        1 => Mtu::Mtu256,
-        2 => Mtu::Mtu512,
-        3 => Mtu::Mtu1024,
-        4 => Mtu::Mtu2048,
-        5 => Mtu::Mtu4096,
-        _ => return None,
-    })
+    Mtu::from_ibv(v as u32)
 }
 
 fn cap_in(c: IbvQpCap) -> QpCap {
@@ -194,15 +173,7 @@ crate::abi::symver!(bp_ibv_create_qp, "ibv_create_qp@@IBVERBS_1.1");
 /// `ibv_destroy_qp`.
 #[no_mangle]
 pub extern "C" fn bp_ibv_destroy_qp(qp: *mut IbvQp) -> c_int {
-    let Some(q) = obj::<QpObj>(qp.cast(), Kind::Qp) else {
-        return fail("ibv_destroy_qp", libc::EINVAL, "not a live QP");
-    };
-    // SAFETY: the context outlives its QPs.
-    let _g = unsafe { &*q.ctx }.lock();
-    remove_live(qp);
-    // SAFETY: live (checked), out of LIVE now: freed once.
-    drop(unsafe { Box::from_raw(qp.cast::<QpObj>()) });
-    0
+    destroy(qp.cast::<QpObj>(), Kind::Qp, "ibv_destroy_qp")
 }
 crate::abi::symver!(bp_ibv_destroy_qp, "ibv_destroy_qp@@IBVERBS_1.1");
 
@@ -446,16 +417,7 @@ crate::abi::symver!(bp_ibv_query_qp, "ibv_query_qp@@IBVERBS_1.1");
 const MAX_LIST: usize = 1 << 16;
 
 fn opcode_in(v: c_int) -> Option<WrOpcode> {
-    Some(match v {
-        0 => WrOpcode::RdmaWrite,
-        1 => WrOpcode::RdmaWriteWithImm,
-        2 => WrOpcode::Send,
-        3 => WrOpcode::SendWithImm,
-        4 => WrOpcode::RdmaRead,
-        5 => WrOpcode::AtomicCmpAndSwp,
-        6 => WrOpcode::AtomicFetchAndAdd,
-        _ => return None,
-    })
+    WrOpcode::from_ibv(v as u32)
 }
 
 /// The program's scatter/gather list, in place (`struct ibv_sge` is [`Sge`]).

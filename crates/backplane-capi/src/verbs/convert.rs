@@ -3,36 +3,15 @@
 use super::*;
 
 pub(crate) fn qp_state(v: u32) -> Result<QpState, CErr> {
-    Ok(match v {
-        0 => QpState::Reset,
-        1 => QpState::Init,
-        2 => QpState::Rtr,
-        3 => QpState::Rts,
-        4 => QpState::Sqd,
-        5 => QpState::Sqe,
-        6 => QpState::Err,
-        v => return Err(inval(format!("QP state {v} is not a BP_QPS_* value"))),
-    })
+    QpState::from_ibv(v).ok_or_else(|| inval(format!("QP state {v} is not a BP_QPS_* value")))
 }
 
 pub(crate) fn qp_type(v: u32) -> Result<QpType, CErr> {
-    Ok(match v {
-        2 => QpType::Rc,
-        3 => QpType::Uc,
-        4 => QpType::Ud,
-        v => return Err(inval(format!("QP type {v}: use BP_QPT_RC, _UC or _UD"))),
-    })
+    QpType::from_ibv(v).ok_or_else(|| inval(format!("QP type {v}: use BP_QPT_RC, _UC or _UD")))
 }
 
 pub(crate) fn mtu(v: u32) -> Result<Mtu, CErr> {
-    Ok(match v {
-        1 => Mtu::Mtu256,
-        2 => Mtu::Mtu512,
-        3 => Mtu::Mtu1024,
-        4 => Mtu::Mtu2048,
-        5 => Mtu::Mtu4096,
-        v => return Err(inval(format!("path MTU {v} is not a BP_MTU_* value"))),
-    })
+    Mtu::from_ibv(v).ok_or_else(|| inval(format!("path MTU {v} is not a BP_MTU_* value")))
 }
 
 pub(crate) fn access(v: c_uint) -> Result<AccessFlags, CErr> {
@@ -47,16 +26,7 @@ pub(crate) fn access(v: c_uint) -> Result<AccessFlags, CErr> {
 }
 
 pub(crate) fn wr_opcode(v: u32) -> Result<WrOpcode, CErr> {
-    Ok(match v {
-        0 => WrOpcode::RdmaWrite,
-        1 => WrOpcode::RdmaWriteWithImm,
-        2 => WrOpcode::Send,
-        3 => WrOpcode::SendWithImm,
-        4 => WrOpcode::RdmaRead,
-        5 => WrOpcode::AtomicCmpAndSwp,
-        6 => WrOpcode::AtomicFetchAndAdd,
-        v => return Err(inval(format!("opcode {v} is not a BP_WR_* value"))),
-    })
+    WrOpcode::from_ibv(v).ok_or_else(|| inval(format!("opcode {v} is not a BP_WR_* value")))
 }
 
 pub(crate) fn cap_in(c: BpQpCap) -> QpCap {

@@ -202,6 +202,35 @@ pub enum WrOpcode {
     AtomicFetchAndAdd = 6,
 }
 
+/// The enums above from libibverbs' numbers (`IBV_QPT_*`, `IBV_QPS_*`, `IBV_MTU_*`,
+/// `IBV_WR_*`), for the C API and the drop-in `libibverbs.so.1`: `None` for a number that is
+/// not one of them.
+macro_rules! from_ibv {
+    ($t:ty { $($n:literal => $v:ident),* $(,)? }) => {
+        impl $t {
+            /// The value libibverbs numbers `v`, if there is one.
+            pub const fn from_ibv(v: u32) -> Option<Self> {
+                match v {
+                    $($n => Some(Self::$v),)*
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+from_ibv!(QpType { 2 => Rc, 3 => Uc, 4 => Ud });
+from_ibv!(QpState { 0 => Reset, 1 => Init, 2 => Rtr, 3 => Rts, 4 => Sqd, 5 => Sqe, 6 => Err });
+from_ibv!(Mtu { 1 => Mtu256, 2 => Mtu512, 3 => Mtu1024, 4 => Mtu2048, 5 => Mtu4096 });
+from_ibv!(WrOpcode {
+    0 => RdmaWrite,
+    1 => RdmaWriteWithImm,
+    2 => Send,
+    3 => SendWithImm,
+    4 => RdmaRead,
+    5 => AtomicCmpAndSwp,
+    6 => AtomicFetchAndAdd,
+});
+
 /// Work completion opcode (`IBV_WC_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum WcOpcode {
