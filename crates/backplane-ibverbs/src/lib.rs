@@ -62,24 +62,32 @@ struct Ctx {
     gid: [u8; 16],
     /// Held by every call that reaches the engine. The engine takes no lock (a context's
     /// objects belong to one thread in the Rust API); libibverbs programs may use one context
-    /// from several threads, so calls are made one at a time here.
+    /// from several threads, so calls are made one at a time here — unless the program says
+    /// it uses each context from one thread (`BACKPLANE_VERBS_SINGLE_THREADED=1`, as
+    /// `MLX5_SINGLE_THREADED=1` tells mlx5's provider), which saves an atomic per call.
     busy: AtomicBool,
+    single_threaded: bool,
     /// PDs, MRs, channels, CQs, QPs and AHs made on it and not destroyed yet.
     objects: std::sync::atomic::AtomicUsize,
 }
 
-/// A context's engine, held (see [`Ctx::busy`]).
-struct Held<'a>(&'a AtomicBool);
+/// A context's engine, held (see [`Ctx::busy`]); `None` for a single-threaded context.
+struct Held<'a>(Option<&'a AtomicBool>);
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        if let Some(b) = self.0 {
+            b.store(false, Ordering::Release);
+        }
     }
 }
 
 impl Ctx {
     /// Waits for the context's engine to be free and holds it.
     fn lock(&self) -> Held<'_> {
+        if self.single_threaded {
+            return Held(None);
+        }
         while self
             .busy
             .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
@@ -87,7 +95,7 @@ impl Ctx {
         {
             std::hint::spin_loop();
         }
-        Held(&self.busy)
+        Held(Some(&self.busy))
     }
 }
 
@@ -407,6 +415,7 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         fabric,
         slot,
         busy: AtomicBool::new(false),
+        single_threaded: std::env::var("BACKPLANE_VERBS_SINGLE_THREADED").is_ok_and(|v| v == "1"),
         objects: std::sync::atomic::AtomicUsize::new(0),
     });
     let p = Box::into_raw(c);
