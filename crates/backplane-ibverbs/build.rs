@@ -148,6 +148,28 @@ const LAYOUTS: &[Layout] = &[
         ],
     ),
     (
+        "struct ibv_srq",
+        "IbvSrq",
+        &[
+            ("srq_context", "srq_context"),
+            ("pd", "pd"),
+            ("handle", "handle"),
+            ("mutex", "mutex"),
+            ("cond", "cond"),
+            ("events_completed", "events_completed"),
+        ],
+    ),
+    (
+        "struct ibv_srq_attr",
+        "IbvSrqAttr",
+        &[("max_sge", "max_sge"), ("srq_limit", "srq_limit")],
+    ),
+    (
+        "struct ibv_srq_init_attr",
+        "IbvSrqInitAttr",
+        &[("attr", "attr"), ("attr.max_wr", "attr.max_wr")],
+    ),
+    (
         "struct ibv_qp_init_attr",
         "IbvQpInitAttr",
         &[

@@ -268,6 +268,34 @@ pub struct IbvQp {
     pub events_completed: u32,
 }
 
+/// `struct ibv_srq`.
+#[repr(C)]
+pub struct IbvSrq {
+    pub context: *mut IbvContext,
+    pub srq_context: *mut c_void,
+    pub pd: *mut IbvPd,
+    pub handle: u32,
+    pub mutex: libc::pthread_mutex_t,
+    pub cond: libc::pthread_cond_t,
+    pub events_completed: u32,
+}
+
+/// `struct ibv_srq_attr`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct IbvSrqAttr {
+    pub max_wr: u32,
+    pub max_sge: u32,
+    pub srq_limit: u32,
+}
+
+/// `struct ibv_srq_init_attr`.
+#[repr(C)]
+pub struct IbvSrqInitAttr {
+    pub srq_context: *mut c_void,
+    pub attr: IbvSrqAttr,
+}
+
 /// `struct ibv_qp_cap`.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]

@@ -26,6 +26,7 @@
 pub mod abi;
 mod objects;
 mod qp;
+mod srq;
 mod stubs;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -387,7 +388,7 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         _compat_modify_srq: null,
         _compat_query_srq: null,
         _compat_destroy_srq: null,
-        post_srq_recv: null,
+        post_srq_recv: srq::post_srq_recv as *const c_void,
         _compat_create_qp: null,
         _compat_query_qp: null,
         _compat_modify_qp: null,
@@ -491,6 +492,9 @@ pub unsafe extern "C" fn bp_ibv_query_device(
         vendor_part_id: 0,
         max_qp: 1 << 16,
         max_qp_wr: d.max_qp_wr as c_int,
+        max_srq: 1 << 16,
+        max_srq_wr: 1 << 16,
+        max_srq_sge: 32,
         max_sge: d.max_sge as c_int,
         max_sge_rd: d.max_sge as c_int,
         max_cq: 1 << 16,

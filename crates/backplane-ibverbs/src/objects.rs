@@ -26,6 +26,7 @@ pub(crate) enum Kind {
     Cq,
     Qp,
     Ah,
+    Srq,
 }
 
 /// Objects alive now, by address: control calls check a pointer here before using it.
@@ -73,6 +74,7 @@ impl Kind {
             Kind::Cq => "CQ",
             Kind::Qp => "QP",
             Kind::Ah => "address handle",
+            Kind::Srq => "SRQ",
         }
     }
 }

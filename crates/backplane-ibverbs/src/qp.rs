@@ -80,7 +80,7 @@ fn ring_bytes() -> u32 {
     })
 }
 
-/// `ibv_create_qp`: RC, UC or UD, without a shared receive queue.
+/// `ibv_create_qp`: RC, UC or UD, with its own receive queue or a shared one (`srq`).
 ///
 /// # Safety
 /// `attr` is readable and writable (the granted `cap` is written back).
@@ -97,14 +97,13 @@ pub unsafe extern "C" fn bp_ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAt
     }
     // SAFETY: non-null; the caller promises it is readable.
     let a = unsafe { &mut *attr };
-    if !a.srq.is_null() {
-        fail(
-            call,
-            libc::EOPNOTSUPP,
-            "shared receive queues are not offered",
-        );
-        return null_mut();
-    }
+    let srq = match crate::srq::srq_of(a.srq) {
+        Ok(s) => s,
+        Err(e) => {
+            fail_verbs(call, &e);
+            return null_mut();
+        }
+    };
     let Some(ty) = qp_type_in(a.qp_type) else {
         fail(
             call,
@@ -137,6 +136,7 @@ pub unsafe extern "C" fn bp_ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAt
         qp_type: ty,
         sq_sig_all: a.sq_sig_all != 0,
         ring_bytes: ring_bytes(),
+        srq: srq.map(|s| &s.srq),
     };
     let qp = match p.pd.create_qp(&init) {
         Ok(q) => q,
@@ -153,7 +153,7 @@ pub unsafe extern "C" fn bp_ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAt
             pd,
             send_cq: a.send_cq,
             recv_cq: a.recv_cq,
-            srq: null_mut(),
+            srq: a.srq,
             handle: next_handle(),
             qp_num: qp.qp_num(),
             state: QpState::Reset as c_int,
@@ -397,7 +397,7 @@ pub unsafe extern "C" fn bp_ibv_query_qp(
                 qp_context: q.ibv.qp_context,
                 send_cq: q.ibv.send_cq,
                 recv_cq: q.ibv.recv_cq,
-                srq: null_mut(),
+                srq: q.ibv.srq,
                 cap: cap_out(a.cap),
                 qp_type: q.ibv.qp_type,
                 sq_sig_all: 0,
@@ -616,6 +616,21 @@ pub(crate) unsafe extern "C" fn post_recv(
     let q = unsafe { &*qp.cast::<QpObj>() };
     // SAFETY: the context outlives its QPs.
     let _g = unsafe { &*q.ctx }.lock();
+    // SAFETY: caller contract.
+    unsafe { post_recv_list(wr, bad_wr, |wrs: &[RecvWr<'_>]| q.qp.post_recv(wrs)) }
+}
+
+/// Posts the program's receive list through `post` (a QP's or an SRQ's): 0, or the errno
+/// with `*bad_wr` at the first request not posted.
+///
+/// # Safety
+/// `wr` is a NULL-terminated list of readable requests whose `sg_list` hold `num_sge`
+/// entries; `bad_wr` is NULL or writable.
+pub(crate) unsafe fn post_recv_list(
+    wr: *mut IbvRecvWr,
+    bad_wr: *mut *mut IbvRecvWr,
+    post: impl Fn(&[RecvWr<'_>]) -> Result<(), VerbsError>,
+) -> c_int {
     if !wr.is_null() {
         // SAFETY: `wr` is readable (caller).
         let w = unsafe { &*wr };
@@ -626,7 +641,7 @@ pub(crate) unsafe extern "C" fn post_recv(
                 // SAFETY: its list holds `num_sge` entries (caller).
                 sg_list: unsafe { sges(w.sg_list, w.num_sge) },
             };
-            let rc = match q.qp.post_recv(std::slice::from_ref(&one)) {
+            let rc = match post(std::slice::from_ref(&one)) {
                 Ok(()) => 0,
                 Err(e) => errno_of(&e),
             };
@@ -659,7 +674,7 @@ pub(crate) unsafe extern "C" fn post_recv(
     let (rc, bad) = if wrs.is_empty() {
         (libc::EINVAL, wr)
     } else {
-        match q.qp.post_recv(&wrs) {
+        match post(&wrs) {
             Ok(()) => (0, null_mut()),
             Err(VerbsError::Post { bad_wr: i, source }) => {
                 (errno_of(&source), ptrs[i.min(ptrs.len() - 1)])

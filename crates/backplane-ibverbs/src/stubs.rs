@@ -351,16 +351,6 @@ null!(
     "ibv_create_ah_from_wc",
     "ibv_create_ah_from_wc@@IBVERBS_1.1"
 );
-null!(
-    bp_stub_ibv_create_srq,
-    "ibv_create_srq",
-    "ibv_create_srq@@IBVERBS_1.1"
-);
-fail!(
-    bp_stub_ibv_destroy_srq,
-    "ibv_destroy_srq",
-    "ibv_destroy_srq@@IBVERBS_1.1"
-);
 fail!(
     bp_stub_ibv_detach_mcast,
     "ibv_detach_mcast",

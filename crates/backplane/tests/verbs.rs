@@ -1314,3 +1314,116 @@ fn a_read_only_grant_is_mapped_read_only_and_the_os_refuses_writes() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+#[test]
+fn a_shared_receive_queue_feeds_every_qp_made_with_it_and_an_empty_one_holds_messages_back() {
+    let fab = Fab::up("verbs_srq", 2);
+    let f = Fabric::attach(&fab.name).unwrap();
+    // Node 1: two plain RC QPs. Node 2: two RC QPs on one SRQ.
+    let a = side(&f, 1, QpType::Rc, ALL, 4096);
+    let a2 =
+        a.pd.create_qp(&QpInitAttr::new(QpType::Rc, &a.cq, &a.cq))
+            .unwrap();
+    let ctx = Context::open(&f.node(2).unwrap()).unwrap();
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let mr = pd.alloc_mr(4096, ALL).unwrap();
+    assert!(pd
+        .create_srq(SrqAttr {
+            max_wr: 0,
+            max_sge: 1
+        })
+        .is_err());
+    let srq = pd
+        .create_srq(SrqAttr {
+            max_wr: 3,
+            max_sge: 1,
+        })
+        .unwrap();
+    let mut init = QpInitAttr::new(QpType::Rc, &cq, &cq);
+    init.srq = Some(&srq);
+    let (b1, b2) = (pd.create_qp(&init).unwrap(), pd.create_qp(&init).unwrap());
+    assert!(srq.in_use());
+    let peer = |qp: &Qp| PeerInfo {
+        node: 2,
+        qpn: qp.qp_num(),
+        psn: 0,
+        rkey: mr.rkey(),
+        addr: 0,
+        len: 4096,
+        qkey: cm::DEFAULT_QKEY,
+        private_data: Vec::new(),
+    };
+    let mut from_a = info(&a);
+    cm::ready_qp(&a.qp, &peer(&b1), &ConnParam::default()).unwrap();
+    cm::ready_qp(&b1, &from_a, &ConnParam::default()).unwrap();
+    from_a.qpn = a2.qp_num();
+    cm::ready_qp(&a2, &peer(&b2), &ConnParam::default()).unwrap();
+    cm::ready_qp(&b2, &from_a, &ConnParam::default()).unwrap();
+    let post = |wr_id: u64, off: u64| {
+        srq.post_recv(&[RecvWr {
+            wr_id,
+            sg_list: &[mr.sge(off, 64)],
+        }])
+    };
+    post(100, 0).unwrap();
+    post(101, 64).unwrap();
+    post(102, 128).unwrap();
+    assert!(
+        matches!(post(103, 192), Err(VerbsError::Post { .. })),
+        "a full SRQ refuses"
+    );
+    assert!(
+        b1.post_recv(&[RecvWr {
+            wr_id: 1,
+            sg_list: &[mr.sge(0, 8)]
+        }])
+        .is_err(),
+        "a QP on an SRQ takes no receives of its own"
+    );
+    a.mr.write(0, b"one.....two.....three...").unwrap();
+    a.qp.post_send(&[SendWr::send(1, &[a.mr.sge(0, 8)]).signaled()])
+        .unwrap();
+    a2.post_send(&[SendWr::send(2, &[a.mr.sge(8, 8)]).signaled()])
+        .unwrap();
+    let mut p = Pump::new(&[&a.cq, &cq]);
+    let mut got = [p.next(1), p.next(1)];
+    got.sort_by_key(|w| w.wr_id);
+    assert_eq!(
+        got.map(|w| (w.wr_id, w.status, w.byte_len)),
+        [(100, WcStatus::Success, 8), (101, WcStatus::Success, 8)]
+    );
+    let by_qp = |w: &Wc| if w.qp_num == b1.qp_num() { 1 } else { 2 };
+    let mut seen: Vec<(u8, Vec<u8>)> = got
+        .iter()
+        .map(|w| {
+            let mut b = vec![0u8; 8];
+            mr.read((w.wr_id - 100) * 64, &mut b).unwrap();
+            (by_qp(w), b)
+        })
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![(1, b"one.....".to_vec()), (2, b"two.....".to_vec())]
+    );
+    assert_eq!([p.next(0).status, p.next(0).status], [WcStatus::Success; 2]);
+    // One receive left, two messages: the second waits in its QP's ring, unacknowledged.
+    a.qp.post_send(&[SendWr::send(3, &[a.mr.sge(16, 8)]).signaled()])
+        .unwrap();
+    a.qp.post_send(&[SendWr::send(4, &[a.mr.sge(0, 8)]).signaled()])
+        .unwrap();
+    assert_eq!(p.next(1).wr_id, 102);
+    assert_eq!(p.next(0).wr_id, 3);
+    assert!(p.quiet(1) && p.quiet(0), "held back while the SRQ is empty");
+    assert_eq!(srq.waiting(), 0);
+    post(104, 256).unwrap();
+    let w = p.next(1);
+    assert_eq!((w.wr_id, w.qp_num), (104, b1.qp_num()));
+    let mut b = [0u8; 8];
+    mr.read(256, &mut b).unwrap();
+    assert_eq!(&b, b"one.....");
+    assert_eq!(p.next(0).wr_id, 4);
+    drop((b1, b2));
+    assert!(!srq.in_use());
+}

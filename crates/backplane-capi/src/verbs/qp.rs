@@ -34,6 +34,7 @@ pub unsafe extern "C" fn bp_create_qp(pd: *mut BpPd, attr: *mut BpQpInitAttr) ->
                 qp_type: ty,
                 sq_sig_all: a.sq_sig_all != 0,
                 ring_bytes: a.ring_bytes,
+                srq: None,
             };
             let qp = p.pd.create_qp(&init)?;
             let cap = cap_out(qp.query().cap);

@@ -16,6 +16,7 @@
 //! | `ibv_modify_qp`, `ibv_query_qp` | [`Qp::modify`], [`Qp::query`] |
 //! | `ibv_post_send`, `ibv_post_recv` | [`Qp::post_send`], [`Qp::post_recv`] |
 //! | `ibv_create_ah` | [`Pd::create_ah`] |
+//! | `ibv_create_srq` / `ibv_destroy_srq`, `ibv_post_srq_recv`, `ibv_query_srq` | [`Pd::create_srq`] / drop, [`Srq::post_recv`], [`Srq::query`]; QPs on it: [`QpInitAttr::srq`] |
 //! | `rdma_listen` / `rdma_accept`, `rdma_connect` | [`cm::Listener::bind`] / [`cm::Listener::accept`], [`cm::connect`] |
 //!
 //! Differences a libibverbs user should know:
@@ -351,6 +352,24 @@ impl Pd {
         Ok(Ah { slot, attr: *attr })
     }
 
+    /// A shared receive queue (`ibv_create_srq`).
+    pub fn create_srq(&self, attr: SrqAttr) -> Result<Srq, VerbsError> {
+        if !(1..=1 << 16).contains(&attr.max_wr) || !(1..=32).contains(&attr.max_sge) {
+            return Err(VerbsError::inval(format!(
+                "SRQ capabilities out of range: max_wr {} (1..=65536), max_sge {} (1..=32)",
+                attr.max_wr, attr.max_sge
+            )));
+        }
+        Ok(Srq {
+            ctx: self.ctx.clone(),
+            q: Rc::new(RefCell::new(engine::SrqEngine::new(
+                self.id,
+                attr.max_wr,
+                attr.max_sge,
+            ))),
+        })
+    }
+
     /// A queue pair (`ibv_create_qp`), in RESET.
     pub fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<Qp, VerbsError> {
         for cq in [init.send_cq, init.recv_cq] {
@@ -358,9 +377,17 @@ impl Pd {
                 return Err(VerbsError::inval("the CQ belongs to another context"));
             }
         }
-        let c = init.cap;
+        if init.srq.is_some_and(|s| !Rc::ptr_eq(&s.ctx, &self.ctx)) {
+            return Err(VerbsError::inval("the SRQ belongs to another context"));
+        }
+        let mut c = init.cap;
+        if init.srq.is_some() {
+            // Ignored with a shared receive queue, as in libibverbs.
+            c.max_recv_wr = 0;
+            c.max_recv_sge = 0;
+        }
         if c.max_send_wr == 0
-            || c.max_recv_wr == 0
+            || (c.max_recv_wr == 0 && init.srq.is_none())
             || c.max_send_wr > 1 << 16
             || c.max_recv_wr > 1 << 16
             || c.max_send_sge > 32
@@ -389,6 +416,7 @@ impl Pd {
             cap: c,
             sig_all: init.sq_sig_all,
             ring_len: ring,
+            srq: init.srq.map(|s| s.q.clone()),
         })?;
         Ok(Qp {
             ctx: self.ctx.clone(),
@@ -652,6 +680,9 @@ pub struct QpInitAttr<'a> {
     /// Extension: bytes of the QP's inbound ring (RC/UC; power of two, 256 KiB..64 MiB;
     /// 0 = [`DEFAULT_RING`]). Larger rings keep more SEND data in flight.
     pub ring_bytes: u32,
+    /// Take receives from this shared receive queue instead of the QP's own (`max_recv_wr`
+    /// and `max_recv_sge` are then ignored, and `post_recv` on the QP is refused).
+    pub srq: Option<&'a Srq>,
 }
 
 impl<'a> QpInitAttr<'a> {
@@ -664,7 +695,64 @@ impl<'a> QpInitAttr<'a> {
             qp_type,
             sq_sig_all: false,
             ring_bytes: 0,
+            srq: None,
         }
+    }
+}
+
+/// What a shared receive queue is made with, and what it reports (`struct ibv_srq_attr`;
+/// `srq_limit` and its async event are not offered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SrqAttr {
+    /// Receives it holds at most (1..=65536).
+    pub max_wr: u32,
+    /// Scatter/gather entries per receive (1..=32).
+    pub max_sge: u32,
+}
+
+/// A shared receive queue (`ibv_srq`): receives that every QP made with it takes in turn,
+/// as a server with many connections posts one pool of buffers instead of one per QP. An RC
+/// message that finds it empty waits in its QP's ring until a receive is posted (an RNR
+/// retried without limit); a UC or UD message is dropped, as on hardware.
+pub struct Srq {
+    ctx: Rc<Ctx>,
+    q: Rc<RefCell<engine::SrqEngine>>,
+}
+
+impl std::fmt::Debug for Srq {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let q = self.q.borrow();
+        f.debug_struct("Srq")
+            .field("waiting", &q.len())
+            .field("max_wr", &q.max_wr)
+            .finish()
+    }
+}
+
+impl Srq {
+    /// Posts receive work requests (`ibv_post_srq_recv`); their buffers are checked against
+    /// the SRQ's PD when a message arrives.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
+        self.q.borrow_mut().post(wrs)
+    }
+
+    /// Its attributes (`ibv_query_srq`).
+    pub fn query(&self) -> SrqAttr {
+        let q = self.q.borrow();
+        SrqAttr {
+            max_wr: q.max_wr,
+            max_sge: q.max_sge,
+        }
+    }
+
+    /// Receives waiting in it.
+    pub fn waiting(&self) -> usize {
+        self.q.borrow().len()
+    }
+
+    /// QPs made with it still exist (destroying it would fail with `EBUSY` in libibverbs).
+    pub fn in_use(&self) -> bool {
+        Rc::strong_count(&self.q) > 1
     }
 }
 

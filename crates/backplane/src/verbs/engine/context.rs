@@ -15,6 +15,8 @@ pub(crate) struct QpSpec {
     pub(crate) cap: QpCap,
     pub(crate) sig_all: bool,
     pub(crate) ring_len: u32,
+    /// The shared receive queue it takes receives from, if any.
+    pub(crate) srq: Option<Rc<RefCell<SrqEngine>>>,
 }
 
 /// A device context's shared state: its node, its window, its engine.
@@ -59,6 +61,7 @@ impl Ctx {
             cap,
             sig_all,
             ring_len,
+            srq,
         } = spec;
         let (qpn, own, ud) = match ty {
             QpType::Ud => {
@@ -98,8 +101,11 @@ impl Ctx {
             peer: None,
             sq: VecDeque::new(),
             exec: 0,
-            rq: VecDeque::new(),
-            rq_posted: 0,
+            rq_posted: if srq.is_some() { SRQ_CREDITS } else { 0 },
+            rq: match srq {
+                Some(s) => RecvQueue::Shared(s),
+                None => RecvQueue::Own(VecDeque::new()),
+            },
             credits: 0,
             used_credits: 0,
             rel: Reliability::default(),

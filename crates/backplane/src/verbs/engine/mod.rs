@@ -108,6 +108,118 @@ struct RqEntry {
     total: u64,
 }
 
+/// Credits an RC QP on a shared receive queue publishes: more than any sender will use, so its
+/// peer never waits for them. A message that finds the SRQ empty waits in the QP's inbound
+/// ring (in order, as after an RNR NAK retried without limit) until a receive is posted.
+pub(crate) const SRQ_CREDITS: u64 = 1 << 62;
+
+/// A shared receive queue (`ibv_srq`): receives that any QP attached to it takes, in order.
+#[derive(Debug)]
+pub(crate) struct SrqEngine {
+    /// The PD its receive buffers are checked against.
+    pub(crate) pd: u32,
+    entries: VecDeque<RqEntry>,
+    pub(crate) max_wr: u32,
+    pub(crate) max_sge: u32,
+}
+
+impl SrqEngine {
+    pub(crate) fn new(pd: u32, max_wr: u32, max_sge: u32) -> Self {
+        Self {
+            pd,
+            entries: VecDeque::new(),
+            max_wr,
+            max_sge,
+        }
+    }
+
+    /// Receives waiting.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Posts receive work requests (`ibv_post_srq_recv`).
+    pub(crate) fn post(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), VerbsError> {
+        for (i, wr) in wrs.iter().enumerate() {
+            let bad = |e: VerbsError| VerbsError::Post {
+                bad_wr: i,
+                source: Box::new(e),
+            };
+            if wr.sg_list.len() > self.max_sge as usize {
+                return Err(bad(VerbsError::inval(format!(
+                    "{} scatter/gather entries exceed the SRQ's max_sge {}",
+                    wr.sg_list.len(),
+                    self.max_sge
+                ))));
+            }
+            if self.entries.len() >= self.max_wr as usize {
+                return Err(bad(VerbsError::QueueFull(format!(
+                    "{} receive work requests outstanding (the SRQ's max_wr)",
+                    self.entries.len()
+                ))));
+            }
+            self.entries.push_back(RqEntry {
+                wr_id: wr.wr_id,
+                sges: SgeList::new(wr.sg_list),
+                total: wr.sg_list.iter().map(|s| u64::from(s.length)).sum(),
+            });
+        }
+        Ok(())
+    }
+
+    fn pop_front(&mut self) -> Option<RqEntry> {
+        self.entries.pop_front()
+    }
+}
+
+/// Where a QP's receives wait: its own receive queue, or a shared one.
+#[derive(Debug)]
+enum RecvQueue {
+    Own(VecDeque<RqEntry>),
+    Shared(Rc<RefCell<SrqEngine>>),
+}
+
+impl RecvQueue {
+    fn pop_front(&mut self) -> Option<RqEntry> {
+        match self {
+            Self::Own(q) => q.pop_front(),
+            Self::Shared(s) => s.borrow_mut().pop_front(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        match self {
+            Self::Own(q) => q.is_empty(),
+            Self::Shared(s) => s.borrow().entries.is_empty(),
+        }
+    }
+
+    /// The next receive's single scatter/gather entry: `None` with none waiting,
+    /// `Some(None)` when it has more or fewer than one entry.
+    fn front_single(&self) -> Option<Option<Sge>> {
+        let one = |w: &RqEntry| match w.sges.as_slice() {
+            [one] => Some(*one),
+            _ => None,
+        };
+        match self {
+            Self::Own(q) => q.front().map(one),
+            Self::Shared(s) => s.borrow().entries.front().map(one),
+        }
+    }
+
+    /// The PD the receives' buffers are checked against (`qp_pd` for the QP's own).
+    fn pd(&self, qp_pd: u32) -> u32 {
+        match self {
+            Self::Own(_) => qp_pd,
+            Self::Shared(s) => s.borrow().pd,
+        }
+    }
+
+    fn is_shared(&self) -> bool {
+        matches!(self, Self::Shared(_))
+    }
+}
+
 /// A send work request as the engine runs it: the opcode and its parameters, with the
 /// payload's source `S` — borrowed from the caller's request ([`OpView`], the usual case,
 /// executed at once) or owned while the request waits in the send queue ([`Work`]). One type,
@@ -295,7 +407,7 @@ pub(crate) struct QpEngine {
     peer: Option<PeerLink>,
     sq: VecDeque<SqEntry>,
     exec: usize,
-    rq: VecDeque<RqEntry>,
+    rq: RecvQueue,
     rq_posted: u64,
     credits: u64,
     used_credits: u64,
@@ -416,7 +528,12 @@ impl QpEngine {
                 push_cqe(cqs, self.recv_cq, wc);
             }
         }
-        while let Some(w) = self.rq.pop_front() {
+        // A shared receive queue's receives are not this QP's: they stay for the others.
+        let own = match &mut self.rq {
+            RecvQueue::Own(q) => std::mem::take(q),
+            RecvQueue::Shared(_) => VecDeque::new(),
+        };
+        for w in own {
             let wc = self.wc(w.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, 0);
             push_cqe(cqs, self.recv_cq, wc);
         }

@@ -123,7 +123,15 @@ impl QpEngine {
         wrs: &[RecvWr<'_>],
         cqs: &mut Cqs,
     ) -> Result<(), VerbsError> {
-        let was_empty = self.rq.is_empty();
+        let RecvQueue::Own(rq) = &self.rq else {
+            return Err(VerbsError::Post {
+                bad_wr: 0,
+                source: Box::new(VerbsError::inval(
+                    "post_recv on a QP with a shared receive queue (post to the SRQ)",
+                )),
+            });
+        };
+        let was_empty = rq.is_empty();
         for (i, wr) in wrs.iter().enumerate() {
             let bad = |e: VerbsError| VerbsError::Post {
                 bad_wr: i,
@@ -147,13 +155,16 @@ impl QpEngine {
                     self.cap.max_recv_sge
                 ))));
             }
-            if self.rq.len() >= self.cap.max_recv_wr as usize {
+            let RecvQueue::Own(rq) = &mut self.rq else {
+                unreachable!("checked above")
+            };
+            if rq.len() >= self.cap.max_recv_wr as usize {
                 return Err(bad(VerbsError::QueueFull(format!(
                     "{} receive work requests outstanding (max_recv_wr)",
-                    self.rq.len()
+                    rq.len()
                 ))));
             }
-            self.rq.push_back(RqEntry {
+            rq.push_back(RqEntry {
                 wr_id: wr.wr_id,
                 sges: SgeList::new(wr.sg_list),
                 total: wr.sg_list.iter().map(|s| u64::from(s.length)).sum(),

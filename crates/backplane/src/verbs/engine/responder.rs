@@ -50,6 +50,11 @@ impl QpEngine {
                 return;
             }
             self.credits = self.credits.max(h.credits);
+            if h.flags & MSG_FIRST != 0 && self.inbound.is_none() && self.srq_empty() {
+                // No receive in the shared queue: the message waits in the ring, in order,
+                // until one is posted (the next progress looks again).
+                return;
+            }
             self.accept_fragment(&h, payload, frag_len, env, cqs);
             if self.state == QpState::Err {
                 return;
@@ -65,6 +70,11 @@ impl QpEngine {
                 return;
             }
         }
+    }
+
+    /// The QP takes its receives from a shared queue that holds none.
+    fn srq_empty(&self) -> bool {
+        self.rq.is_shared() && self.rq.is_empty()
     }
 
     pub(super) fn accept_fragment(
@@ -114,7 +124,8 @@ impl QpEngine {
                         m.status = WcStatus::LocLenErr;
                         self.nak(msg, NAK_INV_REQ);
                     } else if carries
-                        && check_sges(env.mrs, self.pd, w.sges.as_slice(), true).is_err()
+                        && check_sges(env.mrs, self.rq.pd(self.pd), w.sges.as_slice(), true)
+                            .is_err()
                     {
                         m.status = WcStatus::LocProtErr;
                         self.nak(msg, NAK_REM_OP);
@@ -141,7 +152,7 @@ impl QpEngine {
             // cannot change within this call); `frag_off + frag_len <= msg_len <= total`.
             scatter(
                 env.mrs,
-                self.pd,
+                self.rq.pd(self.pd),
                 w.sges.as_slice(),
                 u64::from(h.frag_off),
                 Bytes::Span(p.inbound.data(), payload, frag_len),
@@ -188,18 +199,19 @@ impl QpEngine {
         env: &CtxParts<'_>,
         cqs: &mut Cqs,
     ) -> bool {
-        let Some(w) = self.rq.front() else {
+        let Some(one) = self.rq.front_single() else {
             return false;
         };
         let carries = h.op != MsgOp::WriteImm;
         if carries {
-            let [one] = w.sges.as_slice() else {
+            let Some(one) = one else {
                 return false;
             };
             if u64::from(h.msg_len) > u64::from(one.length) {
                 return false;
             }
-            let Ok(Bytes::Span(dst, dst_off, _)) = resolve(env.mrs, self.pd, one, true) else {
+            let pd = self.rq.pd(self.pd);
+            let Ok(Bytes::Span(dst, dst_off, _)) = resolve(env.mrs, pd, &one, true) else {
                 return false;
             };
             let Some(p) = &self.peer else { return false };

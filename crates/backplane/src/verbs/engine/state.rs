@@ -220,11 +220,13 @@ impl QpEngine {
             p.link.publish_gone();
         }
         self.sq.clear();
-        self.rq.clear();
+        if let RecvQueue::Own(q) = &mut self.rq {
+            q.clear();
+        }
         self.exec = 0;
         self.inbound = None;
         self.rel.reset();
-        self.rq_posted = 0;
+        self.rq_posted = if self.rq.is_shared() { SRQ_CREDITS } else { 0 };
         self.credits = 0;
         self.used_credits = 0;
         self.msgs_in = 0;

@@ -117,6 +117,7 @@ impl QpEngine {
             self.drops += 1;
             return;
         };
+        let rpd = self.rq.pd(self.pd);
         let data = &payload[16..];
         let need = (GRH_LEN + data.len()) as u64;
         let imm = h.op == MsgOp::SendImm;
@@ -137,7 +138,7 @@ impl QpEngine {
         };
         if need > w.total {
             wc.status = WcStatus::LocLenErr;
-        } else if check_sges(env.mrs, self.pd, w.sges.as_slice(), true).is_err() {
+        } else if check_sges(env.mrs, rpd, w.sges.as_slice(), true).is_err() {
             wc.status = WcStatus::LocProtErr;
         } else {
             let mut grh = [0u8; GRH_LEN];
@@ -147,8 +148,8 @@ impl QpEngine {
             grh[20..24].copy_from_slice(&src.node.to_be_bytes());
             // The entries were validated writable and hold at least `need` bytes.
             let sges = w.sges.as_slice();
-            scatter(env.mrs, self.pd, sges, 0, Bytes::Slice(&grh));
-            scatter(env.mrs, self.pd, sges, GRH_LEN as u64, Bytes::Slice(data));
+            scatter(env.mrs, rpd, sges, 0, Bytes::Slice(&grh));
+            scatter(env.mrs, rpd, sges, GRH_LEN as u64, Bytes::Slice(data));
         }
         push_cqe(cqs, self.recv_cq, wc);
     }
