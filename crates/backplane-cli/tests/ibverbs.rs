@@ -265,3 +265,76 @@ fn exec_verbs_refuses_an_unknown_node_with_one_line() {
     assert!(!o.status.success());
     assert_eq!(stderr(&o).trim().lines().count(), 1, "{}", stderr(&o));
 }
+
+/// Pids of processes running `prog` with `-p port` on their command line.
+fn pids_of(prog: &str, port: u16) -> Vec<i32> {
+    let p = port.to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+            let ours = args.first().is_some_and(|a| a.ends_with(prog.as_bytes()))
+                && args
+                    .windows(2)
+                    .any(|w| w[0] == b"-p" && w[1] == p.as_bytes());
+            ours.then_some(pid)
+        })
+        .collect()
+}
+
+#[test]
+fn a_program_killed_mid_run_leaves_its_peer_able_to_finish_and_nothing_behind() {
+    if !have("ib_write_bw") {
+        return;
+    }
+    lib_built();
+    let fab = Fab::up("ibv_killed", 2, &[]);
+    let port = 18740u16;
+    let spawn = |node: u32, extra: &[&str]| {
+        let n = node.to_string();
+        let p = port.to_string();
+        let mut a = vec!["exec", "--verbs", "--name", &fab.name, &n, "--"];
+        a.extend_from_slice(&["timeout", "60", "ib_write_bw", "-p", &p, "-D", "4"]);
+        a.extend_from_slice(extra);
+        Command::new(BIN)
+            .args(&a)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let server = spawn(1, &[]);
+    let t0 = std::time::Instant::now();
+    while !listening(port) {
+        assert!(t0.elapsed().as_secs() < 30, "ib_write_bw did not listen");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let client = spawn(2, &["localhost"]);
+    // Mid-run: both programs exist and the client has been writing for a while.
+    let client_pid = wait_for(std::time::Duration::from_secs(30), || {
+        let p = pids_of("ib_write_bw", port);
+        (p.len() == 2).then(|| *p.iter().max().unwrap())
+    })
+    .expect("both ib_write_bw processes run");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    // SAFETY: kill(2) on a pid we found; no memory is involved.
+    assert_eq!(unsafe { libc::kill(client_pid, libc::SIGKILL) }, 0);
+    let c = client.wait_with_output().unwrap();
+    assert_eq!(c.status.code(), Some(128 + libc::SIGKILL), "{}", text(&c));
+    // The server ends by itself (its peer's socket closed, or its duration over), not by a
+    // signal and not hanging.
+    let s = server.wait_with_output().unwrap();
+    assert!(
+        s.status.code().is_some_and(|c| c != 124 && c < 128),
+        "server: {:?} {}",
+        s.status,
+        text(&s)
+    );
+    let name = fab.name.clone();
+    drop(fab);
+    let left = leftovers(&name);
+    assert!(left.is_empty(), "{left:?}");
+}

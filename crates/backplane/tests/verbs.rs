@@ -1427,3 +1427,39 @@ fn a_shared_receive_queue_feeds_every_qp_made_with_it_and_an_empty_one_holds_mes
     drop((b1, b2));
     assert!(!srq.in_use());
 }
+
+#[test]
+fn the_rkey_of_a_killed_process_is_rem_access_err_for_the_process_that_takes_its_place() {
+    if role().is_some() {
+        return;
+    }
+    let fab = Fab::up("verbs_deadkey", 2);
+    let mut first = client(&fab, "ops");
+    let dead = first.peer.rkey;
+    assert_eq!(first.say(b"ping"), b"pong");
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    // The same program again on the same node: its region gets a new key, and the old one
+    // names nothing any more — not the new process's memory, not the dead one's.
+    let mut second = client(&fab, "ops");
+    assert_ne!(second.peer.rkey, dead);
+    assert_eq!(second.say(b"ping"), b"pong");
+    second.mr.fill(0, 64, 0xAB).unwrap();
+    second
+        .qp
+        .post_send(&[SendWr::write(1, &[second.mr.sge(0, 64)], 0, dead).signaled()])
+        .unwrap();
+    assert_eq!(second.wait(1).status, WcStatus::RemAccessErr);
+    let _ = second.child.kill();
+    let _ = second.child.wait();
+    drop((first.qp, first.cq, first.mr, first.ctx));
+    let name = fab.name.clone();
+    drop(fab);
+    let left = leftovers(&name);
+    assert!(
+        left.iter()
+            .all(|l| l.starts_with(&format!("pid {}", std::process::id())))
+            || left.is_empty(),
+        "{left:?}"
+    );
+}
