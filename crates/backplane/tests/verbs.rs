@@ -1165,6 +1165,16 @@ impl Client {
     }
 }
 
+/// After `down`: nothing of fabric `name` is left but what this (test) process still holds.
+fn nothing_left_but_this_process(name: &str) {
+    let left = leftovers(name);
+    assert!(
+        left.iter()
+            .all(|l| l.starts_with(&format!("pid {}", std::process::id()))),
+        "{left:?}"
+    );
+}
+
 #[test]
 fn two_processes_connect_with_the_helper_and_run_every_rc_operation() {
     if role().is_some() {
@@ -1209,13 +1219,7 @@ fn two_processes_connect_with_the_helper_and_run_every_rc_operation() {
     let _ = &c.ctx;
     c.bye();
     drop(fab);
-    let left = leftovers(&name);
-    assert!(
-        left.iter()
-            .all(|l| l.starts_with(&format!("pid {}", std::process::id())))
-            || left.is_empty(),
-        "{left:?}"
-    );
+    nothing_left_but_this_process(&name);
 }
 
 #[test]
@@ -1455,11 +1459,5 @@ fn the_rkey_of_a_killed_process_is_rem_access_err_for_the_process_that_takes_its
     drop((first.qp, first.cq, first.mr, first.ctx));
     let name = fab.name.clone();
     drop(fab);
-    let left = leftovers(&name);
-    assert!(
-        left.iter()
-            .all(|l| l.starts_with(&format!("pid {}", std::process::id())))
-            || left.is_empty(),
-        "{left:?}"
-    );
+    nothing_left_but_this_process(&name);
 }
