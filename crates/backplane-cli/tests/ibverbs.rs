@@ -266,8 +266,9 @@ fn exec_verbs_refuses_an_unknown_node_with_one_line() {
     assert_eq!(stderr(&o).trim().lines().count(), 1, "{}", stderr(&o));
 }
 
-/// Pids of processes running `prog` with `-p port` on their command line.
-fn pids_of(prog: &str, port: u16) -> Vec<i32> {
+/// Processes running `prog` with `-p port` on their command line: pid, and whether it is the
+/// client (it names the server host last).
+fn procs_of(prog: &str, port: u16) -> Vec<(i32, bool)> {
     let p = port.to_string();
     std::fs::read_dir("/proc")
         .unwrap()
@@ -275,12 +276,12 @@ fn pids_of(prog: &str, port: u16) -> Vec<i32> {
         .filter_map(|e| {
             let pid: i32 = e.file_name().to_str()?.parse().ok()?;
             let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
-            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).filter(|a| !a.is_empty()).collect();
             let ours = args.first().is_some_and(|a| a.ends_with(prog.as_bytes()))
                 && args
                     .windows(2)
                     .any(|w| w[0] == b"-p" && w[1] == p.as_bytes());
-            ours.then_some(pid)
+            ours.then(|| (pid, args.last() == Some(&&b"localhost"[..])))
         })
         .collect()
 }
@@ -315,8 +316,9 @@ fn a_program_killed_mid_run_leaves_its_peer_able_to_finish_and_nothing_behind() 
     let client = spawn(2, &["localhost"]);
     // Mid-run: both programs exist and the client has been writing for a while.
     let client_pid = wait_for(std::time::Duration::from_secs(30), || {
-        let p = pids_of("ib_write_bw", port);
-        (p.len() == 2).then(|| *p.iter().max().unwrap())
+        let p = procs_of("ib_write_bw", port);
+        let client = p.iter().find(|(_, client)| *client).map(|&(pid, _)| pid);
+        client.filter(|_| p.len() == 2)
     })
     .expect("both ib_write_bw processes run");
     std::thread::sleep(std::time::Duration::from_millis(1500));

@@ -30,15 +30,14 @@ pub(crate) fn wr_opcode(v: u32) -> Result<WrOpcode, CErr> {
 }
 
 pub(crate) fn cap_in(c: BpQpCap) -> QpCap {
-    let d = QpCap::default();
-    let or = |v: u32, d: u32| if v == 0 { d } else { v };
     QpCap {
-        max_send_wr: or(c.max_send_wr, d.max_send_wr),
-        max_recv_wr: or(c.max_recv_wr, d.max_recv_wr),
-        max_send_sge: or(c.max_send_sge, d.max_send_sge),
-        max_recv_sge: or(c.max_recv_sge, d.max_recv_sge),
+        max_send_wr: c.max_send_wr,
+        max_recv_wr: c.max_recv_wr,
+        max_send_sge: c.max_send_sge,
+        max_recv_sge: c.max_recv_sge,
         max_inline_data: c.max_inline_data,
     }
+    .zero_counts_default()
 }
 
 pub(crate) fn cap_out(c: QpCap) -> BpQpCap {

@@ -143,7 +143,7 @@ impl Adopted {
         at: *mut u8,
         len: usize,
     ) -> Result<Self, MemError> {
-        use rustix::mm::{mmap, mprotect, mremap_fixed, MapFlags, MremapFlags, ProtFlags};
+        use rustix::mm::{mmap, MapFlags, ProtFlags};
         let at = at as usize;
         let inval = |m: String| {
             map_err(
@@ -186,31 +186,9 @@ impl Adopted {
             )
         }
         .map_err(|e| map_err(len, e))?;
-        // SAFETY: `at..at+len` is mapped and readable (checked above); `tmp` is our fresh
-        // writable mapping of `len` bytes; they do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(at as *const u8, tmp.cast::<u8>(), len) };
-        // SAFETY: moves our mapping onto the caller's pages, replacing them atomically; the
-        // caller promised the pages may change backing; `tmp` is not used after.
-        let moved = unsafe {
-            mremap_fixed(
-                tmp,
-                len,
-                len,
-                MremapFlags::MAYMOVE,
-                at as *mut std::ffi::c_void,
-            )
-        };
-        if let Err(e) = moved {
-            // SAFETY: our own temporary mapping, not moved.
-            let _ = unsafe { rustix::mm::munmap(tmp, len) };
-            return Err(map_err(len, e));
-        }
-        for &(s, e, p) in &prots {
-            if p != rustix::mm::MprotectFlags::READ | rustix::mm::MprotectFlags::WRITE {
-                // SAFETY: a part of the range we just mapped; the protection it had before.
-                let _ = unsafe { mprotect(s as *mut std::ffi::c_void, e - s, p) };
-            }
-        }
+        // SAFETY: `at..at+len` is mapped and readable (checked above) and may change backing
+        // (the caller's contract); `tmp` is our fresh writable mapping of `len` bytes.
+        unsafe { copy_and_swap(tmp, at, len, &prots) }.map_err(|e| map_err(len, e))?;
         Ok(Self {
             at,
             len,
@@ -243,9 +221,7 @@ impl Adopted {
 
 impl Drop for Adopted {
     fn drop(&mut self) {
-        use rustix::mm::{
-            mmap_anonymous, mprotect, mremap_fixed, MapFlags, MremapFlags, ProtFlags,
-        };
+        use rustix::mm::{mmap_anonymous, mprotect, MapFlags, ProtFlags};
         if !self.still_ours() {
             return;
         }
@@ -271,27 +247,51 @@ impl Drop for Adopted {
                 rustix::mm::MprotectFlags::READ,
             )
         };
-        // SAFETY: `at..at+len` is our readable mapping; `tmp` a fresh writable one.
-        unsafe { std::ptr::copy_nonoverlapping(self.at as *const u8, tmp.cast::<u8>(), len) };
-        // SAFETY: replaces our shared pages with the private copy in one step.
-        let moved = unsafe {
-            mremap_fixed(
-                tmp,
-                len,
-                len,
-                MremapFlags::MAYMOVE,
-                self.at as *mut std::ffi::c_void,
-            )
-        };
-        if moved.is_err() {
-            // SAFETY: our temporary mapping, not moved.
-            let _ = unsafe { rustix::mm::munmap(tmp, len) };
+        // SAFETY: `at..at+len` is our readable mapping (made readable above), which the
+        // program gave up with the registration; `tmp` a fresh writable one.
+        if unsafe { copy_and_swap(tmp, self.at, len, &self.prots) }.is_err() {
+            for &(s, e, p) in &self.prots {
+                // SAFETY: part of the range, still the shared pages; the protection the
+                // program gave it.
+                let _ = unsafe { mprotect(s as *mut std::ffi::c_void, e - s, p) };
+            }
         }
-        for &(s, e, p) in &self.prots {
-            // SAFETY: part of the range; the protection the program gave it.
+    }
+}
+
+/// Copies the `len` bytes at `at` into `tmp` and moves `tmp` onto `at` in one step (the
+/// pages change backing, their addresses and bytes stay), then gives each part of the range
+/// in `prots` its protection back (the new pages are read-write). On failure `tmp` is
+/// unmapped and the pages at `at` are as they were.
+///
+/// # Safety
+/// `at..at+len` is mapped and readable by this process and may change backing; `tmp` is a
+/// mapping of ours, writable, `len` bytes, aliased by nothing, not used after the call.
+unsafe fn copy_and_swap(
+    tmp: *mut std::ffi::c_void,
+    at: usize,
+    len: usize,
+    prots: &[(usize, usize, rustix::mm::MprotectFlags)],
+) -> rustix::io::Result<()> {
+    use rustix::mm::{mprotect, mremap_fixed, MprotectFlags, MremapFlags};
+    // SAFETY: both ranges are `len` readable/writable bytes (caller) and do not overlap
+    // (`tmp` aliases nothing).
+    unsafe { std::ptr::copy_nonoverlapping(at as *const u8, tmp.cast::<u8>(), len) };
+    // SAFETY: moves our mapping onto the caller's pages, replacing them atomically; the
+    // caller allows the pages to change backing; `tmp` is not used after.
+    let moved = unsafe { mremap_fixed(tmp, len, len, MremapFlags::MAYMOVE, at as *mut _) };
+    if let Err(e) = moved {
+        // SAFETY: our own temporary mapping, not moved.
+        let _ = unsafe { rustix::mm::munmap(tmp, len) };
+        return Err(e);
+    }
+    for &(s, e, p) in prots {
+        if p != MprotectFlags::READ | MprotectFlags::WRITE {
+            // SAFETY: a part of the range just mapped; the protection it had before.
             let _ = unsafe { mprotect(s as *mut std::ffi::c_void, e - s, p) };
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -628,6 +628,22 @@ impl Default for QpCap {
     }
 }
 
+impl QpCap {
+    /// The C interfaces' reading of a request: a work-request or scatter/gather count of 0
+    /// takes the default; `max_inline_data` is as given (0: no inline data).
+    pub fn zero_counts_default(self) -> Self {
+        let d = Self::default();
+        let or = |v: u32, d: u32| if v == 0 { d } else { v };
+        Self {
+            max_send_wr: or(self.max_send_wr, d.max_send_wr),
+            max_recv_wr: or(self.max_recv_wr, d.max_recv_wr),
+            max_send_sge: or(self.max_send_sge, d.max_send_sge),
+            max_recv_sge: or(self.max_recv_sge, d.max_recv_sge),
+            max_inline_data: self.max_inline_data,
+        }
+    }
+}
+
 /// Address vector (`struct ibv_ah_attr`): on the fabric a node's LID is its slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AhAttr {
