@@ -356,16 +356,25 @@ pub fn recv<T: for<'de> Deserialize<'de>>(
     Ok(Some((msg, fds)))
 }
 
-/// A blocking request/response round trip on a client socket.
-pub fn call(sock: &impl AsFd, req: &Request) -> std::io::Result<(Response, Vec<OwnedFd>)> {
-    send(sock.as_fd(), req, &[])?;
-    let mut buf = Vec::new();
-    recv(sock.as_fd(), &mut buf)?.ok_or_else(|| {
-        std::io::Error::new(
-            std::io::ErrorKind::ConnectionAborted,
-            "the fabric supervisor closed the connection",
-        )
-    })
+/// A blocking request/response round trip on a client socket, `fds` passed with the request.
+/// The receive buffer (`MAX_MSG` bytes) is the thread's, made once: a fresh one per call
+/// cost a 256 KiB memset per control request.
+pub fn call(
+    sock: &impl AsFd,
+    req: &Request,
+    fds: &[BorrowedFd<'_>],
+) -> std::io::Result<(Response, Vec<OwnedFd>)> {
+    thread_local! {
+        static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    send(sock.as_fd(), req, fds)?;
+    BUF.with_borrow_mut(|buf| recv(sock.as_fd(), buf))?
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "the fabric supervisor closed the connection",
+            )
+        })
 }
 
 #[cfg(test)]

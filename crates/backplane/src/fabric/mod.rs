@@ -194,7 +194,7 @@ impl Fabric {
             pid: std::process::id(),
             agent_slot,
         };
-        let (resp, fds) = ctl::call(&sock, &hello).map_err(|_| not_running())?;
+        let (resp, fds) = ctl::call(&sock, &hello, &[]).map_err(|_| not_running())?;
         let (nodes, window_size) = match resp {
             Response::Welcome {
                 nodes, window_size, ..
@@ -356,12 +356,7 @@ impl Fabric {
 
     /// One request/response with the supervisor; supervisor errors become `Refused`.
     pub(crate) fn call(&self, req: &Request) -> Result<(Response, Vec<OwnedFd>), FabricError> {
-        let sock = self.inner.sock.lock().unwrap_or_else(|p| p.into_inner());
-        let (resp, fds) = ctl::call(&sock.as_fd(), req)?;
-        if let Response::Error { kind, message } = resp {
-            return Err(FabricError::Refused { kind, message });
-        }
-        Ok((resp, fds))
+        self.call_with_fds(req, &[])
     }
 
     /// One request/response carrying file descriptors with the request (memfds of memory
@@ -372,14 +367,7 @@ impl Fabric {
         fds: &[std::os::fd::BorrowedFd<'_>],
     ) -> Result<(Response, Vec<OwnedFd>), FabricError> {
         let sock = self.inner.sock.lock().unwrap_or_else(|p| p.into_inner());
-        ctl::send(sock.as_fd(), req, fds)?;
-        let mut buf = Vec::new();
-        let (resp, fds) = ctl::recv(sock.as_fd(), &mut buf)?.ok_or_else(|| {
-            std::io::Error::new(
-                std::io::ErrorKind::ConnectionAborted,
-                "the fabric supervisor closed the connection",
-            )
-        })?;
+        let (resp, fds) = ctl::call(&sock.as_fd(), req, fds)?;
         if let Response::Error { kind, message } = resp {
             return Err(FabricError::Refused { kind, message });
         }
