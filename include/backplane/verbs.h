@@ -210,13 +210,21 @@ struct bp_cq {
 	int cqe;
 };
 
+/* A shared receive queue: receives every QP made with it takes in turn. */
+struct bp_srq {
+	struct bp_context *context;
+	void *srq_context;
+	struct bp_pd *pd;
+	uint32_t handle;
+};
+
 struct bp_qp {
 	struct bp_context *context;
 	void *qp_context;
 	struct bp_pd *pd;
 	struct bp_cq *send_cq;
 	struct bp_cq *recv_cq;
-	void *srq; /* always NULL */
+	struct bp_srq *srq; /* or NULL */
 	uint32_t handle;
 	uint32_t qp_num;
 	enum bp_qp_state state; /* as of the last bp_modify_qp; bp_query_qp has the live state */
@@ -274,7 +282,7 @@ struct bp_qp_init_attr {
 	void *qp_context;
 	struct bp_cq *send_cq;
 	struct bp_cq *recv_cq;
-	void *srq; /* must be NULL */
+	struct bp_srq *srq; /* take receives from this SRQ (max_recv_wr/sge then ignored), or NULL */
 	struct bp_qp_cap cap; /* WR and SGE counts of 0 take the defaults (128, 4) */
 	enum bp_qp_type qp_type;
 	int sq_sig_all;
@@ -282,6 +290,17 @@ struct bp_qp_init_attr {
 	 * 0 = 512 KiB). Larger rings keep more SEND data in flight. Not in libibverbs: zero the
 	 * whole struct (= {0} or memset) when porting. */
 	uint32_t ring_bytes;
+};
+
+struct bp_srq_attr {
+	uint32_t max_wr;    /* 1..65536 */
+	uint32_t max_sge;   /* 1..32 */
+	uint32_t srq_limit; /* must be 0: the limit event is not offered */
+};
+
+struct bp_srq_init_attr {
+	void *srq_context;
+	struct bp_srq_attr attr;
 };
 
 struct bp_qp_attr {
@@ -420,6 +439,15 @@ int bp_query_qp(struct bp_qp *qp, struct bp_qp_attr *attr, int attr_mask,
  * it were posted). Problems with keys, remote access or the peer end as completions. */
 int bp_post_send(struct bp_qp *qp, struct bp_send_wr *wr, struct bp_send_wr **bad_wr);
 int bp_post_recv(struct bp_qp *qp, struct bp_recv_wr *wr, struct bp_recv_wr **bad_wr);
+
+/* Shared receive queues. bp_post_recv on a QP made with one is EINVAL. An RC message that
+ * finds the SRQ empty waits in its QP, in order and unacknowledged, until a receive is posted
+ * (an RNR retried without limit); a UC or UD message is dropped. Receive buffers are checked
+ * against the SRQ's PD. bp_destroy_srq is EBUSY while a QP made with it exists. */
+struct bp_srq *bp_create_srq(struct bp_pd *pd, struct bp_srq_init_attr *srq_init_attr);
+int bp_destroy_srq(struct bp_srq *srq);
+int bp_query_srq(struct bp_srq *srq, struct bp_srq_attr *srq_attr);
+int bp_post_srq_recv(struct bp_srq *srq, struct bp_recv_wr *wr, struct bp_recv_wr **bad_wr);
 
 struct bp_ah *bp_create_ah(struct bp_pd *pd, struct bp_ah_attr *attr);
 int bp_destroy_ah(struct bp_ah *ah);

@@ -167,6 +167,77 @@ static void *leaky_thread(void *arg)
 	return (void *)(intptr_t)(s.qp != NULL);
 }
 
+/* Two QPs on node 2 take their receives from one shared receive queue. */
+static void shared_receive_queue(struct bp_fabric *f)
+{
+	struct side a, b;
+	struct bp_recv_wr *bad_r;
+	struct bp_send_wr *bad_s;
+	struct bp_wc wc;
+	make_side(f, 1, &a);
+	make_side(f, 2, &b);
+	struct bp_qp *a2 = make_qp(a.pd, a.cq, BP_QPT_RC);
+	struct bp_srq_init_attr si = { .attr = { .max_wr = 0, .max_sge = 1 } };
+	CHECK(bp_create_srq(b.pd, &si) == NULL && errno == EINVAL);
+	si.attr.max_wr = 4;
+	si.attr.srq_limit = 2;
+	CHECK(bp_create_srq(b.pd, &si) == NULL && errno == EINVAL); /* no limit event */
+	si.attr.srq_limit = 0;
+	CHECK(bp_create_srq(NULL, &si) == NULL && errno == EBADF);
+	struct bp_srq *srq = bp_create_srq(b.pd, &si);
+	CHECK(srq != NULL && srq->pd == b.pd && srq->context == b.ctx);
+	struct bp_srq_attr sa;
+	CHECK(bp_query_srq(srq, &sa) == 0 && sa.max_wr == 4 && sa.max_sge == 1 &&
+	      sa.srq_limit == 0);
+	struct bp_qp_init_attr init = {
+		.send_cq = b.cq, .recv_cq = b.cq, .qp_type = BP_QPT_RC, .srq = srq,
+		.cap = { .max_send_wr = 16 },
+	};
+	struct bp_qp *b1 = bp_create_qp(b.pd, &init);
+	struct bp_qp *b2 = bp_create_qp(b.pd, &init);
+	CHECK(b1 != NULL && b2 != NULL && b1->srq == srq);
+	struct bp_qp_init_attr got;
+	struct bp_qp_attr qa;
+	CHECK(bp_query_qp(b1, &qa, 0, &got) == 0 && got.srq == srq);
+	CHECK(bp_destroy_srq(srq) == EBUSY);
+	CHECK(bp_dealloc_pd(b.pd) == EBUSY);
+	CHECK(connect_qp(a.qp, 2, b1->qp_num) == 0 && connect_qp(b1, 1, a.qp->qp_num) == 0);
+	CHECK(connect_qp(a2, 2, b2->qp_num) == 0 && connect_qp(b2, 1, a2->qp_num) == 0);
+	char *rb = b.mr->addr;
+	struct bp_sge rs[2] = {
+		{ .addr = (uintptr_t)rb, .length = 64, .lkey = b.mr->lkey },
+		{ .addr = (uintptr_t)rb + 64, .length = 64, .lkey = b.mr->lkey },
+	};
+	struct bp_recv_wr r1 = { .wr_id = 101, .sg_list = &rs[1], .num_sge = 1 };
+	struct bp_recv_wr r0 = { .wr_id = 100, .next = &r1, .sg_list = &rs[0], .num_sge = 1 };
+	CHECK(bp_post_srq_recv(srq, &r0, &bad_r) == 0 && bad_r == NULL);
+	CHECK(bp_post_recv(b1, &r0, &bad_r) == EINVAL && bad_r == &r0);
+	CHECK(bp_post_srq_recv(NULL, &r0, &bad_r) == EBADF);
+	memcpy(a.mr->addr, "one.two.", 8);
+	struct bp_sge s0 = { .addr = (uintptr_t)a.mr->addr, .length = 4, .lkey = a.mr->lkey };
+	struct bp_sge s1 = { .addr = (uintptr_t)a.mr->addr + 4, .length = 4, .lkey = a.mr->lkey };
+	struct bp_send_wr w0 = { .wr_id = 1, .sg_list = &s0, .num_sge = 1, .opcode = BP_WR_SEND };
+	struct bp_send_wr w1 = { .wr_id = 2, .sg_list = &s1, .num_sge = 1, .opcode = BP_WR_SEND };
+	CHECK(bp_post_send(a.qp, &w0, &bad_s) == 0 && bp_post_send(a2, &w1, &bad_s) == 0);
+	int seen = 0;
+	for (int i = 0; i < 2; i++) {
+		CHECK(next_wc(b.cq, a.cq, &wc) == 1 && wc.status == BP_WC_SUCCESS &&
+		      wc.opcode == BP_WC_RECV && wc.byte_len == 4);
+		const char *at = rb + (wc.wr_id - 100) * 64;
+		if (wc.qp_num == b1->qp_num && memcmp(at, "one.", 4) == 0)
+			seen |= 1;
+		if (wc.qp_num == b2->qp_num && memcmp(at, "two.", 4) == 0)
+			seen |= 2;
+	}
+	CHECK(seen == 3);
+	CHECK(bp_destroy_qp(b1) == 0 && bp_destroy_qp(b2) == 0);
+	CHECK(bp_destroy_srq(srq) == 0 && bp_destroy_srq(srq) == EBADF);
+	CHECK(bp_query_srq(srq, &sa) == EBADF);
+	CHECK(bp_destroy_qp(a2) == 0);
+	free_side(&a);
+	free_side(&b);
+}
+
 int main(void)
 {
 	struct bp_fabric *f = bp_fabric_attach(NULL);
@@ -248,8 +319,8 @@ int main(void)
 	struct bp_qp_init_attr ia = { .send_cq = cq, .recv_cq = cq, .qp_type = 9 };
 	CHECK(bp_create_qp(pd, &ia) == NULL && errno == EINVAL);
 	ia.qp_type = BP_QPT_RC;
-	ia.srq = &tag;
-	CHECK(bp_create_qp(pd, &ia) == NULL && errno == EINVAL);
+	ia.srq = (struct bp_srq *)&tag; /* not an SRQ this library made */
+	CHECK(bp_create_qp(pd, &ia) == NULL && errno == EBADF);
 	ia.srq = NULL;
 	ia.cap.max_send_wr = 1 << 20;
 	CHECK(bp_create_qp(pd, &ia) == NULL && errno == EINVAL);
@@ -534,6 +605,9 @@ int main(void)
 	struct bp_conn_param cp = { .private_data_len = 57 };
 	CHECK(bp_connect(ctx, 2, 9999, qp, &cp, NULL, 10) == EINVAL);
 	CHECK(bp_connect(ctx, 2, 9999, qp, NULL, NULL, -5) == EINVAL);
+
+	/* ---- shared receive queues ---- */
+	shared_receive_queue(f);
 
 	/* ---- tear down; then every handle is stale ---- */
 	CHECK(bp_destroy_qp(qp) == 0);

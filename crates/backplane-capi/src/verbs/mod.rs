@@ -35,8 +35,8 @@ use std::time::Duration;
 use backplane::verbs::cm::{self, ConnParam, Listener, PeerInfo};
 use backplane::verbs::{
     AccessFlags, Ah, AhAttr, CompChannel, Context, Cq, Mr, Mtu, Pd, Qp, QpAttr, QpAttrMask, QpCap,
-    QpInitAttr, QpState, QpType, RecvWr, SendFlags, SendWr, Sge, VerbsError, Wc, WrDetail,
-    WrOpcode,
+    QpInitAttr, QpState, QpType, RecvWr, SendFlags, SendWr, Sge, Srq, SrqAttr, VerbsError, Wc,
+    WrDetail, WrOpcode,
 };
 
 use crate::{bad_handle, fabric_errno, get_fabric, guard, BpFabric, CErr};

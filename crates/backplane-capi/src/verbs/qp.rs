@@ -16,11 +16,15 @@ pub unsafe extern "C" fn bp_create_qp(pd: *mut BpPd, attr: *mut BpQpInitAttr) ->
             }
             // SAFETY: non-null, and the caller promises it is readable.
             let a = unsafe { attr.read() };
-            if !a.srq.is_null() {
-                return Err(inval(
-                    "shared receive queues are not supported: srq must be NULL",
-                ));
-            }
+            let srq = if a.srq.is_null() {
+                None
+            } else {
+                let s = get_srq(l, a.srq as usize)?;
+                if s.ctx != p.ctx {
+                    return Err(inval("the SRQ belongs to another context than the PD"));
+                }
+                Some(s)
+            };
             let scq = get_cq(l, a.send_cq as usize)?;
             let rcq = get_cq(l, a.recv_cq as usize)?;
             if scq.ctx != p.ctx || rcq.ctx != p.ctx {
@@ -34,7 +38,7 @@ pub unsafe extern "C" fn bp_create_qp(pd: *mut BpPd, attr: *mut BpQpInitAttr) ->
                 qp_type: ty,
                 sq_sig_all: a.sq_sig_all != 0,
                 ring_bytes: a.ring_bytes,
-                srq: None,
+                srq: srq.map(|s| &s.srq),
             };
             let qp = p.pd.create_qp(&init)?;
             let cap = cap_out(qp.query().cap);
@@ -47,7 +51,7 @@ pub unsafe extern "C" fn bp_create_qp(pd: *mut BpPd, attr: *mut BpQpInitAttr) ->
                 pd,
                 send_cq: a.send_cq,
                 recv_cq: a.recv_cq,
-                srq: null_mut(),
+                srq: a.srq,
                 handle: l.serial(),
                 qp_num: qp.qp_num(),
                 state: QpState::Reset as u32,
@@ -63,6 +67,7 @@ pub unsafe extern "C" fn bp_create_qp(pd: *mut BpPd, attr: *mut BpQpInitAttr) ->
                     ctx,
                     send_cq: a.send_cq as usize,
                     recv_cq: a.recv_cq as usize,
+                    srq: a.srq as usize,
                     sq_sig_all: a.sq_sig_all != 0,
                 }),
                 0,
@@ -214,7 +219,7 @@ pub unsafe extern "C" fn bp_query_qp(
                         qp_context: (*p).qp_context,
                         send_cq: q.send_cq as *mut BpCq,
                         recv_cq: q.recv_cq as *mut BpCq,
-                        srq: null_mut(),
+                        srq: q.srq as *mut BpSrq,
                         cap: cap_out(a.cap),
                         qp_type: q.qp.qp_type() as u32,
                         sq_sig_all: c_int::from(q.sq_sig_all),
@@ -449,70 +454,59 @@ pub unsafe extern "C" fn bp_post_recv(
     wr: *mut BpRecvWr,
     bad_wr: *mut *mut BpRecvWr,
 ) -> c_int {
+    // SAFETY: caller contract.
+    unsafe {
+        post_recv_list(wr, bad_wr, |l, post| {
+            let q = get_qp(l, qp as usize)?;
+            post(l, q.ctx, &|wrs: &[RecvWr<'_>]| q.qp.post_recv(wrs))
+        })
+    }
+}
+
+/// `bp_post_srq_recv`.
+///
+/// # Safety
+/// As [`bp_post_recv`].
+#[no_mangle]
+pub unsafe extern "C" fn bp_post_srq_recv(
+    srq: *mut BpSrq,
+    wr: *mut BpRecvWr,
+    bad_wr: *mut *mut BpRecvWr,
+) -> c_int {
+    // SAFETY: caller contract.
+    unsafe {
+        post_recv_list(wr, bad_wr, |l, post| {
+            let s = get_srq(l, srq as usize)?;
+            post(l, s.ctx, &|wrs: &[RecvWr<'_>]| s.srq.post_recv(wrs))
+        })
+    }
+}
+
+/// Posts a receive list: a QP's or an SRQ's (`target` finds it and calls `post` with its
+/// context, for the lkeys, and the function that posts). Sets `*bad_wr` to the first request
+/// not posted.
+///
+/// # Safety
+/// `wr` is a NULL-terminated list of readable requests whose `sg_list` hold `num_sge`
+/// entries; `bad_wr` is NULL or writable.
+unsafe fn post_recv_list(
+    wr: *mut BpRecvWr,
+    bad_wr: *mut *mut BpRecvWr,
+    target: impl FnOnce(&Local, &mut RecvPost<'_>) -> Result<(), CErr>,
+) -> c_int {
     let mut bad: *mut BpRecvWr = null_mut();
     let rc = guard_rc(|| {
         local(|l| {
-            let q = get_qp(l, qp as usize)?;
-            bad = wr;
-            if wr.is_null() {
-                return Err(inval("wr is NULL"));
-            }
-            // SAFETY: `wr` is readable (caller).
-            if unsafe { (*wr).next.is_null() } {
-                // SAFETY: `wr` is readable and its sg_list holds num_sge entries (caller).
-                let (wr_id, s) =
-                    unsafe { ((*wr).wr_id, sges(l, q.ctx, (*wr).sg_list, (*wr).num_sge)?) };
-                q.qp.post_recv(&[RecvWr {
-                    wr_id,
-                    sg_list: s.as_slice(),
-                }])?;
-                return Ok(());
-            }
-            // SAFETY: every `next` is NULL or readable (caller).
-            let ptrs = unsafe { walk(wr, |p| (*p).next, MAX_LIST) };
-            let mut lists = Vec::with_capacity(ptrs.len());
-            let mut conv_err = None;
-            for (i, &p) in ptrs.iter().enumerate() {
-                // SAFETY: `p` is readable and its sg_list holds num_sge entries (caller).
-                match unsafe { sges(l, q.ctx, (*p).sg_list, (*p).num_sge) } {
-                    // SAFETY: as above.
-                    Ok(s) => lists.push((unsafe { (*p).wr_id }, s)),
-                    Err(e) => {
-                        conv_err = Some((i, e));
-                        break;
-                    }
+            // A bad handle leaves `*bad_wr` NULL; a bad list names its first request.
+            target(l, &mut |l, ctx, post| {
+                if wr.is_null() {
+                    return Err(inval("wr is NULL"));
                 }
-            }
-            let wrs: Vec<RecvWr<'_>> = lists
-                .iter()
-                .map(|(wr_id, s)| RecvWr {
-                    wr_id: *wr_id,
-                    sg_list: s.as_slice(),
-                })
-                .collect();
-            let r = if wrs.is_empty() {
-                Ok(())
-            } else {
-                q.qp.post_recv(&wrs)
-            };
-            match r {
-                Err(VerbsError::Post { bad_wr: i, source }) => {
-                    bad = ptrs[i.min(ptrs.len() - 1)];
-                    Err((*source).into())
-                }
-                Err(e) => Err(e.into()),
-                Ok(()) => match conv_err {
-                    Some((i, e)) => {
-                        bad = ptrs[i];
-                        Err(e)
-                    }
-                    None if ptrs.len() == MAX_LIST => {
-                        bad = ptrs[MAX_LIST - 1];
-                        Err(CErr(libc::ENOMEM, "work request list too long".into()))
-                    }
-                    None => Ok(()),
-                },
-            }
+                // SAFETY: caller contract (the list), passed through.
+                let (r, b) = unsafe { post_list(l, ctx, wr, post) };
+                bad = b;
+                r
+            })
         })
     });
     if !bad_wr.is_null() {
@@ -520,6 +514,159 @@ pub unsafe extern "C" fn bp_post_recv(
         unsafe { bad_wr.write(if rc == 0 { null_mut() } else { bad }) };
     }
     rc
+}
+
+/// What [`post_recv_list`]'s target calls: the registry, the context the lkeys belong to, and
+/// the function that posts converted requests.
+type RecvPost<'a> = dyn FnMut(&Local, usize, &dyn Fn(&[RecvWr<'_>]) -> Result<(), VerbsError>) -> Result<(), CErr>
+    + 'a;
+
+/// Converts the list at `wr` (lkeys of context `ctx`) and posts it: the result and the first
+/// request not posted.
+///
+/// # Safety
+/// `wr` is non-NULL, a NULL-terminated list of readable requests whose `sg_list` hold
+/// `num_sge` entries.
+unsafe fn post_list(
+    l: &Local,
+    ctx: usize,
+    wr: *mut BpRecvWr,
+    post: &dyn Fn(&[RecvWr<'_>]) -> Result<(), VerbsError>,
+) -> (Result<(), CErr>, *mut BpRecvWr) {
+    // SAFETY: `wr` is readable (caller).
+    if unsafe { (*wr).next.is_null() } {
+        // SAFETY: `wr` is readable and its sg_list holds num_sge entries (caller).
+        let r = unsafe { sges(l, ctx, (*wr).sg_list, (*wr).num_sge) }.and_then(|s| {
+            post(&[RecvWr {
+                // SAFETY: as above.
+                wr_id: unsafe { (*wr).wr_id },
+                sg_list: s.as_slice(),
+            }])
+            .map_err(CErr::from)
+        });
+        return (r, wr);
+    }
+    // SAFETY: every `next` is NULL or readable (caller).
+    let ptrs = unsafe { walk(wr, |p| (*p).next, MAX_LIST) };
+    let mut lists = Vec::with_capacity(ptrs.len());
+    let mut conv_err = None;
+    for (i, &p) in ptrs.iter().enumerate() {
+        // SAFETY: `p` is readable and its sg_list holds num_sge entries (caller).
+        match unsafe { sges(l, ctx, (*p).sg_list, (*p).num_sge) } {
+            // SAFETY: as above.
+            Ok(s) => lists.push((unsafe { (*p).wr_id }, s)),
+            Err(e) => {
+                conv_err = Some((i, e));
+                break;
+            }
+        }
+    }
+    let wrs: Vec<RecvWr<'_>> = lists
+        .iter()
+        .map(|(wr_id, s)| RecvWr {
+            wr_id: *wr_id,
+            sg_list: s.as_slice(),
+        })
+        .collect();
+    let r = if wrs.is_empty() { Ok(()) } else { post(&wrs) };
+    match r {
+        Err(VerbsError::Post { bad_wr: i, source }) => {
+            (Err((*source).into()), ptrs[i.min(ptrs.len() - 1)])
+        }
+        Err(e) => (Err(e.into()), wr),
+        Ok(()) => match conv_err {
+            Some((i, e)) => (Err(e), ptrs[i]),
+            None if ptrs.len() == MAX_LIST => (
+                Err(CErr(libc::ENOMEM, "work request list too long".into())),
+                ptrs[MAX_LIST - 1],
+            ),
+            None => (Ok(()), null_mut()),
+        },
+    }
+}
+
+/// `bp_create_srq`: the granted sizes are written back into `attr`.
+///
+/// # Safety
+/// `attr` is NULL or points to a readable and writable `struct bp_srq_init_attr`.
+#[no_mangle]
+pub unsafe extern "C" fn bp_create_srq(pd: *mut BpPd, attr: *mut BpSrqInitAttr) -> *mut BpSrq {
+    guard(null_mut(), || {
+        local(|l| {
+            let p = get_pd(l, pd as usize)?;
+            if attr.is_null() {
+                return Err(inval("srq_init_attr is NULL"));
+            }
+            // SAFETY: non-null, and the caller promises it is readable.
+            let a = unsafe { attr.read() };
+            if a.attr.srq_limit != 0 {
+                return Err(inval(
+                    "srq_limit (the limit event) is not offered: create with srq_limit 0",
+                ));
+            }
+            let srq = p.pd.create_srq(SrqAttr {
+                max_wr: a.attr.max_wr,
+                max_sge: a.attr.max_sge,
+            })?;
+            let ctx = p.ctx;
+            let c = Owned::new(BpSrq {
+                context: ctx as *mut BpContext,
+                srq_context: a.srq_context,
+                pd,
+                handle: l.serial(),
+            });
+            let out = c.ptr();
+            l.insert(
+                c.key(),
+                VObj::Srq(SrqObj {
+                    _c: c,
+                    srq,
+                    pd: pd as usize,
+                    ctx,
+                }),
+                0,
+            );
+            Ok(out)
+        })
+    })
+}
+
+/// `bp_destroy_srq`: `EBUSY` while a QP made with it exists.
+#[no_mangle]
+pub extern "C" fn bp_destroy_srq(srq: *mut BpSrq) -> c_int {
+    guard_rc(|| {
+        local(|l| {
+            get_srq(l, srq as usize)?;
+            l.remove(srq as usize, "QPs made with it")?;
+            Ok(())
+        })
+    })
+}
+
+/// `bp_query_srq`.
+///
+/// # Safety
+/// `attr` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn bp_query_srq(srq: *mut BpSrq, attr: *mut BpSrqAttr) -> c_int {
+    guard_rc(|| {
+        local(|l| {
+            let s = get_srq(l, srq as usize)?;
+            if attr.is_null() {
+                return Err(inval("attr is NULL"));
+            }
+            let a = s.srq.query();
+            // SAFETY: non-null, and the caller promises it is writable.
+            unsafe {
+                attr.write(BpSrqAttr {
+                    max_wr: a.max_wr,
+                    max_sge: a.max_sge,
+                    srq_limit: 0,
+                })
+            };
+            Ok(())
+        })
+    })
 }
 
 /// `bp_create_ah`.

@@ -95,7 +95,15 @@ pub(crate) struct QpObj {
     pub(crate) ctx: usize,
     pub(crate) send_cq: usize,
     pub(crate) recv_cq: usize,
+    /// Its shared receive queue (0: none).
+    pub(crate) srq: usize,
     pub(crate) sq_sig_all: bool,
+}
+pub(crate) struct SrqObj {
+    pub(crate) _c: Owned<BpSrq>,
+    pub(crate) srq: Srq,
+    pub(crate) pd: usize,
+    pub(crate) ctx: usize,
 }
 pub(crate) struct AhObj {
     pub(crate) _c: Owned<BpAh>,
@@ -116,6 +124,7 @@ pub(crate) enum VObj {
     Cq(CqObj),
     Qp(QpObj),
     Ah(AhObj),
+    Srq(SrqObj),
     /// Boxed: a listener holds a datagram endpoint, several times any other object's size.
     Listener(Box<ListenerObj>),
     /// A raw-DMA queue (`dma.h`): it uses its context, so it lives in the same registry.
@@ -124,17 +133,18 @@ pub(crate) enum VObj {
 
 impl VObj {
     /// The handles this object depends on (which cannot be destroyed before it).
-    pub(crate) fn parents(&self) -> [usize; 4] {
+    pub(crate) fn parents(&self) -> [usize; 5] {
         match self {
-            VObj::Ctx(_) => [0; 4],
-            VObj::Pd(p) => [p.ctx, 0, 0, 0],
-            VObj::Mr(m) => [m.ctx, m.pd, 0, 0],
-            VObj::Channel(c) => [c.ctx, 0, 0, 0],
-            VObj::Cq(c) => [c.ctx, c.channel, 0, 0],
-            VObj::Qp(q) => [q.ctx, q.pd, q.send_cq, q.recv_cq],
-            VObj::Ah(a) => [a.pd, 0, 0, 0],
-            VObj::Listener(l) => [l.ctx, 0, 0, 0],
-            VObj::DmaQueue(q) => [q.ctx, 0, 0, 0],
+            VObj::Ctx(_) => [0; 5],
+            VObj::Pd(p) => [p.ctx, 0, 0, 0, 0],
+            VObj::Mr(m) => [m.ctx, m.pd, 0, 0, 0],
+            VObj::Channel(c) => [c.ctx, 0, 0, 0, 0],
+            VObj::Cq(c) => [c.ctx, c.channel, 0, 0, 0],
+            VObj::Qp(q) => [q.ctx, q.pd, q.send_cq, q.recv_cq, q.srq],
+            VObj::Ah(a) => [a.pd, 0, 0, 0, 0],
+            VObj::Srq(s) => [s.ctx, s.pd, 0, 0, 0],
+            VObj::Listener(l) => [l.ctx, 0, 0, 0, 0],
+            VObj::DmaQueue(q) => [q.ctx, 0, 0, 0, 0],
         }
     }
 }
@@ -229,7 +239,7 @@ impl Drop for Local {
                 VObj::Qp(_) | VObj::Mr(_) | VObj::Ah(_) | VObj::Listener(_) | VObj::DmaQueue(_) => {
                     0
                 }
-                VObj::Cq(_) => 1,
+                VObj::Cq(_) | VObj::Srq(_) => 1,
                 VObj::Channel(_) | VObj::Pd(_) => 2,
                 VObj::Ctx(_) => 3,
             });
@@ -277,4 +287,5 @@ getter!(get_ch, Channel, ChObj, "completion channel");
 getter!(get_cq, Cq, CqObj, "completion queue");
 getter!(get_qp, Qp, QpObj, "queue pair");
 getter!(get_ah, Ah, AhObj, "address handle");
+getter!(get_srq, Srq, SrqObj, "shared receive queue");
 getter!(get_listener, Listener, ListenerObj, "listener");

@@ -78,8 +78,8 @@ pub struct BpQp {
     pub send_cq: *mut BpCq,
     /// Receive CQ.
     pub recv_cq: *mut BpCq,
-    /// Always NULL.
-    pub srq: *mut c_void,
+    /// Its shared receive queue, or NULL.
+    pub srq: *mut BpSrq,
     /// Serial number.
     pub handle: u32,
     /// QP number.
@@ -88,6 +88,40 @@ pub struct BpQp {
     pub state: u32,
     /// Transport.
     pub qp_type: u32,
+}
+
+/// `struct bp_srq`.
+#[repr(C)]
+pub struct BpSrq {
+    /// Owning context.
+    pub context: *mut BpContext,
+    /// The application's pointer.
+    pub srq_context: *mut c_void,
+    /// Protection domain.
+    pub pd: *mut BpPd,
+    /// Serial number.
+    pub handle: u32,
+}
+
+/// `struct bp_srq_attr`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub struct BpSrqAttr {
+    /// Receives it holds at most.
+    pub max_wr: u32,
+    /// Scatter/gather entries per receive.
+    pub max_sge: u32,
+    /// Must be 0 (the limit event is not offered).
+    pub srq_limit: u32,
+}
+
+/// `struct bp_srq_init_attr`.
+#[repr(C)]
+pub struct BpSrqInitAttr {
+    /// The application's pointer.
+    pub srq_context: *mut c_void,
+    /// Sizes.
+    pub attr: BpSrqAttr,
 }
 
 /// `struct bp_ah`.
@@ -195,8 +229,8 @@ pub struct BpQpInitAttr {
     pub send_cq: *mut BpCq,
     /// Receive CQ.
     pub recv_cq: *mut BpCq,
-    /// Must be NULL.
-    pub srq: *mut c_void,
+    /// Take receives from this shared receive queue (NULL: the QP's own).
+    pub srq: *mut BpSrq,
     /// Capabilities (in: wanted, out: actual).
     pub cap: BpQpCap,
     /// `enum bp_qp_type`.
@@ -430,6 +464,8 @@ const _: () = {
     assert!(size_of::<BpQpInitAttr>() == 64);
     assert!(size_of::<BpMr>() == 48);
     assert!(size_of::<BpQp>() == 64);
+    assert!(size_of::<BpSrq>() == 32);
+    assert!(size_of::<BpSrqInitAttr>() == 24);
     assert!(size_of::<BpConnParam>() == 40);
     assert!(size_of::<BpPeerInfo>() == 96);
 };
