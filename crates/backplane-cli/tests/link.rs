@@ -44,18 +44,20 @@ fn stream_rate(name: &str, expected: f64, secs: f64) -> f64 {
 
 #[test]
 fn emulated_pcie_links_pace_datagrams_to_the_model_in_figure_12_order() {
+    // The unpaced fabric stays up: a window that falls short is judged against what the
+    // machine sustains at that moment, measured right after it.
     let free = Fab::up("link_free", 2, &[]);
     let unpaced = stream_rate(&free.name, 10e9, 0.2);
-    drop(free);
     let mut last = 0.0;
     for model in ["pcie-gen1x4", "pcie-gen2x4", "pcie-gen3x4", "pcie-gen3x8"] {
         let fab = Fab::up(&format!("link_{model}"), 2, &["--link", model]);
         let want = fab.status()["link"]["bytes_per_s"].as_f64().unwrap();
-        let sustainable = want <= unpaced / 2.0;
+        let mut sustainable = want <= unpaced / 2.0;
         // A busy machine can only slow a 0.2 s window down, never speed it past the pacing:
         // a window below the model is measured again (up to three in all) and the best one
         // judged; every window must stay under the model's ceiling.
         let mut got = 0.0f64;
+        let mut now_unpaced = unpaced;
         for _ in 0..3 {
             let g = stream_rate(&fab.name, want, 0.2);
             assert!(
@@ -66,22 +68,30 @@ fn emulated_pcie_links_pace_datagrams_to_the_model_in_figure_12_order() {
             if !sustainable || got >= want * 0.90 {
                 break;
             }
+            // Short: is it the pacing, or is the machine busy now (other tests, builds)?
+            now_unpaced = stream_rate(&free.name, 10e9, 0.1);
+            if want > now_unpaced / 2.0 {
+                sustainable = false;
+            }
         }
         eprintln!(
-            "{model}: model {:.0} MB/s, measured {:.0} MB/s (unpaced {:.0} MB/s){}",
+            "{model}: model {:.0} MB/s, measured {:.0} MB/s (unpaced {:.0} MB/s, {:.0} MB/s \
+             last){}",
             want / 1e6,
             got / 1e6,
             unpaced / 1e6,
+            now_unpaced / 1e6,
             if sustainable {
                 ""
             } else {
-                " - beyond what this machine sustains"
+                " - beyond what this machine sustains now"
             }
         );
         if sustainable {
             assert!(
                 got >= want * 0.90,
-                "{model}: {got} B/s is >10% below the model's {want}"
+                "{model}: {got} B/s is >10% below the model's {want} (unpaced {now_unpaced} B/s \
+                 just after)"
             );
             assert!(
                 got > last,
@@ -90,6 +100,7 @@ fn emulated_pcie_links_pace_datagrams_to_the_model_in_figure_12_order() {
             last = got;
         }
     }
+    drop(free);
 }
 
 /// Median one-way latency (half round trip) of 8-byte datagrams between nodes 1 and 2.
