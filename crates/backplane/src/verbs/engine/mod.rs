@@ -108,6 +108,16 @@ struct RqEntry {
     total: u64,
 }
 
+impl RqEntry {
+    fn new(wr: &RecvWr<'_>) -> Self {
+        Self {
+            wr_id: wr.wr_id,
+            sges: SgeList::new(wr.sg_list),
+            total: wr.sg_list.iter().map(|s| u64::from(s.length)).sum(),
+        }
+    }
+}
+
 /// Credits an RC QP on a shared receive queue publishes: more than any sender will use, so its
 /// peer never waits for them. A message that finds the SRQ empty waits in the QP's inbound
 /// ring (in order, as after an RNR NAK retried without limit) until a receive is posted.
@@ -158,11 +168,7 @@ impl SrqEngine {
                     self.entries.len()
                 ))));
             }
-            self.entries.push_back(RqEntry {
-                wr_id: wr.wr_id,
-                sges: SgeList::new(wr.sg_list),
-                total: wr.sg_list.iter().map(|s| u64::from(s.length)).sum(),
-            });
+            self.entries.push_back(RqEntry::new(wr));
         }
         Ok(())
     }

@@ -164,11 +164,7 @@ impl QpEngine {
                     rq.len()
                 ))));
             }
-            rq.push_back(RqEntry {
-                wr_id: wr.wr_id,
-                sges: SgeList::new(wr.sg_list),
-                total: wr.sg_list.iter().map(|s| u64::from(s.length)).sum(),
-            });
+            rq.push_back(RqEntry::new(wr));
             self.rq_posted += 1;
         }
         // Credits travel piggybacked on our messages; the peer's block is written when the
