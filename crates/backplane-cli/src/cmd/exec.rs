@@ -22,6 +22,13 @@ pub struct Args {
     /// found beside this executable) first on its library search path.
     #[arg(long)]
     verbs: bool,
+    /// Accelerate the program's TCP connections to other nodes' `bp0` addresses: preload
+    /// backplane's `libbackplane_sockets.so` (the `backplane-sockets` crate, found beside this
+    /// executable), which moves the byte stream of a connection whose other end is
+    /// accelerated too onto shared-memory rings. `BACKPLANE_ACCEL=0` turns it off;
+    /// `BACKPLANE_ACCEL_LOG=1` prints a line per connection.
+    #[arg(long)]
+    accel: bool,
     /// Node (slot) to run in.
     node: u32,
     /// The program and its arguments.
@@ -33,6 +40,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let name = &a.name.name;
     let fabric = Fabric::attach(name)?;
     fabric.node_info(a.node)?; // unknown node: a clear error
+    let accel = if a.accel {
+        Some(accel_env(name, &fabric)?)
+    } else {
+        None
+    };
     drop(fabric);
     let mut cmd = if net::has_netns(name, a.node) {
         let mut c = Command::new("ip");
@@ -54,6 +66,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             path.push(old);
         }
         cmd.env("LD_LIBRARY_PATH", path);
+    }
+    if let Some(env) = accel {
+        cmd.envs(env);
     }
     crate::sys::child_default_sigpipe(&mut cmd);
     let status = cmd
@@ -96,4 +111,54 @@ pub(crate) fn verbs_lib_dir(name: &str) -> anyhow::Result<std::path::PathBuf> {
             .with_context(|| format!("cannot link {} to {}", link.display(), lib.display()))?;
     }
     Ok(dir)
+}
+
+/// The environment `--accel` gives the program: the preload, the fabric's directory for the
+/// agreement's files (gone with `down`) and its IPv4 plan.
+fn accel_env(name: &str, fabric: &Fabric) -> anyhow::Result<Vec<(String, std::ffi::OsString)>> {
+    let exe = std::env::current_exe().context("cannot find the backplane executable")?;
+    let lib = exe.with_file_name("libbackplane_sockets.so");
+    if !lib.is_file() {
+        bail!(
+            "--accel needs {} (build it: cargo build -p backplane-sockets{})",
+            lib.display(),
+            if exe.parent().is_some_and(|d| d.ends_with("release")) {
+                " --release"
+            } else {
+                ""
+            }
+        );
+    }
+    let report = fabric.status()?;
+    let Some(first) = report.slots.first().and_then(|s| s.address.clone()) else {
+        bail!(
+            "--accel needs IP over the fabric, and fabric '{name}' was started with --no-net"
+        );
+    };
+    let (ip, prefix) = first
+        .split_once('/')
+        .with_context(|| format!("fabric '{name}' reports a bad address {first}"))?;
+    let ip: std::net::Ipv4Addr = ip
+        .parse()
+        .with_context(|| format!("fabric '{name}' reports a bad address {first}"))?;
+    let prefix: u32 = prefix
+        .parse()
+        .with_context(|| format!("fabric '{name}' reports a bad address {first}"))?;
+    let mask = u32::MAX.checked_shl(32 - prefix).unwrap_or(0);
+    let network = std::net::Ipv4Addr::from(u32::from(ip) & mask);
+    let dir = backplane::fabric::fabric_dir(name).join("accel");
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut preload = std::ffi::OsString::from(lib.as_os_str());
+    if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|p| !p.is_empty()) {
+        preload.push(":");
+        preload.push(old);
+    }
+    Ok(vec![
+        ("LD_PRELOAD".into(), preload),
+        ("BACKPLANE_ACCEL_DIR".into(), dir.into_os_string()),
+        (
+            "BACKPLANE_ACCEL_NET".into(),
+            format!("{network}/{prefix},{}", report.nodes).into(),
+        ),
+    ])
 }

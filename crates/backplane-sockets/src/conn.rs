@@ -1,0 +1,761 @@
+//! One accelerated connection: the byte stream over the segment's rings, the kernel's TCP
+//! socket kept beside it, and the wake-up socket pair that gives the program's descriptor its
+//! readiness.
+//!
+//! The program's descriptor is one end (`A`) of a Unix socket pair; we keep the other end
+//! (`B`), and the peer process holds a duplicate of our `B` (taken with `pidfd_getfd`). So:
+//!
+//! - *readable*: a byte queued on `A`. A consumer that finds its ring empty drains `A`, sets
+//!   its direction's `rx_wait` word, and looks again; a producer that publishes bytes and
+//!   takes `rx_wait` sends one byte into the consumer's `B`. Blocking reads sleep in `recv` on
+//!   `A` (so `SA_RESTART`, `EINTR` and `SO_RCVTIMEO` behave as the kernel's).
+//! - *writable*: `A`'s own send buffer has room. A producer that finds its ring full fills
+//!   `A`'s (tiny) send buffer, sets `tx_wait` and looks again; a consumer that frees room and
+//!   takes `tx_wait` drains the producer's `B`, which makes `A` writable again.
+//!
+//! `poll`, `select` and `epoll` therefore need no help: the kernel sees the readiness of a real
+//! socket. The TCP socket carries the first bytes of each direction until its producer sees
+//! the agreement complete (the *prefix*, whose length the producer publishes when it switches
+//! to the ring) and tells, by its end-of-file, that every process of the peer has closed or
+//! died: with the peer's `fin` set that is a clean end, without it a reset.
+
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, Ordering};
+use std::sync::Mutex;
+
+use libc::c_int;
+
+use crate::config::{self, stats};
+use crate::seg::{Corrupt, Dir, Role, Seg};
+use crate::sys::{self, Res};
+
+/// Everything needed to build a connection once the agreement's resources exist.
+pub struct Parts {
+    /// The mapped segment.
+    pub seg: Seg,
+    /// Our end.
+    pub role: Role,
+    /// The kernel's TCP socket (hidden descriptor).
+    pub tcp: c_int,
+    /// Our hidden duplicate of `A` (the program's descriptor).
+    pub a: c_int,
+    /// `B` (hidden).
+    pub b: c_int,
+    /// The peer's `B`, if already fetched.
+    pub peer_wake: Option<c_int>,
+    /// The offer file to remove if the connection ends unclaimed (client).
+    pub offer_path: Option<Vec<u8>>,
+    /// `O_NONBLOCK` of the program's descriptor.
+    pub nonblock: bool,
+    /// For log lines.
+    pub label: String,
+}
+
+struct RxState {
+    head: u64,
+    tcp_in: u64,
+    /// Bytes received not yet added to the node's counters.
+    unflushed: u64,
+}
+
+struct TxState {
+    tail: u64,
+    tcp_out: u64,
+    switched: bool,
+    /// Bytes sent not yet added to the node's counters.
+    unflushed: u64,
+}
+
+/// Counters are shared by every process of a node: add to them in batches.
+const FLUSH_BYTES: u64 = 64 << 20;
+
+fn add_bytes(unflushed: &mut u64, n: usize, idx: usize) {
+    *unflushed += n as u64;
+    if *unflushed >= FLUSH_BYTES {
+        config::count(idx, std::mem::take(unflushed));
+    }
+}
+
+/// A live or ended connection. Never freed (a descriptor table slot or another thread may
+/// still point at it); ending it releases its memory mapping and descriptors.
+pub struct Conn {
+    seg: Mutex<Option<Seg>>,
+    seg_fast: Seg,
+    role: Role,
+    tcp: c_int,
+    a: c_int,
+    b: c_int,
+    peer_wake: AtomicI32,
+    offer_path: Mutex<Option<Vec<u8>>>,
+    rx: Mutex<RxState>,
+    tx: Mutex<TxState>,
+    /// `O_NONBLOCK` of the program's descriptor, kept in step by `fcntl`/`ioctl`.
+    pub nonblock: AtomicBool,
+    /// Program descriptors (in this process) that name the connection.
+    pub refs: AtomicU32,
+    ended: AtomicBool,
+    /// The helper thread is using the descriptors; `end` waits for it.
+    pub helper_busy: AtomicBool,
+    rx_shut: AtomicBool,
+    tx_shut: AtomicBool,
+    /// The TCP connection reached end-of-file: every peer process closed or died.
+    pub peer_eof: AtomicBool,
+    /// A write to the kernel's socket found it full (before the switch); the helper drains
+    /// `B` when it becomes writable.
+    pub tcp_tx_blocked: AtomicBool,
+    corrupt: AtomicBool,
+    label: String,
+}
+
+const PEER_UNKNOWN: i32 = -1;
+const PEER_FAILED: i32 = -2;
+
+fn epipe(nosignal: bool) -> Res {
+    if !nosignal {
+        sys::raise_here(libc::SIGPIPE);
+    }
+    Err(libc::EPIPE)
+}
+
+/// A list of caller buffers, read or written in order.
+pub struct Bufs<'a> {
+    iov: &'a [libc::iovec],
+}
+
+impl<'a> Bufs<'a> {
+    /// Wraps the caller's iovecs.
+    ///
+    /// # Safety
+    /// Every iovec must describe memory valid for its length (for reads or writes as used).
+    pub unsafe fn new(iov: &'a [libc::iovec]) -> Self {
+        Bufs { iov }
+    }
+
+    /// Total bytes.
+    pub fn len(&self) -> usize {
+        self.iov
+            .iter()
+            .fold(0usize, |a, v| a.saturating_add(v.iov_len))
+    }
+
+    /// True when there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The contiguous piece starting at byte `at`: (pointer, length).
+    fn piece(&self, mut at: usize) -> (*mut u8, usize) {
+        for v in self.iov {
+            if at < v.iov_len {
+                // SAFETY: at < iov_len: inside the caller's buffer.
+                return (unsafe { (v.iov_base as *mut u8).add(at) }, v.iov_len - at);
+            }
+            at -= v.iov_len;
+        }
+        (std::ptr::null_mut(), 0)
+    }
+
+    /// Calls `f(ptr, len, offset_in_stream)` for bytes `at..at+n`, piece by piece.
+    fn each(&self, at: usize, n: usize, mut f: impl FnMut(*mut u8, usize, usize)) {
+        let mut done = 0;
+        while done < n {
+            let (p, len) = self.piece(at + done);
+            if len == 0 {
+                break;
+            }
+            let k = len.min(n - done);
+            f(p, k, done);
+            done += k;
+        }
+    }
+}
+
+impl Conn {
+    /// Builds a connection (leaked: see the type's comment).
+    pub fn new(p: Parts) -> &'static Conn {
+        // SAFETY: a second handle on the same mapping, used only while `seg` is Some (every
+        // use holds `rx` or `tx`, which `end` takes before unmapping).
+        let fast = unsafe { p.seg.alias() };
+        config::count(stats::CONNS, 1);
+        config::count(stats::OPEN, 1);
+        Box::leak(Box::new(Conn {
+            seg: Mutex::new(Some(p.seg)),
+            seg_fast: fast,
+            role: p.role,
+            tcp: p.tcp,
+            a: p.a,
+            b: p.b,
+            peer_wake: AtomicI32::new(p.peer_wake.unwrap_or(PEER_UNKNOWN)),
+            offer_path: Mutex::new(p.offer_path),
+            rx: Mutex::new(RxState {
+                head: 0,
+                tcp_in: 0,
+                unflushed: 0,
+            }),
+            tx: Mutex::new(TxState {
+                tail: 0,
+                tcp_out: 0,
+                switched: false,
+                unflushed: 0,
+            }),
+            nonblock: AtomicBool::new(p.nonblock),
+            refs: AtomicU32::new(1),
+            ended: AtomicBool::new(false),
+            helper_busy: AtomicBool::new(false),
+            rx_shut: AtomicBool::new(false),
+            tx_shut: AtomicBool::new(false),
+            peer_eof: AtomicBool::new(false),
+            tcp_tx_blocked: AtomicBool::new(false),
+            corrupt: AtomicBool::new(false),
+            label: p.label,
+        }))
+    }
+
+    /// The kernel's TCP socket: `getsockopt`, `getsockname` … go there.
+    pub fn tcp(&self) -> c_int {
+        self.tcp
+    }
+    /// Our end of the wake-up pair (the helper pokes it).
+    pub fn b(&self) -> c_int {
+        self.b
+    }
+    /// True once the connection ended in this process.
+    pub fn ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
+    }
+
+    fn corrupt(&self, got: usize) -> Res {
+        if !self.corrupt.swap(true, Ordering::AcqRel) {
+            config::count(stats::CORRUPT, 1);
+            config::log(format_args!(
+                "{}: ring memory corrupt, connection reset",
+                self.label
+            ));
+        }
+        if got > 0 {
+            Ok(got)
+        } else {
+            Err(libc::ECONNRESET)
+        }
+    }
+
+    /// The peer's wake-up socket, fetched from the peer process the first time.
+    fn peer_wake(&self) -> Option<c_int> {
+        let w = self.peer_wake.load(Ordering::Acquire);
+        if w >= 0 {
+            return Some(w);
+        }
+        if w == PEER_FAILED {
+            return None;
+        }
+        let (pid, fd, ino) = self.seg_fast.claimed()?;
+        let got = crate::setup::fetch_fd(pid, fd, ino);
+        match got {
+            Some(fd) => {
+                if self
+                    .peer_wake
+                    .compare_exchange(PEER_UNKNOWN, fd, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+                {
+                    let _ = sys::close(fd);
+                }
+                let w = self.peer_wake.load(Ordering::Acquire);
+                (w >= 0).then_some(w)
+            }
+            None => {
+                self.peer_wake.store(PEER_FAILED, Ordering::Release);
+                None
+            }
+        }
+    }
+
+    fn wake_reader(&self, d: &Dir<'_>) {
+        if d.take_rx_wait() {
+            if let Some(w) = self.peer_wake() {
+                sys::poke(w);
+            }
+        }
+    }
+
+    fn wake_writer(&self, d: &Dir<'_>) {
+        if d.take_tx_wait() {
+            if let Some(w) = self.peer_wake() {
+                sys::drain(w);
+            }
+        }
+    }
+
+    /// True when the TCP connection says the peer is gone (checked without blocking).
+    fn tcp_eof(&self) -> bool {
+        if self.peer_eof.load(Ordering::Acquire) {
+            return true;
+        }
+        let mut b = 0u8;
+        let r = sys::recvfrom(
+            self.tcp,
+            &mut b as *mut u8 as *mut libc::c_void,
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
+        let eof = matches!(r, Ok(0) | Err(libc::ECONNRESET | libc::EPIPE | libc::ENOTCONN));
+        if eof {
+            self.peer_eof.store(true, Ordering::Release);
+        }
+        eof
+    }
+
+    /// Every peer process closed or died (seen on the TCP connection), and not because the
+    /// peer only shut down its side of the kernel's TCP.
+    fn peer_gone(&self) -> bool {
+        self.peer_eof.load(Ordering::Acquire) && !self.seg_fast.dir(self.role, false).tcp_fin()
+    }
+
+    fn spin_until(&self, mut ready: impl FnMut() -> bool) -> bool {
+        let Some(cfg) = config::get() else {
+            return ready();
+        };
+        if cfg.spin_ns == 0 {
+            return ready();
+        }
+        let start = now_ns();
+        loop {
+            for _ in 0..64 {
+                if ready() {
+                    return true;
+                }
+                std::hint::spin_loop();
+            }
+            if now_ns().saturating_sub(start) > cfg.spin_ns {
+                return ready();
+            }
+        }
+    }
+
+    /// `recv`/`read`/`recvmsg` on the connection.
+    pub fn recv(&self, bufs: &Bufs<'_>, flags: c_int) -> Res {
+        if self.ended() {
+            return Err(libc::EBADF);
+        }
+        if flags & libc::MSG_OOB != 0 {
+            return Err(libc::EINVAL);
+        }
+        if flags & libc::MSG_ERRQUEUE != 0 {
+            return Err(libc::EAGAIN);
+        }
+        let want = bufs.len();
+        if want == 0 {
+            return Ok(0);
+        }
+        let peek = flags & libc::MSG_PEEK != 0;
+        let dontwait = flags & libc::MSG_DONTWAIT != 0 || self.nonblock.load(Ordering::Relaxed);
+        let waitall = flags & libc::MSG_WAITALL != 0 && !peek && !dontwait;
+        let mut st = self.rx.lock().unwrap_or_else(|e| e.into_inner());
+        if self.ended() {
+            return Err(libc::EBADF);
+        }
+        let d = self.seg_fast.dir(self.role, false);
+        let mut got = 0usize;
+        let mut armed = false;
+        let mut spun = false;
+        let result = loop {
+            if self.rx_shut.load(Ordering::Acquire) {
+                break Ok(got);
+            }
+            let mut progressed = false;
+            // Where the next byte is: on TCP until the peer switched and its prefix is read.
+            let tcp_left = match d.switched() {
+                None => Some(usize::MAX),
+                Some(p) => {
+                    let left = p.wrapping_sub(st.tcp_in);
+                    if left > (1 << 48) {
+                        break self.corrupt(got);
+                    }
+                    (left > 0).then_some(left as usize)
+                }
+            };
+            if let Some(limit) = tcp_left {
+                let (ptr, len) = bufs.piece(got);
+                let n = len.min(limit);
+                let fl = libc::MSG_DONTWAIT | if peek { libc::MSG_PEEK } else { 0 };
+                match sys::recvfrom(
+                    self.tcp,
+                    ptr as *mut libc::c_void,
+                    n,
+                    fl,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                ) {
+                    Ok(0) => {
+                        if d.switched().is_some() && tcp_left != Some(usize::MAX) {
+                            // The peer went away in the middle of its prefix.
+                            break if got > 0 { Ok(got) } else { Err(libc::ECONNRESET) };
+                        }
+                        if d.switched().is_some() {
+                            continue;
+                        }
+                        // The peer never switched and closed: the kernel's own end-of-file.
+                        break Ok(got);
+                    }
+                    Ok(k) => {
+                        if !peek {
+                            st.tcp_in += k as u64;
+                        }
+                        got += k;
+                        progressed = true;
+                    }
+                    Err(libc::EAGAIN) => {}
+                    Err(e) => break if got > 0 { Ok(got) } else { Err(e) },
+                }
+            } else {
+                match d.readable(st.head) {
+                    Err(Corrupt) => break self.corrupt(got),
+                    Ok(0) => {}
+                    Ok(avail) => {
+                        let n = avail.min(want - got);
+                        let head = st.head;
+                        bufs.each(got, n, |p, k, off| {
+                            // SAFETY: p is valid for k bytes (caller's buffer); off + k <= n
+                            // <= avail readable bytes.
+                            unsafe { d.copy_out(head + off as u64, p, k) }
+                        });
+                        if !peek {
+                            st.head += n as u64;
+                            d.consume(st.head);
+                            self.wake_writer(&d);
+                        }
+                        got += n;
+                        progressed = true;
+                    }
+                }
+                if !progressed && d.fin() && d.readable(st.head) == Ok(0) {
+                    break Ok(got);
+                }
+            }
+            if progressed {
+                if peek || !waitall || got == want {
+                    break Ok(got);
+                }
+                continue;
+            }
+            if got > 0 && !waitall {
+                break Ok(got);
+            }
+            if tcp_left.is_none() && !dontwait && !spun {
+                spun = true;
+                if self.spin_until(|| d.readable(st.head) != Ok(0) || d.fin()) {
+                    continue;
+                }
+            }
+            if !armed {
+                sys::drain(self.a);
+                d.arm_rx();
+                armed = true;
+                if tcp_left.is_none() && self.tcp_eof() && d.readable(st.head) == Ok(0) {
+                    if d.fin() {
+                        continue;
+                    }
+                    // Every peer process closed or died. Like the kernel: end-of-file, or a
+                    // reset if it left bytes of ours unread.
+                    let unread = self.seg_fast.dir(self.role, true).pending() > 0;
+                    break if got > 0 {
+                        Ok(got)
+                    } else if unread {
+                        Err(libc::ECONNRESET)
+                    } else {
+                        Ok(0)
+                    };
+                }
+                continue;
+            }
+            if dontwait {
+                break if got > 0 { Ok(got) } else { Err(libc::EAGAIN) };
+            }
+            let mut tok = 0u8;
+            match sys::recvfrom(
+                self.a,
+                &mut tok as *mut u8 as *mut libc::c_void,
+                1,
+                0,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            ) {
+                Ok(_) => {
+                    armed = false;
+                    if self.ended() {
+                        break Err(libc::EBADF);
+                    }
+                }
+                Err(e) => break if got > 0 { Ok(got) } else { Err(e) },
+            }
+        };
+        if armed && result.as_ref().is_ok_and(|&n| n > 0) {
+            // We asked to be woken and then found bytes ourselves: if nobody took the request,
+            // no wake-up byte is queued, so queue one if bytes are left for the next call.
+            if d.take_rx_wait() && d.readable(st.head).is_ok_and(|n| n > 0) {
+                sys::poke(self.b);
+            }
+        }
+        if let Ok(n) = result {
+            if !peek {
+                add_bytes(&mut st.unflushed, n, stats::RX_BYTES);
+            }
+        }
+        result
+    }
+
+    fn claimed(&self) -> bool {
+        self.role == Role::Server || self.seg_fast.claimed().is_some()
+    }
+
+    /// `send`/`write`/`sendmsg` on the connection.
+    pub fn send(&self, bufs: &Bufs<'_>, iov: &[libc::iovec], flags: c_int) -> Res {
+        if self.ended() {
+            return Err(libc::EBADF);
+        }
+        let nosig = flags & libc::MSG_NOSIGNAL != 0;
+        if flags & libc::MSG_OOB != 0 {
+            return Err(libc::EOPNOTSUPP);
+        }
+        let want = bufs.len();
+        let dontwait = flags & libc::MSG_DONTWAIT != 0 || self.nonblock.load(Ordering::Relaxed);
+        let mut st = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        if self.ended() {
+            return Err(libc::EBADF);
+        }
+        if self.tx_shut.load(Ordering::Acquire) {
+            return epipe(nosig);
+        }
+        if want == 0 {
+            return Ok(0);
+        }
+        let d = self.seg_fast.dir(self.role, true);
+        if !st.switched {
+            if self.claimed() && self.peer_wake().is_some() {
+                d.switch(st.tcp_out);
+                st.switched = true;
+                if let Some(p) = self.offer_path.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    let _ = sys::unlink(&p);
+                }
+            } else {
+                // Not agreed (yet): the kernel's TCP, exactly as without us.
+                let msg = libc::msghdr {
+                    msg_name: std::ptr::null_mut(),
+                    msg_namelen: 0,
+                    msg_iov: iov.as_ptr() as *mut libc::iovec,
+                    msg_iovlen: iov.len(),
+                    msg_control: std::ptr::null_mut(),
+                    msg_controllen: 0,
+                    msg_flags: 0,
+                };
+                let fl = (flags & !libc::MSG_DONTWAIT)
+                    | libc::MSG_NOSIGNAL
+                    | if dontwait { libc::MSG_DONTWAIT } else { 0 };
+                return match sys::sendmsg(self.tcp, &msg, fl) {
+                    Ok(n) => {
+                        st.tcp_out += n as u64;
+                        Ok(n)
+                    }
+                    Err(libc::EPIPE) => epipe(nosig),
+                    Err(libc::EAGAIN) => {
+                        self.tcp_tx_blocked.store(true, Ordering::SeqCst);
+                        fill(self.a);
+                        Err(libc::EAGAIN)
+                    }
+                    Err(e) => Err(e),
+                };
+            }
+        }
+        let mut sent = 0usize;
+        let mut armed = false;
+        let mut spun = false;
+        let result = loop {
+            if self.peer_gone() {
+                break if sent > 0 { Ok(sent) } else { epipe(nosig) };
+            }
+            match d.free(st.tail) {
+                Err(Corrupt) => break self.corrupt(sent),
+                Ok(0) => {}
+                Ok(free) => {
+                    let n = free.min(want - sent);
+                    let tail = st.tail;
+                    bufs.each(sent, n, |p, k, off| {
+                        // SAFETY: p is valid for k bytes of reads (caller's buffer); the ring
+                        // has `free` >= n bytes at tail.
+                        unsafe { d.copy_in(tail + off as u64, p, k) }
+                    });
+                    st.tail += n as u64;
+                    d.publish(st.tail);
+                    self.wake_reader(&d);
+                    sent += n;
+                    if sent == want {
+                        break Ok(sent);
+                    }
+                    continue;
+                }
+            }
+            if !dontwait && !spun {
+                spun = true;
+                if self.spin_until(|| d.free(st.tail) != Ok(0)) {
+                    continue;
+                }
+            }
+            if !armed {
+                fill(self.a);
+                d.arm_tx();
+                armed = true;
+                self.tcp_eof();
+                continue;
+            }
+            if dontwait {
+                break if sent > 0 { Ok(sent) } else { Err(libc::EAGAIN) };
+            }
+            let tok = 0u8;
+            match sys::sendto(
+                self.a,
+                &tok as *const u8 as *const libc::c_void,
+                1,
+                libc::MSG_NOSIGNAL,
+                std::ptr::null(),
+                0,
+            ) {
+                Ok(_) => {
+                    armed = false;
+                    if self.ended() {
+                        break Err(libc::EBADF);
+                    }
+                }
+                Err(e) => break if sent > 0 { Ok(sent) } else { Err(e) },
+            }
+        };
+        if armed && d.take_tx_wait() {
+            // We asked to be woken and nobody took the request: undo the fill ourselves, or
+            // the descriptor stays unwritable with room in the ring.
+            sys::drain(self.b);
+        }
+        if let Ok(n) = result {
+            add_bytes(&mut st.unflushed, n, stats::TX_BYTES);
+        }
+        result
+    }
+
+    /// Bytes a `read` would return now (`FIONREAD`).
+    pub fn readable(&self) -> usize {
+        let st = self.rx.lock().unwrap_or_else(|e| e.into_inner());
+        if self.ended() {
+            return 0;
+        }
+        let d = self.seg_fast.dir(self.role, false);
+        let ring = d.readable(st.head).unwrap_or(0);
+        let tcp = match d.switched() {
+            Some(p) if p <= st.tcp_in => 0,
+            _ => {
+                let mut n: c_int = 0;
+                let _ = sys::ioctl(self.tcp, libc::FIONREAD, &mut n as *mut c_int as usize);
+                n.max(0) as usize
+            }
+        };
+        ring + tcp
+    }
+
+    /// `shutdown(how)`.
+    pub fn shutdown(&self, how: c_int) -> Res {
+        if self.ended() {
+            return Err(libc::EBADF);
+        }
+        if !matches!(how, libc::SHUT_RD | libc::SHUT_WR | libc::SHUT_RDWR) {
+            return Err(libc::EINVAL);
+        }
+        if how != libc::SHUT_WR {
+            self.rx_shut.store(true, Ordering::Release);
+            sys::poke(self.b);
+        }
+        if how != libc::SHUT_RD {
+            let mut st = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+            if self.ended() {
+                return Err(libc::EBADF);
+            }
+            self.tx_shut.store(true, Ordering::Release);
+            let d = self.seg_fast.dir(self.role, true);
+            if !st.switched && self.claimed() && self.peer_wake().is_some() {
+                d.switch(st.tcp_out);
+                st.switched = true;
+            }
+            if st.switched {
+                d.set_fin();
+                if let Some(w) = self.peer_wake() {
+                    sys::poke(w);
+                }
+            } else {
+                // Still on the kernel's TCP: its own FIN says it (and the flag tells the peer
+                // that this end-of-file is a half-close).
+                d.set_tcp_fin();
+                let _ = sys::shutdown(self.tcp, libc::SHUT_WR);
+            }
+        }
+        Ok(0)
+    }
+
+    /// The last program descriptor in this process closed: wake every sleeper, release
+    /// everything. No fin is written: the peer learns that every process of ours closed from
+    /// the TCP connection's end-of-file (a fork's copies keep it open), as the kernel's TCP.
+    pub fn end(&self) {
+        if self.ended.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Wake our own threads sleeping in recv/send on A; they see `ended` and leave.
+        sys::poke(self.b);
+        sys::drain(self.b);
+        let mut rx = self.rx.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        while self.helper_busy.load(Ordering::SeqCst) {
+            std::hint::spin_loop();
+        }
+        let mut seg = self.seg.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = seg.as_mut() {
+            // SAFETY: every user of the mapping holds rx or tx (held here) and checks
+            // `ended` (set) first; `seg_fast` is never used after this.
+            unsafe { s.unmap() };
+        }
+        *seg = None;
+        config::count(stats::RX_BYTES, std::mem::take(&mut rx.unflushed));
+        config::count(stats::TX_BYTES, std::mem::take(&mut tx.unflushed));
+        config::uncount(stats::OPEN);
+        if let Some(p) = self.offer_path.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = sys::unlink(&p);
+        }
+        let w = self.peer_wake.swap(PEER_FAILED, Ordering::AcqRel);
+        for fd in [self.tcp, self.a, self.b, w] {
+            if fd >= 0 {
+                crate::setup::close_hidden(fd);
+            }
+        }
+        config::log(format_args!("{}: closed", self.label));
+    }
+}
+
+/// Makes `a` unwritable: fills its (small) send buffer toward `B`.
+fn fill(a: c_int) {
+    let junk = [0u8; 2048];
+    while sys::sendto(
+        a,
+        junk.as_ptr() as *const libc::c_void,
+        junk.len(),
+        libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+        std::ptr::null(),
+        0,
+    )
+    .is_ok()
+    {}
+}
+
+/// CLOCK_MONOTONIC in nanoseconds (vDSO, no system call).
+pub fn now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into ts.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

@@ -1,0 +1,890 @@
+//! Socket acceleration: `libbackplane_sockets.so`, loaded into unmodified programs through
+//! `LD_PRELOAD` by `backplane exec --accel NODE -- CMD`.
+//!
+//! A TCP connection between two fabric nodes is made by the kernel, over `bp0`, exactly as
+//! without the library (ports, `accept`, addresses, errors are the kernel's). When both ends
+//! run with the library, they agree out of band (see [`setup`]) to carry the byte stream on a
+//! pair of shared-memory rings instead (see [`conn`], [`seg`]); the kernel's connection stays
+//! open beside it for the socket's options and names and to tell when the peer is gone. Any
+//! other descriptor, and any connection that does not agree, passes straight to the kernel.
+//!
+//! The library exports the socket and descriptor calls a program makes (`read`, `send`,
+//! `close`, `dup2`, `fcntl` …). For a descriptor that is not an accelerated connection each is
+//! one table look-up and the system call itself ([`sys`]: no `dlsym`, no recursion, nothing
+//! that needs libc to be initialised). `poll`, `select` and `epoll` are not wrapped at all:
+//! an accelerated descriptor is a real socket whose readiness the library keeps true.
+
+#![allow(clippy::missing_safety_doc)] // the exported functions are libc's, documented there.
+
+pub mod config;
+pub mod conn;
+pub mod seg;
+pub mod setup;
+pub mod sys;
+
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, Ordering};
+use std::sync::Mutex;
+
+use libc::{c_int, c_ulong, c_void, iovec, size_t, sockaddr, socklen_t, ssize_t};
+
+use conn::{Bufs, Conn};
+
+/// Descriptors the table covers; a connection on a higher number stays the kernel's.
+pub const MAX_FD: usize = 1 << 16;
+
+static TABLE: [AtomicPtr<Conn>; MAX_FD] = [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_FD];
+static HIDDEN: [AtomicBool; MAX_FD] = [const { AtomicBool::new(false) }; MAX_FD];
+/// Listening sockets we registered: (descriptor, hidden lock file descriptor).
+static LISTENERS: Mutex<Vec<(c_int, c_int)>> = Mutex::new(Vec::new());
+
+fn conn_of(fd: c_int) -> Option<&'static Conn> {
+    let p = TABLE.get(usize::try_from(fd).ok()?)?.load(Ordering::Acquire);
+    // SAFETY: table entries point at leaked, never-freed connections.
+    (!p.is_null()).then(|| unsafe { &*p })
+}
+
+/// True when `fd` can hold a connection (in range, none there yet).
+pub fn slot_free(fd: c_int) -> bool {
+    usize::try_from(fd)
+        .ok()
+        .and_then(|i| TABLE.get(i))
+        .is_some_and(|s| s.load(Ordering::Acquire).is_null())
+}
+
+/// Marks `fd` as one of the library's own descriptors (or not any more).
+pub fn mark_hidden(fd: c_int, on: bool) {
+    if let Some(h) = usize::try_from(fd).ok().and_then(|i| HIDDEN.get(i)) {
+        h.store(on, Ordering::Release);
+    }
+}
+
+fn is_hidden(fd: c_int) -> bool {
+    usize::try_from(fd)
+        .ok()
+        .and_then(|i| HIDDEN.get(i))
+        .is_some_and(|h| h.load(Ordering::Acquire))
+}
+
+/// Puts a new connection at the program's descriptor `fd` and starts watching it.
+pub fn install(fd: c_int, c: &'static Conn) {
+    if let Some(s) = usize::try_from(fd).ok().and_then(|i| TABLE.get(i)) {
+        s.store(c as *const Conn as *mut Conn, Ordering::Release);
+    }
+    helper::watch(c);
+}
+
+/// One more program descriptor names `c`.
+fn add_ref(fd: c_int, c: &'static Conn) {
+    c.refs.fetch_add(1, Ordering::AcqRel);
+    if let Some(s) = usize::try_from(fd).ok().and_then(|i| TABLE.get(i)) {
+        s.store(c as *const Conn as *mut Conn, Ordering::Release);
+    }
+}
+
+/// Descriptor `fd` no longer names what it named: drop the connection's reference (ending it
+/// on the last) and a listener's registration.
+fn forget(fd: c_int) {
+    if let Some(s) = usize::try_from(fd).ok().and_then(|i| TABLE.get(i)) {
+        let p = s.swap(std::ptr::null_mut(), Ordering::AcqRel);
+        if !p.is_null() {
+            // SAFETY: table entries point at leaked, never-freed connections.
+            let c = unsafe { &*p };
+            if c.refs.fetch_sub(1, Ordering::AcqRel) == 1 {
+                c.end();
+            }
+        }
+    }
+    let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = l.iter().position(|&(f, _)| f == fd) {
+        let (_, lock) = l.swap_remove(i);
+        setup::close_hidden(lock);
+    }
+}
+
+fn iov1(buf: *const c_void, len: usize) -> [iovec; 1] {
+    [iovec {
+        iov_base: buf as *mut c_void,
+        iov_len: len,
+    }]
+}
+
+fn iov_slice<'a>(iov: *const iovec, cnt: c_int) -> Result<&'a [iovec], c_int> {
+    if !(0..=libc::UIO_MAXIOV).contains(&cnt) {
+        return Err(libc::EINVAL);
+    }
+    if cnt == 0 {
+        return Ok(&[]);
+    }
+    if iov.is_null() {
+        return Err(libc::EFAULT);
+    }
+    // SAFETY: the caller passed cnt iovecs at iov (as readv/writev require).
+    Ok(unsafe { std::slice::from_raw_parts(iov, cnt as usize) })
+}
+
+fn recv_on(c: &Conn, iov: &[iovec], flags: c_int) -> ssize_t {
+    // SAFETY: the iovecs are the caller's buffers, valid for writing (as recv requires).
+    let b = unsafe { Bufs::new(iov) };
+    sys::to_c(c.recv(&b, flags))
+}
+
+fn send_on(c: &Conn, iov: &[iovec], flags: c_int) -> ssize_t {
+    // SAFETY: the iovecs are the caller's buffers, valid for reading (as send requires).
+    let b = unsafe { Bufs::new(iov) };
+    sys::to_c(c.send(&b, iov, flags))
+}
+
+// ---- data calls ----
+
+#[no_mangle]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
+    match conn_of(fd) {
+        Some(c) => recv_on(c, &iov1(buf, n), 0),
+        None => sys::to_c(sys::read(fd, buf, n)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t {
+    if n > buflen {
+        // SAFETY: the fortify failure handler (as glibc's own __read_chk calls).
+        unsafe { __chk_fail() };
+    }
+    // SAFETY: as read.
+    unsafe { read(fd, buf, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
+    match conn_of(fd) {
+        Some(c) => send_on(c, &iov1(buf, n), 0),
+        None => sys::to_c(sys::write(fd, buf, n)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
+    match conn_of(fd) {
+        Some(c) => match iov_slice(iov, cnt) {
+            Ok(v) => recv_on(c, v, 0),
+            Err(e) => sys::to_c(Err(e)),
+        },
+        None => sys::to_c(sys::readv(fd, iov, cnt)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, cnt: c_int) -> ssize_t {
+    match conn_of(fd) {
+        Some(c) => match iov_slice(iov, cnt) {
+            Ok(v) => send_on(c, v, 0),
+            Err(e) => sys::to_c(Err(e)),
+        },
+        None => sys::to_c(sys::writev(fd, iov, cnt)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
+    match conn_of(fd) {
+        Some(c) => recv_on(c, &iov1(buf, n), flags),
+        None => sys::to_c(sys::recvfrom(
+            fd,
+            buf,
+            n,
+            flags,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recv_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+) -> ssize_t {
+    if n > buflen {
+        // SAFETY: the fortify failure handler.
+        unsafe { __chk_fail() };
+    }
+    // SAFETY: as recv.
+    unsafe { recv(fd, buf, n, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    alen: *mut socklen_t,
+) -> ssize_t {
+    match conn_of(fd) {
+        Some(c) => {
+            if !addr.is_null() && !alen.is_null() {
+                // A connected TCP socket reports no address (as Linux does).
+                // SAFETY: alen is the caller's, valid when non-null.
+                unsafe { *alen = 0 };
+            }
+            recv_on(c, &iov1(buf, n), flags)
+        }
+        None => sys::to_c(sys::recvfrom(fd, buf, n, flags, addr, alen)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recvfrom_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+    addr: *mut sockaddr,
+    alen: *mut socklen_t,
+) -> ssize_t {
+    if n > buflen {
+        // SAFETY: the fortify failure handler.
+        unsafe { __chk_fail() };
+    }
+    // SAFETY: as recvfrom.
+    unsafe { recvfrom(fd, buf, n, flags, addr, alen) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
+    match conn_of(fd) {
+        Some(c) => send_on(c, &iov1(buf, n), flags),
+        None => sys::to_c(sys::sendto(fd, buf, n, flags, std::ptr::null(), 0)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    n: size_t,
+    flags: c_int,
+    addr: *const sockaddr,
+    alen: socklen_t,
+) -> ssize_t {
+    match conn_of(fd) {
+        // A connected TCP socket ignores the address (as Linux does).
+        Some(c) => send_on(c, &iov1(buf, n), flags),
+        None => sys::to_c(sys::sendto(fd, buf, n, flags, addr, alen)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut libc::msghdr, flags: c_int) -> ssize_t {
+    match conn_of(fd) {
+        Some(c) => {
+            if msg.is_null() {
+                return sys::to_c(Err(libc::EFAULT));
+            }
+            // SAFETY: msg is the caller's msghdr, valid when non-null.
+            let m = unsafe { &mut *msg };
+            let cnt = c_int::try_from(m.msg_iovlen).unwrap_or(-1);
+            let r = match iov_slice(m.msg_iov, cnt) {
+                Ok(v) => recv_on(c, v, flags),
+                Err(e) => return sys::to_c(Err(e)),
+            };
+            if r >= 0 {
+                m.msg_namelen = 0;
+                m.msg_controllen = 0;
+                m.msg_flags = 0;
+            }
+            r
+        }
+        None => sys::to_c(sys::recvmsg(fd, msg, flags)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const libc::msghdr, flags: c_int) -> ssize_t {
+    match conn_of(fd) {
+        Some(c) => {
+            if msg.is_null() {
+                return sys::to_c(Err(libc::EFAULT));
+            }
+            // SAFETY: msg is the caller's msghdr, valid when non-null.
+            let m = unsafe { &*msg };
+            let cnt = c_int::try_from(m.msg_iovlen).unwrap_or(-1);
+            match iov_slice(m.msg_iov, cnt) {
+                Ok(v) => send_on(c, v, flags),
+                Err(e) => sys::to_c(Err(e)),
+            }
+        }
+        None => sys::to_c(sys::sendmsg(fd, msg, flags)),
+    }
+}
+
+// ---- connection set-up ----
+
+#[no_mangle]
+pub unsafe extern "C" fn connect(fd: c_int, addr: *const sockaddr, alen: socklen_t) -> c_int {
+    if conn_of(fd).is_some() {
+        return sys::to_c(Err(libc::EISCONN)) as c_int;
+    }
+    // SAFETY: addr valid for alen (the caller's, as connect requires).
+    unsafe { setup::connect(fd, addr, alen) as c_int }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept4(
+    fd: c_int,
+    addr: *mut sockaddr,
+    alen: *mut socklen_t,
+    flags: c_int,
+) -> c_int {
+    if conn_of(fd).is_some() {
+        return sys::to_c(Err(libc::EINVAL)) as c_int;
+    }
+    // SAFETY: as accept4(2), the caller's pointers.
+    unsafe { setup::accept(fd, addr, alen, flags) as c_int }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, alen: *mut socklen_t) -> c_int {
+    // SAFETY: as accept4.
+    unsafe { accept4(fd, addr, alen, 0) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    if let Err(e) = sys::listen(fd, backlog) {
+        return sys::to_c(Err(e)) as c_int;
+    }
+    let known = LISTENERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .any(|&(f, _)| f == fd);
+    if !known {
+        if let Some(lock) = setup::register_listener(fd) {
+            LISTENERS
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((fd, lock));
+        }
+    }
+    0
+}
+
+// ---- descriptors ----
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    if is_hidden(fd) {
+        // Not the program's: it never got this number from us.
+        return sys::to_c(Err(libc::EBADF)) as c_int;
+    }
+    forget(fd);
+    sys::to_c(sys::close(fd)) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close_range(first: u32, last: u32, flags: c_int) -> c_int {
+    if flags & libc::CLOSE_RANGE_CLOEXEC as c_int != 0 {
+        return sys::to_c(sys::close_range(first, last, flags as u32)) as c_int;
+    }
+    if first > last {
+        return sys::to_c(Err(libc::EINVAL)) as c_int;
+    }
+    let top = (last as usize).min(MAX_FD - 1);
+    let mut start = first as usize;
+    let mut i = first as usize;
+    // Close the program's descriptors in runs that skip the library's own.
+    while i <= top {
+        if HIDDEN[i].load(Ordering::Acquire) {
+            if start < i {
+                close_run(start, i - 1, flags);
+            }
+            start = i + 1;
+        }
+        i += 1;
+    }
+    if start <= top {
+        close_run(start, top, flags);
+    }
+    if last as usize >= MAX_FD {
+        let from = (MAX_FD as u32).max(first);
+        return sys::to_c(sys::close_range(from, last, flags as u32)) as c_int;
+    }
+    0
+}
+
+fn close_run(a: usize, b: usize, flags: c_int) {
+    for fd in a..=b {
+        if !TABLE[fd].load(Ordering::Acquire).is_null() {
+            forget(fd as c_int);
+        }
+    }
+    {
+        let l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+        let hit: Vec<c_int> = l
+            .iter()
+            .map(|&(f, _)| f)
+            .filter(|&f| (a..=b).contains(&(f as usize)))
+            .collect();
+        drop(l);
+        for f in hit {
+            forget(f);
+        }
+    }
+    let _ = sys::close_range(a as u32, b as u32, flags as u32);
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn closefrom(low: c_int) {
+    // SAFETY: close_range has no pointer arguments.
+    unsafe { close_range(low.max(0) as u32, u32::MAX, 0) };
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
+    match conn_of(fd) {
+        Some(c) => sys::to_c(c.shutdown(how)) as c_int,
+        None => sys::to_c(sys::shutdown(fd, how)) as c_int,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    if is_hidden(fd) {
+        return sys::to_c(Err(libc::EBADF)) as c_int;
+    }
+    let r = sys::dup(fd);
+    if let (Ok(n), Some(c)) = (r, conn_of(fd)) {
+        add_ref(n as c_int, c);
+    }
+    sys::to_c(r) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int {
+    if is_hidden(old) || is_hidden(new) {
+        return sys::to_c(Err(libc::EBADF)) as c_int;
+    }
+    if old == new {
+        return sys::to_c(Err(libc::EINVAL)) as c_int;
+    }
+    let r = sys::dup3(old, new, flags);
+    if r.is_ok() {
+        forget(new);
+        if let Some(c) = conn_of(old) {
+            add_ref(new, c);
+        }
+    }
+    sys::to_c(r) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
+    if old == new {
+        if is_hidden(old) {
+            return sys::to_c(Err(libc::EBADF)) as c_int;
+        }
+        return match sys::fcntl(old, libc::F_GETFD, 0) {
+            Ok(_) => new,
+            Err(e) => sys::to_c(Err(e)) as c_int,
+        };
+    }
+    // SAFETY: no pointers.
+    unsafe { dup3(old, new, 0) }
+}
+
+fn fcntl_impl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    if is_hidden(fd) {
+        return sys::to_c(Err(libc::EBADF)) as c_int;
+    }
+    let r = sys::fcntl(fd, cmd, arg);
+    if let Some(c) = conn_of(fd) {
+        match (cmd, r) {
+            (libc::F_DUPFD | libc::F_DUPFD_CLOEXEC, Ok(n)) => add_ref(n as c_int, c),
+            (libc::F_SETFL, Ok(_)) => c
+                .nonblock
+                .store(arg & libc::O_NONBLOCK as usize != 0, Ordering::Relaxed),
+            _ => {}
+        }
+    }
+    sys::to_c(r) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    fcntl_impl(fd, cmd, arg)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: usize) -> c_int {
+    fcntl_impl(fd, cmd, arg)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
+    if let Some(c) = conn_of(fd) {
+        match req {
+            libc::FIONREAD => {
+                if arg == 0 {
+                    return sys::to_c(Err(libc::EFAULT)) as c_int;
+                }
+                let n = c.readable().min(c_int::MAX as usize) as c_int;
+                // SAFETY: FIONREAD's argument is an int* (the caller's).
+                unsafe { *(arg as *mut c_int) = n };
+                return 0;
+            }
+            libc::FIONBIO => {
+                let r = sys::ioctl(fd, req, arg);
+                if r.is_ok() && arg != 0 {
+                    // SAFETY: FIONBIO's argument is an int* (the caller's).
+                    let on = unsafe { *(arg as *const c_int) } != 0;
+                    c.nonblock.store(on, Ordering::Relaxed);
+                }
+                return sys::to_c(r) as c_int;
+            }
+            libc::TIOCOUTQ => {
+                if arg == 0 {
+                    return sys::to_c(Err(libc::EFAULT)) as c_int;
+                }
+                // SAFETY: SIOCOUTQ's argument is an int* (the caller's).
+                unsafe { *(arg as *mut c_int) = 0 };
+                return 0;
+            }
+            _ => return sys::to_c(sys::ioctl(c.tcp(), req, arg)) as c_int,
+        }
+    }
+    if is_hidden(fd) {
+        return sys::to_c(Err(libc::EBADF)) as c_int;
+    }
+    sys::to_c(sys::ioctl(fd, req, arg)) as c_int
+}
+
+// ---- socket names and options: the kernel's TCP socket answers ----
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, alen: *mut socklen_t) -> c_int {
+    let fd = conn_of(fd).map_or(fd, |c| c.tcp());
+    sys::to_c(sys::getsockname(fd, addr, alen)) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, alen: *mut socklen_t) -> c_int {
+    let fd = conn_of(fd).map_or(fd, |c| c.tcp());
+    sys::to_c(sys::getpeername(fd, addr, alen)) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    let fd = conn_of(fd).map_or(fd, |c| c.tcp());
+    sys::to_c(sys::getsockopt(fd, level, name, val, len)) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    if let Some(c) = conn_of(fd) {
+        let r = sys::setsockopt(c.tcp(), level, name, val, len);
+        if r.is_ok()
+            && level == libc::SOL_SOCKET
+            && matches!(name, libc::SO_RCVTIMEO | libc::SO_SNDTIMEO)
+        {
+            // Blocking waits sleep on the program's descriptor: give it the same timeout.
+            let _ = sys::setsockopt(fd, level, name, val, len);
+        }
+        return sys::to_c(r) as c_int;
+    }
+    sys::to_c(sys::setsockopt(fd, level, name, val, len)) as c_int
+}
+
+// ---- sendfile / splice: correct through a copy loop ----
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut libc::off_t, count: size_t) -> ssize_t {
+    if conn_of(out).is_none() && conn_of(inp).is_none() {
+        return sys::to_c(sys::sendfile(out, inp, off, count));
+    }
+    let mut buf = vec![0u8; 256 << 10];
+    let mut done = 0usize;
+    while done < count {
+        let want = (count - done).min(buf.len());
+        let n = if off.is_null() {
+            // SAFETY: buf is ours, want <= its length.
+            unsafe { read(inp, buf.as_mut_ptr() as *mut c_void, want) }
+        } else {
+            // SAFETY: off is the caller's offset, valid when non-null; buf is ours.
+            let o = unsafe { *off };
+            // SAFETY: pread into our buffer.
+            let r = unsafe { libc::pread(inp, buf.as_mut_ptr() as *mut c_void, want, o) };
+            if r > 0 {
+                // SAFETY: as above.
+                unsafe { *off = o + r as libc::off_t };
+            }
+            r
+        };
+        if n < 0 {
+            return if done > 0 { done as ssize_t } else { -1 };
+        }
+        if n == 0 {
+            break;
+        }
+        let n = n as usize;
+        let mut w = 0usize;
+        while w < n {
+            // SAFETY: our buffer, w < n <= its length.
+            let r = unsafe { write(out, buf.as_ptr().add(w) as *const c_void, n - w) };
+            if r < 0 {
+                let e = sys::errno();
+                // Give back what was read and not sent, so nothing is lost.
+                let back = (n - w) as libc::off_t;
+                if off.is_null() {
+                    // SAFETY: plain lseek on the caller's descriptor.
+                    unsafe { libc::lseek(inp, -back, libc::SEEK_CUR) };
+                } else {
+                    // SAFETY: off valid when non-null.
+                    unsafe { *off -= back };
+                }
+                done += w;
+                if done > 0 {
+                    return done as ssize_t;
+                }
+                sys::set_errno(e);
+                return -1;
+            }
+            w += r as usize;
+        }
+        done += n;
+    }
+    done as ssize_t
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut libc::off_t, count: size_t) -> ssize_t {
+    // SAFETY: same arguments.
+    unsafe { sendfile(out, inp, off, count) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn splice(
+    fin: c_int,
+    offin: *mut libc::loff_t,
+    fout: c_int,
+    offout: *mut libc::loff_t,
+    len: size_t,
+    flags: u32,
+) -> ssize_t {
+    let cin = conn_of(fin);
+    let cout = conn_of(fout);
+    if cin.is_none() && cout.is_none() {
+        return sys::to_c(sys::splice(fin, offin, fout, offout, len, flags));
+    }
+    let want = len.min(64 << 10);
+    let mut buf = vec![0u8; want];
+    if let Some(c) = cin {
+        // Socket → pipe: look at the bytes, write what the pipe takes, consume exactly that.
+        let nb = if flags & libc::SPLICE_F_NONBLOCK != 0 { libc::MSG_DONTWAIT } else { 0 };
+        let n = recv_on(c, &iov1(buf.as_mut_ptr() as *const c_void, want), libc::MSG_PEEK | nb);
+        if n <= 0 {
+            return n;
+        }
+        // SAFETY: our buffer, n bytes filled.
+        let w = unsafe { write(fout, buf.as_ptr() as *const c_void, n as usize) };
+        if w > 0 {
+            let _ = recv_on(c, &iov1(buf.as_mut_ptr() as *const c_void, w as usize), 0);
+        }
+        return w;
+    }
+    // Pipe (or file) → socket: read, then send all of it.
+    // SAFETY: our buffer.
+    let n = unsafe { read(fin, buf.as_mut_ptr() as *mut c_void, want) };
+    if n <= 0 {
+        return n;
+    }
+    let c = cout.expect("one side is a connection");
+    let mut w = 0usize;
+    while w < n as usize {
+        // SAFETY: our buffer.
+        let r = send_on(
+            c,
+            &iov1(unsafe { buf.as_ptr().add(w) } as *const c_void, n as usize - w),
+            libc::MSG_NOSIGNAL,
+        );
+        if r < 0 {
+            if sys::errno() == libc::EAGAIN {
+                // The program asked for a non-blocking socket: wait for room rather than
+                // lose bytes already taken from the pipe.
+                let mut p = libc::pollfd {
+                    fd: fout,
+                    events: libc::POLLOUT,
+                    revents: 0,
+                };
+                let _ = sys::ppoll(&mut p, 1, std::ptr::null());
+                continue;
+            }
+            return if w > 0 { w as ssize_t } else { -1 };
+        }
+        w += r as usize;
+    }
+    w as ssize_t
+}
+
+extern "C" {
+    fn __chk_fail() -> !;
+}
+
+// ---- process life: fork and exit ----
+
+static MY_PID: AtomicU32 = AtomicU32::new(0);
+
+/// This process's pid, cached (kept right across fork by the at-fork handler).
+pub fn my_pid() -> u32 {
+    let p = MY_PID.load(Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
+    let p = sys::getpid();
+    MY_PID.store(p, Ordering::Relaxed);
+    p
+}
+
+extern "C" fn after_fork_child() {
+    MY_PID.store(sys::getpid(), Ordering::Relaxed);
+}
+
+extern "C" fn at_load() {
+    // SAFETY: registers a plain function without captures.
+    unsafe { libc::pthread_atfork(None, None, Some(after_fork_child)) };
+    MY_PID.store(sys::getpid(), Ordering::Relaxed);
+}
+
+/// At `exit`: end every connection, so the peer reads the stream's end.
+extern "C" fn at_unload() {
+    for (fd, s) in TABLE.iter().enumerate() {
+        if !s.load(Ordering::Acquire).is_null() {
+            forget(fd as c_int);
+        }
+    }
+}
+
+#[used]
+#[link_section = ".init_array"]
+static INIT: extern "C" fn() = at_load;
+
+#[used]
+#[link_section = ".fini_array"]
+static FINI: extern "C" fn() = at_unload;
+
+// ---- the helper thread ----
+
+mod helper {
+    //! One thread per process watches the kernel's TCP sockets of the accelerated
+    //! connections (edge-triggered epoll) and turns what it sees into the program
+    //! descriptor's readiness: bytes on TCP (the prefix) or the peer gone → readable;
+    //! room on TCP again before the switch → writable.
+
+    use super::*;
+
+    static EP: AtomicI32 = AtomicI32::new(-1);
+    static PID: AtomicU32 = AtomicU32::new(0);
+    static START: Mutex<()> = Mutex::new(());
+
+    fn ensure() -> c_int {
+        let me = my_pid();
+        if PID.load(Ordering::Acquire) == me {
+            return EP.load(Ordering::Acquire);
+        }
+        let _g = START.lock().unwrap_or_else(|e| e.into_inner());
+        if PID.load(Ordering::Acquire) == me {
+            return EP.load(Ordering::Acquire);
+        }
+        let old = EP.swap(-1, Ordering::AcqRel);
+        if old >= 0 {
+            // Inherited from the parent: its epoll instance is its own.
+            setup::close_hidden(old);
+        }
+        let Ok(ep) = sys::epoll_create1(libc::EPOLL_CLOEXEC) else {
+            return -1;
+        };
+        let ep = setup::hide(ep as c_int);
+        if std::thread::Builder::new()
+            .name("bp-accel".into())
+            .spawn(move || run(ep))
+            .is_err()
+        {
+            setup::close_hidden(ep);
+            return -1;
+        }
+        EP.store(ep, Ordering::Release);
+        PID.store(me, Ordering::Release);
+        // A child after fork: watch the connections it inherited.
+        for s in TABLE.iter() {
+            let p = s.load(Ordering::Acquire);
+            if !p.is_null() {
+                // SAFETY: leaked, never-freed connection.
+                add(ep, unsafe { &*p });
+            }
+        }
+        ep
+    }
+
+    fn add(ep: c_int, c: &'static Conn) {
+        let mut ev = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
+            u64: c as *const Conn as u64,
+        };
+        let _ = sys::epoll_ctl(ep, libc::EPOLL_CTL_ADD, c.tcp(), &mut ev);
+    }
+
+    /// Starts watching a new connection.
+    pub fn watch(c: &'static Conn) {
+        let ep = ensure();
+        if ep >= 0 {
+            add(ep, c);
+        }
+    }
+
+    fn run(ep: c_int) {
+        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        loop {
+            let n = match sys::epoll_wait(ep, evs.as_mut_ptr(), evs.len() as c_int, -1) {
+                Ok(n) => n,
+                Err(libc::EINTR) => continue,
+                Err(_) => return,
+            };
+            for ev in &evs[..n] {
+                // SAFETY: the data is a leaked, never-freed connection we registered.
+                let c = unsafe { &*(ev.u64 as *const Conn) };
+                c.helper_busy.store(true, Ordering::SeqCst);
+                if !c.ended() {
+                    let e = ev.events as c_int;
+                    if e & (libc::EPOLLRDHUP | libc::EPOLLHUP | libc::EPOLLERR) != 0 {
+                        c.peer_eof.store(true, Ordering::Release);
+                        sys::poke(c.b());
+                        sys::drain(c.b());
+                    } else if e & libc::EPOLLIN != 0 {
+                        sys::poke(c.b());
+                    }
+                    if e & libc::EPOLLOUT != 0 && c.tcp_tx_blocked.swap(false, Ordering::AcqRel) {
+                        sys::drain(c.b());
+                    }
+                }
+                c.helper_busy.store(false, Ordering::SeqCst);
+            }
+        }
+    }
+}

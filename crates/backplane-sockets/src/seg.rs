@@ -1,0 +1,561 @@
+//! The shared segment of one accelerated connection: a header both ends fill in during the
+//! agreement, and two single-producer single-consumer byte rings, one per direction.
+//!
+//! The segment is a file in the fabric's run directory that the connecting end creates (the
+//! *offer*) and the accepting end maps and claims. Everything the other process writes here is
+//! untrusted: positions are validated against the ring size on every read, and a position
+//! that cannot be right ends the connection (`ECONNRESET`), never a read out of bounds.
+//!
+//! Each end keeps its own copy of the position it advances (the producer its tail, the
+//! consumer its head) and only ever *writes* that word; the peer's word is read, checked and
+//! used. Layout (offsets in bytes):
+//!
+//! ```text
+//! 0     magic "BPACCEL1", version u32, ring size u32, cookie u64
+//! 24    state u32 (OFFERED, CLAIMED), client pid/wake fd, server pid/wake fd (u32 each)
+//! 48    client wake inode u64, server wake inode u64, dst port, src port, dst node, src node
+//! 80    processes holding the client's end, the server's end (u32 each)
+//! 256   direction block client→server (see `Dir`), 768 bytes
+//! 1024  direction block server→client
+//! 4096  ring data client→server, then ring data server→client
+//! ```
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// "BPACCEL1", little-endian.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"BPACCEL1");
+/// Layout version; a segment of another version is not claimed.
+pub const VERSION: u32 = 1;
+/// Bytes before the first ring.
+pub const HDR: usize = 4096;
+/// Smallest and largest ring a peer may declare.
+pub const MIN_RING: usize = 4096;
+/// See [`MIN_RING`].
+pub const MAX_RING: usize = 64 << 20;
+
+/// `state`: the connecting end offered the segment.
+pub const OFFERED: u32 = 1;
+/// `state`: the accepting end claimed it; its pid and wake descriptor are filled in.
+pub const CLAIMED: u32 = 2;
+
+const O_MAGIC: usize = 0;
+const O_VERSION: usize = 8;
+const O_RING: usize = 12;
+const O_COOKIE: usize = 16;
+const O_STATE: usize = 24;
+const O_CPID: usize = 28;
+const O_CWAKE: usize = 32;
+const O_SPID: usize = 36;
+const O_SWAKE: usize = 40;
+const O_CINO: usize = 48;
+const O_SINO: usize = 56;
+const O_DPORT: usize = 64;
+const O_SPORT: usize = 68;
+const O_DNODE: usize = 72;
+const O_SNODE: usize = 76;
+const O_CHOLD: usize = 80;
+const O_SHOLD: usize = 84;
+const O_C2S: usize = 256;
+const O_S2C: usize = 1024;
+
+// Direction block: each word the two ends write often on its own cache line.
+const D_TAIL: usize = 0; // producer
+const D_HEAD: usize = 64; // consumer
+const D_RX_WAIT: usize = 128; // consumer sets, producer clears (then wakes the consumer)
+const D_TX_WAIT: usize = 192; // producer sets, consumer clears (then wakes the producer)
+const D_SWITCHED: usize = 256; // producer: bytes now go to the ring, after `prefix` on TCP
+const D_FIN: usize = 260; // producer: no more bytes (shutdown/close)
+const D_RX_CLOSED: usize = 264; // consumer: closed, further bytes are an error (EPIPE)
+const D_TCP_FIN: usize = 268; // producer: shut down on the kernel's TCP before switching
+const D_PREFIX: usize = 272; // producer: bytes sent on the TCP connection before the switch
+
+/// Who an end is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Connected (`connect`), made the offer.
+    Client,
+    /// Accepted (`accept`), claimed the offer.
+    Server,
+}
+
+/// What a client writes into a fresh segment.
+#[derive(Debug, Clone, Copy)]
+pub struct Offer {
+    /// Ring bytes per direction (power of two).
+    pub ring: usize,
+    /// Random, to tell segments apart in logs.
+    pub cookie: u64,
+    /// The client's pid and wake descriptor (and that socket's inode, to check a duplicate).
+    pub pid: u32,
+    /// See `pid`.
+    pub wake_fd: i32,
+    /// See `pid`.
+    pub wake_ino: u64,
+    /// Destination (listening) port and node, source port and node.
+    pub dport: u16,
+    /// See `dport`.
+    pub sport: u16,
+    /// See `dport`.
+    pub dnode: u32,
+    /// See `dport`.
+    pub snode: u32,
+}
+
+/// Why a segment is not claimed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Invalid {
+    /// Shorter than its header or rings say.
+    Size,
+    /// Not a segment of this version.
+    Magic,
+    /// A ring size that is not a power of two in range.
+    Ring,
+    /// Not in the OFFERED state (claimed already, or garbage).
+    State,
+    /// Made for another connection.
+    Endpoints,
+}
+
+impl std::fmt::Display for Invalid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Invalid::Size => "offer too short",
+            Invalid::Magic => "offer of another version",
+            Invalid::Ring => "offer with a bad ring size",
+            Invalid::State => "offer not in the offered state",
+            Invalid::Endpoints => "offer for other endpoints",
+        })
+    }
+}
+
+/// A mapped segment.
+#[derive(Debug)]
+pub struct Seg {
+    base: *mut u8,
+    len: usize,
+    ring: usize,
+}
+
+// SAFETY: the segment is shared memory accessed only through atomics and byte copies; the
+// mapping itself is valid from any thread until `unmap`.
+unsafe impl Send for Seg {}
+// SAFETY: as above.
+unsafe impl Sync for Seg {}
+
+/// Bytes a segment with `ring` bytes per direction needs.
+pub fn seg_len(ring: usize) -> usize {
+    HDR + 2 * ring
+}
+
+impl Seg {
+    /// Wraps a mapping of `len` bytes at `base`.
+    ///
+    /// # Safety
+    /// `base` must be a live, writable mapping of at least `len` bytes, page-aligned, that
+    /// stays mapped until [`Seg::unmap`] (or forever).
+    pub unsafe fn from_raw(base: *mut u8, len: usize) -> Self {
+        Seg { base, len, ring: 0 }
+    }
+
+    /// A second handle on the same mapping (never unmapped through it).
+    ///
+    /// # Safety
+    /// The caller must not use the alias after the original is unmapped.
+    pub unsafe fn alias(&self) -> Seg {
+        Seg {
+            base: self.base,
+            len: self.len,
+            ring: self.ring,
+        }
+    }
+
+    fn u32(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off + 4 <= HDR && off % 4 == 0);
+        // SAFETY: off is a constant of the layout inside the header, 4-aligned; the mapping
+        // is page-aligned and at least HDR long (checked by `init`/`validate`).
+        unsafe { &*(self.base.add(off) as *const AtomicU32) }
+    }
+
+    fn u64(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off + 8 <= HDR && off % 8 == 0);
+        // SAFETY: as in `u32`, 8-aligned.
+        unsafe { &*(self.base.add(off) as *const AtomicU64) }
+    }
+
+    /// Writes a fresh offer (the client, before anyone else can see the file).
+    pub fn init(&mut self, o: &Offer) {
+        assert!(self.len >= seg_len(o.ring) && o.ring.is_power_of_two());
+        self.ring = o.ring;
+        self.u32(O_VERSION).store(VERSION, Ordering::Relaxed);
+        self.u32(O_RING).store(o.ring as u32, Ordering::Relaxed);
+        self.u64(O_COOKIE).store(o.cookie, Ordering::Relaxed);
+        self.u32(O_CPID).store(o.pid, Ordering::Relaxed);
+        self.u32(O_CWAKE).store(o.wake_fd as u32, Ordering::Relaxed);
+        self.u64(O_CINO).store(o.wake_ino, Ordering::Relaxed);
+        self.u32(O_DPORT).store(u32::from(o.dport), Ordering::Relaxed);
+        self.u32(O_SPORT).store(u32::from(o.sport), Ordering::Relaxed);
+        self.u32(O_DNODE).store(o.dnode, Ordering::Relaxed);
+        self.u32(O_SNODE).store(o.snode, Ordering::Relaxed);
+        self.u32(O_CHOLD).store(1, Ordering::Relaxed);
+        self.u32(O_STATE).store(OFFERED, Ordering::Relaxed);
+        self.u64(O_MAGIC).store(MAGIC, Ordering::Release);
+    }
+
+    /// Checks an offer made by another process for the connection (`dport`, `sport`,
+    /// `dnode`, `snode`) and returns the client's (pid, wake fd, wake inode).
+    pub fn validate(
+        &mut self,
+        dport: u16,
+        sport: u16,
+        dnode: u32,
+        snode: u32,
+    ) -> Result<(u32, i32, u64), Invalid> {
+        if self.len < HDR {
+            return Err(Invalid::Size);
+        }
+        if self.u64(O_MAGIC).load(Ordering::Acquire) != MAGIC
+            || self.u32(O_VERSION).load(Ordering::Relaxed) != VERSION
+        {
+            return Err(Invalid::Magic);
+        }
+        let ring = self.u32(O_RING).load(Ordering::Relaxed) as usize;
+        if !ring.is_power_of_two() || !(MIN_RING..=MAX_RING).contains(&ring) {
+            return Err(Invalid::Ring);
+        }
+        if self.len < seg_len(ring) {
+            return Err(Invalid::Size);
+        }
+        if self.u32(O_STATE).load(Ordering::Acquire) != OFFERED {
+            return Err(Invalid::State);
+        }
+        if self.u32(O_DPORT).load(Ordering::Relaxed) != u32::from(dport)
+            || self.u32(O_SPORT).load(Ordering::Relaxed) != u32::from(sport)
+            || self.u32(O_DNODE).load(Ordering::Relaxed) != dnode
+            || self.u32(O_SNODE).load(Ordering::Relaxed) != snode
+        {
+            return Err(Invalid::Endpoints);
+        }
+        self.ring = ring;
+        Ok((
+            self.u32(O_CPID).load(Ordering::Relaxed),
+            self.u32(O_CWAKE).load(Ordering::Relaxed) as i32,
+            self.u64(O_CINO).load(Ordering::Relaxed),
+        ))
+    }
+
+    /// The server claims the offer: its pid and wake descriptor, then CLAIMED. False if the
+    /// state was no longer OFFERED.
+    pub fn claim(&self, pid: u32, wake_fd: i32, wake_ino: u64) -> bool {
+        self.u32(O_SPID).store(pid, Ordering::Relaxed);
+        self.u32(O_SWAKE).store(wake_fd as u32, Ordering::Relaxed);
+        self.u64(O_SINO).store(wake_ino, Ordering::Relaxed);
+        self.u32(O_SHOLD).store(1, Ordering::Relaxed);
+        self.u32(O_STATE)
+            .compare_exchange(OFFERED, CLAIMED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// The server's (pid, wake fd, wake inode) once it claimed the offer.
+    pub fn claimed(&self) -> Option<(u32, i32, u64)> {
+        (self.u32(O_STATE).load(Ordering::Acquire) == CLAIMED).then(|| {
+            (
+                self.u32(O_SPID).load(Ordering::Relaxed),
+                self.u32(O_SWAKE).load(Ordering::Relaxed) as i32,
+                self.u64(O_SINO).load(Ordering::Relaxed),
+            )
+        })
+    }
+
+    /// How many processes hold `role`'s end (a fork adds one, a last close removes one).
+    pub fn holders(&self, role: Role) -> &AtomicU32 {
+        self.u32(if role == Role::Client { O_CHOLD } else { O_SHOLD })
+    }
+
+    /// The offer's cookie.
+    pub fn cookie(&self) -> u64 {
+        self.u64(O_COOKIE).load(Ordering::Relaxed)
+    }
+
+    /// Ring bytes per direction.
+    pub fn ring(&self) -> usize {
+        self.ring
+    }
+
+    /// The direction `role` sends on (`tx`) or receives on.
+    pub fn dir(&self, role: Role, tx: bool) -> Dir<'_> {
+        let c2s = (role == Role::Client) == tx;
+        let ctl = if c2s { O_C2S } else { O_S2C };
+        let data = if c2s { HDR } else { HDR + self.ring };
+        Dir {
+            seg: self,
+            ctl,
+            data,
+        }
+    }
+
+    /// Unmaps the segment.
+    ///
+    /// # Safety
+    /// No `Dir` of it and no pointer into it may be used afterwards.
+    pub unsafe fn unmap(&mut self) {
+        if !self.base.is_null() {
+            let _ = crate::sys::munmap(self.base, self.len);
+            self.base = std::ptr::null_mut();
+        }
+    }
+}
+
+/// A position read from the peer that cannot be right.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Corrupt;
+
+/// One direction of a segment.
+#[derive(Debug, Clone, Copy)]
+pub struct Dir<'a> {
+    seg: &'a Seg,
+    ctl: usize,
+    data: usize,
+}
+
+impl Dir<'_> {
+    fn w32(&self, off: usize) -> &AtomicU32 {
+        self.seg.u32(self.ctl + off)
+    }
+    fn w64(&self, off: usize) -> &AtomicU64 {
+        self.seg.u64(self.ctl + off)
+    }
+
+    /// Consumer: bytes readable after local head `head` (tail read from the peer, checked).
+    pub fn readable(&self, head: u64) -> Result<usize, Corrupt> {
+        let tail = self.w64(D_TAIL).load(Ordering::Acquire);
+        let used = tail.wrapping_sub(head);
+        if used > self.seg.ring as u64 {
+            return Err(Corrupt);
+        }
+        Ok(used as usize)
+    }
+
+    /// Producer: bytes free after local tail `tail` (head read from the peer, checked).
+    pub fn free(&self, tail: u64) -> Result<usize, Corrupt> {
+        let head = self.w64(D_HEAD).load(Ordering::Acquire);
+        let used = tail.wrapping_sub(head);
+        if used > self.seg.ring as u64 {
+            return Err(Corrupt);
+        }
+        Ok(self.seg.ring - used as usize)
+    }
+
+    /// Copies `n` readable bytes at `head` to `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be valid for `n` bytes of writes; `n` at most what `readable` returned.
+    pub unsafe fn copy_out(&self, head: u64, dst: *mut u8, n: usize) {
+        let size = self.seg.ring;
+        let idx = (head as usize) & (size - 1);
+        let first = n.min(size - idx);
+        // SAFETY: idx + first <= size and the rest wraps to the ring's start, all inside this
+        // direction's data area (checked at mapping); dst is valid for n bytes (caller).
+        unsafe {
+            let base = self.seg.base.add(self.data);
+            std::ptr::copy_nonoverlapping(base.add(idx), dst, first);
+            std::ptr::copy_nonoverlapping(base, dst.add(first), n - first);
+        }
+    }
+
+    /// Copies `n` bytes from `src` into free space at `tail`.
+    ///
+    /// # Safety
+    /// `src` must be valid for `n` bytes of reads; `n` at most what `free` returned.
+    pub unsafe fn copy_in(&self, tail: u64, src: *const u8, n: usize) {
+        let size = self.seg.ring;
+        let idx = (tail as usize) & (size - 1);
+        let first = n.min(size - idx);
+        // SAFETY: as in `copy_out`, the other way.
+        unsafe {
+            let base = self.seg.base.add(self.data);
+            std::ptr::copy_nonoverlapping(src, base.add(idx), first);
+            std::ptr::copy_nonoverlapping(src.add(first), base, n - first);
+        }
+    }
+
+    /// Producer publishes its tail.
+    pub fn publish(&self, tail: u64) {
+        self.w64(D_TAIL).store(tail, Ordering::SeqCst);
+    }
+    /// Consumer publishes its head.
+    pub fn consume(&self, head: u64) {
+        self.w64(D_HEAD).store(head, Ordering::SeqCst);
+    }
+
+    /// Consumer: wake me when bytes arrive.
+    pub fn arm_rx(&self) {
+        self.w32(D_RX_WAIT).store(1, Ordering::SeqCst);
+    }
+    /// Takes the consumer's wake-up request (true: the caller must wake it).
+    pub fn take_rx_wait(&self) -> bool {
+        self.w32(D_RX_WAIT).load(Ordering::SeqCst) != 0
+            && self.w32(D_RX_WAIT).swap(0, Ordering::SeqCst) != 0
+    }
+    /// Producer: wake me when room frees up.
+    pub fn arm_tx(&self) {
+        self.w32(D_TX_WAIT).store(1, Ordering::SeqCst);
+    }
+    /// Takes the producer's wake-up request.
+    pub fn take_tx_wait(&self) -> bool {
+        self.w32(D_TX_WAIT).load(Ordering::SeqCst) != 0
+            && self.w32(D_TX_WAIT).swap(0, Ordering::SeqCst) != 0
+    }
+
+    /// Producer switches to the ring after `prefix` bytes on TCP.
+    pub fn switch(&self, prefix: u64) {
+        self.w64(D_PREFIX).store(prefix, Ordering::Relaxed);
+        self.w32(D_SWITCHED).store(1, Ordering::SeqCst);
+    }
+    /// Consumer: `Some(prefix)` once the producer switched.
+    pub fn switched(&self) -> Option<u64> {
+        (self.w32(D_SWITCHED).load(Ordering::Acquire) != 0)
+            .then(|| self.w64(D_PREFIX).load(Ordering::Relaxed))
+    }
+    /// Producer: no more bytes.
+    pub fn set_fin(&self) {
+        self.w32(D_FIN).store(1, Ordering::SeqCst);
+    }
+    /// Consumer: the producer said no more bytes.
+    pub fn fin(&self) -> bool {
+        self.w32(D_FIN).load(Ordering::Acquire) != 0
+    }
+    /// Producer shut its side down on the kernel's TCP (before it switched): the TCP
+    /// connection's end-of-file then means a half-close, not a peer gone.
+    pub fn set_tcp_fin(&self) {
+        self.w32(D_TCP_FIN).store(1, Ordering::SeqCst);
+    }
+    /// See [`Dir::set_tcp_fin`].
+    pub fn tcp_fin(&self) -> bool {
+        self.w32(D_TCP_FIN).load(Ordering::Acquire) != 0
+    }
+    /// Bytes the producer published that the consumer has not consumed (both words read
+    /// from shared memory; only a hint).
+    pub fn pending(&self) -> u64 {
+        let tail = self.w64(D_TAIL).load(Ordering::Acquire);
+        let head = self.w64(D_HEAD).load(Ordering::Acquire);
+        tail.wrapping_sub(head).min(self.seg.ring as u64)
+    }
+
+    /// Consumer closed: bytes sent from now on are an error.
+    pub fn set_rx_closed(&self) {
+        self.w32(D_RX_CLOSED).store(1, Ordering::SeqCst);
+    }
+    /// Producer: the consumer closed.
+    pub fn rx_closed(&self) -> bool {
+        self.w32(D_RX_CLOSED).load(Ordering::Acquire) != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn anon(len: usize) -> Seg {
+        // SAFETY: an anonymous private mapping of len bytes, never unmapped in the test.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        // SAFETY: just mapped, len bytes, page-aligned.
+        unsafe { Seg::from_raw(p as *mut u8, len) }
+    }
+
+    fn offer() -> Offer {
+        Offer {
+            ring: 4096,
+            cookie: 7,
+            pid: 10,
+            wake_fd: 5,
+            wake_ino: 99,
+            dport: 80,
+            sport: 40000,
+            dnode: 2,
+            snode: 1,
+        }
+    }
+
+    #[test]
+    fn offer_claim_and_validation() {
+        let mut s = anon(seg_len(4096));
+        s.init(&offer());
+        assert_eq!(s.validate(80, 40000, 2, 1), Ok((10, 5, 99)));
+        assert_eq!(s.validate(81, 40000, 2, 1), Err(Invalid::Endpoints));
+        assert_eq!(s.claimed(), None);
+        assert!(s.claim(20, 6, 100));
+        assert_eq!(s.claimed(), Some((20, 6, 100)));
+        assert!(!s.claim(21, 6, 100), "claimed twice");
+        assert_eq!(s.validate(80, 40000, 2, 1), Err(Invalid::State));
+        // A peer that declares a ring larger than the file.
+        s.u32(O_RING).store(8192, Ordering::Relaxed);
+        s.u32(O_STATE).store(OFFERED, Ordering::Relaxed);
+        assert_eq!(s.validate(80, 40000, 2, 1), Err(Invalid::Size));
+        s.u32(O_RING).store(5000, Ordering::Relaxed);
+        assert_eq!(s.validate(80, 40000, 2, 1), Err(Invalid::Ring));
+        s.u64(O_MAGIC).store(1, Ordering::Relaxed);
+        assert_eq!(s.validate(80, 40000, 2, 1), Err(Invalid::Magic));
+    }
+
+    #[test]
+    fn ring_wraps_and_checks_positions() {
+        let mut s = anon(seg_len(4096));
+        s.init(&offer());
+        let tx = s.dir(Role::Client, true);
+        let rx = s.dir(Role::Server, false);
+        let (mut tail, mut head) = (4000u64, 4000u64);
+        tx.publish(tail);
+        rx.consume(head);
+        let data: Vec<u8> = (0..3000u32).map(|i| i as u8).collect();
+        assert_eq!(tx.free(tail), Ok(4096));
+        // SAFETY: data is 3000 bytes, the ring has 4096 free.
+        unsafe { tx.copy_in(tail, data.as_ptr(), 3000) };
+        tail += 3000;
+        tx.publish(tail);
+        assert_eq!(rx.readable(head), Ok(3000));
+        let mut out = vec![0u8; 3000];
+        // SAFETY: out is 3000 bytes, 3000 readable.
+        unsafe { rx.copy_out(head, out.as_mut_ptr(), 3000) };
+        head += 3000;
+        rx.consume(head);
+        assert_eq!(out, data);
+        assert_eq!(tx.free(tail), Ok(4096));
+        // A peer tail beyond one ring of the consumer's head is corruption.
+        tx.publish(head + 4097);
+        assert_eq!(rx.readable(head), Err(Corrupt));
+        tx.publish(head.wrapping_sub(1));
+        assert_eq!(rx.readable(head), Err(Corrupt));
+        rx.consume(tail + 1);
+        assert_eq!(tx.free(tail), Err(Corrupt));
+    }
+
+    #[test]
+    fn wake_requests_are_taken_once() {
+        let mut s = anon(seg_len(4096));
+        s.init(&offer());
+        let d = s.dir(Role::Client, true);
+        assert!(!d.take_rx_wait());
+        d.arm_rx();
+        assert!(d.take_rx_wait());
+        assert!(!d.take_rx_wait());
+        d.arm_tx();
+        assert!(d.take_tx_wait());
+        assert_eq!(d.switched(), None);
+        d.switch(37);
+        assert_eq!(d.switched(), Some(37));
+        assert!(!d.fin() && !d.rx_closed());
+        d.set_fin();
+        d.set_rx_closed();
+        assert!(d.fin() && d.rx_closed());
+    }
+}
