@@ -25,7 +25,7 @@ use std::sync::Mutex;
 use libc::c_int;
 
 use crate::config::{self, stats};
-use crate::seg::{Corrupt, Dir, Role, Seg};
+use crate::seg::{Corrupt, Dir, Role, Seg, RX_ACTIVE, RX_ARMED, RX_POKED};
 use crate::sys::{self, Res};
 
 /// Everything needed to build a connection once the agreement's resources exist.
@@ -355,8 +355,10 @@ impl Conn {
             return Err(libc::EBADF);
         }
         let d = self.seg_fast.dir(self.role, false);
+        // We look at the ring ourselves from here: nobody needs to send us wake-up bytes.
+        // `token`: a wake-up byte may be queued on A.
+        let mut token = d.set_rx_state(RX_ACTIVE) == RX_POKED;
         let mut got = 0usize;
-        let mut armed = false;
         let mut spun = false;
         let result = loop {
             if self.rx_shut.load(Ordering::Acquire) {
@@ -364,15 +366,9 @@ impl Conn {
             }
             let mut progressed = false;
             // Where the next byte is: on TCP until the peer switched and its prefix is read.
-            let tcp_left = match d.switched() {
-                None => Some(usize::MAX),
-                Some(p) => {
-                    let left = p.wrapping_sub(st.tcp_in);
-                    if left > (1 << 48) {
-                        break self.corrupt(got);
-                    }
-                    (left > 0).then_some(left as usize)
-                }
+            let tcp_left = match self.tcp_left(&d, &st) {
+                Ok(l) => l,
+                Err(Corrupt) => break self.corrupt(got),
             };
             if let Some(limit) = tcp_left {
                 let (ptr, len) = bufs.piece(got);
@@ -387,7 +383,7 @@ impl Conn {
                     std::ptr::null_mut(),
                 ) {
                     Ok(0) => {
-                        if d.switched().is_some() && tcp_left != Some(usize::MAX) {
+                        if d.switched().is_some() && limit != usize::MAX {
                             // The peer went away in the middle of its prefix.
                             break if got > 0 { Ok(got) } else { Err(libc::ECONNRESET) };
                         }
@@ -441,60 +437,61 @@ impl Conn {
             if got > 0 && !waitall {
                 break Ok(got);
             }
-            if tcp_left.is_none() && !dontwait && !spun {
+            // Nothing here now.
+            if tcp_left.is_none() && self.tcp_eof() && d.readable(st.head) == Ok(0) {
+                if d.fin() {
+                    continue;
+                }
+                // Every peer process closed or died. Like the kernel: end-of-file, or a reset
+                // if it left bytes of ours unread.
+                let unread = self.seg_fast.dir(self.role, true).pending() > 0;
+                break if got > 0 {
+                    Ok(got)
+                } else if unread {
+                    Err(libc::ECONNRESET)
+                } else {
+                    Ok(0)
+                };
+            }
+            if dontwait {
+                break if got > 0 { Ok(got) } else { Err(libc::EAGAIN) };
+            }
+            if tcp_left.is_none() && !spun {
                 spun = true;
                 if self.spin_until(|| d.readable(st.head) != Ok(0) || d.fin()) {
                     continue;
                 }
             }
-            if !armed {
+            // Sleep: ask for a wake-up byte, look once more, then wait for it on A (a
+            // blocking recv: SA_RESTART, EINTR and SO_RCVTIMEO as the kernel's).
+            if token {
                 sys::drain(self.a);
-                d.arm_rx();
-                armed = true;
-                if tcp_left.is_none() && self.tcp_eof() && d.readable(st.head) == Ok(0) {
-                    if d.fin() {
-                        continue;
-                    }
-                    // Every peer process closed or died. Like the kernel: end-of-file, or a
-                    // reset if it left bytes of ours unread.
-                    let unread = self.seg_fast.dir(self.role, true).pending() > 0;
-                    break if got > 0 {
-                        Ok(got)
-                    } else if unread {
-                        Err(libc::ECONNRESET)
-                    } else {
-                        Ok(0)
-                    };
-                }
+            }
+            d.set_rx_state(RX_ARMED);
+            if self.has_data(&d, &st) {
+                token = d.set_rx_state(RX_ACTIVE) == RX_POKED;
                 continue;
             }
-            if dontwait {
-                break if got > 0 { Ok(got) } else { Err(libc::EAGAIN) };
-            }
-            let mut tok = 0u8;
-            match sys::recvfrom(
+            let mut b = 0u8;
+            let r = sys::recvfrom(
                 self.a,
-                &mut tok as *mut u8 as *mut libc::c_void,
+                &mut b as *mut u8 as *mut libc::c_void,
                 1,
                 0,
                 std::ptr::null_mut(),
                 std::ptr::null_mut(),
-            ) {
-                Ok(_) => {
-                    armed = false;
-                    if self.ended() {
-                        break Err(libc::EBADF);
-                    }
-                }
-                Err(e) => break if got > 0 { Ok(got) } else { Err(e) },
+            );
+            // More than one byte may have been queued: let the way out drain them.
+            token = d.set_rx_state(RX_ACTIVE) == RX_POKED || r.is_ok();
+            if self.ended() {
+                break Err(libc::EBADF);
+            }
+            if let Err(e) = r {
+                break if got > 0 { Ok(got) } else { Err(e) };
             }
         };
-        if armed && result.as_ref().is_ok_and(|&n| n > 0) {
-            // We asked to be woken and then found bytes ourselves: if nobody took the request,
-            // no wake-up byte is queued, so queue one if bytes are left for the next call.
-            if d.take_rx_wait() && d.readable(st.head).is_ok_and(|n| n > 0) {
-                sys::poke(self.b);
-            }
+        if !self.ended() {
+            self.go_idle(&d, &st, token);
         }
         if let Ok(n) = result {
             if !peek {
@@ -502,6 +499,81 @@ impl Conn {
             }
         }
         result
+    }
+
+    /// Bytes still to read from TCP before the ring (`None`: read the ring).
+    fn tcp_left(&self, d: &Dir<'_>, st: &RxState) -> Result<Option<usize>, Corrupt> {
+        Ok(match d.switched() {
+            None => Some(usize::MAX),
+            Some(p) => {
+                let left = p.wrapping_sub(st.tcp_in);
+                if left > (1 << 48) {
+                    return Err(Corrupt);
+                }
+                (left > 0).then_some(left as usize)
+            }
+        })
+    }
+
+    /// True when a read would not block: bytes on the ring or TCP, the end, or an error.
+    fn has_data(&self, d: &Dir<'_>, st: &RxState) -> bool {
+        if self.rx_shut.load(Ordering::Acquire)
+            || self.peer_eof.load(Ordering::Acquire)
+            || self.corrupt.load(Ordering::Acquire)
+            || d.fin()
+        {
+            return true;
+        }
+        match self.tcp_left(d, st) {
+            Err(Corrupt) => true,
+            Ok(None) => d.readable(st.head) != Ok(0),
+            Ok(Some(_)) => {
+                let mut b = 0u8;
+                !matches!(
+                    sys::recvfrom(
+                        self.tcp,
+                        &mut b as *mut u8 as *mut libc::c_void,
+                        1,
+                        libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                    ),
+                    Err(libc::EAGAIN)
+                )
+            }
+        }
+    }
+
+    /// Back to the program: leave exactly the readiness the kernel would show — a wake-up
+    /// byte queued on A iff a read would not block — and, with nothing to read, ask the
+    /// producer for a byte when bytes come.
+    fn go_idle(&self, d: &Dir<'_>, st: &RxState, token: bool) {
+        if self.has_data(d, st) {
+            if !token {
+                sys::poke(self.b);
+            }
+            d.set_rx_state(RX_POKED);
+        } else {
+            if token {
+                sys::drain(self.a);
+            }
+            d.set_rx_state(RX_ARMED);
+            if self.has_data(d, st) && d.take_rx_wait() {
+                sys::poke(self.b);
+            }
+        }
+    }
+
+    /// What the helper thread saw on the TCP socket: bytes (the prefix) or its end.
+    pub fn tcp_event(&self, readable: bool, hangup: bool) {
+        if hangup {
+            self.peer_eof.store(true, Ordering::Release);
+            // Readable (end) and writable (EPIPE) for good.
+            sys::poke(self.b);
+            sys::drain(self.b);
+        } else if readable && self.seg_fast.dir(self.role, false).take_rx_wait() {
+            sys::poke(self.b);
+        }
     }
 
     fn claimed(&self) -> bool {
@@ -628,7 +700,7 @@ impl Conn {
                 Err(e) => break if sent > 0 { Ok(sent) } else { Err(e) },
             }
         };
-        if armed && d.take_tx_wait() {
+        if armed && d.free(st.tail).is_ok_and(|f| f > 0) && d.take_tx_wait() {
             // We asked to be woken and nobody took the request: undo the fill ourselves, or
             // the descriptor stays unwritable with room in the ring.
             sys::drain(self.b);
@@ -694,6 +766,15 @@ impl Conn {
             }
         }
         Ok(0)
+    }
+
+    /// The process exits: remove an unclaimed offer, without waiting for any lock.
+    pub fn at_exit(&self) {
+        if let Ok(mut p) = self.offer_path.try_lock() {
+            if let Some(p) = p.take() {
+                let _ = sys::unlink(&p);
+            }
+        }
     }
 
     /// The last program descriptor in this process closed: wake every sleeper, release

@@ -772,11 +772,15 @@ extern "C" fn at_load() {
     MY_PID.store(sys::getpid(), Ordering::Relaxed);
 }
 
-/// At `exit`: end every connection, so the peer reads the stream's end.
+/// At `exit`: nothing that could block (a signal handler may call exit while this thread
+/// holds a connection's lock). The kernel closes the TCP sockets, and the peers read the
+/// stream's end from that; only the offers nobody claimed are removed here.
 extern "C" fn at_unload() {
-    for (fd, s) in TABLE.iter().enumerate() {
-        if !s.load(Ordering::Acquire).is_null() {
-            forget(fd as c_int);
+    for s in TABLE.iter() {
+        let p = s.load(Ordering::Acquire);
+        if !p.is_null() {
+            // SAFETY: table entries point at leaked, never-freed connections.
+            unsafe { &*p }.at_exit();
         }
     }
 }
@@ -830,7 +834,10 @@ mod helper {
             return -1;
         }
         EP.store(ep, Ordering::Release);
-        PID.store(me, Ordering::Release);
+        let first = PID.swap(me, Ordering::AcqRel) == 0;
+        if first {
+            return ep;
+        }
         // A child after fork: watch the connections it inherited.
         for s in TABLE.iter() {
             let p = s.load(Ordering::Acquire);
@@ -856,6 +863,11 @@ mod helper {
         if ep >= 0 {
             add(ep, c);
         }
+        // Bytes that reached TCP before the watch made no edge: make them readable.
+        let mut n: c_int = 0;
+        if sys::ioctl(c.tcp(), libc::FIONREAD, &mut n as *mut c_int as usize).is_ok() && n > 0 {
+            c.tcp_event(true, false);
+        }
     }
 
     fn run(ep: c_int) {
@@ -872,13 +884,10 @@ mod helper {
                 c.helper_busy.store(true, Ordering::SeqCst);
                 if !c.ended() {
                     let e = ev.events as c_int;
-                    if e & (libc::EPOLLRDHUP | libc::EPOLLHUP | libc::EPOLLERR) != 0 {
-                        c.peer_eof.store(true, Ordering::Release);
-                        sys::poke(c.b());
-                        sys::drain(c.b());
-                    } else if e & libc::EPOLLIN != 0 {
-                        sys::poke(c.b());
-                    }
+                    c.tcp_event(
+                        e & libc::EPOLLIN != 0,
+                        e & (libc::EPOLLRDHUP | libc::EPOLLHUP | libc::EPOLLERR) != 0,
+                    );
                     if e & libc::EPOLLOUT != 0 && c.tcp_tx_blocked.swap(false, Ordering::AcqRel) {
                         sys::drain(c.b());
                     }

@@ -33,6 +33,15 @@ pub const MIN_RING: usize = 4096;
 /// See [`MIN_RING`].
 pub const MAX_RING: usize = 64 << 20;
 
+/// Consumer wake-up state: a wake-up byte was sent (by the producer or the helper) or the
+/// consumer itself queued one; no more are needed.
+pub const RX_POKED: u32 = 0;
+/// Consumer wake-up state: the consumer is idle (in the program, maybe in `poll`) with no
+/// wake-up byte queued; the next bytes must send one.
+pub const RX_ARMED: u32 = 1;
+/// Consumer wake-up state: the consumer is inside a call, looking at the ring itself.
+pub const RX_ACTIVE: u32 = 2;
+
 /// `state`: the connecting end offered the segment.
 pub const OFFERED: u32 = 1;
 /// `state`: the accepting end claimed it; its pid and wake descriptor are filled in.
@@ -197,6 +206,12 @@ impl Seg {
         self.u32(O_DNODE).store(o.dnode, Ordering::Relaxed);
         self.u32(O_SNODE).store(o.snode, Ordering::Relaxed);
         self.u32(O_CHOLD).store(1, Ordering::Relaxed);
+        // Both consumers start out waiting: the first bytes of either direction wake the
+        // consumer even if it never read (a program that selects before its first read).
+        // Invariant: rx_wait == 0 only while a wake-up byte is queued for the consumer.
+        for ctl in [O_C2S, O_S2C] {
+            self.u32(ctl + D_RX_WAIT).store(1, Ordering::Relaxed);
+        }
         self.u32(O_STATE).store(OFFERED, Ordering::Relaxed);
         self.u64(O_MAGIC).store(MAGIC, Ordering::Release);
     }
@@ -387,14 +402,22 @@ impl Dir<'_> {
         self.w64(D_HEAD).store(head, Ordering::SeqCst);
     }
 
-    /// Consumer: wake me when bytes arrive.
-    pub fn arm_rx(&self) {
-        self.w32(D_RX_WAIT).store(1, Ordering::SeqCst);
+    /// The consumer's wake-up state (see [`RX_ARMED`]).
+    pub fn rx_state(&self) -> u32 {
+        self.w32(D_RX_WAIT).load(Ordering::SeqCst)
     }
-    /// Takes the consumer's wake-up request (true: the caller must wake it).
+    /// Sets the consumer's wake-up state, returning the previous one (consumer only).
+    pub fn set_rx_state(&self, v: u32) -> u32 {
+        self.w32(D_RX_WAIT).swap(v, Ordering::SeqCst)
+    }
+    /// Producer (or the helper): if the consumer is idle and wants a wake-up byte, take that
+    /// duty (ARMED → POKED); true means the caller must send the byte.
     pub fn take_rx_wait(&self) -> bool {
-        self.w32(D_RX_WAIT).load(Ordering::SeqCst) != 0
-            && self.w32(D_RX_WAIT).swap(0, Ordering::SeqCst) != 0
+        self.w32(D_RX_WAIT).load(Ordering::SeqCst) == RX_ARMED
+            && self
+                .w32(D_RX_WAIT)
+                .compare_exchange(RX_ARMED, RX_POKED, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
     }
     /// Producer: wake me when room frees up.
     pub fn arm_tx(&self) {
@@ -544,10 +567,13 @@ mod tests {
         let mut s = anon(seg_len(4096));
         s.init(&offer());
         let d = s.dir(Role::Client, true);
-        assert!(!d.take_rx_wait());
-        d.arm_rx();
+        assert_eq!(d.rx_state(), RX_ARMED, "a consumer starts idle");
         assert!(d.take_rx_wait());
-        assert!(!d.take_rx_wait());
+        assert!(!d.take_rx_wait(), "taken once");
+        assert_eq!(d.set_rx_state(RX_ACTIVE), RX_POKED);
+        assert!(!d.take_rx_wait(), "an active consumer needs no byte");
+        d.set_rx_state(RX_ARMED);
+        assert!(d.take_rx_wait());
         d.arm_tx();
         assert!(d.take_tx_wait());
         assert_eq!(d.switched(), None);
