@@ -68,7 +68,9 @@ fn read() -> Option<Config> {
     let net = env(c"BACKPLANE_ACCEL_NET").and_then(|s| parse_net(&s));
     let ring = env(c"BACKPLANE_ACCEL_RING")
         .and_then(|s| s.parse::<usize>().ok())
-        .filter(|r| r.is_power_of_two() && (crate::seg::MIN_RING..=crate::seg::MAX_RING).contains(r))
+        .filter(|r| {
+            r.is_power_of_two() && (crate::seg::MIN_RING..=crate::seg::MAX_RING).contains(r)
+        })
         .unwrap_or(DEFAULT_RING);
     let spin_ns = env(c"BACKPLANE_ACCEL_SPIN_US")
         .and_then(|s| s.parse::<u64>().ok())
@@ -214,12 +216,16 @@ fn stats_map() -> Option<&'static Stats> {
         .get_or_init(|| {
             let cfg = get()?;
             let path = cfg.path(format_args!("n{}.stats", cfg.node));
-            let fd = sys::open(&path, libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC, 0o600)
-                .ok()? as i32;
+            let fd = sys::open(&path, libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC, 0o600).ok()?
+                as i32;
             let len = stats::WORDS * 8;
             let ok = sys::fstat(fd).is_ok_and(|(_, size, _)| size >= len as u64)
                 || sys::ftruncate(fd, len as u64).is_ok();
-            let map = if ok { sys::mmap_shared(fd, len).ok() } else { None };
+            let map = if ok {
+                sys::mmap_shared(fd, len).ok()
+            } else {
+                None
+            };
             let _ = sys::close(fd);
             let p = map? as *mut AtomicU64;
             // SAFETY: the mapping is len bytes, page-aligned; word 0 is inside it.

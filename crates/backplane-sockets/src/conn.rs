@@ -298,7 +298,10 @@ impl Conn {
             std::ptr::null_mut(),
             std::ptr::null_mut(),
         );
-        let eof = matches!(r, Ok(0) | Err(libc::ECONNRESET | libc::EPIPE | libc::ENOTCONN));
+        let eof = matches!(
+            r,
+            Ok(0) | Err(libc::ECONNRESET | libc::EPIPE | libc::ENOTCONN)
+        );
         if eof {
             self.peer_eof.store(true, Ordering::Release);
         }
@@ -385,7 +388,11 @@ impl Conn {
                     Ok(0) => {
                         if d.switched().is_some() && limit != usize::MAX {
                             // The peer went away in the middle of its prefix.
-                            break if got > 0 { Ok(got) } else { Err(libc::ECONNRESET) };
+                            break if got > 0 {
+                                Ok(got)
+                            } else {
+                                Err(libc::ECONNRESET)
+                            };
                         }
                         if d.switched().is_some() {
                             continue;
@@ -606,7 +613,12 @@ impl Conn {
             if self.claimed() && self.peer_wake().is_some() {
                 d.switch(st.tcp_out);
                 st.switched = true;
-                if let Some(p) = self.offer_path.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                if let Some(p) = self
+                    .offer_path
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take()
+                {
                     let _ = sys::unlink(&p);
                 }
             } else {
@@ -680,7 +692,11 @@ impl Conn {
                 continue;
             }
             if dontwait {
-                break if sent > 0 { Ok(sent) } else { Err(libc::EAGAIN) };
+                break if sent > 0 {
+                    Ok(sent)
+                } else {
+                    Err(libc::EAGAIN)
+                };
             }
             let tok = 0u8;
             match sys::sendto(
@@ -802,7 +818,12 @@ impl Conn {
         config::count(stats::RX_BYTES, std::mem::take(&mut rx.unflushed));
         config::count(stats::TX_BYTES, std::mem::take(&mut tx.unflushed));
         config::uncount(stats::OPEN);
-        if let Some(p) = self.offer_path.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        if let Some(p) = self
+            .offer_path
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
             let _ = sys::unlink(&p);
         }
         let w = self.peer_wake.swap(PEER_FAILED, Ordering::AcqRel);

@@ -16,11 +16,11 @@
 
 #![allow(clippy::missing_safety_doc)] // the exported functions are libc's, documented there.
 
-pub mod config;
-pub mod conn;
-pub mod seg;
-pub mod setup;
-pub mod sys;
+mod config;
+mod conn;
+mod seg;
+mod setup;
+mod sys;
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, Ordering};
 use std::sync::Mutex;
@@ -38,7 +38,9 @@ static HIDDEN: [AtomicBool; MAX_FD] = [const { AtomicBool::new(false) }; MAX_FD]
 static LISTENERS: Mutex<Vec<(c_int, c_int)>> = Mutex::new(Vec::new());
 
 fn conn_of(fd: c_int) -> Option<&'static Conn> {
-    let p = TABLE.get(usize::try_from(fd).ok()?)?.load(Ordering::Acquire);
+    let p = TABLE
+        .get(usize::try_from(fd).ok()?)?
+        .load(Ordering::Acquire);
     // SAFETY: table entries point at leaked, never-freed connections.
     (!p.is_null()).then(|| unsafe { &*p })
 }
@@ -145,7 +147,12 @@ pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t {
+pub unsafe extern "C" fn __read_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+) -> ssize_t {
     if n > buflen {
         // SAFETY: the fortify failure handler (as glibc's own __read_chk calls).
         unsafe { __chk_fail() };
@@ -419,8 +426,8 @@ pub unsafe extern "C" fn close_range(first: u32, last: u32, flags: c_int) -> c_i
 }
 
 fn close_run(a: usize, b: usize, flags: c_int) {
-    for fd in a..=b {
-        if !TABLE[fd].load(Ordering::Acquire).is_null() {
+    for (fd, slot) in TABLE.iter().enumerate().take(b + 1).skip(a) {
+        if !slot.load(Ordering::Acquire).is_null() {
             forget(fd as c_int);
         }
     }
@@ -567,13 +574,21 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
 // ---- socket names and options: the kernel's TCP socket answers ----
 
 #[no_mangle]
-pub unsafe extern "C" fn getsockname(fd: c_int, addr: *mut sockaddr, alen: *mut socklen_t) -> c_int {
+pub unsafe extern "C" fn getsockname(
+    fd: c_int,
+    addr: *mut sockaddr,
+    alen: *mut socklen_t,
+) -> c_int {
     let fd = conn_of(fd).map_or(fd, |c| c.tcp());
     sys::to_c(sys::getsockname(fd, addr, alen)) as c_int
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn getpeername(fd: c_int, addr: *mut sockaddr, alen: *mut socklen_t) -> c_int {
+pub unsafe extern "C" fn getpeername(
+    fd: c_int,
+    addr: *mut sockaddr,
+    alen: *mut socklen_t,
+) -> c_int {
     let fd = conn_of(fd).map_or(fd, |c| c.tcp());
     sys::to_c(sys::getpeername(fd, addr, alen)) as c_int
 }
@@ -615,7 +630,12 @@ pub unsafe extern "C" fn setsockopt(
 // ---- sendfile / splice: correct through a copy loop ----
 
 #[no_mangle]
-pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut libc::off_t, count: size_t) -> ssize_t {
+pub unsafe extern "C" fn sendfile(
+    out: c_int,
+    inp: c_int,
+    off: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
     if conn_of(out).is_none() && conn_of(inp).is_none() {
         return sys::to_c(sys::sendfile(out, inp, off, count));
     }
@@ -674,7 +694,12 @@ pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut libc::off_t,
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut libc::off_t, count: size_t) -> ssize_t {
+pub unsafe extern "C" fn sendfile64(
+    out: c_int,
+    inp: c_int,
+    off: *mut libc::off_t,
+    count: size_t,
+) -> ssize_t {
     // SAFETY: same arguments.
     unsafe { sendfile(out, inp, off, count) }
 }
@@ -697,8 +722,16 @@ pub unsafe extern "C" fn splice(
     let mut buf = vec![0u8; want];
     if let Some(c) = cin {
         // Socket → pipe: look at the bytes, write what the pipe takes, consume exactly that.
-        let nb = if flags & libc::SPLICE_F_NONBLOCK != 0 { libc::MSG_DONTWAIT } else { 0 };
-        let n = recv_on(c, &iov1(buf.as_mut_ptr() as *const c_void, want), libc::MSG_PEEK | nb);
+        let nb = if flags & libc::SPLICE_F_NONBLOCK != 0 {
+            libc::MSG_DONTWAIT
+        } else {
+            0
+        };
+        let n = recv_on(
+            c,
+            &iov1(buf.as_mut_ptr() as *const c_void, want),
+            libc::MSG_PEEK | nb,
+        );
         if n <= 0 {
             return n;
         }
@@ -721,7 +754,10 @@ pub unsafe extern "C" fn splice(
         // SAFETY: our buffer.
         let r = send_on(
             c,
-            &iov1(unsafe { buf.as_ptr().add(w) } as *const c_void, n as usize - w),
+            &iov1(
+                unsafe { buf.as_ptr().add(w) } as *const c_void,
+                n as usize - w,
+            ),
             libc::MSG_NOSIGNAL,
         );
         if r < 0 {

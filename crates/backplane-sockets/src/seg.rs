@@ -179,14 +179,14 @@ impl Seg {
     }
 
     fn u32(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off + 4 <= HDR && off % 4 == 0);
+        debug_assert!(off + 4 <= HDR && off.is_multiple_of(4));
         // SAFETY: off is a constant of the layout inside the header, 4-aligned; the mapping
         // is page-aligned and at least HDR long (checked by `init`/`validate`).
         unsafe { &*(self.base.add(off) as *const AtomicU32) }
     }
 
     fn u64(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off + 8 <= HDR && off % 8 == 0);
+        debug_assert!(off + 8 <= HDR && off.is_multiple_of(8));
         // SAFETY: as in `u32`, 8-aligned.
         unsafe { &*(self.base.add(off) as *const AtomicU64) }
     }
@@ -201,8 +201,10 @@ impl Seg {
         self.u32(O_CPID).store(o.pid, Ordering::Relaxed);
         self.u32(O_CWAKE).store(o.wake_fd as u32, Ordering::Relaxed);
         self.u64(O_CINO).store(o.wake_ino, Ordering::Relaxed);
-        self.u32(O_DPORT).store(u32::from(o.dport), Ordering::Relaxed);
-        self.u32(O_SPORT).store(u32::from(o.sport), Ordering::Relaxed);
+        self.u32(O_DPORT)
+            .store(u32::from(o.dport), Ordering::Relaxed);
+        self.u32(O_SPORT)
+            .store(u32::from(o.sport), Ordering::Relaxed);
         self.u32(O_DNODE).store(o.dnode, Ordering::Relaxed);
         self.u32(O_SNODE).store(o.snode, Ordering::Relaxed);
         self.u32(O_CHOLD).store(1, Ordering::Relaxed);
@@ -283,7 +285,11 @@ impl Seg {
 
     /// How many processes hold `role`'s end (a fork adds one, a last close removes one).
     pub fn holders(&self, role: Role) -> &AtomicU32 {
-        self.u32(if role == Role::Client { O_CHOLD } else { O_SHOLD })
+        self.u32(if role == Role::Client {
+            O_CHOLD
+        } else {
+            O_SHOLD
+        })
     }
 
     /// The offer's cookie.

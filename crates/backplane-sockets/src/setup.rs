@@ -99,8 +99,8 @@ pub unsafe fn parse_addr(addr: *const libc::sockaddr, len: socklen_t) -> Option<
         return None;
     }
     let len = len as usize;
-    // SAFETY: addr is valid for len >= 2 bytes (checked) per the caller.
     let fam = if len >= 2 {
+        // SAFETY: addr is valid for len >= 2 bytes (checked) per the caller.
         c_int::from(unsafe { (*addr).sa_family })
     } else {
         return None;
@@ -167,7 +167,12 @@ pub fn register_listener(fd: c_int) -> Option<c_int> {
         return None;
     }
     let path = cfg.listener_path(cfg.node, local.port());
-    let lf = sys::open(&path, libc::O_RDONLY | libc::O_CREAT | libc::O_CLOEXEC, 0o644).ok()? as c_int;
+    let lf = sys::open(
+        &path,
+        libc::O_RDONLY | libc::O_CREAT | libc::O_CLOEXEC,
+        0o644,
+    )
+    .ok()? as c_int;
     if sys::flock(lf, libc::LOCK_SH).is_err() {
         let _ = sys::close(lf);
         return None;
@@ -340,7 +345,8 @@ unsafe fn offer_and_connect(
             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
             0o600,
         )? as c_int;
-        let r = sys::ftruncate(mf, len as u64).and_then(|_| sys::mmap_shared(mf, len).map(|p| p as usize));
+        let r = sys::ftruncate(mf, len as u64)
+            .and_then(|_| sys::mmap_shared(mf, len).map(|p| p as usize));
         let _ = sys::close(mf);
         let p = r? as *mut u8;
         // SAFETY: a fresh shared mapping of len bytes.
@@ -380,7 +386,10 @@ unsafe fn offer_and_connect(
                 undo(&mut seg);
                 return Err(match e {
                     Some(err) => (None, Some(sys::to_c(Err(err)))),
-                    None => (Some(Fallback::SlowConnect), Some(sys::to_c(Err(libc::EINPROGRESS)))),
+                    None => (
+                        Some(Fallback::SlowConnect),
+                        Some(sys::to_c(Err(libc::EINPROGRESS))),
+                    ),
                 });
             }
         }
@@ -590,7 +599,15 @@ fn claim(
     };
     if !s.claim(sys::getpid(), b, b_ino) {
         // Someone else claimed it: put the TCP socket back where the program expects it.
-        let _ = sys::dup3(tcp, t, if flags & libc::SOCK_CLOEXEC != 0 { libc::O_CLOEXEC } else { 0 });
+        let _ = sys::dup3(
+            tcp,
+            t,
+            if flags & libc::SOCK_CLOEXEC != 0 {
+                libc::O_CLOEXEC
+            } else {
+                0
+            },
+        );
         close_hidden(tcp);
         close_hidden(a_own);
         close_hidden(b);

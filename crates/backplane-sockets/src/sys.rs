@@ -284,15 +284,6 @@ pub fn epoll_wait(ep: c_int, evs: *mut libc::epoll_event, max: c_int, timeout: c
 pub fn getrandom(buf: &mut [u8]) -> Res {
     sc!(libc::SYS_getrandom, buf.as_mut_ptr(), buf.len(), 0)
 }
-/// `execve(2)`.
-pub fn execve(
-    path: *const libc::c_char,
-    argv: *const *const libc::c_char,
-    envp: *const *const libc::c_char,
-) -> Res {
-    sc!(libc::SYS_execve, path, argv, envp)
-}
-
 /// Sends one wake-up byte on `fd` without blocking; a full queue already holds one.
 pub fn poke(fd: c_int) {
     let b = 1u8;

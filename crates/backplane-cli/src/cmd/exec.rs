@@ -115,7 +115,10 @@ pub(crate) fn verbs_lib_dir(name: &str) -> anyhow::Result<std::path::PathBuf> {
 
 /// The environment `--accel` gives the program: the preload, the fabric's directory for the
 /// agreement's files (gone with `down`) and its IPv4 plan.
-fn accel_env(name: &str, fabric: &Fabric) -> anyhow::Result<Vec<(String, std::ffi::OsString)>> {
+pub(crate) fn accel_env(
+    name: &str,
+    fabric: &Fabric,
+) -> anyhow::Result<Vec<(String, std::ffi::OsString)>> {
     let exe = std::env::current_exe().context("cannot find the backplane executable")?;
     let lib = exe.with_file_name("libbackplane_sockets.so");
     if !lib.is_file() {
@@ -131,9 +134,7 @@ fn accel_env(name: &str, fabric: &Fabric) -> anyhow::Result<Vec<(String, std::ff
     }
     let report = fabric.status()?;
     let Some(first) = report.slots.first().and_then(|s| s.address.clone()) else {
-        bail!(
-            "--accel needs IP over the fabric, and fabric '{name}' was started with --no-net"
-        );
+        bail!("--accel needs IP over the fabric, and fabric '{name}' was started with --no-net");
     };
     let (ip, prefix) = first
         .split_once('/')

@@ -180,6 +180,11 @@ pub struct Args {
     /// Print a JSON document (version 1) instead of tables.
     #[arg(long)]
     json: bool,
+    /// ip: add the accelerated path (`exec --accel`: unmodified iperf3 and sockperf with
+    /// `libbackplane_sockets.so`) and loopback to bp0 and veth, and measure latency over TCP
+    /// (`sockperf --tcp`) on every path.
+    #[arg(long)]
+    accel: bool,
     /// Seconds per iperf3 run (ip only).
     #[arg(short = 'D', long = "duration", default_value_t = 5)]
     duration: u64,
@@ -268,7 +273,7 @@ fn iters_for(a: &Args, size: u64) -> u64 {
 pub fn run(a: Args) -> anyhow::Result<()> {
     teardown::install_signal_handler();
     if a.test == Test::Ip {
-        return super::perf_ip::run(a.duration, a.json, a.rounds);
+        return super::perf_ip::run(a.duration, a.json, a.rounds, a.accel);
     }
     if a.test == Test::DmaBw {
         return dma::run(&a);

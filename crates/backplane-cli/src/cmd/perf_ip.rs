@@ -36,6 +36,10 @@ struct IpReport {
     test: &'static str,
     mtu: u32,
     seconds: u64,
+    /// The protocol of the latency figures: "udp" (sockperf's default), "tcp" with `--accel`.
+    latency: &'static str,
+    /// Every path measured; the ratios compare the first (the accelerated path with
+    /// `--accel`, else bp0) with the veth pair.
     rows: Vec<IpRow>,
     ratio_tcp: f64,
     ratio_lat_p50: f64,
@@ -80,9 +84,13 @@ fn ip(args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn in_ns(ns: &str, prog: &str) -> Command {
+/// The environment a path's programs run with (the preload for the accelerated path).
+type Env = Vec<(String, std::ffi::OsString)>;
+
+fn in_ns(ns: &str, prog: &str, env: &Env) -> Command {
     let mut c = Command::new("ip");
     c.args(["netns", "exec", ns, prog]);
+    c.envs(env.iter().map(|(k, v)| (k, v)));
     c
 }
 
@@ -107,8 +115,9 @@ fn iperf(
     addr: &str,
     port: u16,
     secs: u64,
+    env: &(Env, Env),
 ) -> anyhow::Result<serde_json::Value> {
-    let mut server = in_ns(ns_server, "iperf3")
+    let mut server = in_ns(ns_server, "iperf3", &env.1)
         .args(["-s", "-1", "-p", &port.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -118,7 +127,7 @@ fn iperf(
     let mut last = String::new();
     for _ in 0..50 {
         std::thread::sleep(Duration::from_millis(100));
-        let o = in_ns(ns_client, "iperf3")
+        let o = in_ns(ns_client, "iperf3", &env.0)
             .args([
                 "-c",
                 addr,
@@ -170,16 +179,26 @@ fn sockperf(
     ns_client: &str,
     addr: &str,
     port: u16,
+    env: &(Env, Env),
+    tcp: bool,
 ) -> anyhow::Result<(f64, f64, f64, f64)> {
-    let mut server = in_ns(ns_server, "sockperf")
+    // Over TCP the accelerated path outruns sockperf's default ceiling on the message rate
+    // (it sizes its tables for it and fails beyond), so lift it for every path alike.
+    let tcp_arg: &[&str] = if tcp {
+        &["--tcp", "--mps", "10000000"]
+    } else {
+        &[]
+    };
+    let mut server = in_ns(ns_server, "sockperf", &env.1)
         .args(["sr", "-i", addr, "-p", &port.to_string()])
+        .args(&tcp_arg[..tcp_arg.len().min(1)])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .context("cannot start sockperf (install Debian package sockperf)")?;
     let guard = teardown::child("sockperf server", server.id());
     std::thread::sleep(Duration::from_millis(300));
-    let o = in_ns(ns_client, "sockperf")
+    let o = in_ns(ns_client, "sockperf", &env.0)
         .args([
             "pp",
             "-i",
@@ -191,6 +210,7 @@ fn sockperf(
             "-m",
             "64",
         ])
+        .args(tcp_arg)
         .output_guarded("sockperf client");
     let _ = server.kill();
     let _ = server.wait();
@@ -201,19 +221,29 @@ fn sockperf(
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     );
-    parse_sockperf(&text).with_context(|| format!("no latency summary from sockperf over {addr}"))
+    parse_sockperf(&text).with_context(|| {
+        let tail: Vec<&str> = text.lines().rev().take(3).collect();
+        format!(
+            "no latency summary from sockperf over {addr}: {}",
+            tail.into_iter().rev().collect::<Vec<_>>().join(" / ")
+        )
+    })
 }
 
-fn measure(
-    path: &str,
-    ns: (&str, &str),
-    addr: &str,
-    secs: u64,
-    agents: &[u32],
-) -> anyhow::Result<IpRow> {
+/// One path: where its two ends run, the server's address, and the programs' environment
+/// (client's, server's).
+struct Path<'a> {
+    name: &'a str,
+    ns: (&'a str, &'a str),
+    addr: String,
+    env: (Env, Env),
+}
+
+fn measure(p: &Path<'_>, secs: u64, agents: &[u32], tcp_lat: bool) -> anyhow::Result<IpRow> {
+    let (path, ns, addr) = (p.name, p.ns, p.addr.as_str());
     let cpu0: f64 = agents.iter().map(|&p| cpu_seconds(p)).sum();
     let t0 = Instant::now();
-    let j = iperf(ns.1, ns.0, addr, 5201, secs)?;
+    let j = iperf(ns.1, ns.0, addr, 5201, secs, &p.env)?;
     let agent_pct = (!agents.is_empty()).then(|| {
         let cpu1: f64 = agents.iter().map(|&p| cpu_seconds(p)).sum();
         100.0 * (cpu1 - cpu0) / t0.elapsed().as_secs_f64()
@@ -223,7 +253,7 @@ fn measure(
         .as_f64()
         .unwrap_or(0.0);
     let cpu = &end["cpu_utilization_percent"];
-    let (avg, p50, p99, p999) = sockperf(ns.1, ns.0, addr, 11111)?;
+    let (avg, p50, p99, p999) = sockperf(ns.1, ns.0, addr, 11111, &p.env, tcp_lat)?;
     Ok(IpRow {
         path: path.into(),
         tcp_gbps: bps / 1e9,
@@ -238,7 +268,7 @@ fn measure(
 }
 
 /// Runs the comparison; `secs` per iperf3 run.
-pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
+pub fn run(secs: u64, json: bool, rounds: u32, accel: bool) -> anyhow::Result<()> {
     if !rustix::process::geteuid().is_root() {
         bail!("perf ip needs root: it creates network namespaces and TAP devices");
     }
@@ -307,35 +337,83 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
         );
     }
     let plan = NetPlan::new(net::DEFAULT_SUBNET, mtu, 2)?;
+    let fabric_addr = plan.address(2).to_string();
+    let mut paths = Vec::new();
+    if accel {
+        let f = Fabric::attach(&name)?;
+        let common = super::exec::accel_env(&name, &f)?;
+        let side = |node: u32| {
+            let mut e = common.clone();
+            e.push(("BACKPLANE_NODE".into(), node.to_string().into()));
+            e.push(("BACKPLANE_FABRIC".into(), name.clone().into()));
+            e
+        };
+        paths.push(Path {
+            name: "fabric accel",
+            ns: (&fa, &fb),
+            addr: fabric_addr.clone(),
+            env: (side(1), side(2)),
+        });
+    }
+    paths.push(Path {
+        name: "fabric bp0",
+        ns: (&fa, &fb),
+        addr: fabric_addr,
+        env: (Env::new(), Env::new()),
+    });
+    paths.push(Path {
+        name: "veth pair",
+        ns: (&va, &vb),
+        addr: "10.255.255.2".into(),
+        env: (Env::new(), Env::new()),
+    });
+    if accel {
+        paths.push(Path {
+            name: "loopback",
+            ns: (&va, &va),
+            addr: "127.0.0.1".into(),
+            env: (Env::new(), Env::new()),
+        });
+    }
+    // The figure the ratios compare: the accelerated path with --accel, else bp0.
+    let veth = paths
+        .iter()
+        .position(|p| p.name == "veth pair")
+        .expect("veth is measured");
     let mut all = Vec::new();
     for round in 0..rounds {
-        let fabric_row = measure(
-            "fabric bp0",
-            (&fa, &fb),
-            &plan.address(2).to_string(),
-            secs,
-            &agents,
-        )?;
-        let veth_row = measure("veth pair", (&va, &vb), "10.255.255.2", secs, &[])?;
+        let mut row = Vec::new();
+        for p in &paths {
+            let agents: &[u32] = if p.name.starts_with("fabric") {
+                &agents
+            } else {
+                &[]
+            };
+            row.push(measure(p, secs, agents, accel)?);
+        }
         if rounds > 1 && !json {
             eprintln!("perf ip: round {} of {rounds} done", round + 1);
         }
-        all.push(vec![fabric_row, veth_row]);
+        all.push(row);
     }
     drop(guards);
     let (rows, rounds_kept) = if all.len() == 1 {
         (all.pop().expect("one round"), Vec::new())
     } else {
         let path = |i: usize| all.iter().map(|r| &r[i]).collect::<Vec<_>>();
-        (vec![median_row(&path(0)), median_row(&path(1))], all)
+        (
+            (0..paths.len()).map(|i| median_row(&path(i))).collect(),
+            all,
+        )
     };
     let report = IpReport {
         version: 1,
         test: "ip",
         mtu,
         seconds: secs,
-        ratio_tcp: rows[0].tcp_gbps / rows[1].tcp_gbps.max(1e-9),
-        ratio_lat_p50: rows[0].lat_p50_us / rows[1].lat_p50_us.max(1e-9),
+        latency: if accel { "tcp" } else { "udp" },
+        ratio_tcp: rows[0].tcp_gbps / rows[veth].tcp_gbps.max(1e-9),
+        ratio_lat_p50: rows[0].lat_p50_us / rows[veth].lat_p50_us.max(1e-9),
         rows,
         rounds: rounds_kept,
     };
@@ -344,7 +422,7 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
     }
     let mut o = String::new();
     let line = "-".repeat(112);
-    let _ = writeln!(o, "{line}\n ip: TCP (iperf3) and UDP ping-pong latency (sockperf, 64 B, one-way) between two nodes, same run\n{line}");
+    let _ = writeln!(o, "{line}\n ip: TCP (iperf3) and {} ping-pong latency (sockperf, 64 B, one-way) between two nodes, same run\n{line}", report.latency.to_uppercase());
     let _ = writeln!(
         o,
         "{:<12} {:>10} {:>12} {:>12} {:>12} {:>11} {:>11} {:>11} {:>12}",
@@ -375,11 +453,11 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
     }
     let _ = writeln!(
         o,
-        "{line}\n ratio fabric / veth: TCP throughput {:.2} (>=1 is better), latency p50 {:.2} (<=1 is better)",
-        report.ratio_tcp, report.ratio_lat_p50
+        "{line}\n ratio {} / veth: TCP throughput {:.2} (>=1 is better), latency p50 {:.2} (<=1 is better)",
+        report.rows[0].path, report.ratio_tcp, report.ratio_lat_p50
     );
     if !report.rounds.is_empty() {
-        let per = |f: fn(&[IpRow]) -> f64| {
+        let per = |f: &dyn Fn(&[IpRow]) -> f64| {
             report
                 .rounds
                 .iter()
@@ -391,8 +469,8 @@ pub fn run(secs: u64, json: bool, rounds: u32) -> anyhow::Result<()> {
         o,
             " {} rounds, fabric and veth alternating; the table holds each field's median\n per-round TCP ratio: {}\n per-round latency p50 ratio: {}",
             report.rounds.len(),
-            per(|r| r[0].tcp_gbps / r[1].tcp_gbps.max(1e-9)),
-            per(|r| r[0].lat_p50_us / r[1].lat_p50_us.max(1e-9)),
+            per(&|r| r[0].tcp_gbps / r[veth].tcp_gbps.max(1e-9)),
+            per(&|r| r[0].lat_p50_us / r[veth].lat_p50_us.max(1e-9)),
         );
     }
     super::emit(&o)
