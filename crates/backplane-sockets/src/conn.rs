@@ -340,6 +340,7 @@ impl Conn {
         if self.ended() {
             return Err(libc::EBADF);
         }
+        crate::ensure_helper();
         if flags & libc::MSG_OOB != 0 {
             return Err(libc::EINVAL);
         }
@@ -592,6 +593,7 @@ impl Conn {
         if self.ended() {
             return Err(libc::EBADF);
         }
+        crate::ensure_helper();
         let nosig = flags & libc::MSG_NOSIGNAL != 0;
         if flags & libc::MSG_OOB != 0 {
             return Err(libc::EOPNOTSUPP);
@@ -782,6 +784,14 @@ impl Conn {
             }
         }
         Ok(0)
+    }
+
+    /// In a child just forked (no locks: another thread of the parent may have held them):
+    /// name this process as the holder the peer fetches our wake-up socket from.
+    pub fn forked(&self) {
+        if !self.ended() {
+            self.seg_fast.set_holder(self.role, crate::my_pid());
+        }
     }
 
     /// The process exits: remove an unclaimed offer, without waiting for any lock.

@@ -800,6 +800,18 @@ pub fn my_pid() -> u32 {
 
 extern "C" fn after_fork_child() {
     MY_PID.store(sys::getpid(), Ordering::Relaxed);
+    for s in TABLE.iter() {
+        let p = s.load(Ordering::Acquire);
+        if !p.is_null() {
+            // SAFETY: table entries point at leaked, never-freed connections.
+            unsafe { &*p }.forked();
+        }
+    }
+}
+
+/// A child after fork has no helper thread yet: start one (one comparison when it has).
+pub fn ensure_helper() {
+    helper::ensure();
 }
 
 extern "C" fn at_load() {
@@ -843,7 +855,7 @@ mod helper {
     static PID: AtomicU32 = AtomicU32::new(0);
     static START: Mutex<()> = Mutex::new(());
 
-    fn ensure() -> c_int {
+    pub fn ensure() -> c_int {
         let me = my_pid();
         if PID.load(Ordering::Acquire) == me {
             return EP.load(Ordering::Acquire);

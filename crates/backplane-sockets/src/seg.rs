@@ -283,6 +283,22 @@ impl Seg {
         })
     }
 
+    /// A process that holds `role`'s end (after a fork: the child, which often outlives its
+    /// parent's copy) names itself as the one the peer takes the wake-up socket from.
+    pub fn set_holder(&self, role: Role, pid: u32) {
+        self.u32(if role == Role::Client { O_CPID } else { O_SPID })
+            .store(pid, Ordering::Release);
+    }
+
+    /// The client's (pid, wake fd, wake inode), for the server fetching it again.
+    pub fn client_wake(&self) -> (u32, i32, u64) {
+        (
+            self.u32(O_CPID).load(Ordering::Acquire),
+            self.u32(O_CWAKE).load(Ordering::Relaxed) as i32,
+            self.u64(O_CINO).load(Ordering::Relaxed),
+        )
+    }
+
     /// How many processes hold `role`'s end (a fork adds one, a last close removes one).
     pub fn holders(&self, role: Role) -> &AtomicU32 {
         self.u32(if role == Role::Client {

@@ -1,0 +1,389 @@
+#!/usr/bin/env python3
+"""Socket calls a real program makes, over one TCP connection between two fabric nodes.
+
+Run by crates/backplane-cli/tests/accel.rs under `backplane exec --accel` (or without, for the
+mixed cases): `calls.py server|client SCENARIO PORT [PEER]`. Python's socket module calls libc's
+functions, so everything here goes through the preload library exactly as a C program's calls
+would. Each side exits 0 and prints "ok SCENARIO" when everything it checked held.
+"""
+import errno
+import fcntl
+import hashlib
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import termios
+import threading
+import time
+
+role, scen, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+peer = sys.argv[4] if len(sys.argv) > 4 else "node2"
+
+
+def fail(msg):
+    print(f"FAIL {scen} {role}: {msg}", flush=True)
+    sys.exit(1)
+
+
+def check(cond, msg):
+    if not cond:
+        fail(msg)
+
+
+def pattern(n, seed=7):
+    out = bytearray()
+    x = seed
+    while len(out) < n:
+        x = (x * 6364136223846793005 + 1442695040888963407) & (2**64 - 1)
+        out += struct.pack("<Q", x)
+    return bytes(out[:n])
+
+
+def listen():
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port))
+    s.listen(128)
+    print("listening", flush=True)
+    return s
+
+
+def connect():
+    for _ in range(100):
+        try:
+            return socket.create_connection((peer, port))
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    fail("cannot connect")
+
+
+def recv_exact(c, n):
+    buf = bytearray()
+    while len(buf) < n:
+        d = c.recv(n - len(buf))
+        check(d, f"early EOF after {len(buf)} of {n}")
+        buf += d
+    return bytes(buf)
+
+
+def readable(fd, t=0.0):
+    return bool(select.select([fd], [], [], t)[0])
+
+
+def fionread(c):
+    b = fcntl.ioctl(c.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    return struct.unpack("i", b)[0]
+
+
+# ---- scenarios ----
+
+def stream():
+    """64 MiB in odd-sized pieces through send/sendall/sendmsg/os.write and
+    recv/recv_into/recvmsg/os.read, MSG_PEEK, MSG_WAITALL, FIONREAD, names, options, half-close."""
+    size = 64 << 20
+    data = pattern(size)
+    if role == "server":
+        s = listen()
+        c, addr = s.accept()
+        check(c.getsockname()[1] == port, f"getsockname {c.getsockname()}")
+        check(c.getpeername()[0] == addr[0], f"getpeername {c.getpeername()} vs {addr}")
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        check(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1, "TCP_NODELAY")
+        check(c.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_STREAM, "SO_TYPE")
+        h = hashlib.sha256()
+        first = c.recv(16, socket.MSG_PEEK | socket.MSG_WAITALL)
+        check(first == data[:len(first)] and first, "MSG_PEEK")
+        got = 0
+        sizes = [1, 7, 4096, 65536, 100000, 1 << 20]
+        i = 0
+        buf = bytearray(1 << 20)
+        while True:
+            n = sizes[i % len(sizes)]
+            i += 1
+            k = i % 4
+            if k == 0:
+                d = c.recv(n)
+            elif k == 1:
+                m = c.recv_into(memoryview(buf)[:n])
+                d = bytes(buf[:m])
+            elif k == 2:
+                d, _, _, _ = c.recvmsg(n)
+            else:
+                d = os.read(c.fileno(), n)
+            if not d:
+                break
+            h.update(d)
+            got += len(d)
+        check(got == size, f"got {got} of {size}")
+        check(h.digest() == hashlib.sha256(data).digest(), "sha256 differs")
+        # The client half-closed: we can still write.
+        c.sendall(h.digest())
+        c.close()
+    else:
+        c = connect()
+        check(c.getpeername()[1] == port, f"getpeername {c.getpeername()}")
+        off = 0
+        sizes = [3, 65536, 1000, 1 << 20, 5, 300000]
+        i = 0
+        while off < size:
+            n = min(sizes[i % len(sizes)], size - off)
+            k = i % 4
+            i += 1
+            if k == 0:
+                c.sendall(data[off:off + n])
+            elif k == 1:
+                c.sendmsg([data[off:off + n // 2], data[off + n // 2:off + n]])
+                off += n
+                continue
+            elif k == 2:
+                m = 0
+                while m < n:
+                    m += os.write(c.fileno(), data[off + m:off + n])
+            else:
+                c.sendall(data[off:off + n], socket.MSG_NOSIGNAL)
+            off += n
+        c.shutdown(socket.SHUT_WR)
+        digest = recv_exact(c, 32)
+        check(c.recv(1) == b"", "EOF after the reply")
+        check(digest == hashlib.sha256(data).digest(), "server's digest differs")
+    print(f"ok {scen}", flush=True)
+
+
+def readiness():
+    """select/poll/epoll (level- and edge-triggered) see what the kernel would show: not
+    readable until bytes come, readable until all are read, writable until the peer stops
+    reading and the window is full, writable again once it reads (an edge for EPOLLET)."""
+    if role == "server":
+        s = listen()
+        c, _ = s.accept()
+        c.setblocking(False)
+        fd = c.fileno()
+        check(not readable(fd, 0.1), "readable before any byte")
+        check(recv_exact_nb(c, 1) == b"g", "go byte")   # the client says go
+        check(not readable(fd, 0.05), "readable after everything was read (a stale byte)")
+        try:
+            c.recv(10)
+            fail("recv on an empty socket did not raise EAGAIN")
+        except BlockingIOError:
+            pass
+        ep = select.epoll()
+        ep.register(fd, select.EPOLLIN | select.EPOLLOUT | select.EPOLLET)
+        evs = dict(ep.poll(0.5))
+        check(evs.get(fd, 0) & select.EPOLLOUT, f"not writable at first: {evs}")
+        # Fill: write until EAGAIN (the client does not read yet).
+        sent = 0
+        chunk = b"x" * 65536
+        while True:
+            try:
+                sent += c.send(chunk)
+            except BlockingIOError:
+                break
+        check(sent > 0, "nothing sent before EAGAIN")
+        po = select.poll()
+        po.register(fd, select.POLLOUT)
+        check(not po.poll(100), f"writable with a full window after {sent} bytes")
+        # Tell the client how much is coming (over the same full stream? no: it counts);
+        # it starts reading after 0.3 s; the edge must come.
+        t0 = time.time()
+        got_edge = False
+        while time.time() - t0 < 10:
+            for f, e in ep.poll(5):
+                if f == fd and e & select.EPOLLOUT:
+                    got_edge = True
+            if got_edge:
+                break
+        check(got_edge, "no EPOLLOUT edge after the peer read")
+        # Finish: send the end marker, blocking.
+        c.setblocking(True)
+        c.sendall(b"E" * 8)
+        c.shutdown(socket.SHUT_WR)
+        # Level-triggered: the client's reply stays readable until read.
+        ep.modify(fd, select.EPOLLIN)
+        check(ep.poll(5), "no EPOLLIN for the reply")
+        check(ep.poll(0.05), "level-triggered EPOLLIN gone before reading")
+        n = struct.unpack("<Q", recv_exact(c, 8))[0]
+        check(n == sent + 8, f"client counted {n}, sent {sent + 8}")
+        c.close()
+    else:
+        c = connect()
+        time.sleep(0.3)
+        c.sendall(b"g")
+        time.sleep(0.6)  # the server fills its window meanwhile
+        total = 0
+        while True:
+            d = c.recv(1 << 20)
+            if not d:
+                break
+            total += len(d)
+        c.sendall(struct.pack("<Q", total))
+        c.close()
+    print(f"ok {scen}", flush=True)
+
+
+def recv_exact_nb(c, n):
+    buf = b""
+    while len(buf) < n:
+        select.select([c], [], [], 10)
+        try:
+            d = c.recv(n - len(buf))
+        except BlockingIOError:
+            continue
+        check(d, "EOF")
+        buf += d
+    return buf
+
+
+def dups():
+    """dup, dup2, fcntl(F_DUPFD, O_NONBLOCK), FIONBIO, FIONREAD: every copy is the same stream."""
+    if role == "server":
+        s = listen()
+        c, _ = s.accept()
+        fd = c.fileno()
+        d1 = os.dup(fd)
+        d2 = fcntl.fcntl(fd, fcntl.F_DUPFD, 100)
+        check(d2 >= 100, f"F_DUPFD gave {d2}")
+        d3 = os.dup2(fd, 90)
+        check(d3 == 90, "dup2")
+        for i, f in enumerate([fd, d1, d2, d3]):
+            msg = os.read(f, 5)
+            check(msg == b"msg%02d" % i, f"read {msg} on copy {i}")
+            os.write(f, b"ack%02d" % i)
+        # Close the original and two copies; the last one still works.
+        c.detach()
+        os.close(fd)
+        os.close(d1)
+        os.close(d2)
+        # Non-blocking through fcntl on one copy is the connection's (shared file flag).
+        fl = fcntl.fcntl(d3, fcntl.F_GETFL)
+        fcntl.fcntl(d3, fcntl.F_SETFL, fl | os.O_NONBLOCK)
+        try:
+            os.read(d3, 10)
+            fail("read on an empty non-blocking copy did not raise EAGAIN")
+        except BlockingIOError:
+            pass
+        fcntl.fcntl(d3, fcntl.F_SETFL, fl)
+        os.write(d3, b"ready")
+        time.sleep(0.3)
+        n = 0
+        for _ in range(50):
+            b = fcntl.ioctl(d3, termios.FIONREAD, b"\0\0\0\0")
+            n = struct.unpack("i", b)[0]
+            if n >= 11:
+                break
+            time.sleep(0.05)
+        check(n == 11, f"FIONREAD {n}")
+        check(os.read(d3, 11) == b"hello there", "payload on the last copy")
+        os.close(d3)
+    else:
+        c = connect()
+        for i in range(4):
+            c.sendall(b"msg%02d" % i)
+            check(recv_exact(c, 5) == b"ack%02d" % i, f"ack {i}")
+        check(recv_exact(c, 5) == b"ready", "ready")
+        c.sendall(b"hello there")
+        check(c.recv(10) == b"", "EOF once every copy closed")
+    print(f"ok {scen}", flush=True)
+
+
+def forked():
+    """accept, fork: the child serves the connection, the parent closes its copy at once."""
+    if role == "server":
+        s = listen()
+        c, _ = s.accept()
+        pid = os.fork()
+        if pid == 0:
+            s.close()
+            while True:
+                d = c.recv(65536)
+                if not d:
+                    break
+                c.sendall(d)
+            c.close()
+            os._exit(0)
+        c.close()
+        _, st = os.waitpid(pid, 0)
+        check(os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0, f"child status {st}")
+    else:
+        c = connect()
+        data = pattern(4 << 20, 3)
+        t = threading.Thread(target=lambda: c.sendall(data) or c.shutdown(socket.SHUT_WR))
+        t.start()
+        back = bytearray()
+        while True:
+            d = c.recv(1 << 20)
+            if not d:
+                break
+            back += d
+        t.join()
+        check(bytes(back) == data, f"echo differs ({len(back)} of {len(data)})")
+    print(f"ok {scen}", flush=True)
+
+
+def killed():
+    """The peer is SIGKILLed mid-stream: the writer gets EPIPE/ECONNRESET, never a hang."""
+    if role == "server":
+        s = listen()
+        c, _ = s.accept()
+        recv_exact(c, 1 << 20)
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        c = connect()
+        chunk = b"k" * 65536
+        t0 = time.time()
+        try:
+            while time.time() - t0 < 20:
+                c.sendall(chunk)
+            fail("writes to a killed peer still succeed after 20 s")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            d = c.recv(10)
+            check(d == b"", f"read after the peer died returned {d!r}")
+        except ConnectionResetError:
+            pass
+    print(f"ok {scen}", flush=True)
+
+
+def many():
+    """64 connections at once, served by one thread through epoll (level-triggered)."""
+    n = 64
+    if role == "server":
+        s = listen()
+        conns = [s.accept()[0] for _ in range(n)]
+        ep = select.epoll()
+        by_fd = {}
+        for c in conns:
+            c.setblocking(False)
+            ep.register(c.fileno(), select.EPOLLIN)
+            by_fd[c.fileno()] = c
+        done = 0
+        while done < n:
+            for fd, _ in ep.poll(10):
+                c = by_fd[fd]
+                try:
+                    d = c.recv(65536)
+                except BlockingIOError:
+                    continue
+                if not d:
+                    ep.unregister(fd)
+                    c.close()
+                    done += 1
+                    continue
+                c.setblocking(True)
+                c.sendall(d)
+                c.setblocking(False)
+    else:
+        cs = [connect() for _ in range(n)]
+        for i, c in enumerate(cs):
+            c.sendall(b"conn%03d" % i * 100)
+        for i, c in enumerate(cs):
+            check(recv_exact(c, 700) == b"conn%03d" % i * 100, f"echo on connection {i}")
+            c.close()
+    print(f"ok {scen}", flush=True)
+
+
+{"stream": stream, "readiness": readiness, "dups": dups, "forked": forked,
+ "killed": killed, "many": many}[scen]()
