@@ -12,7 +12,10 @@ mode=${1:-main}
 # iperf3, iputils-ping, sockperf: the network tests and the IP benchmark.
 # libibverbs-dev: the header the drop-in libibverbs.so.1 (backplane-ibverbs) is checked
 # against when it builds; ibverbs-utils, perftest: the unmodified RDMA programs it is tested with.
-packages=(ucx-utils iproute2 procps iperf3 iputils-ping sockperf libibverbs-dev ibverbs-utils perftest)
+# python3, curl, netcat-openbsd, redis-server, redis-tools: unmodified programs the accelerated
+# sockets (exec --accel, backplane-sockets) are tested with (with iperf3 and sockperf).
+packages=(ucx-utils iproute2 procps iperf3 iputils-ping sockperf libibverbs-dev ibverbs-utils perftest
+  python3 curl netcat-openbsd redis-server redis-tools)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -38,5 +41,5 @@ fi
 if [ "$mode" = "--test" ]; then
   cargo build --workspace --all-targets
 else
-  cargo build --release -p backplane-cli -p backplane-ibverbs
+  cargo build --release -p backplane-cli -p backplane-ibverbs -p backplane-sockets
 fi

@@ -308,6 +308,24 @@ mod tests {
     }
 
     #[test]
+    fn counters_layout_is_the_one_status_reads() {
+        use backplane::fabric::accel as r;
+        assert_eq!(stats::MAGIC, r::STATS_MAGIC);
+        assert_eq!(
+            [
+                stats::CONNS,
+                stats::TX_BYTES,
+                stats::RX_BYTES,
+                stats::CORRUPT,
+                stats::OPEN
+            ],
+            [r::CONNS, r::TX_BYTES, r::RX_BYTES, r::CORRUPT, r::OPEN]
+        );
+        assert_eq!((stats::FALLBACK, stats::WORDS), (r::FALLBACK, r::WORDS));
+        assert_eq!(FALLBACK_NAMES, r::FALLBACK_NAMES);
+    }
+
+    #[test]
     fn agreement_paths() {
         let c = cfg();
         assert_eq!(c.listener_path(2, 5201), b"/x/n2-l5201\0");

@@ -113,5 +113,29 @@ pub fn render(r: &StatusReport) -> String {
             );
         }
     }
+    if r.slots.iter().any(|s| s.accel.is_some()) {
+        out += &format!(
+            "\n{:>4} {:>11} {:>6} {:>14} {:>14} {:>8}  {}\n",
+            "SLOT", "ACCEL-CONNS", "OPEN", "TX-BYTES", "RX-BYTES", "CORRUPT", "FALLBACKS"
+        );
+        for s in &r.slots {
+            let Some(a) = &s.accel else {
+                continue;
+            };
+            let fb = if a.fallbacks.is_empty() {
+                "-".to_owned()
+            } else {
+                a.fallbacks
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            out += &format!(
+                "{:>4} {:>11} {:>6} {:>14} {:>14} {:>8}  {fb}\n",
+                s.slot, a.connections, a.open, a.tx_bytes, a.rx_bytes, a.corrupt
+            );
+        }
+    }
     out
 }

@@ -283,6 +283,10 @@ pub struct SlotStatus {
     /// The interface's own counters, as `ip -s link` shows them inside the node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub interface: Option<IfStats>,
+    /// Accelerated sockets of the node's programs (`exec --accel`), read by the process
+    /// asking for the status; absent until one ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accel: Option<super::accel::AccelStats>,
 }
 
 /// Counters of a node's network interface (published by its agent every 100 ms).

@@ -5,6 +5,7 @@
 //! and lock file; its memory is memfds that exist only while some process holds them, so a
 //! crash can leave at most that directory behind, which the next `up` or `down` removes.
 
+pub mod accel;
 pub mod alloc;
 pub mod ctl;
 pub mod launch;
@@ -336,6 +337,9 @@ impl Fabric {
                     if let Some(slot) = s.slots.iter_mut().find(|x| x.slot == m.slot) {
                         slot.procs += 1;
                     }
+                }
+                for slot in s.slots.iter_mut() {
+                    slot.accel = accel::read_stats(&s.fabric, slot.slot);
                 }
                 Ok(s)
             }

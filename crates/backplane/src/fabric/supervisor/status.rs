@@ -71,6 +71,7 @@ impl Sup {
                     address: self.cfg.net.map(|p| p.cidr(slot)),
                     mac: self.cfg.net.map(|_| net::Mac::of_slot(slot).to_string()),
                     interface: ifstats,
+                    accel: None,
                 }
             })
             .collect();
