@@ -185,8 +185,13 @@ fn iperf_json(fab: &Fab, port: &str, args: &[&str]) -> (serde_json::Value, Strin
     a.extend_from_slice(args);
     let o = run(fab, 1, true, &a);
     let _ = server.kill();
-    let _ = server.wait();
-    assert!(o.status.success(), "iperf3 {args:?}: {}", text(&o));
+    let s = server.wait_with_output().expect("iperf3 server");
+    assert!(
+        o.status.success(),
+        "iperf3 {args:?}: {}\nserver: {}",
+        text(&o),
+        text(&s)
+    );
     (
         serde_json::from_slice(&o.stdout).expect("iperf3 JSON"),
         String::from_utf8_lossy(&o.stderr).into_owned(),

@@ -360,8 +360,8 @@ impl Conn {
         }
         let d = self.seg_fast.dir(self.role, false);
         // We look at the ring ourselves from here: nobody needs to send us wake-up bytes.
-        // `token`: a wake-up byte may be queued on A.
-        let mut token = d.set_rx_state(RX_ACTIVE) == RX_POKED;
+        // `token`: whether a wake-up byte is queued on A (None: not known).
+        let mut token = Some(d.set_rx_state(RX_ACTIVE) == RX_POKED);
         let mut got = 0usize;
         let mut spun = false;
         let result = loop {
@@ -472,12 +472,12 @@ impl Conn {
             }
             // Sleep: ask for a wake-up byte, look once more, then wait for it on A (a
             // blocking recv: SA_RESTART, EINTR and SO_RCVTIMEO as the kernel's).
-            if token {
+            if token != Some(false) {
                 sys::drain(self.a);
             }
             d.set_rx_state(RX_ARMED);
             if self.has_data(&d, &st) {
-                token = d.set_rx_state(RX_ACTIVE) == RX_POKED;
+                token = Some(d.set_rx_state(RX_ACTIVE) == RX_POKED);
                 continue;
             }
             let mut b = 0u8;
@@ -489,8 +489,9 @@ impl Conn {
                 std::ptr::null_mut(),
                 std::ptr::null_mut(),
             );
-            // More than one byte may have been queued: let the way out drain them.
-            token = d.set_rx_state(RX_ACTIVE) == RX_POKED || r.is_ok();
+            // We took the byte whoever woke us sent; another may or may not be queued.
+            d.set_rx_state(RX_ACTIVE);
+            token = None;
             if self.ended() {
                 break Err(libc::EBADF);
             }
@@ -555,14 +556,26 @@ impl Conn {
     /// Back to the program: leave exactly the readiness the kernel would show — a wake-up
     /// byte queued on A iff a read would not block — and, with nothing to read, ask the
     /// producer for a byte when bytes come.
-    fn go_idle(&self, d: &Dir<'_>, st: &RxState, token: bool) {
+    fn go_idle(&self, d: &Dir<'_>, st: &RxState, token: Option<bool>) {
         if self.has_data(d, st) {
-            if !token {
+            let queued = token.unwrap_or_else(|| {
+                let mut b = 0u8;
+                sys::recvfrom(
+                    self.a,
+                    &mut b as *mut u8 as *mut libc::c_void,
+                    1,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                )
+                .is_ok_and(|n| n > 0)
+            });
+            if !queued {
                 sys::poke(self.b);
             }
             d.set_rx_state(RX_POKED);
         } else {
-            if token {
+            if token != Some(false) {
                 sys::drain(self.a);
             }
             d.set_rx_state(RX_ARMED);
