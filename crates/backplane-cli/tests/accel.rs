@@ -120,9 +120,17 @@ fn the_socket_calls_of_real_programs_work_on_accelerated_connections() {
     }
     lib_built();
     let fab = Fab::up_net("accel_calls", 2, &["--window-size", "8M"]);
-    for (i, scen) in ["stream", "readiness", "dups", "forked", "killed", "many"]
-        .iter()
-        .enumerate()
+    for (i, scen) in [
+        "stream",
+        "readiness",
+        "dups",
+        "forked",
+        "killed",
+        "many",
+        "corrupt",
+    ]
+    .iter()
+    .enumerate()
     {
         let (st, ct) = scenario(&fab, scen, 7100 + i as u16, (true, true));
         // The ring really carried them: both ends say so.

@@ -385,5 +385,53 @@ def many():
     print(f"ok {scen}", flush=True)
 
 
+def corrupt():
+    """Ring memory that cannot be right (a producer position beyond the ring) ends that
+    connection alone with ECONNRESET; another connection between the same programs goes on."""
+    if role == "server":
+        s = listen()
+        c1, a1 = s.accept()
+        c2, _ = s.accept()
+        check(recv_exact(c1, 1) == b"a" and recv_exact(c2, 1) == b"b", "first bytes")
+        # Find conn 1's segment among our mappings (its offer file was unlinked at the claim:
+        # "n2-p<port>-n1-p<client port> (deleted)") and write a bad tail into its
+        # client-to-server block, as a broken or hostile peer could.
+        name = f"-p{port}-n1-p{a1[1]} (deleted)"
+        hit = None
+        with open("/proc/self/maps") as m:
+            for line in m:
+                if line.rstrip().endswith(name):
+                    hit = line.split()[0]
+                    break
+        check(hit, f"no mapping ending in {name}")
+        fd = os.open(f"/proc/self/map_files/{hit}", os.O_RDWR)
+        os.pwrite(fd, struct.pack("<Q", 1 << 40), 256)
+        os.close(fd)
+        for _ in range(2):
+            try:
+                d = c1.recv(10)
+                fail(f"read on a corrupt ring returned {d!r}")
+            except ConnectionResetError:
+                pass
+        c2.sendall(b"1")  # the client goes on on both
+        check(recv_exact(c2, 5) == b"still", "the other connection")
+        c2.sendall(b"fine")
+        c2.close()
+        c1.close()
+    else:
+        c1 = connect()
+        c2 = connect()
+        c1.sendall(b"a")
+        c2.sendall(b"b")
+        check(recv_exact(c2, 1) == b"1", "go")
+        try:
+            c1.sendall(b"more")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        c2.sendall(b"still")
+        check(recv_exact(c2, 4) == b"fine", "reply on the other connection")
+    print(f"ok {scen}", flush=True)
+
+
 {"stream": stream, "readiness": readiness, "dups": dups, "forked": forked,
- "killed": killed, "many": many}[scen]()
+ "killed": killed, "many": many, "corrupt": corrupt}[scen]()
