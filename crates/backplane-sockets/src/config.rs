@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 use crate::sys;
 
 /// Default ring bytes per direction.
-pub const DEFAULT_RING: usize = 512 << 10;
+pub const DEFAULT_RING: usize = 2 << 20;
 /// Default spin before a blocking call sleeps.
 pub const DEFAULT_SPIN_US: u64 = 50;
 
