@@ -95,6 +95,8 @@ pub struct Conn {
     ended: AtomicBool,
     /// The helper thread is using the descriptors; `end` waits for it.
     pub helper_busy: AtomicBool,
+    /// Threads looking at the rings without a lock (`ready`); `end` waits for them.
+    peekers: AtomicU32,
     rx_shut: AtomicBool,
     tx_shut: AtomicBool,
     /// The TCP connection reached end-of-file: every peer process closed or died.
@@ -201,6 +203,7 @@ impl Conn {
             refs: AtomicU32::new(1),
             ended: AtomicBool::new(false),
             helper_busy: AtomicBool::new(false),
+            peekers: AtomicU32::new(0),
             rx_shut: AtomicBool::new(false),
             tx_shut: AtomicBool::new(false),
             peer_eof: AtomicBool::new(false),
@@ -314,25 +317,8 @@ impl Conn {
         self.peer_eof.load(Ordering::Acquire) && !self.seg_fast.dir(self.role, false).tcp_fin()
     }
 
-    fn spin_until(&self, mut ready: impl FnMut() -> bool) -> bool {
-        let Some(cfg) = config::get() else {
-            return ready();
-        };
-        if cfg.spin_ns == 0 {
-            return ready();
-        }
-        let start = now_ns();
-        loop {
-            for _ in 0..64 {
-                if ready() {
-                    return true;
-                }
-                std::hint::spin_loop();
-            }
-            if now_ns().saturating_sub(start) > cfg.spin_ns {
-                return ready();
-            }
-        }
+    fn spin_until(&self, ready: impl FnMut() -> bool) -> bool {
+        spin(config::get().map_or(0, |c| c.spin_ns), ready)
     }
 
     /// `recv`/`read`/`recvmsg` on the connection.
@@ -585,6 +571,25 @@ impl Conn {
         }
     }
 
+    /// Without a lock or a system call: would a read (`read`) or a write (`write`) not block
+    /// now? Only the rings are looked at (false while a direction is still on TCP), for
+    /// `poll`/`select`/`epoll_wait` to spin on before they sleep in the kernel.
+    pub fn ready(&self, read: bool, write: bool) -> bool {
+        self.peekers.fetch_add(1, Ordering::SeqCst);
+        let r = if self.ended() {
+            true
+        } else {
+            let rx = self.seg_fast.dir(self.role, false);
+            let tx = self.seg_fast.dir(self.role, true);
+            (read
+                && rx.switched().is_some()
+                && (rx.pending() > 0 || rx.fin() || self.peer_eof.load(Ordering::Relaxed)))
+                || (write && tx.switched().is_some() && tx.pending() < self.seg_fast.ring() as u64)
+        };
+        self.peekers.fetch_sub(1, Ordering::SeqCst);
+        r
+    }
+
     /// What the helper thread saw on the TCP socket: bytes (the prefix) or its end.
     pub fn tcp_event(&self, readable: bool, hangup: bool) {
         if hangup {
@@ -828,7 +833,7 @@ impl Conn {
         sys::drain(self.b);
         let mut rx = self.rx.lock().unwrap_or_else(|e| e.into_inner());
         let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
-        while self.helper_busy.load(Ordering::SeqCst) {
+        while self.helper_busy.load(Ordering::SeqCst) || self.peekers.load(Ordering::SeqCst) != 0 {
             std::hint::spin_loop();
         }
         let mut seg = self.seg.lock().unwrap_or_else(|e| e.into_inner());
@@ -856,6 +861,25 @@ impl Conn {
             }
         }
         config::log(format_args!("{}: closed", self.label));
+    }
+}
+
+/// Spins up to `budget_ns` until `ready()`; false if it never was.
+pub fn spin(budget_ns: u64, mut ready: impl FnMut() -> bool) -> bool {
+    if budget_ns == 0 {
+        return ready();
+    }
+    let start = now_ns();
+    loop {
+        for _ in 0..64 {
+            if ready() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        if now_ns().saturating_sub(start) > budget_ns {
+            return ready();
+        }
     }
 }
 

@@ -21,6 +21,7 @@ mod conn;
 mod seg;
 mod setup;
 mod sys;
+mod wait;
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, Ordering};
 use std::sync::Mutex;
@@ -96,6 +97,7 @@ fn forget(fd: c_int) {
             }
         }
     }
+    wait::forget(fd);
     let mut l = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(i) = l.iter().position(|&(f, _)| f == fd) {
         let (_, lock) = l.swap_remove(i);
@@ -380,6 +382,78 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
         }
     }
     0
+}
+
+// ---- waiting: spin on the rings before the kernel sleep ----
+
+#[no_mangle]
+pub unsafe extern "C" fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int {
+    // SAFETY: the caller's arguments, as poll(2).
+    unsafe { wait::poll(fds, n, timeout) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __poll_chk(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    timeout: c_int,
+    fdslen: size_t,
+) -> c_int {
+    if (fdslen / std::mem::size_of::<libc::pollfd>()) < n as usize {
+        // SAFETY: the fortify failure handler.
+        unsafe { __chk_fail() };
+    }
+    // SAFETY: as poll.
+    unsafe { wait::poll(fds, n, timeout) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn select(
+    nfds: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    tv: *mut libc::timeval,
+) -> c_int {
+    // SAFETY: the caller's arguments, as select(2).
+    unsafe { wait::select(nfds, r, w, e, tv) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(
+    ep: c_int,
+    op: c_int,
+    fd: c_int,
+    ev: *mut libc::epoll_event,
+) -> c_int {
+    let r = sys::epoll_ctl(ep, op, fd, ev);
+    if r.is_ok() {
+        wait::epoll_ctl(ep, op, fd, ev);
+    }
+    sys::to_c(r) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_wait(
+    ep: c_int,
+    evs: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+) -> c_int {
+    // SAFETY: the caller's arguments, as epoll_wait(2).
+    unsafe { wait::epoll_wait(ep, evs, max, timeout, std::ptr::null()) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn epoll_pwait(
+    ep: c_int,
+    evs: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+    sigmask: *const libc::sigset_t,
+) -> c_int {
+    // SAFETY: the caller's arguments, as epoll_pwait(2).
+    unsafe { wait::epoll_wait(ep, evs, max, timeout, sigmask) }
 }
 
 // ---- descriptors ----

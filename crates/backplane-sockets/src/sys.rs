@@ -194,6 +194,38 @@ pub fn splice(
 pub fn ppoll(fds: *mut libc::pollfd, n: usize, ts: *const libc::timespec) -> Res {
     sc!(libc::SYS_ppoll, fds, n, ts, 0usize, 0usize)
 }
+/// `poll(2)`.
+pub fn poll(fds: *mut libc::pollfd, n: usize, timeout: c_int) -> Res {
+    sc!(libc::SYS_poll, fds, n, timeout)
+}
+/// `select(2)`.
+pub fn select(
+    n: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    tv: *mut libc::timeval,
+) -> Res {
+    sc!(libc::SYS_select, n, r, w, e, tv)
+}
+/// `epoll_pwait(2)`; `sigmask` may be null.
+pub fn epoll_pwait(
+    ep: c_int,
+    evs: *mut libc::epoll_event,
+    max: c_int,
+    timeout: c_int,
+    sigmask: *const c_void,
+) -> Res {
+    sc!(
+        libc::SYS_epoll_pwait,
+        ep,
+        evs,
+        max,
+        timeout,
+        sigmask,
+        8usize
+    )
+}
 /// `openat(2)` relative to the working directory; `path` is NUL-terminated.
 pub fn open(path: &[u8], flags: c_int, mode: u32) -> Res {
     debug_assert_eq!(path.last(), Some(&0));
