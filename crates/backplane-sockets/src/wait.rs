@@ -124,10 +124,10 @@ pub fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *const libc::epoll_event) 
             let Some(c) = conn_of(fd) else {
                 return;
             };
-            // SAFETY: the kernel read the caller's event for ADD/MOD: it is valid.
             let events = if ev.is_null() {
                 0
             } else {
+                // SAFETY: the kernel read the caller's event for ADD/MOD: it is valid.
                 unsafe { (*ev).events }
             };
             l.retain(|&(e, f, _, _)| !(e == ep && f == fd));
