@@ -30,6 +30,17 @@ fn spin_on(conns: &[(&Conn, bool, bool)], timeout_ns: Option<u64>) -> u64 {
     now_ns().saturating_sub(t0)
 }
 
+/// Spins with a millisecond timeout (-1: none) and returns what is left of it.
+fn spin_ms(conns: &[(&Conn, bool, bool)], timeout_ms: c_int) -> c_int {
+    let limit = (timeout_ms > 0).then(|| timeout_ms as u64 * 1_000_000);
+    let spent = spin_on(conns, limit);
+    if timeout_ms < 0 {
+        timeout_ms
+    } else {
+        (timeout_ms as u64).saturating_sub(spent / 1_000_000) as c_int
+    }
+}
+
 /// `poll(2)`.
 ///
 /// # Safety
@@ -56,14 +67,7 @@ pub unsafe fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout_ms: c_int) -
     if conns.is_empty() {
         return real(timeout_ms);
     }
-    let limit = (timeout_ms > 0).then(|| timeout_ms as u64 * 1_000_000);
-    let spent = spin_on(&conns, limit);
-    let left = if timeout_ms < 0 {
-        timeout_ms
-    } else {
-        (timeout_ms as u64).saturating_sub(spent / 1_000_000) as c_int
-    };
-    real(left)
+    real(spin_ms(&conns, timeout_ms))
 }
 
 /// `select(2)`.
@@ -180,12 +184,5 @@ pub unsafe fn epoll_wait(
     if conns.is_empty() {
         return real(timeout_ms);
     }
-    let limit = (timeout_ms > 0).then(|| timeout_ms as u64 * 1_000_000);
-    let spent = spin_on(&conns, limit);
-    let left = if timeout_ms < 0 {
-        timeout_ms
-    } else {
-        (timeout_ms as u64).saturating_sub(spent / 1_000_000) as c_int
-    };
-    real(left)
+    real(spin_ms(&conns, timeout_ms))
 }

@@ -83,14 +83,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     bail!("'{}' ended abnormally", a.cmd[0])
 }
 
-/// A directory in the fabric's run directory (gone with `down`) holding `libibverbs.so.1`, a
-/// link to the `libibverbs.so` built beside this executable.
-pub(crate) fn verbs_lib_dir(name: &str) -> anyhow::Result<std::path::PathBuf> {
+/// A library built beside this executable (by the workspace's crate `krate`), or the error
+/// that says how to build it.
+fn lib_beside_exe(file: &str, flag: &str, krate: &str) -> anyhow::Result<std::path::PathBuf> {
     let exe = std::env::current_exe().context("cannot find the backplane executable")?;
-    let lib = exe.with_file_name("libibverbs.so");
+    let lib = exe.with_file_name(file);
     if !lib.is_file() {
         bail!(
-            "--verbs needs {} (build it: cargo build -p backplane-ibverbs{})",
+            "{flag} needs {} (build it: cargo build -p {krate}{})",
             lib.display(),
             if exe.parent().is_some_and(|d| d.ends_with("release")) {
                 " --release"
@@ -99,6 +99,13 @@ pub(crate) fn verbs_lib_dir(name: &str) -> anyhow::Result<std::path::PathBuf> {
             }
         );
     }
+    Ok(lib)
+}
+
+/// A directory in the fabric's run directory (gone with `down`) holding `libibverbs.so.1`, a
+/// link to the `libibverbs.so` built beside this executable.
+pub(crate) fn verbs_lib_dir(name: &str) -> anyhow::Result<std::path::PathBuf> {
+    let lib = lib_beside_exe("libibverbs.so", "--verbs", "backplane-ibverbs")?;
     let dir = backplane::fabric::fabric_dir(name).join("verbs-lib");
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let link = dir.join("libibverbs.so.1");
@@ -119,19 +126,7 @@ pub(crate) fn accel_env(
     name: &str,
     fabric: &Fabric,
 ) -> anyhow::Result<Vec<(String, std::ffi::OsString)>> {
-    let exe = std::env::current_exe().context("cannot find the backplane executable")?;
-    let lib = exe.with_file_name("libbackplane_sockets.so");
-    if !lib.is_file() {
-        bail!(
-            "--accel needs {} (build it: cargo build -p backplane-sockets{})",
-            lib.display(),
-            if exe.parent().is_some_and(|d| d.ends_with("release")) {
-                " --release"
-            } else {
-                ""
-            }
-        );
-    }
+    let lib = lib_beside_exe("libbackplane_sockets.so", "--accel", "backplane-sockets")?;
     let report = fabric.status()?;
     let Some(first) = report.slots.first().and_then(|s| s.address.clone()) else {
         bail!("--accel needs IP over the fabric, and fabric '{name}' was started with --no-net");
