@@ -292,15 +292,7 @@ impl Conn {
         if self.peer_eof.load(Ordering::Acquire) {
             return true;
         }
-        let mut b = 0u8;
-        let r = sys::recvfrom(
-            self.tcp,
-            &mut b as *mut u8 as *mut libc::c_void,
-            1,
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        );
+        let r = sys::peek1(self.tcp);
         let eof = matches!(
             r,
             Ok(0) | Err(libc::ECONNRESET | libc::EPIPE | libc::ENOTCONN)
@@ -522,20 +514,7 @@ impl Conn {
         match self.tcp_left(d, st) {
             Err(Corrupt) => true,
             Ok(None) => d.readable(st.head) != Ok(0),
-            Ok(Some(_)) => {
-                let mut b = 0u8;
-                !matches!(
-                    sys::recvfrom(
-                        self.tcp,
-                        &mut b as *mut u8 as *mut libc::c_void,
-                        1,
-                        libc::MSG_PEEK | libc::MSG_DONTWAIT,
-                        std::ptr::null_mut(),
-                        std::ptr::null_mut(),
-                    ),
-                    Err(libc::EAGAIN)
-                )
-            }
+            Ok(Some(_)) => !matches!(sys::peek1(self.tcp), Err(libc::EAGAIN)),
         }
     }
 
@@ -544,18 +523,7 @@ impl Conn {
     /// producer for a byte when bytes come.
     fn go_idle(&self, d: &Dir<'_>, st: &RxState, token: Option<bool>) {
         if self.has_data(d, st) {
-            let queued = token.unwrap_or_else(|| {
-                let mut b = 0u8;
-                sys::recvfrom(
-                    self.a,
-                    &mut b as *mut u8 as *mut libc::c_void,
-                    1,
-                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                )
-                .is_ok_and(|n| n > 0)
-            });
+            let queued = token.unwrap_or_else(|| sys::peek1(self.a).is_ok_and(|n| n > 0));
             if !queued {
                 sys::poke(self.b);
             }

@@ -14,7 +14,6 @@
 //! 0     magic "BPACCEL1", version u32, ring size u32, cookie u64
 //! 24    state u32 (OFFERED, CLAIMED), client pid/wake fd, server pid/wake fd (u32 each)
 //! 48    client wake inode u64, server wake inode u64, dst port, src port, dst node, src node
-//! 80    processes holding the client's end, the server's end (u32 each)
 //! 256   direction block client→server (see `Dir`), 768 bytes
 //! 1024  direction block server→client
 //! 4096  ring data client→server, then ring data server→client
@@ -62,8 +61,6 @@ const O_DPORT: usize = 64;
 const O_SPORT: usize = 68;
 const O_DNODE: usize = 72;
 const O_SNODE: usize = 76;
-const O_CHOLD: usize = 80;
-const O_SHOLD: usize = 84;
 const O_C2S: usize = 256;
 const O_S2C: usize = 1024;
 
@@ -74,7 +71,6 @@ const D_RX_WAIT: usize = 128; // consumer sets, producer clears (then wakes the 
 const D_TX_WAIT: usize = 192; // producer sets, consumer clears (then wakes the producer)
 const D_SWITCHED: usize = 256; // producer: bytes now go to the ring, after `prefix` on TCP
 const D_FIN: usize = 260; // producer: no more bytes (shutdown/close)
-const D_RX_CLOSED: usize = 264; // consumer: closed, further bytes are an error (EPIPE)
 const D_TCP_FIN: usize = 268; // producer: shut down on the kernel's TCP before switching
 const D_PREFIX: usize = 272; // producer: bytes sent on the TCP connection before the switch
 
@@ -207,7 +203,6 @@ impl Seg {
             .store(u32::from(o.sport), Ordering::Relaxed);
         self.u32(O_DNODE).store(o.dnode, Ordering::Relaxed);
         self.u32(O_SNODE).store(o.snode, Ordering::Relaxed);
-        self.u32(O_CHOLD).store(1, Ordering::Relaxed);
         // Both consumers start out waiting: the first bytes of either direction wake the
         // consumer even if it never read (a program that selects before its first read).
         // Invariant: rx_wait == 0 only while a wake-up byte is queued for the consumer.
@@ -266,7 +261,6 @@ impl Seg {
         self.u32(O_SPID).store(pid, Ordering::Relaxed);
         self.u32(O_SWAKE).store(wake_fd as u32, Ordering::Relaxed);
         self.u64(O_SINO).store(wake_ino, Ordering::Relaxed);
-        self.u32(O_SHOLD).store(1, Ordering::Relaxed);
         self.u32(O_STATE)
             .compare_exchange(OFFERED, CLAIMED, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
@@ -288,29 +282,6 @@ impl Seg {
     pub fn set_holder(&self, role: Role, pid: u32) {
         self.u32(if role == Role::Client { O_CPID } else { O_SPID })
             .store(pid, Ordering::Release);
-    }
-
-    /// The client's (pid, wake fd, wake inode), for the server fetching it again.
-    pub fn client_wake(&self) -> (u32, i32, u64) {
-        (
-            self.u32(O_CPID).load(Ordering::Acquire),
-            self.u32(O_CWAKE).load(Ordering::Relaxed) as i32,
-            self.u64(O_CINO).load(Ordering::Relaxed),
-        )
-    }
-
-    /// How many processes hold `role`'s end (a fork adds one, a last close removes one).
-    pub fn holders(&self, role: Role) -> &AtomicU32 {
-        self.u32(if role == Role::Client {
-            O_CHOLD
-        } else {
-            O_SHOLD
-        })
-    }
-
-    /// The offer's cookie.
-    pub fn cookie(&self) -> u64 {
-        self.u64(O_COOKIE).load(Ordering::Relaxed)
     }
 
     /// Ring bytes per direction.
@@ -485,15 +456,6 @@ impl Dir<'_> {
         let head = self.w64(D_HEAD).load(Ordering::Acquire);
         tail.wrapping_sub(head).min(self.seg.ring as u64)
     }
-
-    /// Consumer closed: bytes sent from now on are an error.
-    pub fn set_rx_closed(&self) {
-        self.w32(D_RX_CLOSED).store(1, Ordering::SeqCst);
-    }
-    /// Producer: the consumer closed.
-    pub fn rx_closed(&self) -> bool {
-        self.w32(D_RX_CLOSED).load(Ordering::Acquire) != 0
-    }
 }
 
 #[cfg(test)]
@@ -601,9 +563,8 @@ mod tests {
         assert_eq!(d.switched(), None);
         d.switch(37);
         assert_eq!(d.switched(), Some(37));
-        assert!(!d.fin() && !d.rx_closed());
+        assert!(!d.fin());
         d.set_fin();
-        d.set_rx_closed();
-        assert!(d.fin() && d.rx_closed());
+        assert!(d.fin());
     }
 }

@@ -316,6 +316,20 @@ pub fn epoll_wait(ep: c_int, evs: *mut libc::epoll_event, max: c_int, timeout: c
 pub fn getrandom(buf: &mut [u8]) -> Res {
     sc!(libc::SYS_getrandom, buf.as_mut_ptr(), buf.len(), 0)
 }
+/// Looks at the next byte queued on `fd` without taking it or blocking: Ok(0) at the end of
+/// the stream, Ok(1) with a byte, Err(EAGAIN) with none.
+pub fn peek1(fd: c_int) -> Res {
+    let mut b = 0u8;
+    recvfrom(
+        fd,
+        &mut b as *mut u8 as *mut c_void,
+        1,
+        libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+    )
+}
+
 /// Sends one wake-up byte on `fd` without blocking; a full queue already holds one.
 pub fn poke(fd: c_int) {
     let b = 1u8;
