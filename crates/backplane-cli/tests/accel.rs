@@ -128,6 +128,8 @@ fn the_socket_calls_of_real_programs_work_on_accelerated_connections() {
         "killed",
         "many",
         "corrupt",
+        "execd",
+        "forkseq",
     ]
     .iter()
     .enumerate()
@@ -139,6 +141,10 @@ fn the_socket_calls_of_real_programs_work_on_accelerated_connections() {
             "{scen}: not accelerated:\n{st}"
         );
         assert!(ct.contains("offer made"), "{scen}: not accelerated:\n{ct}");
+        if *scen == "execd" {
+            // The server's exec handed the connection back to the kernel's TCP.
+            assert!(ct.contains("back on the kernel's TCP"), "{ct}");
+        }
     }
     // The node counters saw it.
     let o = bp(&["status", "--name", &fab.name, "--json"]);

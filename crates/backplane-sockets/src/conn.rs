@@ -32,6 +32,8 @@ use crate::sys::{self, Res};
 pub struct Parts {
     /// The mapped segment.
     pub seg: Seg,
+    /// Its file (hidden), kept so the connection can cross an `exec`.
+    pub segfd: c_int,
     /// Our end.
     pub role: Role,
     /// The kernel's TCP socket (hidden descriptor).
@@ -46,11 +48,16 @@ pub struct Parts {
     pub offer_path: Option<Vec<u8>>,
     /// `O_NONBLOCK` of the program's descriptor.
     pub nonblock: bool,
+    /// Our side already shut down its sending direction (a connection inherited across exec).
+    pub tx_shut: bool,
     /// For log lines.
     pub label: String,
 }
 
 struct RxState {
+    /// The process these positions are right for (0: none yet); another process of our end
+    /// (after a fork or an exec) may have moved them since.
+    pid: u32,
     head: u64,
     tcp_in: u64,
     /// Bytes received not yet added to the node's counters.
@@ -58,6 +65,8 @@ struct RxState {
 }
 
 struct TxState {
+    /// See `RxState::pid`.
+    pid: u32,
     tail: u64,
     tcp_out: u64,
     switched: bool,
@@ -80,6 +89,7 @@ fn add_bytes(unflushed: &mut u64, n: usize, idx: usize) {
 pub struct Conn {
     seg: Mutex<Option<Seg>>,
     seg_fast: Seg,
+    segfd: c_int,
     role: Role,
     tcp: c_int,
     a: c_int,
@@ -182,6 +192,7 @@ impl Conn {
         Box::leak(Box::new(Conn {
             seg: Mutex::new(Some(p.seg)),
             seg_fast: fast,
+            segfd: p.segfd,
             role: p.role,
             tcp: p.tcp,
             a: p.a,
@@ -189,11 +200,13 @@ impl Conn {
             peer_wake: AtomicI32::new(p.peer_wake.unwrap_or(PEER_UNKNOWN)),
             offer_path: Mutex::new(p.offer_path),
             rx: Mutex::new(RxState {
+                pid: 0,
                 head: 0,
                 tcp_in: 0,
                 unflushed: 0,
             }),
             tx: Mutex::new(TxState {
+                pid: 0,
                 tail: 0,
                 tcp_out: 0,
                 switched: false,
@@ -205,7 +218,7 @@ impl Conn {
             helper_busy: AtomicBool::new(false),
             peekers: AtomicU32::new(0),
             rx_shut: AtomicBool::new(false),
-            tx_shut: AtomicBool::new(false),
+            tx_shut: AtomicBool::new(p.tx_shut),
             peer_eof: AtomicBool::new(false),
             tcp_tx_blocked: AtomicBool::new(false),
             corrupt: AtomicBool::new(false),
@@ -220,6 +233,15 @@ impl Conn {
     /// Our end of the wake-up pair (the helper pokes it).
     pub fn b(&self) -> c_int {
         self.b
+    }
+    /// The hidden descriptors a process needs to carry the connection across `exec`:
+    /// (TCP, our duplicate of A, B, the segment's file).
+    pub fn hidden(&self) -> [c_int; 4] {
+        [self.tcp, self.a, self.b, self.segfd]
+    }
+    /// Our end.
+    pub fn role(&self) -> Role {
+        self.role
     }
     /// True once the connection ended in this process.
     pub fn ended(&self) -> bool {
@@ -250,7 +272,7 @@ impl Conn {
         if w == PEER_FAILED {
             return None;
         }
-        let (pid, fd, ino) = self.seg_fast.claimed()?;
+        let (pid, fd, ino) = self.seg_fast.peer(self.role)?;
         let got = crate::setup::fetch_fd(pid, fd, ino);
         match got {
             Some(fd) => {
@@ -337,6 +359,7 @@ impl Conn {
             return Err(libc::EBADF);
         }
         let d = self.seg_fast.dir(self.role, false);
+        sync_rx(&d, &mut st);
         // We look at the ring ourselves from here: nobody needs to send us wake-up bytes.
         // `token`: whether a wake-up byte is queued on A (None: not known).
         let mut token = Some(d.set_rx_state(RX_ACTIVE) == RX_POKED);
@@ -347,12 +370,17 @@ impl Conn {
                 break Ok(got);
             }
             let mut progressed = false;
-            // Where the next byte is: on TCP until the peer switched and its prefix is read.
-            let tcp_left = match self.tcp_left(&d, &st) {
-                Ok(l) => l,
+            // Where the next byte is: on TCP until the peer switched and its prefix is read,
+            // then on the ring (and on TCP again if the peer went back).
+            let src = match self.source(&d, &st) {
+                Ok(s) => s,
                 Err(Corrupt) => break self.corrupt(got),
             };
-            if let Some(limit) = tcp_left {
+            let ring_limit = match src {
+                Src::Ring(l) => Some(l),
+                _ => None,
+            };
+            if let Some(limit) = src.tcp_limit() {
                 let (ptr, len) = bufs.piece(got);
                 let n = len.min(limit);
                 let fl = libc::MSG_DONTWAIT | if peek { libc::MSG_PEEK } else { 0 };
@@ -364,8 +392,8 @@ impl Conn {
                     std::ptr::null_mut(),
                     std::ptr::null_mut(),
                 ) {
-                    Ok(0) => {
-                        if d.switched().is_some() && limit != usize::MAX {
+                    Ok(0) => match src {
+                        Src::Prefix(_) => {
                             // The peer went away in the middle of its prefix.
                             break if got > 0 {
                                 Ok(got)
@@ -373,15 +401,18 @@ impl Conn {
                                 Err(libc::ECONNRESET)
                             };
                         }
-                        if d.switched().is_some() {
-                            continue;
-                        }
-                        // The peer never switched and closed: the kernel's own end-of-file.
-                        break Ok(got);
-                    }
+                        // It switched meanwhile: its bytes are on the ring.
+                        Src::Unswitched if d.switched().is_some() => continue,
+                        // The peer never switched, or went back, and closed: the kernel's
+                        // own end-of-file.
+                        _ => break Ok(got),
+                    },
                     Ok(k) => {
-                        if !peek {
+                        if !peek && src != Src::Back {
+                            // The prefix's bytes (after going back, TCP's count no longer
+                            // matters).
                             st.tcp_in += k as u64;
+                            d.set_rx_tcp(st.tcp_in);
                         }
                         got += k;
                         progressed = true;
@@ -390,7 +421,7 @@ impl Conn {
                     Err(e) => break if got > 0 { Ok(got) } else { Err(e) },
                 }
             } else {
-                match d.readable(st.head) {
+                match d.readable(st.head).map(|a| a.min(ring_limit.unwrap_or(0))) {
                     Err(Corrupt) => break self.corrupt(got),
                     Ok(0) => {}
                     Ok(avail) => {
@@ -424,7 +455,7 @@ impl Conn {
                 break Ok(got);
             }
             // Nothing here now.
-            if tcp_left.is_none() && self.tcp_eof() && d.readable(st.head) == Ok(0) {
+            if ring_limit.is_some() && self.tcp_eof() && d.readable(st.head) == Ok(0) {
                 if d.fin() {
                     continue;
                 }
@@ -442,7 +473,7 @@ impl Conn {
             if dontwait {
                 break if got > 0 { Ok(got) } else { Err(libc::EAGAIN) };
             }
-            if tcp_left.is_none() && !spun {
+            if ring_limit == Some(usize::MAX) && !spun {
                 spun = true;
                 if self.spin_until(|| d.readable(st.head) != Ok(0) || d.fin()) {
                     continue;
@@ -488,17 +519,37 @@ impl Conn {
         result
     }
 
-    /// Bytes still to read from TCP before the ring (`None`: read the ring).
-    fn tcp_left(&self, d: &Dir<'_>, st: &RxState) -> Result<Option<usize>, Corrupt> {
-        Ok(match d.switched() {
-            None => Some(usize::MAX),
-            Some(p) => {
-                let left = p.wrapping_sub(st.tcp_in);
-                if left > (1 << 48) {
+    /// Where the next bytes of our receiving direction are.
+    fn source(&self, d: &Dir<'_>, st: &RxState) -> Result<Src, Corrupt> {
+        let Some(p) = d.switched() else {
+            return Ok(if d.back().is_some() {
+                Src::Back
+            } else {
+                Src::Unswitched
+            });
+        };
+        let left = p.wrapping_sub(st.tcp_in);
+        if left > (1 << 48) {
+            return Err(Corrupt);
+        }
+        if left > 0 {
+            return Ok(Src::Prefix(left as usize));
+        }
+        Ok(match d.back() {
+            Some(at) => {
+                let l = at.wrapping_sub(st.head);
+                if l > self.seg_fast.ring() as u64 {
                     return Err(Corrupt);
                 }
-                (left > 0).then_some(left as usize)
+                if l == 0 {
+                    Src::Back
+                } else {
+                    Src::Ring(l as usize)
+                }
             }
+            // We asked the producer to go back: nothing more from the ring.
+            None if d.back_requested() => Src::Ring(0),
+            None => Src::Ring(usize::MAX),
         })
     }
 
@@ -511,10 +562,10 @@ impl Conn {
         {
             return true;
         }
-        match self.tcp_left(d, st) {
+        match self.source(d, st) {
             Err(Corrupt) => true,
-            Ok(None) => d.readable(st.head) != Ok(0),
-            Ok(Some(_)) => !matches!(sys::peek1(self.tcp), Err(libc::EAGAIN)),
+            Ok(Src::Ring(l)) => d.readable(st.head).map_or(true, |a| a.min(l) > 0),
+            Ok(_) => !matches!(sys::peek1(self.tcp), Err(libc::EAGAIN)),
         }
     }
 
@@ -549,10 +600,12 @@ impl Conn {
         } else {
             let rx = self.seg_fast.dir(self.role, false);
             let tx = self.seg_fast.dir(self.role, true);
+            let on_ring =
+                |d: &Dir<'_>| d.switched().is_some() && d.back().is_none() && !d.back_requested();
             (read
-                && rx.switched().is_some()
+                && on_ring(&rx)
                 && (rx.pending() > 0 || rx.fin() || self.peer_eof.load(Ordering::Relaxed)))
-                || (write && tx.switched().is_some() && tx.pending() < self.seg_fast.ring() as u64)
+                || (write && on_ring(&tx) && tx.pending() < self.seg_fast.ring() as u64)
         };
         self.peekers.fetch_sub(1, Ordering::SeqCst);
         r
@@ -597,8 +650,13 @@ impl Conn {
             return Ok(0);
         }
         let d = self.seg_fast.dir(self.role, true);
-        if !st.switched {
-            if self.claimed() && self.peer_wake().is_some() {
+        sync_tx(&d, &mut st);
+        if d.back_requested() && d.back().is_none() {
+            self.give_back(&d, &mut st);
+        }
+        let back = d.back().is_some();
+        if back || !st.switched {
+            if !back && self.claimed() && self.peer_wake().is_some() {
                 d.switch(st.tcp_out);
                 st.switched = true;
                 if let Some(p) = self
@@ -610,32 +668,8 @@ impl Conn {
                     let _ = sys::unlink(&p);
                 }
             } else {
-                // Not agreed (yet): the kernel's TCP, exactly as without us.
-                let msg = libc::msghdr {
-                    msg_name: std::ptr::null_mut(),
-                    msg_namelen: 0,
-                    msg_iov: iov.as_ptr() as *mut libc::iovec,
-                    msg_iovlen: iov.len(),
-                    msg_control: std::ptr::null_mut(),
-                    msg_controllen: 0,
-                    msg_flags: 0,
-                };
-                let fl = (flags & !libc::MSG_DONTWAIT)
-                    | libc::MSG_NOSIGNAL
-                    | if dontwait { libc::MSG_DONTWAIT } else { 0 };
-                return match sys::sendmsg(self.tcp, &msg, fl) {
-                    Ok(n) => {
-                        st.tcp_out += n as u64;
-                        Ok(n)
-                    }
-                    Err(libc::EPIPE) => epipe(nosig),
-                    Err(libc::EAGAIN) => {
-                        self.tcp_tx_blocked.store(true, Ordering::SeqCst);
-                        fill(self.a);
-                        Err(libc::EAGAIN)
-                    }
-                    Err(e) => Err(e),
-                };
+                // Not agreed (yet), or back: the kernel's TCP, exactly as without us.
+                return self.send_tcp(&mut st, iov, flags, dontwait, nosig);
             }
         }
         let mut sent = 0usize;
@@ -644,6 +678,14 @@ impl Conn {
         let result = loop {
             if self.peer_gone() {
                 break if sent > 0 { Ok(sent) } else { epipe(nosig) };
+            }
+            if d.back_requested() {
+                // The peer's program leaves the rings (an exec): so do we.
+                self.give_back(&d, &mut st);
+                if sent > 0 {
+                    break Ok(sent);
+                }
+                return self.send_tcp(&mut st, iov, flags, dontwait, nosig);
             }
             match d.free(st.tail) {
                 Err(Corrupt) => break self.corrupt(sent),
@@ -715,23 +757,194 @@ impl Conn {
         result
     }
 
+    /// A send on the kernel's TCP socket (before the switch, or after going back).
+    fn send_tcp(
+        &self,
+        st: &mut TxState,
+        iov: &[libc::iovec],
+        flags: c_int,
+        dontwait: bool,
+        nosig: bool,
+    ) -> Res {
+        let msg = libc::msghdr {
+            msg_name: std::ptr::null_mut(),
+            msg_namelen: 0,
+            msg_iov: iov.as_ptr() as *mut libc::iovec,
+            msg_iovlen: iov.len(),
+            msg_control: std::ptr::null_mut(),
+            msg_controllen: 0,
+            msg_flags: 0,
+        };
+        let fl = (flags & !libc::MSG_DONTWAIT)
+            | libc::MSG_NOSIGNAL
+            | if dontwait { libc::MSG_DONTWAIT } else { 0 };
+        match sys::sendmsg(self.tcp, &msg, fl) {
+            Ok(n) => {
+                if !st.switched {
+                    st.tcp_out += n as u64;
+                    self.seg_fast.dir(self.role, true).set_tx_tcp(st.tcp_out);
+                }
+                Ok(n)
+            }
+            Err(libc::EPIPE) => epipe(nosig),
+            Err(libc::EAGAIN) => {
+                self.tcp_tx_blocked.store(true, Ordering::SeqCst);
+                fill(self.a);
+                Err(libc::EAGAIN)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Our sending direction goes back to the kernel's TCP because the peer asked (its
+    /// program execs): what the peer has not consumed from the ring is sent again on TCP,
+    /// where the peer's next program reads it, then every later byte.
+    fn give_back(&self, d: &Dir<'_>, st: &mut TxState) {
+        if d.back().is_some() {
+            return;
+        }
+        if !d.claim_back() {
+            // Another process of our end is doing it: wait for it, or for the end.
+            while d.back().is_none() && !self.tcp_eof() && !self.ended() {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            return;
+        }
+        let mut at = st.tail;
+        if st.switched {
+            let head = d.peer_head();
+            let n = st.tail.wrapping_sub(head);
+            if n <= self.seg_fast.ring() as u64 {
+                at = head;
+                let mut off = 0u64;
+                while off < n {
+                    let (p, len) = d.piece(head + off, (n - off) as usize);
+                    match sys::sendto(
+                        self.tcp,
+                        p as *const libc::c_void,
+                        len,
+                        libc::MSG_NOSIGNAL,
+                        std::ptr::null(),
+                        0,
+                    ) {
+                        Ok(k) => off += k as u64,
+                        Err(libc::EINTR) => {}
+                        // The peer is gone: nothing to deliver any more.
+                        Err(_) => break,
+                    }
+                }
+            } else {
+                let _ = self.corrupt(0);
+            }
+        }
+        d.set_back(at);
+        if self.tx_shut.load(Ordering::Acquire) {
+            // We had shut down (a fin on the ring, after the bytes just sent): say it on TCP.
+            let _ = sys::shutdown(self.tcp, libc::SHUT_WR);
+        }
+        // Writable is the kernel socket's business from now on: undo any fill of A.
+        sys::drain(self.b);
+        config::log(format_args!(
+            "{}: back on the kernel's TCP (the peer's program execs)",
+            self.label
+        ));
+        self.wake_reader(d);
+    }
+
+    /// The helper thread saw urgent data on TCP: the peer asks us to go back (it execs).
+    pub fn back_event(&self) {
+        let mut b = 0u8;
+        let _ = sys::recvfrom(
+            self.tcp,
+            &mut b as *mut u8 as *mut libc::c_void,
+            1,
+            libc::MSG_OOB | libc::MSG_DONTWAIT,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
+        let d = self.seg_fast.dir(self.role, true);
+        if !d.back_requested() || d.back().is_some() {
+            return;
+        }
+        // A writer of ours may sleep on the full ring with the lock: wake it; it goes back
+        // itself, or we do once it has left.
+        sys::drain(self.b);
+        loop {
+            if self.ended() {
+                return;
+            }
+            match self.tx.try_lock() {
+                Ok(mut st) => {
+                    sync_tx(&d, &mut st);
+                    self.give_back(&d, &mut st);
+                    return;
+                }
+                Err(std::sync::TryLockError::Poisoned(p)) => {
+                    let mut st = p.into_inner();
+                    sync_tx(&d, &mut st);
+                    self.give_back(&d, &mut st);
+                    return;
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    if d.back().is_some() {
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+            }
+        }
+    }
+
+    /// Before an `exec` that keeps the connection (or a spawn that inherits it): both
+    /// directions go back to the kernel's TCP, whose socket the caller then puts at the
+    /// program's descriptors. Our bytes: the peer reads the ring up to our tail, then TCP.
+    /// The peer's: we ask it (urgent byte, seen by its helper thread) to send again on TCP
+    /// what we have not consumed, then everything after. No lock is taken and nothing of
+    /// this process is changed but the segment (this may run in a `vfork` child).
+    pub fn hand_back(&self) {
+        if self.ended() {
+            return;
+        }
+        let tx = self.seg_fast.dir(self.role, true);
+        if tx.back().is_none() {
+            let (tail, _) = tx.take_tx(crate::my_pid());
+            tx.set_back(tail);
+        }
+        if self.tx_shut.load(Ordering::Acquire) {
+            let _ = sys::shutdown(self.tcp, libc::SHUT_WR);
+        }
+        let rx = self.seg_fast.dir(self.role, false);
+        if rx.back().is_none() {
+            rx.request_back();
+            let b = [b'!'];
+            let _ = sys::sendto(
+                self.tcp,
+                b.as_ptr() as *const libc::c_void,
+                1,
+                libc::MSG_OOB | libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+                std::ptr::null(),
+                0,
+            );
+        }
+    }
+
     /// Bytes a `read` would return now (`FIONREAD`).
     pub fn readable(&self) -> usize {
-        let st = self.rx.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self.rx.lock().unwrap_or_else(|e| e.into_inner());
         if self.ended() {
             return 0;
         }
         let d = self.seg_fast.dir(self.role, false);
-        let ring = d.readable(st.head).unwrap_or(0);
-        let tcp = match d.switched() {
-            Some(p) if p <= st.tcp_in => 0,
-            _ => {
+        sync_rx(&d, &mut st);
+        match self.source(&d, &st) {
+            Err(Corrupt) => 0,
+            Ok(Src::Ring(l)) => d.readable(st.head).unwrap_or(0).min(l),
+            Ok(src) => {
                 let mut n: c_int = 0;
                 let _ = sys::ioctl(self.tcp, libc::FIONREAD, &mut n as *mut c_int as usize);
-                n.max(0) as usize
+                (n.max(0) as usize).min(src.tcp_limit().unwrap_or(0))
             }
-        };
-        ring + tcp
+        }
     }
 
     /// `shutdown(how)`.
@@ -753,7 +966,13 @@ impl Conn {
             }
             self.tx_shut.store(true, Ordering::Release);
             let d = self.seg_fast.dir(self.role, true);
-            if !st.switched && self.claimed() && self.peer_wake().is_some() {
+            sync_tx(&d, &mut st);
+            if d.back().is_some() {
+                // Back on the kernel's TCP: its own shutdown.
+                let _ = sys::shutdown(self.tcp, libc::SHUT_WR);
+                return Ok(0);
+            }
+            if !st.switched && !d.back_requested() && self.claimed() && self.peer_wake().is_some() {
                 d.switch(st.tcp_out);
                 st.switched = true;
             }
@@ -823,12 +1042,56 @@ impl Conn {
             let _ = sys::unlink(&p);
         }
         let w = self.peer_wake.swap(PEER_FAILED, Ordering::AcqRel);
-        for fd in [self.tcp, self.a, self.b, w] {
+        for fd in [self.tcp, self.a, self.b, self.segfd, w] {
             if fd >= 0 {
                 crate::setup::close_hidden(fd);
             }
         }
         config::log(format_args!("{}: closed", self.label));
+    }
+}
+
+/// Where the next bytes of a receiving direction are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Src {
+    /// On TCP: the producer has not switched (if it switches meanwhile, the ring follows).
+    Unswitched,
+    /// On TCP: this many bytes of the producer's prefix are left.
+    Prefix(usize),
+    /// On TCP for good: the producer went back.
+    Back,
+    /// On the ring, at most this many bytes.
+    Ring(usize),
+}
+
+impl Src {
+    /// How many bytes to take from TCP, if TCP is where they are.
+    fn tcp_limit(self) -> Option<usize> {
+        match self {
+            Src::Unswitched | Src::Back => Some(usize::MAX),
+            Src::Prefix(l) => Some(l),
+            Src::Ring(_) => None,
+        }
+    }
+}
+
+/// Before reading: if another process of our end read last (a fork's other side, or this
+/// process before an `exec`), start from where it left the direction.
+fn sync_rx(d: &Dir<'_>, st: &mut RxState) {
+    let me = crate::my_pid();
+    if st.pid != me || d.rx_owner() != me {
+        (st.head, st.tcp_in) = d.take_rx(me);
+        st.pid = me;
+    }
+}
+
+/// Before writing: as [`sync_rx`], for our sending direction.
+fn sync_tx(d: &Dir<'_>, st: &mut TxState) {
+    let me = crate::my_pid();
+    if st.pid != me || d.tx_owner() != me {
+        (st.tail, st.tcp_out) = d.take_tx(me);
+        st.switched = d.switched().is_some();
+        st.pid = me;
     }
 }
 

@@ -23,10 +23,10 @@ mod setup;
 mod sys;
 mod wait;
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use libc::{c_int, c_ulong, c_void, iovec, size_t, sockaddr, socklen_t, ssize_t};
+use libc::{c_char, c_int, c_ulong, c_void, iovec, size_t, sockaddr, socklen_t, ssize_t};
 
 use conn::{Bufs, Conn};
 
@@ -76,8 +76,17 @@ pub fn install(fd: c_int, c: &'static Conn) {
     helper::watch(c);
 }
 
+/// True in a child that shares our memory (`vfork`, `posix_spawn`'s clone): the
+/// library's state is the parent's and must not change; descriptor calls go to the kernel.
+fn shares_parent_memory() -> bool {
+    sys::getpid() != my_pid()
+}
+
 /// One more program descriptor names `c`.
 fn add_ref(fd: c_int, c: &'static Conn) {
+    if shares_parent_memory() {
+        return;
+    }
     c.refs.fetch_add(1, Ordering::AcqRel);
     if let Some(s) = usize::try_from(fd).ok().and_then(|i| TABLE.get(i)) {
         s.store(c as *const Conn as *mut Conn, Ordering::Release);
@@ -88,6 +97,9 @@ fn add_ref(fd: c_int, c: &'static Conn) {
 /// on the last) and a listener's registration.
 fn forget(fd: c_int) {
     if let Some(s) = usize::try_from(fd).ok().and_then(|i| TABLE.get(i)) {
+        if !s.load(Ordering::Acquire).is_null() && shares_parent_memory() {
+            return;
+        }
         let p = s.swap(std::ptr::null_mut(), Ordering::AcqRel);
         if !p.is_null() {
             // SAFETY: table entries point at leaked, never-freed connections.
@@ -636,6 +648,8 @@ pub unsafe extern "C" fn ioctl(fd: c_int, req: c_ulong, arg: usize) -> c_int {
                 unsafe { *(arg as *mut c_int) = 0 };
                 return 0;
             }
+            // Close-on-exec belongs to the program's descriptor, not to the socket.
+            libc::FIOCLEX | libc::FIONCLEX => return sys::to_c(sys::ioctl(fd, req, arg)) as c_int,
             _ => return sys::to_c(sys::ioctl(c.tcp(), req, arg)) as c_int,
         }
     }
@@ -855,6 +869,169 @@ pub unsafe extern "C" fn splice(
 
 extern "C" {
     fn __chk_fail() -> !;
+    static environ: *const *const c_char;
+}
+
+// ---- exec: a connection kept across it goes back to the kernel's TCP ----
+
+/// Before a new program replaces this one, or a spawned one inherits our descriptors: every
+/// connection with a descriptor that is not close-on-exec goes back to the kernel's TCP in
+/// both directions, and its TCP socket takes the place of the wake-up socket at that
+/// descriptor (the new program may not load the library, or may run where it cannot work —
+/// sshd's sandboxed child). The connection object stays: if the exec fails, the program's
+/// calls still go through it, to TCP. Nothing but descriptors and the segments changes, so
+/// this is safe in a `vfork` child.
+fn before_exec() {
+    for (fd, slot) in TABLE.iter().enumerate() {
+        let p = slot.load(Ordering::Acquire);
+        if p.is_null() {
+            continue;
+        }
+        // SAFETY: table entries point at leaked, never-freed connections.
+        let c = unsafe { &*p };
+        let fd = fd as c_int;
+        match sys::fcntl(fd, libc::F_GETFD, 0) {
+            Ok(fl) if fl & libc::FD_CLOEXEC as usize == 0 => {}
+            _ => continue,
+        }
+        if c.ended() {
+            continue;
+        }
+        c.hand_back();
+        let _ = sys::dup3(c.tcp(), fd, 0);
+    }
+}
+
+type ExecvpeFn =
+    unsafe extern "C" fn(*const c_char, *const *const c_char, *const *const c_char) -> c_int;
+type FexecveFn = unsafe extern "C" fn(c_int, *const *const c_char, *const *const c_char) -> c_int;
+type SpawnFn = unsafe extern "C" fn(
+    *mut libc::pid_t,
+    *const c_char,
+    *const c_void,
+    *const c_void,
+    *const *const c_char,
+    *const *const c_char,
+) -> c_int;
+
+/// libc's own functions for the exec calls that search `PATH` or spawn, looked up once at
+/// load (never later: a `vfork` child must not take the loader's lock).
+static REAL: [AtomicUsize; 4] = [const { AtomicUsize::new(0) }; 4];
+const R_EXECVPE: usize = 0;
+const R_FEXECVE: usize = 1;
+const R_SPAWN: usize = 2;
+const R_SPAWNP: usize = 3;
+
+fn resolve_real() {
+    for (i, name) in [c"execvpe", c"fexecve", c"posix_spawn", c"posix_spawnp"]
+        .iter()
+        .enumerate()
+    {
+        // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name, after libc is initialised
+        // (a constructor of a library that depends on it).
+        let f = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) };
+        REAL[i].store(f as usize, Ordering::Release);
+    }
+}
+
+fn real(i: usize) -> Option<usize> {
+    let f = REAL[i].load(Ordering::Acquire);
+    (f != 0).then_some(f)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execve(
+    path: *const c_char,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    before_exec();
+    sys::to_c(sys::execve(path, argv, envp)) as c_int
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execv(path: *const c_char, argv: *const *const c_char) -> c_int {
+    // SAFETY: the caller's arguments; `environ` is libc's.
+    unsafe { execve(path, argv, environ) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execvpe(
+    file: *const c_char,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    let Some(f) = real(R_EXECVPE) else {
+        return sys::to_c(Err(libc::ENOSYS)) as c_int;
+    };
+    before_exec();
+    // SAFETY: libc's execvpe (resolved at load), with the caller's arguments.
+    unsafe { std::mem::transmute::<usize, ExecvpeFn>(f)(file, argv, envp) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execvp(file: *const c_char, argv: *const *const c_char) -> c_int {
+    // SAFETY: as execvpe, with libc's environment.
+    unsafe { execvpe(file, argv, environ) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fexecve(
+    fd: c_int,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    let Some(f) = real(R_FEXECVE) else {
+        return sys::to_c(Err(libc::ENOSYS)) as c_int;
+    };
+    before_exec();
+    // SAFETY: libc's fexecve (resolved at load), with the caller's arguments.
+    unsafe { std::mem::transmute::<usize, FexecveFn>(f)(fd, argv, envp) }
+}
+
+unsafe fn spawn(
+    which: usize,
+    pid: *mut libc::pid_t,
+    path: *const c_char,
+    actions: *const c_void,
+    attr: *const c_void,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    let Some(f) = real(which) else {
+        return libc::ENOSYS;
+    };
+    // The child inherits what is not close-on-exec: those connections go back to TCP here,
+    // for the parent too (both processes then share the kernel's socket).
+    before_exec();
+    // SAFETY: libc's posix_spawn/posix_spawnp (resolved at load), the caller's arguments.
+    unsafe { std::mem::transmute::<usize, SpawnFn>(f)(pid, path, actions, attr, argv, envp) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_spawn(
+    pid: *mut libc::pid_t,
+    path: *const c_char,
+    actions: *const c_void,
+    attr: *const c_void,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    // SAFETY: the caller's arguments, as posix_spawn(3).
+    unsafe { spawn(R_SPAWN, pid, path, actions, attr, argv, envp) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_spawnp(
+    pid: *mut libc::pid_t,
+    file: *const c_char,
+    actions: *const c_void,
+    attr: *const c_void,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    // SAFETY: the caller's arguments, as posix_spawnp(3).
+    unsafe { spawn(R_SPAWNP, pid, file, actions, attr, argv, envp) }
 }
 
 // ---- process life: fork and exit ----
@@ -892,6 +1069,7 @@ extern "C" fn at_load() {
     // SAFETY: registers a plain function without captures.
     unsafe { libc::pthread_atfork(None, None, Some(after_fork_child)) };
     MY_PID.store(sys::getpid(), Ordering::Relaxed);
+    resolve_real();
 }
 
 /// At `exit`: nothing that could block (a signal handler may call exit while this thread
@@ -973,7 +1151,11 @@ mod helper {
 
     fn add(ep: c_int, c: &'static Conn) {
         let mut ev = libc::epoll_event {
-            events: (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32,
+            events: (libc::EPOLLIN
+                | libc::EPOLLOUT
+                | libc::EPOLLPRI
+                | libc::EPOLLRDHUP
+                | libc::EPOLLET) as u32,
             u64: c as *const Conn as u64,
         };
         let _ = sys::epoll_ctl(ep, libc::EPOLL_CTL_ADD, c.tcp(), &mut ev);
@@ -1012,6 +1194,9 @@ mod helper {
                     );
                     if e & libc::EPOLLOUT != 0 && c.tcp_tx_blocked.swap(false, Ordering::AcqRel) {
                         sys::drain(c.b());
+                    }
+                    if e & libc::EPOLLPRI != 0 {
+                        c.back_event();
                     }
                 }
                 c.helper_busy.store(false, Ordering::SeqCst);

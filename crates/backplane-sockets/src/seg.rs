@@ -8,7 +8,9 @@
 //!
 //! Each end keeps its own copy of the position it advances (the producer its tail, the
 //! consumer its head) and only ever *writes* that word; the peer's word is read, checked and
-//! used. Layout (offsets in bytes):
+//! used. A process of the same end that takes over (after a fork) starts from the words in
+//! the segment. A connection inherited across `exec` goes back to the kernel's TCP in both
+//! directions (`back`): the new program gets the TCP socket itself. Layout (offsets in bytes):
 //!
 //! ```text
 //! 0     magic "BPACCEL1", version u32, ring size u32, cookie u64
@@ -24,7 +26,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 /// "BPACCEL1", little-endian.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"BPACCEL1");
 /// Layout version; a segment of another version is not claimed.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Bytes before the first ring.
 pub const HDR: usize = 4096;
 /// Smallest and largest ring a peer may declare.
@@ -73,6 +75,18 @@ const D_SWITCHED: usize = 256; // producer: bytes now go to the ring, after `pre
 const D_FIN: usize = 260; // producer: no more bytes (shutdown/close)
 const D_TCP_FIN: usize = 268; // producer: shut down on the kernel's TCP before switching
 const D_PREFIX: usize = 272; // producer: bytes sent on the TCP connection before the switch
+                             // Which process of an end last used a direction, and where it left it: a process that takes
+                             // over (the other side of a fork, the new program after an exec) starts from these words.
+const D_RX_OWNER: usize = 320; // consumer: pid that last read
+const D_RX_TCP: usize = 328; // consumer: bytes read from TCP (the prefix, as far as read)
+const D_TX_OWNER: usize = 384; // producer: pid that last wrote
+const D_TX_TCP: usize = 392; // producer: bytes written to TCP before the switch
+                             // Back to the kernel's TCP (a connection inherited across `exec` leaves the rings): the
+                             // producer's bytes from ring position `back_at` on are on TCP.
+const D_BACK: usize = 448; // producer
+const D_BACK_AT: usize = 456; // producer
+const D_BACK_CLAIM: usize = 464; // producer processes: which one moves the ring's bytes
+const D_BACK_REQ: usize = 512; // consumer: asks the producer to go back
 
 /// Who an end is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -284,6 +298,55 @@ impl Seg {
             .store(pid, Ordering::Release);
     }
 
+    /// The peer's (pid, wake fd, wake inode) as `role` sees it, once the offer is claimed.
+    pub fn peer(&self, role: Role) -> Option<(u32, i32, u64)> {
+        match role {
+            Role::Client => self.claimed(),
+            Role::Server => (self.u32(O_STATE).load(Ordering::Acquire) == CLAIMED).then(|| {
+                (
+                    self.u32(O_CPID).load(Ordering::Relaxed),
+                    self.u32(O_CWAKE).load(Ordering::Relaxed) as i32,
+                    self.u64(O_CINO).load(Ordering::Relaxed),
+                )
+            }),
+        }
+    }
+
+    /// (destination port, source port, destination node, source node) of the offer.
+    pub fn endpoints(&self) -> (u16, u16, u32, u32) {
+        (
+            self.u32(O_DPORT).load(Ordering::Relaxed) as u16,
+            self.u32(O_SPORT).load(Ordering::Relaxed) as u16,
+            self.u32(O_DNODE).load(Ordering::Relaxed),
+            self.u32(O_SNODE).load(Ordering::Relaxed),
+        )
+    }
+
+    /// Checks a segment this process inherited across `exec` (its descriptor, mapped again):
+    /// the layout, a ring that fits, and a state past the offer's writing.
+    pub fn reopen(&mut self) -> Result<(), Invalid> {
+        if self.len < HDR {
+            return Err(Invalid::Size);
+        }
+        if self.u64(O_MAGIC).load(Ordering::Acquire) != MAGIC
+            || self.u32(O_VERSION).load(Ordering::Relaxed) != VERSION
+        {
+            return Err(Invalid::Magic);
+        }
+        let ring = self.u32(O_RING).load(Ordering::Relaxed) as usize;
+        if !ring.is_power_of_two() || !(MIN_RING..=MAX_RING).contains(&ring) {
+            return Err(Invalid::Ring);
+        }
+        if self.len < seg_len(ring) {
+            return Err(Invalid::Size);
+        }
+        if !matches!(self.u32(O_STATE).load(Ordering::Acquire), OFFERED | CLAIMED) {
+            return Err(Invalid::State);
+        }
+        self.ring = ring;
+        Ok(())
+    }
+
     /// Ring bytes per direction.
     pub fn ring(&self) -> usize {
         self.ring
@@ -386,6 +449,17 @@ impl Dir<'_> {
         }
     }
 
+    /// The contiguous ring bytes at position `pos`, at most `n`: (pointer, length).
+    pub fn piece(&self, pos: u64, n: usize) -> (*const u8, usize) {
+        let size = self.seg.ring;
+        let idx = (pos as usize) & (size - 1);
+        // SAFETY: idx < size: inside this direction's data area (checked at mapping).
+        (
+            unsafe { self.seg.base.add(self.data + idx) },
+            n.min(size - idx),
+        )
+    }
+
     /// Producer publishes its tail.
     pub fn publish(&self, tail: u64) {
         self.w64(D_TAIL).store(tail, Ordering::SeqCst);
@@ -449,6 +523,71 @@ impl Dir<'_> {
     pub fn tcp_fin(&self) -> bool {
         self.w32(D_TCP_FIN).load(Ordering::Acquire) != 0
     }
+    /// Consumer: the process of our end that last read, and our head and TCP count as it left
+    /// them (our own words, but in shared memory: the caller validates them).
+    pub fn rx_owner(&self) -> u32 {
+        self.w32(D_RX_OWNER).load(Ordering::Acquire)
+    }
+    /// Consumer: takes over reading; returns (head, bytes read from TCP) to start from.
+    pub fn take_rx(&self, pid: u32) -> (u64, u64) {
+        self.w32(D_RX_OWNER).store(pid, Ordering::SeqCst);
+        (
+            self.w64(D_HEAD).load(Ordering::Acquire),
+            self.w64(D_RX_TCP).load(Ordering::Acquire),
+        )
+    }
+    /// Consumer: bytes of the prefix read so far.
+    pub fn set_rx_tcp(&self, n: u64) {
+        self.w64(D_RX_TCP).store(n, Ordering::Release);
+    }
+    /// Producer: see [`Dir::rx_owner`].
+    pub fn tx_owner(&self) -> u32 {
+        self.w32(D_TX_OWNER).load(Ordering::Acquire)
+    }
+    /// Producer: takes over writing; returns (tail, bytes written to TCP) to start from.
+    pub fn take_tx(&self, pid: u32) -> (u64, u64) {
+        self.w32(D_TX_OWNER).store(pid, Ordering::SeqCst);
+        (
+            self.w64(D_TAIL).load(Ordering::Acquire),
+            self.w64(D_TX_TCP).load(Ordering::Acquire),
+        )
+    }
+    /// Producer: bytes written to TCP so far (before the switch).
+    pub fn set_tx_tcp(&self, n: u64) {
+        self.w64(D_TX_TCP).store(n, Ordering::Release);
+    }
+
+    /// Consumer: `Some(at)` once the producer went back to TCP: ring bytes before ring
+    /// position `at`, then TCP.
+    pub fn back(&self) -> Option<u64> {
+        (self.w32(D_BACK).load(Ordering::Acquire) != 0)
+            .then(|| self.w64(D_BACK_AT).load(Ordering::Acquire))
+    }
+    /// Producer: from ring position `at` on, the bytes are on TCP.
+    pub fn set_back(&self, at: u64) {
+        self.w64(D_BACK_AT).store(at, Ordering::SeqCst);
+        self.w32(D_BACK).store(1, Ordering::SeqCst);
+    }
+    /// Consumer: asks the producer to go back to TCP (sending again, on TCP, every byte of
+    /// the ring the consumer has not consumed).
+    pub fn request_back(&self) {
+        self.w32(D_BACK_REQ).store(1, Ordering::SeqCst);
+    }
+    /// Producer: the consumer asked to go back.
+    pub fn back_requested(&self) -> bool {
+        self.w32(D_BACK_REQ).load(Ordering::Acquire) != 0
+    }
+    /// Producer: takes the duty of going back (one process of the end does it).
+    pub fn claim_back(&self) -> bool {
+        self.w32(D_BACK_CLAIM)
+            .compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+    /// Producer: the consumer's head (read to send again what it has not consumed).
+    pub fn peer_head(&self) -> u64 {
+        self.w64(D_HEAD).load(Ordering::Acquire)
+    }
+
     /// Bytes the producer published that the consumer has not consumed (both words read
     /// from shared memory; only a hint).
     pub fn pending(&self) -> u64 {

@@ -339,7 +339,7 @@ unsafe fn offer_and_connect(
     let cookie = random_u64();
     let path = cfg.offer_path(dnode, dst.port(), cfg.node, local.port());
     let tmp = cfg.path(format_args!(".o{}-{cookie:x}", sys::getpid()));
-    let made = (|| -> Result<Seg, c_int> {
+    let made = (|| -> Result<(Seg, c_int), c_int> {
         let mf = sys::open(
             &tmp,
             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
@@ -347,8 +347,14 @@ unsafe fn offer_and_connect(
         )? as c_int;
         let r = sys::ftruncate(mf, len as u64)
             .and_then(|_| sys::mmap_shared(mf, len).map(|p| p as usize));
-        let _ = sys::close(mf);
-        let p = r? as *mut u8;
+        let p = match r {
+            Ok(p) => p as *mut u8,
+            Err(e) => {
+                let _ = sys::close(mf);
+                return Err(e);
+            }
+        };
+        let mf = hide(mf);
         // SAFETY: a fresh shared mapping of len bytes.
         let mut s = unsafe { Seg::from_raw(p, len) };
         s.init(&Offer {
@@ -362,10 +368,15 @@ unsafe fn offer_and_connect(
             dnode,
             snode: cfg.node,
         });
-        sys::rename(&tmp, &path)?;
-        Ok(s)
+        if let Err(e) = sys::rename(&tmp, &path) {
+            // SAFETY: nothing else refers to the mapping.
+            unsafe { s.unmap() };
+            close_hidden(mf);
+            return Err(e);
+        }
+        Ok((s, mf))
     })();
-    let mut seg = match made {
+    let (mut seg, segfd) = match made {
         Ok(s) => s,
         Err(_) => {
             let _ = sys::unlink(&tmp);
@@ -378,6 +389,7 @@ unsafe fn offer_and_connect(
         // SAFETY: nothing else refers to the mapping.
         unsafe { seg.unmap() };
         close_pair(a, a_own, b);
+        close_hidden(segfd);
     };
     match sys::connect(fd, addr, alen) {
         Ok(_) => {}
@@ -402,12 +414,7 @@ unsafe fn offer_and_connect(
     let tcp = match swap_in(fd, a, cloexec) {
         Ok(t) => t,
         Err(_) => {
-            let _ = sys::unlink(&path);
-            // SAFETY: nothing else refers to the mapping.
-            unsafe { seg.unmap() };
-            let _ = sys::close(a);
-            close_hidden(a_own);
-            close_hidden(b);
+            undo(&mut seg);
             // Connected, on the kernel's TCP.
             config::fallback(Fallback::Resources, &dst);
             return Ok(0);
@@ -420,6 +427,7 @@ unsafe fn offer_and_connect(
     ));
     let c = Conn::new(Parts {
         seg,
+        segfd,
         role: Role::Client,
         tcp,
         a: a_own,
@@ -427,6 +435,7 @@ unsafe fn offer_and_connect(
         peer_wake: None,
         offer_path: Some(path),
         nonblock,
+        tx_shut: false,
         label,
     });
     crate::install(fd, c);
@@ -561,15 +570,17 @@ fn claim(
         return Err(Fallback::BadOffer);
     }
     let map = sys::mmap_shared(mf, size);
-    let _ = sys::close(mf);
     let Ok(p) = map else {
+        let _ = sys::close(mf);
         return Err(Fallback::Resources);
     };
+    let segfd = hide(mf);
     // SAFETY: a fresh shared mapping of `size` bytes.
     let mut s = unsafe { Seg::from_raw(p, size) };
     let fail = |s: &mut Seg, why: Fallback| {
         // SAFETY: nothing else refers to the mapping.
         unsafe { s.unmap() };
+        close_hidden(segfd);
         Err(why)
     };
     let (cpid, cwake, cino) = match s.validate(local.port(), peer.port(), cfg.node, snode) {
@@ -622,6 +633,7 @@ fn claim(
     ));
     let c = Conn::new(Parts {
         seg: s,
+        segfd,
         role: Role::Server,
         tcp,
         a: a_own,
@@ -629,6 +641,7 @@ fn claim(
         peer_wake: Some(peer_wake),
         offer_path: None,
         nonblock,
+        tx_shut: false,
         label,
     });
     crate::install(t, c);

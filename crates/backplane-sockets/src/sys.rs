@@ -280,6 +280,14 @@ pub fn mmap_shared(fd: c_int, len: usize) -> Result<*mut u8, c_int> {
 pub fn munmap(p: *mut u8, len: usize) -> Res {
     sc!(libc::SYS_munmap, p, len)
 }
+/// `execve(2)`.
+pub fn execve(
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+    envp: *const *const libc::c_char,
+) -> Res {
+    sc!(libc::SYS_execve, path, argv, envp)
+}
 /// `getpid(2)`.
 pub fn getpid() -> u32 {
     sc!(libc::SYS_getpid).unwrap_or(0) as u32

@@ -433,5 +433,81 @@ def corrupt():
     print(f"ok {scen}", flush=True)
 
 
+def execd():
+    """exec with the connection kept (as sshd does), bytes in flight both ways: the new program
+    (without the library) reads the rest of the stream and answers on the kernel's socket."""
+    data = pattern(6 << 20, 11)
+    s1 = pattern(256 << 10, 12)
+    s2 = pattern(1 << 20, 13)
+    if role == "server":
+        s = listen()
+        c, _ = s.accept()
+        got = recv_exact(c, 1 << 20)
+        check(got == data[: 1 << 20], "first MiB")
+        c.sendall(s1)  # left unread by the client: on the ring when we exec
+        time.sleep(0.2)  # the client's next bytes fill our ring, unread
+        fd = c.detach()
+        os.set_inheritable(fd, True)
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        os.execve(sys.executable, [sys.executable, __file__, "execchild", scen, str(fd)], env)
+    elif role == "execchild":
+        c = socket.socket(fileno=port)
+        check(c.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_STREAM, "a TCP socket")
+        rest = bytearray()
+        while True:
+            d = c.recv(1 << 20)
+            if not d:
+                break
+            rest += d
+        check(bytes(rest) == data[1 << 20:], f"rest of the stream differs ({len(rest)} bytes)")
+        c.sendall(s2)
+        c.close()
+    else:
+        c = connect()
+        t = threading.Thread(target=lambda: c.sendall(data) or c.shutdown(socket.SHUT_WR))
+        t.start()
+        back = bytearray()
+        while True:
+            d = c.recv(1 << 20)
+            if not d:
+                break
+            back += d
+        t.join()
+        check(bytes(back) == s1 + s2, f"answer differs ({len(back)} of {len(s1) + len(s2)})")
+    print(f"ok {scen}", flush=True)
+
+
+def forkseq():
+    """After fork, parent and child take turns on one connection: each goes on where the
+    other stopped, in both directions."""
+    data = pattern(3 << 20, 21)
+    out = pattern(1 << 20, 22)
+    if role == "server":
+        s = listen()
+        c, _ = s.accept()
+        check(recv_exact(c, 1 << 20) == data[: 1 << 20], "parent's first MiB")
+        c.sendall(out[: 256 << 10])
+        pid = os.fork()
+        if pid == 0:
+            ok = recv_exact(c, 1 << 20) == data[1 << 20: 2 << 20]
+            c.sendall(out[256 << 10: 768 << 10])
+            os._exit(0 if ok else 3)
+        _, st = os.waitpid(pid, 0)
+        check(os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0, f"child status {st}")
+        check(recv_exact(c, 1 << 20) == data[2 << 20:], "parent's last MiB")
+        c.sendall(out[768 << 10:])
+        c.close()
+    else:
+        c = connect()
+        t = threading.Thread(target=lambda: c.sendall(data))
+        t.start()
+        back = recv_exact(c, len(out))
+        t.join()
+        check(back == out, "answers of parent, child, parent")
+        check(c.recv(10) == b"", "EOF")
+    print(f"ok {scen}", flush=True)
+
+
 {"stream": stream, "readiness": readiness, "dups": dups, "forked": forked,
- "killed": killed, "many": many, "corrupt": corrupt}[scen]()
+ "killed": killed, "many": many, "corrupt": corrupt, "execd": execd,
+ "forkseq": forkseq}[scen]()
