@@ -13,9 +13,11 @@ mode=${1:-main}
 # libibverbs-dev: the header the drop-in libibverbs.so.1 (backplane-ibverbs) is checked
 # against when it builds; ibverbs-utils, perftest: the unmodified RDMA programs it is tested with.
 # python3, curl, netcat-openbsd, redis-server, redis-tools: unmodified programs the accelerated
-# sockets (exec --accel, backplane-sockets) are tested with (with iperf3 and sockperf).
+# sockets (exec --accel, backplane-sockets) are tested with (with iperf3 and sockperf);
+# openssh-server, openssh-client, rsync: sshd forks and execs with the connection (scp, rsync
+# over ssh); qperf: tcp_bw and tcp_lat.
 packages=(ucx-utils iproute2 procps iperf3 iputils-ping sockperf libibverbs-dev ibverbs-utils perftest
-  python3 curl netcat-openbsd redis-server redis-tools)
+  python3 curl netcat-openbsd redis-server redis-tools openssh-server openssh-client rsync qperf)
 
 missing=()
 for p in "${packages[@]}"; do
@@ -27,7 +29,17 @@ if ((${#missing[@]})); then
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
     echo "setup: installing ${missing[*]}" >&2
     $sudo apt-get update -qq
+    # Installing a server (sshd, redis) must not start it as a system service: the tests run
+    # their own instances, on their own ports.
+    policy=/usr/sbin/policy-rc.d
+    made_policy=""
+    if [ ! -e "$policy" ]; then
+      printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
+      $sudo chmod +x "$policy"
+      made_policy=1
+    fi
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    [ -z "$made_policy" ] || $sudo rm -f "$policy"
   else
     echo "setup: please install ${missing[*]} (no apt-get here)" >&2
   fi

@@ -475,6 +475,173 @@ fn nc_half_close_and_redis_benchmark_run_accelerated() {
     }
 }
 
+/// An sshd that forks and re-executes itself (its sandboxed child then reads the socket):
+/// the accepted connection crosses the exec, handed back to the kernel's TCP.
+#[test]
+fn ssh_scp_and_rsync_through_an_sshd_that_forks_and_execs() {
+    if !root() || !have("ssh") || !have("scp") || !have("rsync") || !have("ssh-keygen") {
+        return;
+    }
+    let sshd = "/usr/sbin/sshd";
+    if !std::path::Path::new(sshd).is_file() {
+        eprintln!("skipped: {sshd} is not installed (scripts/setup.sh --test installs it)");
+        return;
+    }
+    lib_built();
+    let fab = Fab::up_net("accel_ssh", 2, &[]);
+    let dir = std::env::temp_dir().join(format!("bp-accel-ssh-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = dir.to_str().unwrap().to_owned();
+    for key in ["host", "id"] {
+        let k = format!("{d}/{key}");
+        let o = Command::new("ssh-keygen")
+            .args(["-q", "-t", "ed25519", "-N", "", "-f", &k])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "ssh-keygen: {}", text(&o));
+    }
+    std::fs::copy(dir.join("id.pub"), dir.join("authorized_keys")).unwrap();
+    std::fs::write(
+        dir.join("sshd_config"),
+        format!(
+            "Port 7701\nListenAddress 0.0.0.0\nHostKey {d}/host\nPidFile {d}/sshd.pid\n\
+             AuthorizedKeysFile {d}/authorized_keys\nPermitRootLogin yes\n\
+             PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n\
+             StrictModes no\nSubsystem sftp internal-sftp\n"
+        ),
+    )
+    .unwrap();
+    // The privilege-separation directory sshd insists on.
+    std::fs::create_dir_all("/run/sshd").unwrap();
+    let mut server = spawn(
+        &fab,
+        2,
+        true,
+        &[sshd, "-D", "-e", "-f", &format!("{d}/sshd_config")],
+    );
+    let id = format!("{d}/id");
+    let opts = [
+        "-i",
+        &id,
+        "-o",
+        "StrictHostKeyChecking=no",
+        "-o",
+        "UserKnownHostsFile=/dev/null",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "LogLevel=ERROR",
+    ];
+    let ssh = |extra: &[&str]| -> Output {
+        let mut args = vec!["timeout", "60", "ssh"];
+        args.extend_from_slice(&opts);
+        args.extend_from_slice(&["-p", "7701", "root@node2"]);
+        args.extend_from_slice(extra);
+        run(&fab, 1, true, &args)
+    };
+    let mut first = None;
+    for _ in 0..50 {
+        let o = ssh(&["echo", "hello", "over", "ssh"]);
+        if o.status.success() {
+            first = Some(o);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mut fails = Vec::new();
+    let mut check = |ok: bool, what: &str, o: &Output| {
+        if !ok {
+            fails.push(format!("{what}: {}", text(o)));
+        }
+    };
+    let o = first.unwrap_or_else(|| ssh(&["true"]));
+    let t = text(&o);
+    check(t.contains("hello over ssh"), "ssh", &o);
+    // The client's connection was accelerated, and went back to TCP when sshd re-executed.
+    check(t.contains("offer made"), "ssh not accelerated", &o);
+    check(
+        t.contains("back on the kernel's TCP"),
+        "ssh: no hand-back at sshd's exec",
+        &o,
+    );
+    // scp and rsync (each runs ssh as its transport) carry a 32 MiB file intact.
+    let blob = dir.join("blob");
+    let data: Vec<u8> = (0..(32u32 << 20))
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    std::fs::write(&blob, &data).unwrap();
+    let b = blob.to_str().unwrap().to_owned();
+    let mut scp = vec!["timeout", "60", "scp"];
+    scp.extend_from_slice(&opts);
+    let dst_scp = format!("root@node2:{d}/blob.scp");
+    scp.extend_from_slice(&["-P", "7701", &b, &dst_scp]);
+    let o = run(&fab, 1, true, &scp);
+    check(o.status.success(), "scp", &o);
+    let rsh = format!("ssh {} -p 7701", opts.join(" "));
+    let dst_rsync = format!("root@node2:{d}/blob.rsync");
+    let o = run(
+        &fab,
+        1,
+        true,
+        &["timeout", "60", "rsync", "-e", &rsh, &b, &dst_rsync],
+    );
+    check(o.status.success(), "rsync", &o);
+    // sshd (a child of `exec`) first, so that its output ends.
+    if let Ok(pid) = std::fs::read_to_string(dir.join("sshd.pid")) {
+        if let Ok(pid) = pid.trim().parse::<i32>() {
+            let _ = rustix::process::kill_process(
+                rustix::process::Pid::from_raw(pid).expect("pid"),
+                rustix::process::Signal::TERM,
+            );
+        }
+    }
+    let _ = server.kill();
+    let s = server.wait_with_output().expect("sshd output");
+    assert!(fails.is_empty(), "{}\nsshd: {}", fails.join("\n"), text(&s));
+    for f in ["blob.scp", "blob.rsync"] {
+        let got = std::fs::read(dir.join(f)).unwrap_or_default();
+        assert!(
+            got == data,
+            "{f}: {} of {} bytes, or others",
+            got.len(),
+            data.len()
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn qperf_tcp_bw_and_tcp_lat_run_accelerated() {
+    if !root() || !have("qperf") {
+        return;
+    }
+    lib_built();
+    let fab = Fab::up_net("accel_qperf", 2, &[]);
+    let mut server = spawn(&fab, 2, true, &["qperf", "-lp", "7801"]);
+    let mut out = None;
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(200));
+        let o = run(
+            &fab,
+            1,
+            true,
+            &[
+                "timeout", "60", "qperf", "-lp", "7801", "-t", "1", "node2", "tcp_bw", "tcp_lat",
+            ],
+        );
+        if o.status.success() {
+            out = Some(o);
+            break;
+        }
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    let o = out.expect("qperf never ran");
+    let t = text(&o);
+    assert!(t.contains("bw  =") && t.contains("latency  ="), "{t}");
+    assert!(t.contains("offer made"), "qperf not accelerated: {t}");
+}
+
 #[test]
 fn accel_on_a_fabric_without_ip_or_a_bad_node_fails_in_one_line() {
     lib_built();

@@ -377,21 +377,32 @@ pub unsafe extern "C" fn accept(fd: c_int, addr: *mut sockaddr, alen: *mut sockl
 
 #[no_mangle]
 pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
-    if let Err(e) = sys::listen(fd, backlog) {
-        return sys::to_c(Err(e)) as c_int;
-    }
     let known = LISTENERS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .iter()
         .any(|&(f, _)| f == fd);
-    if !known {
-        if let Some(lock) = setup::register_listener(fd) {
-            LISTENERS
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((fd, lock));
+    // Registered before the kernel listens, so that no client can connect without seeing the
+    // registration (it would stay on TCP); a socket not bound yet gets its port from listen.
+    let mut lock = if known {
+        None
+    } else {
+        setup::register_listener(fd)
+    };
+    if let Err(e) = sys::listen(fd, backlog) {
+        if let Some(l) = lock {
+            setup::close_hidden(l);
         }
+        return sys::to_c(Err(e)) as c_int;
+    }
+    if !known && lock.is_none() {
+        lock = setup::register_listener(fd);
+    }
+    if let Some(lock) = lock {
+        LISTENERS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((fd, lock));
     }
     0
 }

@@ -163,7 +163,7 @@ pub fn register_listener(fd: c_int) -> Option<c_int> {
     }
     let local = sock_addr(fd, false)?;
     let ours = local.ip().is_unspecified() || cfg.node_of(local.ip()) == Some(cfg.node);
-    if !ours {
+    if !ours || local.port() == 0 {
         return None;
     }
     let path = cfg.listener_path(cfg.node, local.port());
