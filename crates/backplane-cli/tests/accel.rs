@@ -475,6 +475,58 @@ fn nc_half_close_and_redis_benchmark_run_accelerated() {
     }
 }
 
+#[test]
+fn a_node_that_goes_down_resets_its_accelerated_connections_and_rejoins() {
+    if !root() || !have("python3") {
+        return;
+    }
+    lib_built();
+    let fab = Fab::up_net("accel_nodedown", 2, &["--restart-delay-ms", "500"]);
+    let server = spawn(
+        &fab,
+        2,
+        true,
+        &["python3", CALLS, "server", "nodedown", "7901"],
+    );
+    let client = spawn(
+        &fab,
+        1,
+        true,
+        &["python3", CALLS, "client", "nodedown", "7901"],
+    );
+    // Streaming on the ring by now.
+    std::thread::sleep(Duration::from_millis(1500));
+    let agent = fab.status()["slots"][1]["pid"].as_i64().unwrap() as i32;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(agent).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let c = finish(client, 40, "nodedown client");
+    let s = finish(server, 40, "nodedown server");
+    let (ct, st) = (text(&c), text(&s));
+    for (who, t) in [("client", &ct), ("server", &st)] {
+        assert!(t.contains("ok nodedown"), "{who}:\n{t}");
+        assert!(t.contains("node 2 went down or restarted"), "{who}:\n{t}");
+    }
+    // Node 2 rejoins with a new generation; a new connection is accelerated again.
+    let back = (0..100).any(|_| {
+        let s = fab.status();
+        let slot = &s["slots"][1];
+        if slot["state"] == "READY" && slot["generation"] == 2 {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        false
+    });
+    assert!(back, "node 2 did not rejoin: {}", fab.status());
+    let (st, ct) = scenario(&fab, "stream", 7902, (true, true));
+    assert!(
+        st.contains("offer claimed") && ct.contains("offer made"),
+        "{st}\n{ct}"
+    );
+}
+
 /// An sshd that forks and re-executes itself (its sandboxed child then reads the socket):
 /// the accepted connection crosses the exec, handed back to the kernel's TCP.
 #[test]

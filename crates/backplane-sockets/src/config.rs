@@ -235,6 +235,45 @@ fn stats_map() -> Option<&'static Stats> {
         .as_ref()
 }
 
+/// The supervisor's node words (`nodes` in the directory: per slot `generation << 32 |
+/// state`): mapped read-only, once.
+struct NodeWords(*const AtomicU64, usize);
+// SAFETY: a shared read-only mapping of atomics, valid for the process's life.
+unsafe impl Send for NodeWords {}
+// SAFETY: as above.
+unsafe impl Sync for NodeWords {}
+
+static NODES: OnceLock<Option<NodeWords>> = OnceLock::new();
+
+/// Node `slot`'s state and generation as the supervisor last wrote them (`None`: no such
+/// file or slot, e.g. a fabric started by an older supervisor).
+pub fn node_word(slot: u32) -> Option<u64> {
+    let n = NODES
+        .get_or_init(|| {
+            let cfg = get()?;
+            let path = cfg.path(format_args!("nodes"));
+            let fd = sys::open(&path, libc::O_RDONLY | libc::O_CLOEXEC, 0).ok()? as i32;
+            let len = sys::fstat(fd)
+                .map(|(_, size, _)| size as usize)
+                .unwrap_or(0);
+            let map = (8..=1 << 20)
+                .contains(&len)
+                .then(|| sys::mmap_read(fd, len).ok())
+                .flatten();
+            let _ = sys::close(fd);
+            Some(NodeWords(map? as *const AtomicU64, len / 8))
+        })
+        .as_ref()?;
+    let i = (slot as usize).checked_sub(1)?;
+    // SAFETY: i < words of the mapping (checked), 8-aligned (page-aligned base).
+    (i < n.1).then(|| unsafe { &*n.0.add(i) }.load(Ordering::Acquire))
+}
+
+/// A node word that says READY (state 2 in the low half).
+pub fn node_ready(word: u64) -> bool {
+    word & 0xffff_ffff == 2
+}
+
 /// Adds `v` to counter `idx` of this node.
 pub fn count(idx: usize, v: u64) {
     if idx >= stats::WORDS || v == 0 {

@@ -48,6 +48,8 @@ pub struct Parts {
     pub offer_path: Option<Vec<u8>>,
     /// `O_NONBLOCK` of the program's descriptor.
     pub nonblock: bool,
+    /// The peer's node (slot).
+    pub peer_node: u32,
     /// Our side already shut down its sending direction (a connection inherited across exec).
     pub tx_shut: bool,
     /// For log lines.
@@ -115,6 +117,10 @@ pub struct Conn {
     /// `B` when it becomes writable.
     pub tcp_tx_blocked: AtomicBool,
     corrupt: AtomicBool,
+    /// Our node's and the peer's (slot, node word) when the connection was made.
+    nodes: [(u32, Option<u64>); 2],
+    /// A node of the connection went DOWN or restarted: reset.
+    reset: AtomicBool,
     label: String,
 }
 
@@ -222,6 +228,14 @@ impl Conn {
             peer_eof: AtomicBool::new(false),
             tcp_tx_blocked: AtomicBool::new(false),
             corrupt: AtomicBool::new(false),
+            nodes: {
+                let own = config::get().map_or(0, |c| c.node);
+                [
+                    (own, config::node_word(own)),
+                    (p.peer_node, config::node_word(p.peer_node)),
+                ]
+            },
+            reset: AtomicBool::new(false),
             label: p.label,
         }))
     }
@@ -333,6 +347,29 @@ impl Conn {
 
     fn spin_until(&self, ready: impl FnMut() -> bool) -> bool {
         spin(config::get().map_or(0, |c| c.spin_ns), ready)
+    }
+
+    /// Checked by the helper thread now and then: if our node or the peer's left READY or
+    /// came back as another generation, the connection is reset (as the kernel's would be
+    /// by a peer that lost its state), and every waiter wakes.
+    pub fn check_nodes(&self) {
+        if self.ended() || self.reset.load(Ordering::Acquire) {
+            return;
+        }
+        let lost = self.nodes.iter().find(|&&(slot, then)| {
+            then.is_some_and(|w| {
+                config::node_word(slot).is_some_and(|now| now != w || !config::node_ready(now))
+            })
+        });
+        if let Some(&(slot, _)) = lost {
+            self.reset.store(true, Ordering::Release);
+            config::log(format_args!(
+                "{}: node {slot} went down or restarted: connection reset",
+                self.label
+            ));
+            sys::poke(self.b);
+            sys::drain(self.b);
+        }
     }
 
     /// `recv`/`read`/`recvmsg` on the connection.
@@ -455,6 +492,13 @@ impl Conn {
                 break Ok(got);
             }
             // Nothing here now.
+            if self.reset.load(Ordering::Acquire) {
+                break if got > 0 {
+                    Ok(got)
+                } else {
+                    Err(libc::ECONNRESET)
+                };
+            }
             if ring_limit.is_some() && self.tcp_eof() && d.readable(st.head) == Ok(0) {
                 if d.fin() {
                     continue;
@@ -556,6 +600,7 @@ impl Conn {
     /// True when a read would not block: bytes on the ring or TCP, the end, or an error.
     fn has_data(&self, d: &Dir<'_>, st: &RxState) -> bool {
         if self.rx_shut.load(Ordering::Acquire)
+            || self.reset.load(Ordering::Acquire)
             || self.peer_eof.load(Ordering::Acquire)
             || self.corrupt.load(Ordering::Acquire)
             || d.fin()
@@ -595,7 +640,7 @@ impl Conn {
     /// `poll`/`select`/`epoll_wait` to spin on before they sleep in the kernel.
     pub fn ready(&self, read: bool, write: bool) -> bool {
         self.peekers.fetch_add(1, Ordering::SeqCst);
-        let r = if self.ended() {
+        let r = if self.ended() || self.reset.load(Ordering::Relaxed) {
             true
         } else {
             let rx = self.seg_fast.dir(self.role, false);
@@ -643,7 +688,7 @@ impl Conn {
         if self.ended() {
             return Err(libc::EBADF);
         }
-        if self.tx_shut.load(Ordering::Acquire) {
+        if self.tx_shut.load(Ordering::Acquire) || self.reset.load(Ordering::Acquire) {
             return epipe(nosig);
         }
         if want == 0 {
@@ -676,7 +721,7 @@ impl Conn {
         let mut armed = false;
         let mut spun = false;
         let result = loop {
-            if self.peer_gone() {
+            if self.peer_gone() || self.reset.load(Ordering::Acquire) {
                 break if sent > 0 { Ok(sent) } else { epipe(nosig) };
             }
             if d.back_requested() {

@@ -1115,6 +1115,8 @@ mod helper {
     use super::*;
 
     static EP: AtomicI32 = AtomicI32::new(-1);
+    /// How often the nodes of the connections are checked.
+    const NODE_CHECK_MS: c_int = 200;
     static PID: AtomicU32 = AtomicU32::new(0);
     static START: Mutex<()> = Mutex::new(());
 
@@ -1172,6 +1174,18 @@ mod helper {
         let _ = sys::epoll_ctl(ep, libc::EPOLL_CTL_ADD, c.tcp(), &mut ev);
     }
 
+    /// Resets the connections whose node went down or restarted (a walk of the table, no
+    /// lock: a fork's child must never find one held).
+    fn check_nodes() {
+        for s in TABLE.iter() {
+            let p = s.load(Ordering::Acquire);
+            if !p.is_null() {
+                // SAFETY: table entries point at leaked, never-freed connections.
+                unsafe { &*p }.check_nodes();
+            }
+        }
+    }
+
     /// Starts watching a new connection.
     pub fn watch(c: &'static Conn) {
         let ep = ensure();
@@ -1187,8 +1201,14 @@ mod helper {
 
     fn run(ep: c_int) {
         let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut last = crate::conn::now_ns();
         loop {
-            let n = match sys::epoll_wait(ep, evs.as_mut_ptr(), evs.len() as c_int, -1) {
+            let now = crate::conn::now_ns();
+            if now.saturating_sub(last) >= NODE_CHECK_MS as u64 * 1_000_000 {
+                last = now;
+                check_nodes();
+            }
+            let n = match sys::epoll_wait(ep, evs.as_mut_ptr(), evs.len() as c_int, NODE_CHECK_MS) {
                 Ok(n) => n,
                 Err(libc::EINTR) => continue,
                 Err(_) => return,

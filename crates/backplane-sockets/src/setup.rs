@@ -435,6 +435,7 @@ unsafe fn offer_and_connect(
         peer_wake: None,
         offer_path: Some(path),
         nonblock,
+        peer_node: dnode,
         tx_shut: false,
         label,
     });
@@ -641,6 +642,7 @@ fn claim(
         peer_wake: Some(peer_wake),
         offer_path: None,
         nonblock,
+        peer_node: snode,
         tx_shut: false,
         label,
     });

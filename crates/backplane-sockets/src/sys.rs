@@ -276,6 +276,19 @@ pub fn mmap_shared(fd: c_int, len: usize) -> Result<*mut u8, c_int> {
     )?;
     Ok(p as *mut u8)
 }
+/// A read-only shared mapping of `len` bytes of `fd`.
+pub fn mmap_read(fd: c_int, len: usize) -> Result<*mut u8, c_int> {
+    let p = sc!(
+        libc::SYS_mmap,
+        0usize,
+        len,
+        libc::PROT_READ,
+        libc::MAP_SHARED,
+        fd,
+        0usize
+    )?;
+    Ok(p as *mut u8)
+}
 /// `munmap(2)`.
 pub fn munmap(p: *mut u8, len: usize) -> Res {
     sc!(libc::SYS_munmap, p, len)

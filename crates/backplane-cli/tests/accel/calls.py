@@ -508,6 +508,34 @@ def forkseq():
     print(f"ok {scen}", flush=True)
 
 
+def nodedown():
+    """The server's node goes DOWN mid-stream (the test kills its agent): both ends get
+    ECONNRESET/EPIPE, never a hang."""
+    if role == "server":
+        s = listen()
+        c, _ = s.accept()
+        print("accepted", flush=True)
+        t0 = time.time()
+        try:
+            while time.time() - t0 < 30:
+                d = c.recv(65536)
+                check(d, "EOF instead of a reset")
+            fail("still reading 30 s after the node went down")
+        except ConnectionResetError:
+            pass
+    else:
+        c = connect()
+        chunk = b"n" * 65536
+        t0 = time.time()
+        try:
+            while time.time() - t0 < 30:
+                c.sendall(chunk)
+            fail("writes still succeed 30 s after the node went down")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    print(f"ok {scen}", flush=True)
+
+
 {"stream": stream, "readiness": readiness, "dups": dups, "forked": forked,
  "killed": killed, "many": many, "corrupt": corrupt, "execd": execd,
- "forkseq": forkseq}[scen]()
+ "forkseq": forkseq, "nodedown": nodedown}[scen]()

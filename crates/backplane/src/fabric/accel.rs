@@ -34,6 +34,78 @@ pub const FALLBACK_NAMES: [&str; 6] = [
     "resources",
 ];
 
+/// The file, in the `accel` directory, where the supervisor keeps every node's state and
+/// generation for the library: one little-endian u64 per slot (slot `s` at word `s - 1`),
+/// `generation << 32 | state`, stored whole on every transition. A connection whose node (either
+/// end's) leaves READY or comes back with another generation is reset.
+pub const NODES_FILE: &str = "nodes";
+
+/// The supervisor's writable mapping of [`NODES_FILE`].
+#[derive(Debug)]
+pub struct NodeWords {
+    ptr: std::ptr::NonNull<std::sync::atomic::AtomicU64>,
+    nodes: u32,
+}
+
+// SAFETY: a shared mapping written only through atomics; valid until drop from any thread.
+unsafe impl Send for NodeWords {}
+// SAFETY: as above.
+unsafe impl Sync for NodeWords {}
+
+impl NodeWords {
+    /// Creates (or truncates) the file of fabric `fabric` with `nodes` slots, all zero.
+    pub fn create(fabric: &str, nodes: u32) -> std::io::Result<Self> {
+        use rustix::fs::{ftruncate, open, Mode, OFlags};
+        use rustix::mm::{mmap, MapFlags, ProtFlags};
+        let dir = super::fabric_dir(fabric).join("accel");
+        std::fs::create_dir_all(&dir)?;
+        let fd = open(
+            dir.join(NODES_FILE),
+            OFlags::RDWR | OFlags::CREATE | OFlags::TRUNC | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o644),
+        )?;
+        let len = (nodes as usize * 8).div_ceil(4096) * 4096;
+        ftruncate(&fd, len as u64)?;
+        // SAFETY: a fresh shared mapping of the file's `len` bytes, owned by the result and
+        // unmapped in drop; nothing else in this process maps it.
+        let p = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                0,
+            )?
+        };
+        Ok(NodeWords {
+            ptr: std::ptr::NonNull::new(p.cast()).expect("mmap returns non-null"),
+            nodes,
+        })
+    }
+
+    /// Stores slot's state and generation.
+    pub fn set(&self, slot: u32, state: u32, generation: u32) {
+        if slot == 0 || slot > self.nodes {
+            return;
+        }
+        // SAFETY: slot - 1 < nodes words, inside the mapping; 8-aligned (page-aligned base).
+        let w = unsafe { &*self.ptr.as_ptr().add(slot as usize - 1) };
+        w.store(
+            u64::from(generation) << 32 | u64::from(state),
+            std::sync::atomic::Ordering::Release,
+        );
+    }
+}
+
+impl Drop for NodeWords {
+    fn drop(&mut self) {
+        let len = (self.nodes as usize * 8).div_ceil(4096) * 4096;
+        // SAFETY: the mapping made in `create`, of `len` bytes, no longer used.
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), len) };
+    }
+}
+
 /// One node's accelerated-socket counters, as `status --json` shows them.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct AccelStats {

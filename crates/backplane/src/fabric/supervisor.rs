@@ -116,6 +116,9 @@ struct Sup {
     stopping: bool,
     /// The verbs registry (or [`NoService`]), given to [`run`].
     verbs: Box<dyn Service>,
+    /// Each node's state and generation for accelerated sockets (none if the file could not
+    /// be made: connections then outlive a node's restart as the kernel's TCP would).
+    accel_nodes: Option<crate::fabric::accel::NodeWords>,
 }
 
 /// Set by SIGTERM, SIGINT or SIGHUP; the event loop (whose `poll` has a timeout and is never
@@ -196,6 +199,7 @@ fn run_inner(
     publish(&control, 0, &hdr, FABRIC_INIT_OFF);
 
     let listener = bind_listener(&lock.dir.join(SOCKET_FILE))?;
+    let accel_nodes = crate::fabric::accel::NodeWords::create(&cfg.name, cfg.nodes).ok();
     let mut sup = Sup {
         allocs: (0..cfg.nodes)
             .map(|_| WindowAlloc::new(WINDOW_HEAP_OFF, cfg.window_size))
@@ -218,6 +222,7 @@ fn run_inner(
         log,
         stopping: false,
         verbs,
+        accel_nodes,
     };
     if lock.stale {
         sup.say("removed what a crashed supervisor left behind");

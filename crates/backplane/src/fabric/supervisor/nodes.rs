@@ -92,6 +92,9 @@ impl Sup {
         seq.store(s.wrapping_add(2), Ordering::Release);
         let epoch = self.control.u32_at(FABRIC_EPOCH_OFF as u64).expect("epoch");
         sync::ring(epoch);
+        if let Some(n) = &self.accel_nodes {
+            n.set(slot, repr.state as u32, repr.generation);
+        }
     }
 
     pub(super) fn apply(&mut self, slot: u32, t: Option<Transition>) {
