@@ -32,8 +32,6 @@ use crate::sys::{self, Res};
 pub struct Parts {
     /// The mapped segment.
     pub seg: Seg,
-    /// Its file (hidden), kept so the connection can cross an `exec`.
-    pub segfd: c_int,
     /// Our end.
     pub role: Role,
     /// The kernel's TCP socket (hidden descriptor).
@@ -91,7 +89,6 @@ fn add_bytes(unflushed: &mut u64, n: usize, idx: usize) {
 pub struct Conn {
     seg: Mutex<Option<Seg>>,
     seg_fast: Seg,
-    segfd: c_int,
     role: Role,
     tcp: c_int,
     a: c_int,
@@ -198,7 +195,6 @@ impl Conn {
         Box::leak(Box::new(Conn {
             seg: Mutex::new(Some(p.seg)),
             seg_fast: fast,
-            segfd: p.segfd,
             role: p.role,
             tcp: p.tcp,
             a: p.a,
@@ -247,15 +243,6 @@ impl Conn {
     /// Our end of the wake-up pair (the helper pokes it).
     pub fn b(&self) -> c_int {
         self.b
-    }
-    /// The hidden descriptors a process needs to carry the connection across `exec`:
-    /// (TCP, our duplicate of A, B, the segment's file).
-    pub fn hidden(&self) -> [c_int; 4] {
-        [self.tcp, self.a, self.b, self.segfd]
-    }
-    /// Our end.
-    pub fn role(&self) -> Role {
-        self.role
     }
     /// True once the connection ended in this process.
     pub fn ended(&self) -> bool {
@@ -1087,7 +1074,7 @@ impl Conn {
             let _ = sys::unlink(&p);
         }
         let w = self.peer_wake.swap(PEER_FAILED, Ordering::AcqRel);
-        for fd in [self.tcp, self.a, self.b, self.segfd, w] {
+        for fd in [self.tcp, self.a, self.b, w] {
             if fd >= 0 {
                 crate::setup::close_hidden(fd);
             }

@@ -312,41 +312,6 @@ impl Seg {
         }
     }
 
-    /// (destination port, source port, destination node, source node) of the offer.
-    pub fn endpoints(&self) -> (u16, u16, u32, u32) {
-        (
-            self.u32(O_DPORT).load(Ordering::Relaxed) as u16,
-            self.u32(O_SPORT).load(Ordering::Relaxed) as u16,
-            self.u32(O_DNODE).load(Ordering::Relaxed),
-            self.u32(O_SNODE).load(Ordering::Relaxed),
-        )
-    }
-
-    /// Checks a segment this process inherited across `exec` (its descriptor, mapped again):
-    /// the layout, a ring that fits, and a state past the offer's writing.
-    pub fn reopen(&mut self) -> Result<(), Invalid> {
-        if self.len < HDR {
-            return Err(Invalid::Size);
-        }
-        if self.u64(O_MAGIC).load(Ordering::Acquire) != MAGIC
-            || self.u32(O_VERSION).load(Ordering::Relaxed) != VERSION
-        {
-            return Err(Invalid::Magic);
-        }
-        let ring = self.u32(O_RING).load(Ordering::Relaxed) as usize;
-        if !ring.is_power_of_two() || !(MIN_RING..=MAX_RING).contains(&ring) {
-            return Err(Invalid::Ring);
-        }
-        if self.len < seg_len(ring) {
-            return Err(Invalid::Size);
-        }
-        if !matches!(self.u32(O_STATE).load(Ordering::Acquire), OFFERED | CLAIMED) {
-            return Err(Invalid::State);
-        }
-        self.ring = ring;
-        Ok(())
-    }
-
     /// Ring bytes per direction.
     pub fn ring(&self) -> usize {
         self.ring
@@ -705,5 +670,33 @@ mod tests {
         assert!(!d.fin());
         d.set_fin();
         assert!(d.fin());
+    }
+
+    #[test]
+    fn going_back_and_taking_over_read_the_segment() {
+        let mut s = anon(seg_len(4096));
+        s.init(&offer());
+        let d = s.dir(Role::Server, true);
+        assert_eq!(d.back(), None);
+        assert!(!d.back_requested());
+        d.request_back();
+        assert!(d.back_requested());
+        assert!(d.claim_back(), "one process of the end takes it");
+        assert!(!d.claim_back(), "and only one");
+        d.set_back(1234);
+        assert_eq!(d.back(), Some(1234));
+        // A process that takes over starts from the words in the segment.
+        d.publish(777);
+        d.set_tx_tcp(5);
+        assert_eq!(d.take_tx(42), (777, 5));
+        assert_eq!(d.tx_owner(), 42);
+        let r = s.dir(Role::Client, false);
+        r.consume(700);
+        r.set_rx_tcp(5);
+        assert_eq!(r.take_rx(43), (700, 5));
+        assert_eq!(r.rx_owner(), 43);
+        // The ring's contiguous piece at a position near its end.
+        let (_, len) = r.piece(4000, 500);
+        assert_eq!(len, 96);
     }
 }

@@ -339,7 +339,7 @@ unsafe fn offer_and_connect(
     let cookie = random_u64();
     let path = cfg.offer_path(dnode, dst.port(), cfg.node, local.port());
     let tmp = cfg.path(format_args!(".o{}-{cookie:x}", sys::getpid()));
-    let made = (|| -> Result<(Seg, c_int), c_int> {
+    let made = (|| -> Result<Seg, c_int> {
         let mf = sys::open(
             &tmp,
             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
@@ -347,14 +347,8 @@ unsafe fn offer_and_connect(
         )? as c_int;
         let r = sys::ftruncate(mf, len as u64)
             .and_then(|_| sys::mmap_shared(mf, len).map(|p| p as usize));
-        let p = match r {
-            Ok(p) => p as *mut u8,
-            Err(e) => {
-                let _ = sys::close(mf);
-                return Err(e);
-            }
-        };
-        let mf = hide(mf);
+        let _ = sys::close(mf);
+        let p = r? as *mut u8;
         // SAFETY: a fresh shared mapping of len bytes.
         let mut s = unsafe { Seg::from_raw(p, len) };
         s.init(&Offer {
@@ -371,12 +365,11 @@ unsafe fn offer_and_connect(
         if let Err(e) = sys::rename(&tmp, &path) {
             // SAFETY: nothing else refers to the mapping.
             unsafe { s.unmap() };
-            close_hidden(mf);
             return Err(e);
         }
-        Ok((s, mf))
+        Ok(s)
     })();
-    let (mut seg, segfd) = match made {
+    let mut seg = match made {
         Ok(s) => s,
         Err(_) => {
             let _ = sys::unlink(&tmp);
@@ -389,7 +382,6 @@ unsafe fn offer_and_connect(
         // SAFETY: nothing else refers to the mapping.
         unsafe { seg.unmap() };
         close_pair(a, a_own, b);
-        close_hidden(segfd);
     };
     match sys::connect(fd, addr, alen) {
         Ok(_) => {}
@@ -427,7 +419,6 @@ unsafe fn offer_and_connect(
     ));
     let c = Conn::new(Parts {
         seg,
-        segfd,
         role: Role::Client,
         tcp,
         a: a_own,
@@ -571,17 +562,15 @@ fn claim(
         return Err(Fallback::BadOffer);
     }
     let map = sys::mmap_shared(mf, size);
+    let _ = sys::close(mf);
     let Ok(p) = map else {
-        let _ = sys::close(mf);
         return Err(Fallback::Resources);
     };
-    let segfd = hide(mf);
     // SAFETY: a fresh shared mapping of `size` bytes.
     let mut s = unsafe { Seg::from_raw(p, size) };
     let fail = |s: &mut Seg, why: Fallback| {
         // SAFETY: nothing else refers to the mapping.
         unsafe { s.unmap() };
-        close_hidden(segfd);
         Err(why)
     };
     let (cpid, cwake, cino) = match s.validate(local.port(), peer.port(), cfg.node, snode) {
@@ -634,7 +623,6 @@ fn claim(
     ));
     let c = Conn::new(Parts {
         seg: s,
-        segfd,
         role: Role::Server,
         tcp,
         a: a_own,
