@@ -486,8 +486,13 @@ impl Conn {
                     Err(libc::ECONNRESET)
                 };
             }
-            if ring_limit.is_some() && self.tcp_eof() && d.readable(st.head) == Ok(0) {
-                if d.fin() {
+            // (With the ring limited — we asked the peer to go back — a peer that is gone
+            // will never send its bytes again on TCP: its end, not a wait.)
+            if let (Some(l), true) = (ring_limit, self.tcp_eof()) {
+                if d.readable(st.head).map(|a| a.min(l)) != Ok(0) {
+                    continue;
+                }
+                if d.fin() && l == usize::MAX {
                     continue;
                 }
                 // Every peer process closed or died. Like the kernel: end-of-file, or a reset
