@@ -235,8 +235,12 @@ fn stats_map() -> Option<&'static Stats> {
         .as_ref()
 }
 
-/// The supervisor's node words (`nodes` in the directory: per slot `generation << 32 |
-/// state`): mapped read-only, once.
+/// The supervisor's file of node words in the directory (per slot `generation << 32 | state`).
+pub const NODES_FILE: &str = "nodes";
+/// The state a node serves traffic in (the low half of its word).
+pub const NODE_READY: u64 = 2;
+
+/// The supervisor's node words ([`NODES_FILE`]): mapped read-only, once.
 struct NodeWords(*const AtomicU64, usize);
 // SAFETY: a shared read-only mapping of atomics, valid for the process's life.
 unsafe impl Send for NodeWords {}
@@ -251,7 +255,7 @@ pub fn node_word(slot: u32) -> Option<u64> {
     let n = NODES
         .get_or_init(|| {
             let cfg = get()?;
-            let path = cfg.path(format_args!("nodes"));
+            let path = cfg.path(format_args!("{NODES_FILE}"));
             let fd = sys::open(&path, libc::O_RDONLY | libc::O_CLOEXEC, 0).ok()? as i32;
             let len = sys::fstat(fd)
                 .map(|(_, size, _)| size as usize)
@@ -271,7 +275,7 @@ pub fn node_word(slot: u32) -> Option<u64> {
 
 /// A node word that says READY (state 2 in the low half).
 pub fn node_ready(word: u64) -> bool {
-    word & 0xffff_ffff == 2
+    word & 0xffff_ffff == NODE_READY
 }
 
 /// Adds `v` to counter `idx` of this node.
@@ -362,6 +366,9 @@ mod tests {
         );
         assert_eq!((stats::FALLBACK, stats::WORDS), (r::FALLBACK, r::WORDS));
         assert_eq!(FALLBACK_NAMES, r::FALLBACK_NAMES);
+        // The node words the supervisor writes.
+        assert_eq!(NODES_FILE, r::NODES_FILE);
+        assert_eq!(NODE_READY, backplane::wire::NodeState::Ready as u64);
     }
 
     #[test]

@@ -910,25 +910,20 @@ impl Conn {
             if self.ended() {
                 return;
             }
-            match self.tx.try_lock() {
-                Ok(mut st) => {
-                    sync_tx(&d, &mut st);
-                    self.give_back(&d, &mut st);
-                    return;
-                }
-                Err(std::sync::TryLockError::Poisoned(p)) => {
-                    let mut st = p.into_inner();
-                    sync_tx(&d, &mut st);
-                    self.give_back(&d, &mut st);
-                    return;
-                }
-                Err(std::sync::TryLockError::WouldBlock) => {
-                    if d.back().is_some() {
-                        return;
-                    }
-                    std::thread::sleep(std::time::Duration::from_micros(100));
-                }
+            let guard = match self.tx.try_lock() {
+                Ok(g) => Some(g),
+                Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            };
+            if let Some(mut st) = guard {
+                sync_tx(&d, &mut st);
+                self.give_back(&d, &mut st);
+                return;
             }
+            if d.back().is_some() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(100));
         }
     }
 
