@@ -18,7 +18,8 @@ use hdrhistogram::Histogram;
 
 use crate::cpu::{ProcStat, Rusage, SideCpu, Snapshot, Who};
 use crate::dma_path::DmaPath;
-use crate::link::{chunk_lens, put_stamp, stamp_of, touch, FabricLink, Link, StreamLink, UdpLink};
+use crate::drive;
+use crate::link::{put_stamp, FabricLink, Link, StreamLink, UdpLink};
 use crate::memcpy::{self, Load, Memcpy};
 use crate::netns::{self, VethPair};
 use crate::peer::{self, Command, PeerProc, PeerResult};
@@ -145,6 +146,14 @@ pub const PATHS: &[PathDef] = &[
         kind: Kind::Stream,
         // send() into the kernel, TAP → ring (agent), ring → TAP (agent), recv() out.
         copies: 4.0,
+        not_yet: None,
+    },
+    PathDef {
+        name: "fabric-tcp-accel",
+        title: "TCP over the fabric with socket acceleration: unmodified socket calls in two processes (libbackplane_sockets.so preloaded, `backplane exec --accel`), the byte stream on shared-memory rings, node 1 → node 2 namespaces",
+        kind: Kind::Stream,
+        // write() into the ring, read() out of it.
+        copies: 2.0,
         not_yet: None,
     },
     PathDef {
@@ -472,10 +481,19 @@ fn general_notes(cfg: &Config) -> Vec<String> {
     n
 }
 
-/// What a set-up path hands to the measurements. Fields drop in order: link, peer, handles,
+/// Where the client side of a path runs.
+enum Client {
+    /// In the bench's own thread.
+    Here(Box<dyn Link>),
+    /// In a `bench-peer` of kind `tcp-client` (a process of its own, e.g. one the socket
+    /// acceleration library is preloaded into).
+    Process(PeerProc),
+}
+
+/// What a set-up path hands to the measurements. Fields drop in order: client, peer, handles,
 /// then the guards that remove the resources.
 struct Setup {
-    link: Box<dyn Link>,
+    client: Client,
     /// The next datagram stamp: stamps rise over the whole life of a path, so a straggler
     /// of an earlier operation is told apart from the current one's datagrams.
     next_stamp: u64,
@@ -509,6 +527,80 @@ fn spawn_peer(
             port: PEER_PORT,
         },
     )
+}
+
+/// Starts a bench peer of `kind` (`tcp` listening at `at`, or `tcp-client` connecting to
+/// it) in node `node` of fabric `fabric` with its TCP accelerated: under `backplane exec
+/// --accel`, which preloads the socket library.
+fn spawn_accel(
+    ctx: &Ctx,
+    fabric: &str,
+    node: u32,
+    kind: peer::PeerKind,
+    at: &str,
+) -> anyhow::Result<PeerProc> {
+    let exe = ctx.cfg.exe.to_string_lossy().into_owned();
+    let node = node.to_string();
+    let v: Vec<String> = [
+        &exe,
+        "exec",
+        "--name",
+        fabric,
+        "--accel",
+        &node,
+        "--",
+        &exe,
+        "bench-peer",
+        kind.as_str(),
+    ]
+    .map(String::from)
+    .into();
+    PeerProc::spawn(
+        &v,
+        &peer::PeerConfig {
+            kind,
+            at: at.to_string(),
+            node: 0,
+            port: 0,
+        },
+    )
+}
+
+/// The socket library's own word that the bench connection went onto rings: both nodes
+/// count it as accelerated, or the path would measure the kernel's TCP under another name.
+fn check_accelerated(fabric: &str) -> anyhow::Result<()> {
+    use backplane::fabric::accel::read_stats;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (a, b) = (read_stats(fabric, 1), read_stats(fabric, 2));
+        if [&a, &b]
+            .iter()
+            .all(|s| s.as_ref().is_some_and(|s| s.connections >= 1))
+        {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            let why: Vec<String> = [a, b]
+                .iter()
+                .flatten()
+                .flat_map(|s| s.fallbacks.iter().map(|(k, n)| format!("{k} ×{n}")))
+                .collect();
+            bail!(
+                "the connection stayed on the kernel's TCP (fallbacks: {})",
+                if why.is_empty() {
+                    "none counted".to_string()
+                } else {
+                    why.join(", ")
+                }
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A client in the bench's own thread.
+fn here(l: impl Link + 'static) -> Client {
+    Client::Here(Box::new(l))
 }
 
 fn veth<'c>(ctx: &'c mut Ctx) -> anyhow::Result<&'c VethPair> {
@@ -554,7 +646,7 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
     use peer::PeerKind as K;
     let mut guards = Vec::new();
     let mut fabric = None;
-    let (link, peer, lossy): (Box<dyn Link>, PeerProc, bool) = match name {
+    let (client, peer, lossy): (Client, PeerProc, bool) = match name {
         "fabric-dgram" => {
             let (fname, f) = start_fabric(ctx, &mut guards, None)?;
             let peer = spawn_peer(ctx, None, K::Fabric, &fname)?;
@@ -562,7 +654,7 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
             let to = Addr::new(2, PEER_PORT);
             peer::fabric_hello(&mut ep, to)?;
             fabric = Some(f);
-            (Box::new(FabricLink::new(ep, to)), peer, false)
+            (here(FabricLink::new(ep, to)), peer, false)
         }
         "fabric-verbs-write" | "fabric-verbs-read" | "fabric-verbs-send" => {
             let kind = match name {
@@ -576,41 +668,46 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
             let link = VerbsLink::connect(&f.node(1)?, 2, PEER_PORT, mode, Duration::from_secs(10))
                 .context("cannot connect to the bench peer's queue pair")?;
             fabric = Some(f);
-            (Box::new(link), peer, false)
+            (here(link), peer, false)
         }
-        "fabric-tcp" | "fabric-udp" => {
+        "fabric-tcp" | "fabric-tcp-accel" | "fabric-udp" => {
             // Node 1's and node 2's namespaces, joined by nothing but the fabric.
             let plan = NetPlan::new(net::DEFAULT_SUBNET, net::DEFAULT_MTU, 2)?;
             let (fname, f) = start_fabric(ctx, &mut guards, Some(plan))?;
             let (ns1, ns2) = (net::netns_name(&fname, 1), net::netns_name(&fname, 2));
             let at = format!("{}:0", plan.address(2));
             fabric = Some(f);
-            if name == "fabric-tcp" {
+            if name == "fabric-tcp-accel" {
+                let peer = spawn_accel(ctx, &fname, 2, K::Tcp, &at)?;
+                let client = spawn_accel(ctx, &fname, 1, K::TcpClient, &peer.addr)?;
+                check_accelerated(&fname)?;
+                (Client::Process(client), peer, false)
+            } else if name == "fabric-tcp" {
                 let peer = spawn_peer(ctx, Some(&ns2), K::Tcp, &at)?;
                 let addr: SocketAddr = peer.addr.parse()?;
                 let s = netns::in_ns(&ns1, move || Ok(TcpStream::connect(addr)?))?;
                 s.set_nodelay(true)?;
-                (Box::new(StreamLink::new(s)), peer, false)
+                (here(StreamLink::new(s)), peer, false)
             } else {
                 let peer = spawn_peer(ctx, Some(&ns2), K::Udp, &at)?;
                 let addr: SocketAddr = peer.addr.parse()?;
                 let me = format!("{}:0", plan.address(1));
                 let s = netns::in_ns(&ns1, move || Ok(UdpSocket::bind(me)?))?;
                 peer::udp_hello(&s, addr)?;
-                (Box::new(UdpLink::new(s)), peer, true)
+                (here(UdpLink::new(s)), peer, true)
             }
         }
         "tcp-loopback" => {
             let peer = spawn_peer(ctx, None, K::Tcp, "127.0.0.1:0")?;
             let s = TcpStream::connect(peer.addr.parse::<SocketAddr>()?)?;
             s.set_nodelay(true)?;
-            (Box::new(StreamLink::new(s)), peer, false)
+            (here(StreamLink::new(s)), peer, false)
         }
         "udp-loopback" => {
             let peer = spawn_peer(ctx, None, K::Udp, "127.0.0.1:0")?;
             let s = UdpSocket::bind("127.0.0.1:0")?;
             peer::udp_hello(&s, peer.addr.parse()?)?;
-            (Box::new(UdpLink::new(s)), peer, true)
+            (here(UdpLink::new(s)), peer, true)
         }
         "unix-stream" => {
             let dir = std::env::temp_dir().join(format!("bpb-{}", std::process::id()));
@@ -625,7 +722,7 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
             let path = dir.join("peer.sock");
             let peer = spawn_peer(ctx, None, K::Unix, &path.to_string_lossy())?;
             let s = UnixStream::connect(&path)?;
-            (Box::new(StreamLink::new(s)), peer, false)
+            (here(StreamLink::new(s)), peer, false)
         }
         "tcp-veth" | "udp-veth" => {
             let tcp = name == "tcp-veth";
@@ -640,17 +737,17 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
             if tcp {
                 let s = v.in_a(move || Ok(TcpStream::connect(addr)?))?;
                 s.set_nodelay(true)?;
-                (Box::new(StreamLink::new(s)), peer, false)
+                (here(StreamLink::new(s)), peer, false)
             } else {
                 let s = v.in_a(|| Ok(UdpSocket::bind(format!("{}:0", netns::ADDR_A))?))?;
                 peer::udp_hello(&s, addr)?;
-                (Box::new(UdpLink::new(s)), peer, true)
+                (here(UdpLink::new(s)), peer, true)
             }
         }
         other => bail!("no set-up for path {other}"),
     };
     Ok(Setup {
-        link,
+        client,
         next_stamp: 1,
         peer,
         lossy,
@@ -661,10 +758,24 @@ fn setup(ctx: &mut Ctx, name: &str) -> anyhow::Result<Setup> {
 
 fn run_link_path(ctx: &mut Ctx, def: &PathDef) -> PathReport {
     let mut pr = PathReport::new(def.name, def.title, def.kind.as_str(), def.copies);
-    if def.name.ends_with("-veth") || matches!(def.name, "fabric-tcp" | "fabric-udp") {
+    if def.name.ends_with("-veth")
+        || matches!(def.name, "fabric-tcp" | "fabric-tcp-accel" | "fabric-udp")
+    {
         if let Some(why) = netns::unavailable() {
             pr.status = Status::Skipped;
             pr.reason = Some(why);
+            ctx.progress.inc(steps_of(ctx, def));
+            return pr;
+        }
+    }
+    if def.name == "fabric-tcp-accel" {
+        let lib = ctx.cfg.exe.with_file_name("libbackplane_sockets.so");
+        if !lib.is_file() {
+            pr.status = Status::Skipped;
+            pr.reason = Some(format!(
+                "{} is not built (cargo build -p backplane-sockets)",
+                lib.display()
+            ));
             ctx.progress.inc(steps_of(ctx, def));
             return pr;
         }
@@ -923,54 +1034,33 @@ fn throughput_once(
     let base = s.next_stamp;
     s.peer.start(&Command::Sink { base })?;
     let snap = Snapshot::take(Who::Thread);
-    let size_u = size as usize;
-    let mut msg = vec![0x5Au8; size_u];
-    let dgram = s.link.max_dgram();
-    let chunks: Vec<usize> = match dgram {
-        Some(m) => chunk_lens(size_u, m).collect(),
-        None => vec![size_u],
+    let (sent, remote) = match &mut s.client {
+        Client::Here(link) => (drive::send_for(link.as_mut(), size, base, dur, warm)?, None),
+        Client::Process(c) => {
+            let r = c.run_client(&Command::Send {
+                size,
+                dur_ns: dur.as_nanos() as u64,
+                warm_ns: warm.as_nanos() as u64,
+            })?;
+            (r.sent, Some((r.cpu, r.wall_ns)))
+        }
     };
-    let every = (65_536 / size).clamp(1, 256);
-    let (mut sent, mut dgrams, mut skip, mut n) = (0u64, 0u64, None, 0u64);
-    let t0 = Instant::now();
-    let (warm_end, end) = (t0 + warm, t0 + warm + dur);
-    loop {
-        let mut off = 0;
-        for &len in &chunks {
-            let c = &mut msg[off..off + len];
-            if dgram.is_some() {
-                put_stamp(c, base + dgrams);
-            }
-            s.link.send(c)?;
-            dgrams += 1;
-            off += len;
-        }
-        sent += size;
-        n += 1;
-        if n.is_multiple_of(every) {
-            let now = Instant::now();
-            if skip.is_none() && now >= warm_end {
-                skip = Some(sent);
-            }
-            if now >= end {
-                break;
-            }
-        }
-    }
-    s.link.flush()?;
-    s.next_stamp = base + dgrams;
+    s.next_stamp = base + sent.dgrams;
     let r = s.peer.stop(&Command::Stop {
-        sent_bytes: sent,
-        sent_dgrams: if dgram.is_some() { dgrams } else { 0 },
-        skip_bytes: skip.unwrap_or(0),
+        sent_bytes: sent.bytes,
+        sent_dgrams: sent.dgrams,
+        skip_bytes: sent.skip,
         lossy: s.lossy,
     })?;
-    let (machine, client, client_used, wall) = snap.finish();
+    let (machine, mut client, mut client_used, wall) = snap.finish();
+    if let Some((cpu, wall_ns)) = remote {
+        (client, client_used) = (SideCpu::of(cpu, wall_ns), cpu);
+    }
     if r.short {
         bail!(
             "the receiver got {} of {} bytes before the path went quiet",
             r.bytes,
-            sent
+            sent.bytes
         );
     }
     let secs = r.window_ns as f64 / 1e9;
@@ -985,7 +1075,7 @@ fn throughput_once(
         machine,
         machine_wall_ns: wall,
         op_bytes: r.bytes,
-        sent_dgrams: if dgram.is_some() { dgrams } else { 0 },
+        sent_dgrams: sent.dgrams,
         peer: r,
     })
 }
@@ -1057,71 +1147,21 @@ fn latency_once(
 ) -> anyhow::Result<(Histogram<u64>, u64)> {
     let base = s.next_stamp;
     s.peer.start(&Command::Echo { size, base })?;
-    let mut h = stats::new_histogram();
-    let size_u = size as usize;
-    let mut msg = vec![0xA5u8; size_u];
-    let dgram = s.link.max_dgram();
-    let chunks: Vec<usize> = match dgram {
-        Some(m) => chunk_lens(size_u, m).collect(),
-        None => vec![size_u],
+    let (h, lost) = match &mut s.client {
+        Client::Here(link) => {
+            let p = drive::ping_for(link.as_mut(), size, base, dur, warm, s.lossy)?;
+            s.next_stamp = p.next_stamp;
+            (p.hist, p.lost)
+        }
+        Client::Process(c) => {
+            let r = c.run_client(&Command::Ping {
+                size,
+                dur_ns: dur.as_nanos() as u64,
+                warm_ns: warm.as_nanos() as u64,
+            })?;
+            (drive::hist_from_pairs(&r.latency)?, 0)
+        }
     };
-    let give_up = if s.lossy {
-        Duration::from_millis(200)
-    } else {
-        Duration::from_secs(10)
-    };
-    let (mut round, mut lost) = (base, 0u64);
-    let t0 = Instant::now();
-    let (warm_end, end) = (t0 + warm, t0 + warm + dur);
-    loop {
-        round += 1;
-        let start = Instant::now();
-        let mut off = 0;
-        for &len in &chunks {
-            let c = &mut msg[off..off + len];
-            if dgram.is_some() {
-                put_stamp(c, round);
-            }
-            s.link.send(c)?;
-            off += len;
-        }
-        let deadline = start + give_up;
-        let mut got = 0u64;
-        let mut ok = true;
-        while got < size {
-            let now = Instant::now();
-            if now >= deadline {
-                ok = false;
-                break;
-            }
-            let mut stamp = None;
-            let n = s
-                .link
-                .recv(deadline - now, (size - got) as usize, &mut |p| {
-                    stamp = stamp_of(p);
-                    touch(p);
-                })?;
-            if let Some(n) = n {
-                if dgram.is_none() || stamp == Some(round) {
-                    got += n as u64;
-                }
-            }
-        }
-        let done = Instant::now();
-        if !ok {
-            if !s.lossy {
-                bail!("no echo from the peer within {give_up:?}");
-            }
-            lost += 1;
-        } else if done >= warm_end {
-            let one_way = (done - start).as_nanos() as u64 / 2;
-            h.record(one_way.max(1))?;
-        }
-        if done >= end {
-            break;
-        }
-    }
-    s.next_stamp = round + 1;
     s.peer.stop(&Command::Stop {
         sent_bytes: 0,
         sent_dgrams: 0,
@@ -1192,7 +1232,10 @@ fn loss_trial(
         let due = due.min(offered + 256);
         while offered < due {
             put_stamp(&mut d, base + accepted);
-            if s.link.try_send(&d)? {
+            let Client::Here(link) = &mut s.client else {
+                bail!("the loss trials need a datagram client in the bench");
+            };
+            if link.try_send(&d)? {
                 accepted += 1;
             }
             offered += 1;

@@ -3,6 +3,7 @@
 //! - [`engine`]: sets up each path (the fabric's datagrams and the kernel and UCX baselines),
 //!   runs the size sweeps, loss trials and zero-loss search, assembles the report;
 //! - [`peer`]: the far side of each path, a `bench-peer` process driven over a pipe;
+//! - [`drive`]: the client's sending and ping-pong loops, in the bench or in a client process;
 //! - [`link`]: one trait over fabric datagrams, UDP, TCP and Unix sockets;
 //! - [`stats`]: percentiles, jitter (FWHM), least-squares fits, confidence intervals;
 //! - [`cpu`]: /proc/stat and getrusage accounting;
@@ -20,6 +21,7 @@
 
 pub mod cpu;
 pub mod dma_path;
+pub mod drive;
 pub mod engine;
 pub mod link;
 pub mod memcpy;

@@ -23,6 +23,7 @@ use backplane::fabric::Fabric;
 use serde::{Deserialize, Serialize};
 
 use crate::cpu::{mono_ns, Rusage, Who};
+use crate::drive::{self, Sent};
 use crate::link::{
     chunk_lens, put_stamp, stamp_of, touch, FabricLink, Link, StreamLink, UdpLink, MAX_UDP,
 };
@@ -46,6 +47,9 @@ pub enum PeerKind {
     Tcp,
     /// Unix domain stream socket.
     Unix,
+    /// The client side of TCP: connects to `at` and runs the bench's sending and ping-pong
+    /// loops itself (`send`, `ping`), for a client that must be a process of its own.
+    TcpClient,
 }
 
 impl PeerKind {
@@ -59,6 +63,7 @@ impl PeerKind {
             PeerKind::Udp => "udp",
             PeerKind::Tcp => "tcp",
             PeerKind::Unix => "unix",
+            PeerKind::TcpClient => "tcp-client",
         }
     }
     /// The verbs stream mode of a verbs kind.
@@ -80,6 +85,7 @@ impl PeerKind {
             PeerKind::Udp,
             PeerKind::Tcp,
             PeerKind::Unix,
+            PeerKind::TcpClient,
         ]
         .into_iter()
         .find(|k| k.as_str() == s)
@@ -133,8 +139,41 @@ pub enum Command {
         /// Whether the path may lose data.
         lossy: bool,
     },
+    /// A client (`tcp-client`): send messages of `size` bytes for `warm_ns` + `dur_ns`,
+    /// answered with [`Reply::Client`].
+    Send {
+        /// Message size.
+        size: u64,
+        /// Measured time, nanoseconds.
+        dur_ns: u64,
+        /// Warm-up before it, nanoseconds.
+        warm_ns: u64,
+    },
+    /// A client (`tcp-client`): ping-pong messages of `size` bytes for `warm_ns` + `dur_ns`,
+    /// answered with [`Reply::Client`].
+    Ping {
+        /// Message size.
+        size: u64,
+        /// Measured time, nanoseconds.
+        dur_ns: u64,
+        /// Warm-up before it, nanoseconds.
+        warm_ns: u64,
+    },
     /// End the peer.
     Quit,
+}
+
+/// What a client process reports after `send` or `ping`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ClientRun {
+    /// `send`: what was sent.
+    pub sent: Sent,
+    /// `ping`: one-way latencies in ns, as (value, count) pairs.
+    pub latency: Vec<(u64, u64)>,
+    /// CPU the client process used during the run (the library's threads included).
+    pub cpu: Rusage,
+    /// Elapsed time of the run.
+    pub wall_ns: u64,
 }
 
 /// What the peer reports after `stop`.
@@ -177,6 +216,8 @@ pub enum Reply {
     Started,
     /// The operation's result.
     Done(PeerResult),
+    /// A client's run (`send`, `ping`).
+    Client(ClientRun),
     /// Something failed; the peer exits.
     Error {
         /// One line.
@@ -289,6 +330,20 @@ fn serve(cfg: &PeerConfig) -> anyhow::Result<()> {
             s.set_nodelay(true)?;
             Box::new(StreamLink::new(s))
         }
+        PeerKind::TcpClient => {
+            _fabric = None;
+            let to: SocketAddr = cfg
+                .at
+                .parse()
+                .with_context(|| format!("bad address {}", cfg.at))?;
+            let s = std::net::TcpStream::connect_timeout(&to, HANDSHAKE)
+                .with_context(|| format!("cannot connect to {to}"))?;
+            s.set_nodelay(true)?;
+            say(&Reply::Ready {
+                addr: s.local_addr()?.to_string(),
+            });
+            Box::new(StreamLink::new(s))
+        }
         PeerKind::Unix => {
             _fabric = None;
             let path = PathBuf::from(&cfg.at);
@@ -312,6 +367,38 @@ fn serve(cfg: &PeerConfig) -> anyhow::Result<()> {
             Command::Sink { base } => {
                 say(&Reply::Started);
                 sink(link.as_mut(), base, &rx)?
+            }
+            Command::Send {
+                size,
+                dur_ns,
+                warm_ns,
+            } => {
+                let (t0, cpu0) = (mono_ns(), Rusage::now(Who::Process));
+                let (dur, warm) = (Duration::from_nanos(dur_ns), Duration::from_nanos(warm_ns));
+                let sent = drive::send_for(link.as_mut(), size, 0, dur, warm)?;
+                say(&Reply::Client(ClientRun {
+                    sent,
+                    latency: Vec::new(),
+                    cpu: cpu0.until(&Rusage::now(Who::Process)),
+                    wall_ns: mono_ns() - t0,
+                }));
+                continue;
+            }
+            Command::Ping {
+                size,
+                dur_ns,
+                warm_ns,
+            } => {
+                let (t0, cpu0) = (mono_ns(), Rusage::now(Who::Process));
+                let (dur, warm) = (Duration::from_nanos(dur_ns), Duration::from_nanos(warm_ns));
+                let p = drive::ping_for(link.as_mut(), size, 0, dur, warm, false)?;
+                say(&Reply::Client(ClientRun {
+                    sent: Sent::default(),
+                    latency: drive::hist_to_pairs(&p.hist),
+                    cpu: cpu0.until(&Rusage::now(Who::Process)),
+                    wall_ns: mono_ns() - t0,
+                }));
+                continue;
             }
             Command::Stop { .. } => PeerResult::default(),
             Command::Quit => return Ok(()),
@@ -637,6 +724,15 @@ impl PeerProc {
         match self.reply()? {
             Reply::Started => Ok(()),
             r => bail!("the bench peer said {r:?} instead of started"),
+        }
+    }
+
+    /// Runs a client's `send` or `ping` and returns what it measured.
+    pub fn run_client(&mut self, c: &Command) -> anyhow::Result<ClientRun> {
+        self.send(c)?;
+        match self.reply()? {
+            Reply::Client(r) => Ok(r),
+            r => bail!("the bench client said {r:?} instead of a result"),
         }
     }
 

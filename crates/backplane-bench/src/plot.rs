@@ -95,9 +95,9 @@ pub enum Marker {
 }
 
 /// Okabe & Ito's colour-blind-safe palette without its yellow (too light on white), then Paul
-/// Tol's "muted" palette: thirteen colours no two of which are confused by the common forms
+/// Tol's "muted" palette: fourteen colours no two of which are confused by the common forms
 /// of colour blindness, in the order the paths are listed.
-const PALETTE: [RGBColor; 13] = [
+const PALETTE: [RGBColor; 14] = [
     RGBColor(0x00, 0x72, 0xB2), // blue
     RGBColor(0xD5, 0x5E, 0x00), // vermillion
     RGBColor(0x00, 0x9E, 0x73), // bluish green
@@ -111,11 +111,12 @@ const PALETTE: [RGBColor; 13] = [
     RGBColor(0x99, 0x99, 0x33), // olive
     RGBColor(0xAA, 0x44, 0x99), // purple
     RGBColor(0x88, 0x88, 0x88), // grey
+    RGBColor(0xCC, 0x66, 0x77), // rose
 ];
 
 /// Paths in the order their colours are handed out: a path keeps its colour in every plot and
 /// every run, whichever paths a run measures.
-const KNOWN: [&str; 13] = [
+const KNOWN: [&str; 14] = [
     "fabric-dgram",
     "fabric-verbs-write",
     "fabric-verbs-read",
@@ -129,6 +130,7 @@ const KNOWN: [&str; 13] = [
     "tcp-loopback",
     "udp-loopback",
     "unix-stream",
+    "fabric-tcp-accel",
 ];
 
 /// The style of the line of path `name`.

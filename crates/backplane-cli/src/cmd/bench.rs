@@ -19,8 +19,8 @@ use super::parse_size;
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Paths to measure, comma separated (default: all): fabric-dgram, fabric-verbs-write,
-    /// fabric-verbs-read, fabric-verbs-send, fabric-raw, fabric-tcp, fabric-udp, ucx-shm,
-    /// tcp-loopback, udp-loopback, unix-stream, tcp-veth, udp-veth.
+    /// fabric-verbs-read, fabric-verbs-send, fabric-raw, fabric-tcp, fabric-tcp-accel,
+    /// fabric-udp, ucx-shm, tcp-loopback, udp-loopback, unix-stream, tcp-veth, udp-veth.
     #[arg(long, value_delimiter = ',')]
     paths: Option<Vec<String>>,
     /// Message sizes, comma separated (e.g. 64,4K,1M; 8 B to 64 MiB). Default: 64 B to 8 MiB
