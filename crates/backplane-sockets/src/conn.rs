@@ -77,6 +77,11 @@ struct TxState {
 /// Counters are shared by every process of a node: add to them in batches.
 const FLUSH_BYTES: u64 = 64 << 20;
 
+/// The most bytes copied into or out of a ring before the position is published: large
+/// calls are pipelined (the reader copies out the first piece while the writer copies in the
+/// next) instead of one side waiting for the other's whole copy.
+const PIECE: usize = 64 << 10;
+
 fn add_bytes(unflushed: &mut u64, n: usize, idx: usize) {
     *unflushed += n as u64;
     if *unflushed >= FLUSH_BYTES {
@@ -450,16 +455,22 @@ impl Conn {
                     Ok(0) => {}
                     Ok(avail) => {
                         let n = avail.min(want - got);
-                        let head = st.head;
-                        bufs.each(got, n, |p, k, off| {
-                            // SAFETY: p is valid for k bytes (caller's buffer); off + k <= n
-                            // <= avail readable bytes.
-                            unsafe { d.copy_out(head + off as u64, p, k) }
-                        });
-                        if !peek {
-                            st.head += n as u64;
-                            d.consume(st.head);
-                            self.wake_writer(&d);
+                        let (head, mut done) = (st.head, 0);
+                        // Consumed piece by piece, so the writer refills behind us.
+                        while done < n {
+                            let k = (n - done).min(PIECE);
+                            let at = got + done;
+                            bufs.each(at, k, |p, len, off| {
+                                // SAFETY: p is valid for len bytes (caller's buffer); the
+                                // bytes at head + done + off.. are among the `avail` readable.
+                                unsafe { d.copy_out(head + (done + off) as u64, p, len) }
+                            });
+                            done += k;
+                            if !peek {
+                                st.head = head + done as u64;
+                                d.consume(st.head);
+                                self.wake_writer(&d);
+                            }
                         }
                         got += n;
                         progressed = true;
@@ -517,9 +528,7 @@ impl Conn {
             }
             // Sleep: ask for a wake-up byte, look once more, then wait for it on A (a
             // blocking recv: SA_RESTART, EINTR and SO_RCVTIMEO as the kernel's).
-            if token != Some(false) {
-                sys::drain(self.a);
-            }
+            self.clear_token(token);
             d.set_rx_state(RX_ARMED);
             if self.has_data(&d, &st) {
                 token = Some(d.set_rx_state(RX_ACTIVE) == RX_POKED);
@@ -606,6 +615,48 @@ impl Conn {
         }
     }
 
+    /// Empties A of wake-up bytes: `token` says whether one is queued — or on its way: a
+    /// producer sets POKED before it sends, so after we saw POKED its byte may not have
+    /// arrived yet, and draining too early would leave it to arrive later, making the
+    /// descriptor readable with nothing to read (a program that trusts `select` would then
+    /// block in `read`). So that byte is waited for (briefly: only a producer that died
+    /// between the two steps never sends it).
+    fn clear_token(&self, token: Option<bool>) {
+        match token {
+            Some(false) => {}
+            None => sys::drain(self.a),
+            Some(true) => {
+                let take = || {
+                    let mut b = 0u8;
+                    sys::recvfrom(
+                        self.a,
+                        &mut b as *mut u8 as *mut libc::c_void,
+                        1,
+                        libc::MSG_DONTWAIT,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                    )
+                    .is_ok()
+                };
+                if spin(20_000, take) {
+                    return;
+                }
+                let mut p = libc::pollfd {
+                    fd: self.a,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                let deadline = now_ns() + 100_000_000;
+                while now_ns() < deadline {
+                    let _ = sys::poll(&mut p, 1, 10);
+                    if take() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
     /// Back to the program: leave exactly the readiness the kernel would show — a wake-up
     /// byte queued on A iff a read would not block — and, with nothing to read, ask the
     /// producer for a byte when bytes come.
@@ -617,9 +668,7 @@ impl Conn {
             }
             d.set_rx_state(RX_POKED);
         } else {
-            if token != Some(false) {
-                sys::drain(self.a);
-            }
+            self.clear_token(token);
             d.set_rx_state(RX_ARMED);
             if self.has_data(d, st) && d.take_rx_wait() {
                 sys::poke(self.b);
@@ -655,8 +704,25 @@ impl Conn {
             // Readable (end) and writable (EPIPE) for good.
             sys::poke(self.b);
             sys::drain(self.b);
-        } else if readable && self.seg_fast.dir(self.role, false).take_rx_wait() {
-            sys::poke(self.b);
+        } else if readable {
+            // An edge of another kind (writable) also reports EPOLLIN while bytes sit on TCP,
+            // and the reader may take them between our look and our claim: a byte on A must
+            // mean something to read, so the claim is undone when there is nothing.
+            let d = self.seg_fast.dir(self.role, false);
+            let on_tcp = || !matches!(sys::peek1(self.tcp), Err(libc::EAGAIN));
+            if !on_tcp() || !d.take_rx_wait() {
+                return;
+            }
+            if on_tcp() || !d.untake_rx_wait() {
+                // Bytes to read, or the reader saw our claim and waits for the byte.
+                sys::poke(self.b);
+                return;
+            }
+            // Undone: whatever arrived meanwhile (a producer that saw our claim did not
+            // send) is signalled now.
+            if (on_tcp() || d.pending() > 0) && d.take_rx_wait() {
+                sys::poke(self.b);
+            }
         }
     }
 
@@ -728,7 +794,8 @@ impl Conn {
                 Err(Corrupt) => break self.corrupt(sent),
                 Ok(0) => {}
                 Ok(free) => {
-                    let n = free.min(want - sent);
+                    // Published piece by piece, so the reader copies out while we copy in.
+                    let n = free.min(want - sent).min(PIECE);
                     let tail = st.tail;
                     bufs.each(sent, n, |p, k, off| {
                         // SAFETY: p is valid for k bytes of reads (caller's buffer); the ring

@@ -451,6 +451,13 @@ impl Dir<'_> {
                 .compare_exchange(RX_ARMED, RX_POKED, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
     }
+    /// Undoes [`Dir::take_rx_wait`] (POKED → ARMED) if the consumer did not see it meanwhile;
+    /// false means it did and waits for the byte.
+    pub fn untake_rx_wait(&self) -> bool {
+        self.w32(D_RX_WAIT)
+            .compare_exchange(RX_POKED, RX_ARMED, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
     /// Producer: wake me when room frees up.
     pub fn arm_tx(&self) {
         self.w32(D_TX_WAIT).store(1, Ordering::SeqCst);
@@ -658,6 +665,8 @@ mod tests {
         assert_eq!(d.rx_state(), RX_ARMED, "a consumer starts idle");
         assert!(d.take_rx_wait());
         assert!(!d.take_rx_wait(), "taken once");
+        assert!(d.untake_rx_wait(), "undone while the consumer did not look");
+        assert!(d.take_rx_wait());
         assert_eq!(d.set_rx_state(RX_ACTIVE), RX_POKED);
         assert!(!d.take_rx_wait(), "an active consumer needs no byte");
         d.set_rx_state(RX_ARMED);
