@@ -130,6 +130,7 @@ fn the_socket_calls_of_real_programs_work_on_accelerated_connections() {
         "corrupt",
         "execd",
         "forkseq",
+        "pingpoll",
     ]
     .iter()
     .enumerate()
@@ -151,7 +152,7 @@ fn the_socket_calls_of_real_programs_work_on_accelerated_connections() {
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).expect("status JSON");
     let n2 = &j["slots"][1]["accel"];
     assert!(
-        n2["connections"].as_u64().unwrap_or(0) >= 69
+        n2["connections"].as_u64().unwrap_or(0) >= 70
             && n2["rx_bytes"].as_u64().unwrap_or(0) > 64 << 20,
         "node 2's accelerated-socket counters: {n2}"
     );
