@@ -697,6 +697,43 @@ impl Conn {
         r
     }
 
+    /// Before a `poll`/`select`/`epoll_wait` spins on this connection's ring: tells the
+    /// producer it need not send a wake-up byte while we look (see [`crate::seg::RX_SPIN`]). True if
+    /// taken; then [`Conn::spin_end`] must follow.
+    pub fn spin_begin(&self) -> bool {
+        self.peekers.fetch_add(1, Ordering::SeqCst);
+        let r = !self.ended()
+            && !self.reset.load(Ordering::Relaxed)
+            && self.seg_fast.dir(self.role, false).begin_rx_spin();
+        self.peekers.fetch_sub(1, Ordering::SeqCst);
+        r
+    }
+
+    /// After the spin: bytes seen → queue the wake-up byte ourselves (the kernel call that
+    /// follows returns at once, no sleep); none → ARMED again, and anything that came
+    /// meanwhile (a producer that saw SPIN sent nothing) is signalled now.
+    pub fn spin_end(&self) {
+        self.peekers.fetch_add(1, Ordering::SeqCst);
+        if !self.ended() {
+            let d = self.seg_fast.dir(self.role, false);
+            if self.ready(true, false) {
+                if d.end_rx_spin(RX_POKED) {
+                    sys::poke(self.b);
+                }
+            } else if d.end_rx_spin(RX_ARMED) {
+                let any = d.pending() > 0
+                    || d.fin()
+                    || self.peer_eof.load(Ordering::Acquire)
+                    || self.reset.load(Ordering::Acquire)
+                    || !matches!(sys::peek1(self.tcp), Err(libc::EAGAIN));
+                if any && d.take_rx_wait() {
+                    sys::poke(self.b);
+                }
+            }
+        }
+        self.peekers.fetch_sub(1, Ordering::SeqCst);
+    }
+
     /// What the helper thread saw on the TCP socket: bytes (the prefix) or its end.
     pub fn tcp_event(&self, readable: bool, hangup: bool) {
         if hangup {

@@ -42,6 +42,11 @@ pub const RX_POKED: u32 = 0;
 pub const RX_ARMED: u32 = 1;
 /// Consumer wake-up state: the consumer is inside a call, looking at the ring itself.
 pub const RX_ACTIVE: u32 = 2;
+/// Consumer wake-up state: idle, but a `poll`/`select`/`epoll_wait` of the consumer's is
+/// spinning on the ring: the producer sends no byte; the spinner queues one itself when it
+/// sees bytes (or goes back to ARMED and looks again), so the program's kernel call that
+/// follows finds the descriptor readable instead of sleeping until the producer's byte comes.
+pub const RX_SPIN: u32 = 3;
 
 /// `state`: the connecting end offered the segment.
 pub const OFFERED: u32 = 1;
@@ -451,6 +456,19 @@ impl Dir<'_> {
                 .compare_exchange(RX_ARMED, RX_POKED, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
     }
+    /// Consumer's spinner: ARMED → SPIN; false if the state was another.
+    pub fn begin_rx_spin(&self) -> bool {
+        self.w32(D_RX_WAIT)
+            .compare_exchange(RX_ARMED, RX_SPIN, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+    /// Consumer's spinner: SPIN → `to` (POKED: the spinner queues the byte; ARMED: nothing
+    /// seen); false if a reader took over meanwhile.
+    pub fn end_rx_spin(&self, to: u32) -> bool {
+        self.w32(D_RX_WAIT)
+            .compare_exchange(RX_SPIN, to, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
     /// Undoes [`Dir::take_rx_wait`] (POKED → ARMED) if the consumer did not see it meanwhile;
     /// false means it did and waits for the byte.
     pub fn untake_rx_wait(&self) -> bool {
@@ -666,6 +684,10 @@ mod tests {
         assert!(d.take_rx_wait());
         assert!(!d.take_rx_wait(), "taken once");
         assert!(d.untake_rx_wait(), "undone while the consumer did not look");
+        assert!(d.begin_rx_spin());
+        assert!(!d.take_rx_wait(), "a spinning consumer needs no byte");
+        assert!(d.end_rx_spin(RX_ARMED));
+        assert!(!d.end_rx_spin(RX_POKED), "ended once");
         assert!(d.take_rx_wait());
         assert_eq!(d.set_rx_state(RX_ACTIVE), RX_POKED);
         assert!(!d.take_rx_wait(), "an active consumer needs no byte");

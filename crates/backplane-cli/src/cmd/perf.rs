@@ -401,27 +401,7 @@ fn measure_backplane(
     if fabric.nodes() < 2 {
         bail!("fabric '{name}' has one node; perf needs nodes 1 and 2");
     }
-    let exe = std::env::current_exe()?;
-    // The peer's configuration travels typed on its stdin; fabric and test are labels for ps.
-    let mut peer = Command::new(exe)
-        .args(["perf-peer", &name, a.test.name()])
-        .stdin(Stdio::piped())
-        .spawn()
-        .context("cannot start the perf peer")?;
-    let peer_guard = teardown::child("perf peer", peer.id());
-    {
-        use std::io::Write;
-        let cfg = PeerConfig {
-            name: name.clone(),
-            test: a.test,
-            node: 2,
-            port: PEER_PORT,
-        };
-        let mut line = serde_json::to_vec(&cfg)?;
-        line.push(b'\n');
-        let mut stdin = peer.stdin.take().expect("piped");
-        stdin.write_all(&line).context("the perf peer is gone")?;
-    }
+    let (mut peer, peer_guard) = spawn_peer(&name, a.test)?;
     let announce_run = || {
         if !a.json && first {
             eprintln!(
@@ -476,6 +456,48 @@ fn measure_backplane(
         }
     }
     Ok((name, rows, pt))
+}
+
+/// Starts the far side (`perf-peer`) of `test` on node 2 of fabric `name`; the guard kills
+/// it on an error, a return or Ctrl-C.
+fn spawn_peer(name: &str, test: Test) -> anyhow::Result<(std::process::Child, teardown::Guard)> {
+    let exe = std::env::current_exe()?;
+    // The peer's configuration travels typed on its stdin; fabric and test are labels for ps.
+    let mut peer = Command::new(exe)
+        .args(["perf-peer", name, test.name()])
+        .stdin(Stdio::piped())
+        .spawn()
+        .context("cannot start the perf peer")?;
+    let guard = teardown::child("perf peer", peer.id());
+    {
+        use std::io::Write;
+        let cfg = PeerConfig {
+            name: name.to_owned(),
+            test,
+            node: 2,
+            port: PEER_PORT,
+        };
+        let mut line = serde_json::to_vec(&cfg)?;
+        line.push(b'\n');
+        let mut stdin = peer.stdin.take().expect("piped");
+        stdin.write_all(&line).context("the perf peer is gone")?;
+    }
+    Ok((peer, guard))
+}
+
+/// `dgram-bw` node 1 → node 2 on the running fabric `name`: `iters` messages of `size` bytes;
+/// the average in MB/s (for `perf ip --accel`, which sets the accelerated TCP beside it).
+pub fn dgram_bw_on(name: &str, size: u64, iters: u64) -> anyhow::Result<f64> {
+    let fabric = Fabric::attach(name)?;
+    let (mut peer, guard) = spawn_peer(name, Test::DgramBw)?;
+    let mut ep = fabric.node(1)?.bind(0)?;
+    let to = Addr::new(2, PEER_PORT);
+    backplane_bench::peer::fabric_hello(&mut ep, to).context("perf peer")?;
+    let row = bw_client(&mut ep, to, size, iters)?;
+    announce(&mut ep, to, 0, 0)?;
+    let _ = peer.wait();
+    guard.disarm();
+    Ok(row.bw_avg_mbps.unwrap_or(0.0))
 }
 
 /// Sends one message as consecutive datagrams (shared with `bench`).

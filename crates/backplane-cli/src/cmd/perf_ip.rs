@@ -47,7 +47,17 @@ struct IpReport {
     /// median over the rounds.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     rounds: Vec<Vec<IpRow>>,
+    /// With `--accel`: the fabric's own datagram bandwidth (MB/s, messages of iperf3's
+    /// 128 KiB writes, node 1 → node 2) measured in each round beside the TCP paths.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    dgram_mbps_rounds: Vec<f64>,
+    /// With `--accel`: the median over rounds of accelerated TCP / datagrams.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ratio_dgram: Option<f64>,
 }
+
+/// Datagram size of the `--accel` comparison: iperf3's default TCP write.
+const DGRAM_SIZE: u64 = 128 << 10;
 
 /// Each field's median over rounds of one path.
 fn median_row(rows: &[&IpRow]) -> IpRow {
@@ -381,6 +391,7 @@ pub fn run(secs: u64, json: bool, rounds: u32, accel: bool) -> anyhow::Result<()
         .position(|p| p.name == "veth pair")
         .expect("veth is measured");
     let mut all = Vec::new();
+    let mut dgram = Vec::new();
     for round in 0..rounds {
         let mut row = Vec::new();
         for p in &paths {
@@ -390,6 +401,11 @@ pub fn run(secs: u64, json: bool, rounds: u32, accel: bool) -> anyhow::Result<()
                 &[]
             };
             row.push(measure(p, secs, agents, accel)?);
+        }
+        if accel {
+            // About 8 GB a second of iperf3 time: under a second at the usual 20-40 GB/s.
+            let iters = (secs * 8_000_000_000 / DGRAM_SIZE).max(1000);
+            dgram.push(super::perf::dgram_bw_on(&name, DGRAM_SIZE, iters)?);
         }
         if rounds > 1 && !json {
             eprintln!("perf ip: round {} of {rounds} done", round + 1);
@@ -414,8 +430,16 @@ pub fn run(secs: u64, json: bool, rounds: u32, accel: bool) -> anyhow::Result<()
         latency: if accel { "tcp" } else { "udp" },
         ratio_tcp: rows[0].tcp_gbps / rows[veth].tcp_gbps.max(1e-9),
         ratio_lat_p50: rows[0].lat_p50_us / rows[veth].lat_p50_us.max(1e-9),
+        ratio_dgram: backplane_bench::stats::median(
+            all_rounds(&rows, &rounds_kept)
+                .iter()
+                .zip(&dgram)
+                .map(|(r, d)| r[0].tcp_gbps * 1e3 / 8.0 / d.max(1e-9)),
+        )
+        .filter(|_| accel),
         rows,
         rounds: rounds_kept,
+        dgram_mbps_rounds: dgram,
     };
     if json {
         return super::emit(&format!("{}\n", serde_json::to_string_pretty(&report)?));
@@ -473,7 +497,29 @@ pub fn run(secs: u64, json: bool, rounds: u32, accel: bool) -> anyhow::Result<()
             per(&|r| r[0].lat_p50_us / r[veth].lat_p50_us.max(1e-9)),
         );
     }
+    if let Some(r) = report.ratio_dgram {
+        let per: Vec<String> = all_rounds(&report.rows, &report.rounds)
+            .iter()
+            .zip(&report.dgram_mbps_rounds)
+            .map(|(row, d)| format!("{:.2}", row[0].tcp_gbps * 1e3 / 8.0 / d.max(1e-9)))
+            .collect();
+        let _ = writeln!(
+            o,
+            " fabric datagrams node 1 -> node 2, 128 KiB messages (iperf3's write size): {:.0} MB/s (median)\n accelerated TCP / datagrams: {r:.2} (median of the rounds: {})",
+            backplane_bench::stats::median(report.dgram_mbps_rounds.iter().copied()).unwrap_or(0.0),
+            per.join(" ")
+        );
+    }
     super::emit(&o)
+}
+
+/// Every round's rows: the kept rounds, or the one round `rows` holds.
+fn all_rounds<'a>(rows: &'a [IpRow], rounds: &'a [Vec<IpRow>]) -> Vec<&'a [IpRow]> {
+    if rounds.is_empty() {
+        vec![rows]
+    } else {
+        rounds.iter().map(|r| r.as_slice()).collect()
+    }
 }
 
 #[cfg(test)]
