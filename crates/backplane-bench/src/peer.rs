@@ -372,29 +372,24 @@ fn serve(cfg: &PeerConfig) -> anyhow::Result<()> {
                 size,
                 dur_ns,
                 warm_ns,
-            } => {
-                let (t0, cpu0) = (mono_ns(), Rusage::now(Who::Process));
-                let (dur, warm) = (Duration::from_nanos(dur_ns), Duration::from_nanos(warm_ns));
-                let sent = drive::send_for(link.as_mut(), size, 0, dur, warm)?;
-                say(&Reply::Client(ClientRun {
-                    sent,
-                    latency: Vec::new(),
-                    cpu: cpu0.until(&Rusage::now(Who::Process)),
-                    wall_ns: mono_ns() - t0,
-                }));
-                continue;
             }
-            Command::Ping {
+            | Command::Ping {
                 size,
                 dur_ns,
                 warm_ns,
             } => {
                 let (t0, cpu0) = (mono_ns(), Rusage::now(Who::Process));
                 let (dur, warm) = (Duration::from_nanos(dur_ns), Duration::from_nanos(warm_ns));
-                let p = drive::ping_for(link.as_mut(), size, 0, dur, warm, false)?;
+                let (sent, latency) = if matches!(cmd, Command::Send { .. }) {
+                    let sent = drive::send_for(link.as_mut(), size, 0, dur, warm)?;
+                    (sent, Vec::new())
+                } else {
+                    let p = drive::ping_for(link.as_mut(), size, 0, dur, warm, false)?;
+                    (Sent::default(), drive::hist_to_pairs(&p.hist))
+                };
                 say(&Reply::Client(ClientRun {
-                    sent: Sent::default(),
-                    latency: drive::hist_to_pairs(&p.hist),
+                    sent,
+                    latency,
                     cpu: cpu0.until(&Rusage::now(Who::Process)),
                     wall_ns: mono_ns() - t0,
                 }));
