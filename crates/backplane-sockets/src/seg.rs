@@ -456,11 +456,14 @@ impl Dir<'_> {
                 .compare_exchange(RX_ARMED, RX_POKED, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
     }
-    /// Consumer's spinner: ARMED → SPIN; false if the state was another.
+    /// Consumer's spinner: ARMED → SPIN, or SPIN already (another thread spins too, or one
+    /// left the spin without ending it — a signal handler that jumped out: the state must not
+    /// stay SPIN with nobody to end it); false if the state was another.
     pub fn begin_rx_spin(&self) -> bool {
-        self.w32(D_RX_WAIT)
-            .compare_exchange(RX_ARMED, RX_SPIN, Ordering::SeqCst, Ordering::SeqCst)
-            .is_ok()
+        let w = self.w32(D_RX_WAIT);
+        w.load(Ordering::SeqCst) == RX_SPIN
+            || w.compare_exchange(RX_ARMED, RX_SPIN, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
     }
     /// Consumer's spinner: SPIN → `to` (POKED: the spinner queues the byte; ARMED: nothing
     /// seen); false if a reader took over meanwhile.
@@ -685,6 +688,7 @@ mod tests {
         assert!(!d.take_rx_wait(), "taken once");
         assert!(d.untake_rx_wait(), "undone while the consumer did not look");
         assert!(d.begin_rx_spin());
+        assert!(d.begin_rx_spin(), "a second spinner shares the state");
         assert!(!d.take_rx_wait(), "a spinning consumer needs no byte");
         assert!(d.end_rx_spin(RX_ARMED));
         assert!(!d.end_rx_spin(RX_POKED), "ended once");
