@@ -34,11 +34,7 @@ pub fn send_for(
 ) -> anyhow::Result<Sent> {
     let size_u = size as usize;
     let mut msg = vec![0x5Au8; size_u];
-    let dgram = link.max_dgram();
-    let chunks: Vec<usize> = match dgram {
-        Some(m) => chunk_lens(size_u, m).collect(),
-        None => vec![size_u],
-    };
+    let (dgram, chunks) = pieces(link, size_u);
     // Look at the clock about every 64 KiB.
     let every = (65_536 / size.max(1)).clamp(1, 256);
     let (mut sent, mut dgrams, mut skip, mut n) = (0u64, 0u64, None, 0u64);
@@ -75,6 +71,17 @@ pub fn send_for(
     })
 }
 
+/// The path's datagram size (None: a stream) and the lengths a message of `size` bytes goes
+/// out in: one piece on a stream, datagrams of at most that size otherwise.
+fn pieces(link: &dyn Link, size: usize) -> (Option<usize>, Vec<usize>) {
+    let dgram = link.max_dgram();
+    let chunks = match dgram {
+        Some(m) => chunk_lens(size, m).collect(),
+        None => vec![size],
+    };
+    (dgram, chunks)
+}
+
 /// What a ping-pong run measured.
 pub struct Pinged {
     /// One-way latencies (ns) after the warm-up.
@@ -100,11 +107,7 @@ pub fn ping_for(
     let mut h = stats::new_histogram();
     let size_u = size as usize;
     let mut msg = vec![0xA5u8; size_u];
-    let dgram = link.max_dgram();
-    let chunks: Vec<usize> = match dgram {
-        Some(m) => chunk_lens(size_u, m).collect(),
-        None => vec![size_u],
-    };
+    let (dgram, chunks) = pieces(link, size_u);
     let give_up = if lossy {
         Duration::from_millis(200)
     } else {

@@ -315,6 +315,23 @@ impl Conn {
         }
     }
 
+    /// True when a read of the TCP socket would not block (bytes, its end, or an error).
+    fn tcp_has_bytes(&self) -> bool {
+        !matches!(sys::peek1(self.tcp), Err(libc::EAGAIN))
+    }
+
+    /// Removes the offer's file, once (after the switch, or at the end).
+    fn drop_offer(&self) {
+        if let Some(p) = self
+            .offer_path
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            let _ = sys::unlink(&p);
+        }
+    }
+
     /// True when the TCP connection says the peer is gone (checked without blocking).
     fn tcp_eof(&self) -> bool {
         if self.peer_eof.load(Ordering::Acquire) {
@@ -534,15 +551,7 @@ impl Conn {
                 token = Some(d.set_rx_state(RX_ACTIVE) == RX_POKED);
                 continue;
             }
-            let mut b = 0u8;
-            let r = sys::recvfrom(
-                self.a,
-                &mut b as *mut u8 as *mut libc::c_void,
-                1,
-                0,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-            );
+            let r = sys::recv1(self.a, 0);
             // We took the byte whoever woke us sent; another may or may not be queued.
             d.set_rx_state(RX_ACTIVE);
             token = None;
@@ -611,7 +620,7 @@ impl Conn {
         match self.source(d, st) {
             Err(Corrupt) => true,
             Ok(Src::Ring(l)) => d.readable(st.head).map_or(true, |a| a.min(l) > 0),
-            Ok(_) => !matches!(sys::peek1(self.tcp), Err(libc::EAGAIN)),
+            Ok(_) => self.tcp_has_bytes(),
         }
     }
 
@@ -626,18 +635,7 @@ impl Conn {
             Some(false) => {}
             None => sys::drain(self.a),
             Some(true) => {
-                let take = || {
-                    let mut b = 0u8;
-                    sys::recvfrom(
-                        self.a,
-                        &mut b as *mut u8 as *mut libc::c_void,
-                        1,
-                        libc::MSG_DONTWAIT,
-                        std::ptr::null_mut(),
-                        std::ptr::null_mut(),
-                    )
-                    .is_ok()
-                };
+                let take = || sys::recv1(self.a, libc::MSG_DONTWAIT).is_ok();
                 if spin(20_000, take) {
                     return;
                 }
@@ -725,7 +723,7 @@ impl Conn {
                     || d.fin()
                     || self.peer_eof.load(Ordering::Acquire)
                     || self.reset.load(Ordering::Acquire)
-                    || !matches!(sys::peek1(self.tcp), Err(libc::EAGAIN));
+                    || self.tcp_has_bytes();
                 if any && d.take_rx_wait() {
                     sys::poke(self.b);
                 }
@@ -746,7 +744,7 @@ impl Conn {
             // and the reader may take them between our look and our claim: a byte on A must
             // mean something to read, so the claim is undone when there is nothing.
             let d = self.seg_fast.dir(self.role, false);
-            let on_tcp = || !matches!(sys::peek1(self.tcp), Err(libc::EAGAIN));
+            let on_tcp = || self.tcp_has_bytes();
             if !on_tcp() || !d.take_rx_wait() {
                 return;
             }
@@ -799,14 +797,7 @@ impl Conn {
             if !back && self.claimed() && self.peer_wake().is_some() {
                 d.switch(st.tcp_out);
                 st.switched = true;
-                if let Some(p) = self
-                    .offer_path
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .take()
-                {
-                    let _ = sys::unlink(&p);
-                }
+                self.drop_offer();
             } else {
                 // Not agreed (yet), or back: the kernel's TCP, exactly as without us.
                 return self.send_tcp(&mut st, iov, flags, dontwait, nosig);
@@ -994,15 +985,7 @@ impl Conn {
 
     /// The helper thread saw urgent data on TCP: the peer asks us to go back (it execs).
     pub fn back_event(&self) {
-        let mut b = 0u8;
-        let _ = sys::recvfrom(
-            self.tcp,
-            &mut b as *mut u8 as *mut libc::c_void,
-            1,
-            libc::MSG_OOB | libc::MSG_DONTWAIT,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        );
+        let _ = sys::recv1(self.tcp, libc::MSG_OOB | libc::MSG_DONTWAIT);
         let d = self.seg_fast.dir(self.role, true);
         if !d.back_requested() || d.back().is_some() {
             return;
@@ -1169,14 +1152,7 @@ impl Conn {
         config::count(stats::RX_BYTES, std::mem::take(&mut rx.unflushed));
         config::count(stats::TX_BYTES, std::mem::take(&mut tx.unflushed));
         config::uncount(stats::OPEN);
-        if let Some(p) = self
-            .offer_path
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            let _ = sys::unlink(&p);
-        }
+        self.drop_offer();
         let w = self.peer_wake.swap(PEER_FAILED, Ordering::AcqRel);
         for fd in [self.tcp, self.a, self.b, w] {
             if fd >= 0 {

@@ -340,12 +340,17 @@ pub fn getrandom(buf: &mut [u8]) -> Res {
 /// Looks at the next byte queued on `fd` without taking it or blocking: Ok(0) at the end of
 /// the stream, Ok(1) with a byte, Err(EAGAIN) with none.
 pub fn peek1(fd: c_int) -> Res {
+    recv1(fd, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+}
+
+/// Receives one byte from `fd` (discarded) with `flags`.
+pub fn recv1(fd: c_int, flags: c_int) -> Res {
     let mut b = 0u8;
     recvfrom(
         fd,
         &mut b as *mut u8 as *mut c_void,
         1,
-        libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        flags,
         std::ptr::null_mut(),
         std::ptr::null_mut(),
     )
