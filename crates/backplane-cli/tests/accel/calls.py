@@ -420,6 +420,11 @@ def corrupt():
         s = listen()
         c1, a1 = s.accept()
         c2, _ = s.accept()
+        # A byte from us first: once the client has read it, it has seen our claim, so its
+        # bytes go on the ring (a client that writes before the claim writes on TCP and
+        # would never look at the ring we corrupt below).
+        c1.sendall(b"s")
+        c2.sendall(b"s")
         check(recv_exact(c1, 1) == b"a" and recv_exact(c2, 1) == b"b", "first bytes")
         # Find conn 1's segment among our mappings (its offer file was unlinked at the claim:
         # "n2-p<port>-n1-p<client port> (deleted)") and write a bad tail into its
@@ -449,6 +454,7 @@ def corrupt():
     else:
         c1 = connect()
         c2 = connect()
+        check(recv_exact(c1, 1) == b"s" and recv_exact(c2, 1) == b"s", "the server's bytes")
         c1.sendall(b"a")
         c2.sendall(b"b")
         check(recv_exact(c2, 1) == b"1", "go")
