@@ -59,8 +59,12 @@ fn run(fab: &Fab, node: u32, accel: bool, args: &[&str]) -> Output {
     cmd(fab, node, accel, args).output().expect("run backplane")
 }
 
+/// Runs in a process group of its own, so a hang can be killed whole (the program runs
+/// under `backplane exec` and `ip netns exec`, and holds the output pipes).
 fn spawn(fab: &Fab, node: u32, accel: bool, args: &[&str]) -> Child {
+    use std::os::unix::process::CommandExt;
     cmd(fab, node, accel, args)
+        .process_group(0)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -84,6 +88,11 @@ fn finish(mut c: Child, secs: u64, what: &str) -> Output {
             return c.wait_with_output().expect("output");
         }
         if t0.elapsed() > Duration::from_secs(secs) {
+            // The whole group: killing `backplane exec` alone leaves the program holding the
+            // pipes, and reading the output would wait for it forever.
+            if let Some(pid) = rustix::process::Pid::from_raw(c.id() as i32) {
+                let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+            }
             let _ = c.kill();
             let o = c.wait_with_output().expect("output");
             panic!("{what} hung for {secs} s: {}", text(&o));
