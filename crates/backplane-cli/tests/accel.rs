@@ -139,6 +139,7 @@ fn the_socket_calls_of_real_programs_work_on_accelerated_connections() {
         "corrupt",
         "execd",
         "forkseq",
+        "forkboth",
         "pingpoll",
     ]
     .iter()

@@ -123,7 +123,33 @@ pub struct Conn {
     nodes: [(u32, Option<u64>); 2],
     /// A node of the connection went DOWN or restarted: reset.
     reset: AtomicBool,
+    /// A fork happened while the connection existed: other processes of our end may use it at
+    /// the same instant, so each call also holds our end's lock of the direction in the segment.
+    pub shared: AtomicBool,
     label: String,
+}
+
+/// Our end's lock of one direction in the segment, held for one call (see [`Conn::shared`]).
+struct EndLock<'a> {
+    d: Dir<'a>,
+    tx: bool,
+    me: u32,
+}
+
+impl Drop for EndLock<'_> {
+    fn drop(&mut self) {
+        self.d.unlock(self.tx, self.me);
+    }
+}
+
+/// What taking our end's lock gave.
+enum Locked<'a> {
+    /// Held (or not needed: no other process has the connection).
+    Yes(Option<EndLock<'a>>),
+    /// Another process holds it and the call must not wait.
+    Busy,
+    /// The connection ended or was reset while we waited.
+    Over,
 }
 
 const PEER_UNKNOWN: i32 = -1;
@@ -237,8 +263,27 @@ impl Conn {
                 ]
             },
             reset: AtomicBool::new(false),
+            shared: AtomicBool::new(false),
             label: p.label,
         }))
+    }
+
+    /// Takes our end's lock of direction `d` when other processes may use the connection
+    /// (after a fork): one call at a time per direction across processes, as the in-process
+    /// mutex does across threads.
+    fn end_lock<'a>(&self, d: Dir<'a>, tx: bool, wait: bool) -> Locked<'a> {
+        if !self.shared.load(Ordering::Relaxed) {
+            return Locked::Yes(None);
+        }
+        let me = crate::my_pid();
+        let over = || self.ended() || self.reset.load(Ordering::Acquire);
+        if d.lock(tx, me, wait, over) {
+            Locked::Yes(Some(EndLock { d, tx, me }))
+        } else if over() {
+            Locked::Over
+        } else {
+            Locked::Busy
+        }
     }
 
     /// The kernel's TCP socket: `getsockopt`, `getsockname` … go there.
@@ -405,6 +450,12 @@ impl Conn {
             return Err(libc::EBADF);
         }
         let d = self.seg_fast.dir(self.role, false);
+        let _end = match self.end_lock(d, false, !dontwait) {
+            Locked::Yes(l) => l,
+            Locked::Busy => return Err(libc::EAGAIN),
+            Locked::Over if self.ended() => return Err(libc::EBADF),
+            Locked::Over => return Err(libc::ECONNRESET),
+        };
         sync_rx(&d, &mut st);
         // We look at the ring ourselves from here: nobody needs to send us wake-up bytes.
         // `token`: whether a wake-up byte is queued on A (None: not known).
@@ -788,6 +839,12 @@ impl Conn {
             return Ok(0);
         }
         let d = self.seg_fast.dir(self.role, true);
+        let _end = match self.end_lock(d, true, !dontwait) {
+            Locked::Yes(l) => l,
+            Locked::Busy => return Err(libc::EAGAIN),
+            Locked::Over if self.ended() => return Err(libc::EBADF),
+            Locked::Over => return epipe(nosig),
+        };
         sync_tx(&d, &mut st);
         if d.back_requested() && d.back().is_none() {
             self.give_back(&d, &mut st);
@@ -1003,9 +1060,16 @@ impl Conn {
                 Err(std::sync::TryLockError::WouldBlock) => None,
             };
             if let Some(mut st) = guard {
-                sync_tx(&d, &mut st);
-                self.give_back(&d, &mut st);
-                return;
+                match self.end_lock(d, true, false) {
+                    Locked::Yes(_end) => {
+                        sync_tx(&d, &mut st);
+                        self.give_back(&d, &mut st);
+                        return;
+                    }
+                    Locked::Over => return,
+                    // Another process of ours is writing: it goes back itself.
+                    Locked::Busy => {}
+                }
             }
             if d.back().is_some() {
                 return;
@@ -1054,6 +1118,11 @@ impl Conn {
             return 0;
         }
         let d = self.seg_fast.dir(self.role, false);
+        let _end = match self.end_lock(d, false, false) {
+            Locked::Yes(l) => l,
+            // Another process of ours is reading: what the ring holds, roughly.
+            _ => return d.pending() as usize,
+        };
         sync_rx(&d, &mut st);
         match self.source(&d, &st) {
             Err(Corrupt) => 0,
@@ -1085,6 +1154,10 @@ impl Conn {
             }
             self.tx_shut.store(true, Ordering::Release);
             let d = self.seg_fast.dir(self.role, true);
+            let _end = match self.end_lock(d, true, true) {
+                Locked::Yes(l) => l,
+                _ => return Ok(0),
+            };
             sync_tx(&d, &mut st);
             if d.back().is_some() {
                 // Back on the kernel's TCP: its own shutdown.

@@ -1060,15 +1060,29 @@ pub fn my_pid() -> u32 {
     p
 }
 
-extern "C" fn after_fork_child() {
-    MY_PID.store(sys::getpid(), Ordering::Relaxed);
+/// Calls `f` on every connection in the table (a walk without a lock: safe in a fork's
+/// handlers, where another thread may have held any lock).
+fn each_conn(mut f: impl FnMut(&'static Conn)) {
     for s in TABLE.iter() {
         let p = s.load(Ordering::Acquire);
         if !p.is_null() {
             // SAFETY: table entries point at leaked, never-freed connections.
-            unsafe { &*p }.forked();
+            f(unsafe { &*p });
         }
     }
+}
+
+extern "C" fn after_fork_parent() {
+    // The child may use these connections at the same instant as we do.
+    each_conn(|c| c.shared.store(true, Ordering::Release));
+}
+
+extern "C" fn after_fork_child() {
+    MY_PID.store(sys::getpid(), Ordering::Relaxed);
+    each_conn(|c| {
+        c.shared.store(true, Ordering::Release);
+        c.forked();
+    });
 }
 
 /// A child after fork has no helper thread yet: start one (one comparison when it has).
@@ -1078,7 +1092,7 @@ pub fn ensure_helper() {
 
 extern "C" fn at_load() {
     // SAFETY: registers a plain function without captures.
-    unsafe { libc::pthread_atfork(None, None, Some(after_fork_child)) };
+    unsafe { libc::pthread_atfork(None, Some(after_fork_parent), Some(after_fork_child)) };
     MY_PID.store(sys::getpid(), Ordering::Relaxed);
     resolve_real();
 }
@@ -1087,13 +1101,7 @@ extern "C" fn at_load() {
 /// holds a connection's lock). The kernel closes the TCP sockets, and the peers read the
 /// stream's end from that; only the offers nobody claimed are removed here.
 extern "C" fn at_unload() {
-    for s in TABLE.iter() {
-        let p = s.load(Ordering::Acquire);
-        if !p.is_null() {
-            // SAFETY: table entries point at leaked, never-freed connections.
-            unsafe { &*p }.at_exit();
-        }
-    }
+    each_conn(|c| c.at_exit());
 }
 
 #[used]
@@ -1152,13 +1160,7 @@ mod helper {
             return ep;
         }
         // A child after fork: watch the connections it inherited.
-        for s in TABLE.iter() {
-            let p = s.load(Ordering::Acquire);
-            if !p.is_null() {
-                // SAFETY: leaked, never-freed connection.
-                add(ep, unsafe { &*p });
-            }
-        }
+        each_conn(|c| add(ep, c));
         ep
     }
 
@@ -1177,13 +1179,7 @@ mod helper {
     /// Resets the connections whose node went down or restarted (a walk of the table, no
     /// lock: a fork's child must never find one held).
     fn check_nodes() {
-        for s in TABLE.iter() {
-            let p = s.load(Ordering::Acquire);
-            if !p.is_null() {
-                // SAFETY: table entries point at leaked, never-freed connections.
-                unsafe { &*p }.check_nodes();
-            }
-        }
+        each_conn(|c| c.check_nodes());
     }
 
     /// Starts watching a new connection.

@@ -92,6 +92,16 @@ const D_BACK: usize = 448; // producer
 const D_BACK_AT: usize = 456; // producer
 const D_BACK_CLAIM: usize = 464; // producer processes: which one moves the ring's bytes
 const D_BACK_REQ: usize = 512; // consumer: asks the producer to go back
+                               // After a fork, several processes of one end may use a direction at the same instant: each
+                               // call holds its end's lock word for the direction (the pid holding it, `LOCK_WAITERS` set by
+                               // the processes sleeping on it).
+const D_TX_LOCK: usize = 576; // producer processes
+const D_RX_LOCK: usize = 640; // consumer processes
+
+/// Set in a lock word when a process sleeps on it (the holder wakes them on release).
+const LOCK_WAITERS: u32 = 1 << 31;
+/// How long a waiter sleeps before it looks whether the holder is still alive.
+const LOCK_CHECK_NS: u64 = 20_000_000;
 
 /// Who an end is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -581,6 +591,69 @@ impl Dir<'_> {
         self.w64(D_HEAD).load(Ordering::Acquire)
     }
 
+    /// Takes our end's lock of this direction for process `me` (`tx`: the producer's, else the
+    /// consumer's). Blocking (`wait`), it sleeps until the holder releases it, dies, or
+    /// `give_up()` says the connection is over; otherwise it spins briefly. False: not taken.
+    /// A lock word is our end's, but in shared memory: a holder that names no live process
+    /// (a process that died in a call, or garbage) is taken over.
+    pub fn lock(&self, tx: bool, me: u32, wait: bool, mut give_up: impl FnMut() -> bool) -> bool {
+        let w = self.w32(if tx { D_TX_LOCK } else { D_RX_LOCK });
+        let start = crate::conn::now_ns();
+        loop {
+            let cur = w.load(Ordering::Acquire);
+            let holder = cur & !LOCK_WAITERS;
+            if holder == 0 || holder == me || !crate::sys::alive(holder) {
+                // Free, left by this process (a call that unwound), or its holder is gone.
+                if w.compare_exchange(cur, me, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    if cur & LOCK_WAITERS != 0 {
+                        // Others may sleep on the word we just cleared of their flag.
+                        crate::sys::futex_wake_all(w);
+                    }
+                    return true;
+                }
+                continue;
+            }
+            if !wait {
+                if crate::conn::now_ns().saturating_sub(start) > 20_000 {
+                    return false;
+                }
+                std::hint::spin_loop();
+                continue;
+            }
+            if give_up() {
+                return false;
+            }
+            if cur & LOCK_WAITERS == 0
+                && w.compare_exchange(cur, cur | LOCK_WAITERS, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+            {
+                continue;
+            }
+            let _ = crate::sys::futex_wait(w, cur | LOCK_WAITERS, LOCK_CHECK_NS);
+        }
+    }
+
+    /// Releases what [`Dir::lock`] took (nothing if another process took it over meanwhile).
+    pub fn unlock(&self, tx: bool, me: u32) {
+        let w = self.w32(if tx { D_TX_LOCK } else { D_RX_LOCK });
+        loop {
+            let cur = w.load(Ordering::Acquire);
+            if cur & !LOCK_WAITERS != me {
+                return;
+            }
+            if w.compare_exchange(cur, 0, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                if cur & LOCK_WAITERS != 0 {
+                    crate::sys::futex_wake_all(w);
+                }
+                return;
+            }
+        }
+    }
+
     /// Bytes the producer published that the consumer has not consumed (both words read
     /// from shared memory; only a hint).
     pub fn pending(&self) -> u64 {
@@ -733,5 +806,46 @@ mod tests {
         // The ring's contiguous piece at a position near its end.
         let (_, len) = r.piece(4000, 500);
         assert_eq!(len, 96);
+    }
+
+    #[test]
+    fn an_ends_lock_is_taken_once_and_over_from_a_dead_holder() {
+        let mut s = anon(seg_len(4096));
+        s.init(&offer());
+        let d = s.dir(Role::Client, true);
+        let me = crate::sys::getpid();
+        let dead = 0x7fff_fff0; // above any pid_max: no such process
+        assert!(!crate::sys::alive(dead));
+        assert!(d.lock(true, dead, false, || false), "free: taken");
+        assert!(
+            d.lock(true, me, false, || false),
+            "its holder is dead: taken over"
+        );
+        // pid 1 is alive: it waits, or gives up when told to.
+        assert!(
+            !d.lock(true, 1, false, || false),
+            "held: not taken without waiting"
+        );
+        assert!(
+            !d.lock(true, 1, true, || true),
+            "held: waiting gives up when told"
+        );
+        // The consumer's lock is another word.
+        assert!(d.lock(false, 1, false, || false));
+        d.unlock(true, 1);
+        assert!(
+            !d.lock(true, 1, false, || false),
+            "only the holder releases"
+        );
+        d.unlock(true, me);
+        assert!(d.lock(true, 1, false, || false), "released: taken");
+        // A waiter in another thread gets it when the holder releases.
+        // SAFETY: the test's mapping is never unmapped.
+        let s2 = unsafe { s.alias() };
+        let t =
+            std::thread::spawn(move || s2.dir(Role::Client, true).lock(true, me, true, || false));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        d.unlock(true, 1);
+        assert!(t.join().unwrap(), "the waiter took it");
     }
 }

@@ -313,6 +313,29 @@ pub fn gettid() -> u32 {
 pub fn raise_here(sig: c_int) {
     let _ = sc!(libc::SYS_tgkill, getpid(), gettid(), sig);
 }
+/// True unless `pid` names no process (`kill(pid, 0)` failing with `ESRCH`).
+pub fn alive(pid: u32) -> bool {
+    pid != 0 && !matches!(sc!(libc::SYS_kill, pid as libc::pid_t, 0), Err(libc::ESRCH))
+}
+/// `futex(FUTEX_WAIT)` on a word of a mapping other processes share (not `PRIVATE`): sleeps
+/// while `*word == val`, at most `ns` nanoseconds.
+pub fn futex_wait(word: &std::sync::atomic::AtomicU32, val: u32, ns: u64) -> Res {
+    let ts = libc::timespec {
+        tv_sec: (ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (ns % 1_000_000_000) as libc::c_long,
+    };
+    sc!(
+        libc::SYS_futex,
+        word.as_ptr(),
+        libc::FUTEX_WAIT,
+        val,
+        &ts as *const libc::timespec
+    )
+}
+/// `futex(FUTEX_WAKE)`: wakes every process sleeping on `word` (shared, not `PRIVATE`).
+pub fn futex_wake_all(word: &std::sync::atomic::AtomicU32) {
+    let _ = sc!(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+}
 /// `pidfd_open(2)`.
 pub fn pidfd_open(pid: u32) -> Res {
     sc!(libc::SYS_pidfd_open, pid, 0)

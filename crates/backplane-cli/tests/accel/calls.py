@@ -542,6 +542,77 @@ def forkseq():
     print(f"ok {scen}", flush=True)
 
 
+def forkboth():
+    """After fork, parent and child use one connection at the same instant, both ways: every
+    record arrives whole, once, and each writer's records in its order."""
+    rec, n_in, n_out = 4096, 2000, 1000
+
+    def record(tag, i):
+        head = struct.pack("<II", tag, i)
+        return head + (hashlib.sha256(head).digest() * (rec // 32))[: rec - len(head)]
+
+    if role == "server":
+        s = listen()
+        c, _ = s.accept()
+        s.close()
+        rd, wr = os.pipe()
+        pid = os.fork()
+        me = 2 if pid == 0 else 1
+        got = []
+
+        def reader():
+            while True:
+                d = c.recv(rec, socket.MSG_WAITALL)
+                if not d:
+                    return
+                check(len(d) == rec, f"a short record ({len(d)} bytes)")
+                tag, i = struct.unpack("<II", d[:8])
+                check(tag == 9 and d == record(9, i), f"record {i} arrived broken")
+                got.append(i)
+
+        t = threading.Thread(target=reader)
+        t.start()
+        for i in range(n_out):
+            c.sendall(record(me, i))
+        t.join()
+        if pid == 0:
+            os.write(wr, struct.pack(f"<{len(got)}I", *got))
+            os._exit(0)
+        os.close(wr)
+        theirs = bytearray()
+        while True:
+            d = os.read(rd, 1 << 16)
+            if not d:
+                break
+            theirs += d
+        _, st = os.waitpid(pid, 0)
+        check(os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0, f"child status {st}")
+        child = list(struct.unpack(f"<{len(theirs) // 4}I", bytes(theirs)))
+        both = sorted(got + child)
+        check(both == list(range(n_in)), f"records lost or twice: {len(both)} of {n_in}")
+        print(f"records read: parent {len(got)}, child {len(child)}", flush=True)
+    else:
+        c = connect()
+
+        def writer():
+            for i in range(n_in):
+                c.sendall(record(9, i))
+            c.shutdown(socket.SHUT_WR)
+
+        t = threading.Thread(target=writer)
+        t.start()
+        nxt = {1: 0, 2: 0}
+        for _ in range(2 * n_out):
+            d = recv_exact(c, rec)
+            tag, i = struct.unpack("<II", d[:8])
+            check(tag in nxt and i == nxt[tag], f"record ({tag}, {i}) out of order or unknown")
+            check(d == record(tag, i), f"record ({tag}, {i}) arrived broken")
+            nxt[tag] += 1
+        check(c.recv(10) == b"", "EOF once both server processes closed")
+        t.join()
+    print(f"ok {scen}", flush=True)
+
+
 def nodedown():
     """The server's node goes DOWN mid-stream (the test kills its agent): both ends get
     ECONNRESET/EPIPE, never a hang."""
@@ -572,5 +643,5 @@ def nodedown():
 
 {"stream": stream, "readiness": readiness, "dups": dups, "forked": forked,
  "killed": killed, "many": many, "corrupt": corrupt, "execd": execd,
- "forkseq": forkseq, "nodedown": nodedown,
+ "forkseq": forkseq, "forkboth": forkboth, "nodedown": nodedown,
  "pingpoll": pingpoll}[scen]()
