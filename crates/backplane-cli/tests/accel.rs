@@ -140,6 +140,7 @@ fn the_socket_calls_of_real_programs_work_on_accelerated_connections() {
         "execd",
         "forkseq",
         "forkboth",
+        "spawned",
         "pingpoll",
     ]
     .iter()

@@ -927,17 +927,24 @@ type SpawnFn = unsafe extern "C" fn(
 
 /// libc's own functions for the exec calls that search `PATH` or spawn, looked up once at
 /// load (never later: a `vfork` child must not take the loader's lock).
-static REAL: [AtomicUsize; 4] = [const { AtomicUsize::new(0) }; 4];
+static REAL: [AtomicUsize; 6] = [const { AtomicUsize::new(0) }; 6];
 const R_EXECVPE: usize = 0;
 const R_FEXECVE: usize = 1;
 const R_SPAWN: usize = 2;
 const R_SPAWNP: usize = 3;
+const R_SYSTEM: usize = 4;
+const R_POPEN: usize = 5;
 
 fn resolve_real() {
-    for (i, name) in [c"execvpe", c"fexecve", c"posix_spawn", c"posix_spawnp"]
-        .iter()
-        .enumerate()
-    {
+    let names = [
+        c"execvpe",
+        c"fexecve",
+        c"posix_spawn",
+        c"posix_spawnp",
+        c"system",
+        c"popen",
+    ];
+    for (i, name) in names.iter().enumerate() {
         // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name, after libc is initialised
         // (a constructor of a library that depends on it).
         let f = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) };
@@ -1044,6 +1051,59 @@ pub unsafe extern "C" fn posix_spawnp(
     // SAFETY: the caller's arguments, as posix_spawnp(3).
     unsafe { spawn(R_SPAWNP, pid, file, actions, attr, argv, envp) }
 }
+
+// `system` and `popen` spawn through libc's internal posix_spawn, which no preload sees: the
+// connections their shell inherits go back to the kernel's TCP first, as for posix_spawn.
+
+#[no_mangle]
+pub unsafe extern "C" fn system(cmd: *const c_char) -> c_int {
+    let Some(f) = real(R_SYSTEM) else {
+        return -1;
+    };
+    if !cmd.is_null() {
+        before_exec();
+    }
+    // SAFETY: libc's system (resolved at load), the caller's argument.
+    unsafe { std::mem::transmute::<usize, unsafe extern "C" fn(*const c_char) -> c_int>(f)(cmd) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn popen(cmd: *const c_char, mode: *const c_char) -> *mut c_void {
+    type PopenFn = unsafe extern "C" fn(*const c_char, *const c_char) -> *mut c_void;
+    let Some(f) = real(R_POPEN) else {
+        sys::set_errno(libc::ENOSYS);
+        return std::ptr::null_mut();
+    };
+    before_exec();
+    // SAFETY: libc's popen (resolved at load), the caller's arguments.
+    unsafe { std::mem::transmute::<usize, PopenFn>(f)(cmd, mode) }
+}
+
+// `execl`, `execlp`, `execle` are C-variadic, which Rust cannot define: each exported name is
+// a jump, with the caller's registers and stack untouched, to a C function (src/execl.c) that
+// builds the argument vector and calls our execv/execvp/execve above.
+extern "C" {
+    fn bp_execl();
+    fn bp_execlp();
+    fn bp_execle();
+}
+
+macro_rules! variadic_exec {
+    ($name:ident, $target:ident) => {
+        #[unsafe(naked)]
+        #[no_mangle]
+        pub unsafe extern "C" fn $name() {
+            #[cfg(target_arch = "x86_64")]
+            core::arch::naked_asm!("jmp {}", sym $target);
+            #[cfg(target_arch = "aarch64")]
+            core::arch::naked_asm!("b {}", sym $target);
+        }
+    };
+}
+
+variadic_exec!(execl, bp_execl);
+variadic_exec!(execlp, bp_execlp);
+variadic_exec!(execle, bp_execle);
 
 // ---- process life: fork and exit ----
 

@@ -613,6 +613,73 @@ def forkboth():
     print(f"ok {scen}", flush=True)
 
 
+def spawned():
+    """A connection inherited by a program started with system(), popen() or execl(): the
+    child reads the rest of the stream and answers on the same connection; then the parent
+    writes again. (libc's system and popen spawn through its internal posix_spawn, and execl
+    is variadic: none goes through execve's symbol.)"""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.popen.restype = ctypes.c_void_p
+    libc.popen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.pclose.argtypes = [ctypes.c_void_p]
+    ways = ["system", "popen", "execl"]
+    head = 64 << 10
+    if role == "server":
+        s = listen()
+        for way in ways:
+            c, _ = s.accept()
+            data = pattern(1 << 20, len(way))
+            check(recv_exact(c, head) == data[:head], f"{way}: first bytes")
+            fd = c.fileno()
+            os.set_inheritable(fd, True)
+            argv = [sys.executable, __file__, "inherit", scen, str(fd)]
+            if way == "system":
+                check(os.system(" ".join(argv)) == 0, "system: child failed")
+            elif way == "popen":
+                f = libc.popen(" ".join(argv).encode(), b"r")
+                check(f, "popen failed")
+                check(libc.pclose(f) == 0, "popen: child failed")
+            else:
+                pid = os.fork()
+                if pid == 0:
+                    args = [a.encode() for a in argv] + [None]
+                    libc.execl(args[0], *args)
+                    os._exit(5)
+                _, st = os.waitpid(pid, 0)
+                check(os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0, f"execl: child {st}")
+            c.sendall(b"|parent")
+            c.close()
+    elif role == "inherit":
+        c = socket.socket(fileno=port)
+        rest = bytearray()
+        while True:
+            d = c.recv(1 << 20)
+            if not d:
+                break
+            rest += d
+        c.sendall(hashlib.sha256(bytes(rest)).hexdigest().encode())
+        c.detach()
+        sys.exit(0)
+    else:
+        for way in ways:
+            c = connect()
+            data = pattern(1 << 20, len(way))
+            c.sendall(data)
+            c.shutdown(socket.SHUT_WR)
+            back = bytearray()
+            while True:
+                d = c.recv(65536)
+                if not d:
+                    break
+                back += d
+            want = hashlib.sha256(data[head:]).hexdigest().encode() + b"|parent"
+            check(bytes(back) == want, f"{way}: answer {bytes(back)[:80]!r}")
+            c.close()
+    print(f"ok {scen}", flush=True)
+
+
 def nodedown():
     """The server's node goes DOWN mid-stream (the test kills its agent): both ends get
     ECONNRESET/EPIPE, never a hang."""
@@ -643,5 +710,5 @@ def nodedown():
 
 {"stream": stream, "readiness": readiness, "dups": dups, "forked": forked,
  "killed": killed, "many": many, "corrupt": corrupt, "execd": execd,
- "forkseq": forkseq, "forkboth": forkboth, "nodedown": nodedown,
+ "forkseq": forkseq, "forkboth": forkboth, "spawned": spawned, "nodedown": nodedown,
  "pingpoll": pingpoll}[scen]()
