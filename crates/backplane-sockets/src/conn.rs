@@ -25,7 +25,7 @@ use std::sync::Mutex;
 use libc::c_int;
 
 use crate::config::{self, stats};
-use crate::seg::{Corrupt, Dir, Role, Seg, RX_ACTIVE, RX_ARMED, RX_POKED};
+use crate::seg::{Corrupt, Dir, Role, Seg, RX_ACTIVE, RX_ARMED, RX_OWED, RX_POKED};
 use crate::sys::{self, Res};
 
 /// Everything needed to build a connection once the agreement's resources exist.
@@ -566,8 +566,16 @@ impl Conn {
                 };
             }
             // (With the ring limited — we asked the peer to go back — a peer that is gone
-            // will never send its bytes again on TCP: its end, not a wait.)
-            if let (Some(l), true) = (ring_limit, self.tcp_eof()) {
+            // will never send its bytes again on TCP: its end, not a wait.) Before a
+            // non-blocking return or a spin, the helper's word is enough (it sees the end on
+            // TCP and wakes us): no system call per empty read of a streaming reader.
+            let cheap = ring_limit == Some(usize::MAX) && (dontwait || !spun);
+            let eof = if cheap {
+                self.peer_eof.load(Ordering::Acquire)
+            } else {
+                self.tcp_eof()
+            };
+            if let (Some(l), true) = (ring_limit, eof) {
                 if d.readable(st.head).map(|a| a.min(l)) != Ok(0) {
                     continue;
                 }
@@ -746,6 +754,39 @@ impl Conn {
         r
     }
 
+    /// Sends the wake-up byte a reader of ours owes (see [`RX_OWED`]), if it owes one: before
+    /// a wait sleeps in the kernel on the descriptor.
+    pub fn pay_debt(&self) {
+        self.peekers.fetch_add(1, Ordering::SeqCst);
+        if !self.ended() && self.seg_fast.dir(self.role, false).pay_rx_debt() {
+            sys::poke(self.b);
+        }
+        self.peekers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Without a lock or a system call: (bytes to read on the ring, room to write on the
+    /// ring) — only the plain cases a wait may answer by itself, not an end or an error
+    /// (those go to the kernel, which reports them in full).
+    pub fn ring_ready(&self) -> (bool, bool) {
+        self.peekers.fetch_add(1, Ordering::SeqCst);
+        let r = if self.ended() || self.reset.load(Ordering::Relaxed) {
+            (false, false)
+        } else {
+            let rx = self.seg_fast.dir(self.role, false);
+            let tx = self.seg_fast.dir(self.role, true);
+            (
+                rx.on_ring_for_good() && rx.pending() > 0,
+                tx.switched().is_some()
+                    && tx.back().is_none()
+                    && !tx.back_requested()
+                    && !self.tx_shut.load(Ordering::Relaxed)
+                    && tx.pending() < self.seg_fast.ring() as u64,
+            )
+        };
+        self.peekers.fetch_sub(1, Ordering::SeqCst);
+        r
+    }
+
     /// Before a `poll`/`select`/`epoll_wait` spins on this connection's ring: tells the
     /// producer it need not send a wake-up byte while we look (see [`crate::seg::RX_SPIN`]). True if
     /// taken; then [`Conn::spin_end`] must follow.
@@ -758,23 +799,23 @@ impl Conn {
         r
     }
 
-    /// After the spin: bytes seen → queue the wake-up byte ourselves (the kernel call that
-    /// follows returns at once, no sleep); none → ARMED again, and anything that came
-    /// meanwhile (a producer that saw SPIN sent nothing) is signalled now.
+    /// After the spin: bytes seen → the wake-up byte is owed: the wait answers from the rings
+    /// (and the program's read that follows takes the bytes), or pays it before its kernel
+    /// call, which then returns at once; none → ARMED
+    /// again, and anything that came meanwhile (a producer that saw SPIN sent nothing) is
+    /// signalled now.
     pub fn spin_end(&self) {
         self.peekers.fetch_add(1, Ordering::SeqCst);
         if !self.ended() {
             let d = self.seg_fast.dir(self.role, false);
             if self.ready(true, false) {
-                if d.end_rx_spin(RX_POKED) {
-                    sys::poke(self.b);
-                }
+                d.end_rx_spin(RX_OWED);
             } else if d.end_rx_spin(RX_ARMED) {
                 let any = d.pending() > 0
                     || d.fin()
                     || self.peer_eof.load(Ordering::Acquire)
                     || self.reset.load(Ordering::Acquire)
-                    || self.tcp_has_bytes();
+                    || (!d.on_ring_for_good() && self.tcp_has_bytes());
                 if any && d.take_rx_wait() {
                     sys::poke(self.b);
                 }

@@ -35,6 +35,21 @@ pub const MAX_FD: usize = 1 << 16;
 
 static TABLE: [AtomicPtr<Conn>; MAX_FD] = [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_FD];
 static HIDDEN: [AtomicBool; MAX_FD] = [const { AtomicBool::new(false) }; MAX_FD];
+/// One more than the highest descriptor that ever held a connection: walks of the table stop
+/// there.
+static TOP: AtomicUsize = AtomicUsize::new(0);
+
+/// Puts `c` at table slot `fd` (in range).
+fn put(fd: c_int, c: &'static Conn) {
+    if let Some((i, s)) = usize::try_from(fd)
+        .ok()
+        .and_then(|i| Some((i, TABLE.get(i)?)))
+    {
+        TOP.fetch_max(i + 1, Ordering::AcqRel);
+        s.store(c as *const Conn as *mut Conn, Ordering::Release);
+    }
+}
+
 /// Listening sockets we registered: (descriptor, hidden lock file descriptor).
 static LISTENERS: Mutex<Vec<(c_int, c_int)>> = Mutex::new(Vec::new());
 
@@ -70,9 +85,7 @@ fn is_hidden(fd: c_int) -> bool {
 
 /// Puts a new connection at the program's descriptor `fd` and starts watching it.
 pub fn install(fd: c_int, c: &'static Conn) {
-    if let Some(s) = usize::try_from(fd).ok().and_then(|i| TABLE.get(i)) {
-        s.store(c as *const Conn as *mut Conn, Ordering::Release);
-    }
+    put(fd, c);
     helper::watch(c);
 }
 
@@ -88,9 +101,7 @@ fn add_ref(fd: c_int, c: &'static Conn) {
         return;
     }
     c.refs.fetch_add(1, Ordering::AcqRel);
-    if let Some(s) = usize::try_from(fd).ok().and_then(|i| TABLE.get(i)) {
-        s.store(c as *const Conn as *mut Conn, Ordering::Release);
-    }
+    put(fd, c);
 }
 
 /// Descriptor `fd` no longer names what it named: drop the connection's reference (ending it
@@ -1123,7 +1134,7 @@ pub fn my_pid() -> u32 {
 /// Calls `f` on every connection in the table (a walk without a lock: safe in a fork's
 /// handlers, where another thread may have held any lock).
 fn each_conn(mut f: impl FnMut(&'static Conn)) {
-    for s in TABLE.iter() {
+    for s in TABLE.iter().take(TOP.load(Ordering::Acquire)) {
         let p = s.load(Ordering::Acquire);
         if !p.is_null() {
             // SAFETY: table entries point at leaked, never-freed connections.
@@ -1183,7 +1194,8 @@ mod helper {
     use super::*;
 
     static EP: AtomicI32 = AtomicI32::new(-1);
-    /// How often the nodes of the connections are checked.
+    /// How often the nodes of the connections are checked (and wake-up bytes still owed are
+    /// paid: see `seg::RX_OWED`).
     const NODE_CHECK_MS: c_int = 200;
     static PID: AtomicU32 = AtomicU32::new(0);
     static START: Mutex<()> = Mutex::new(());
@@ -1239,7 +1251,10 @@ mod helper {
     /// Resets the connections whose node went down or restarted (a walk of the table, no
     /// lock: a fork's child must never find one held).
     fn check_nodes() {
-        each_conn(|c| c.check_nodes());
+        each_conn(|c| {
+            c.check_nodes();
+            c.pay_debt();
+        });
     }
 
     /// Starts watching a new connection.

@@ -47,6 +47,13 @@ pub const RX_ACTIVE: u32 = 2;
 /// sees bytes (or goes back to ARMED and looks again), so the program's kernel call that
 /// follows finds the descriptor readable instead of sleeping until the producer's byte comes.
 pub const RX_SPIN: u32 = 3;
+/// Consumer wake-up state: idle, bytes on the ring, and the wake-up byte that says so not sent
+/// yet: a `poll`/`select` spinner saw bytes come, and answers from the rings — the program's
+/// read that follows takes them, without the byte's send and receive (two system calls per
+/// read of a streaming reader). A wait that sleeps in the kernel instead pays the byte first,
+/// and the helper thread pays any debt left on its next round (a program that never read).
+/// The producer sends nothing in this state: there are bytes already.
+pub const RX_OWED: u32 = 4;
 
 /// `state`: the connecting end offered the segment.
 pub const OFFERED: u32 = 1;
@@ -466,6 +473,14 @@ impl Dir<'_> {
                 .compare_exchange(RX_ARMED, RX_POKED, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
     }
+    /// Whoever sleeps on the consumer's descriptor: takes its owed wake-up byte (OWED →
+    /// POKED); true means the caller must send it.
+    pub fn pay_rx_debt(&self) -> bool {
+        let w = self.w32(D_RX_WAIT);
+        w.load(Ordering::SeqCst) == RX_OWED
+            && w.compare_exchange(RX_OWED, RX_POKED, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+    }
     /// Consumer's spinner: ARMED → SPIN, or SPIN already (another thread spins too, or one
     /// left the spin without ending it — a signal handler that jumped out: the state must not
     /// stay SPIN with nobody to end it); false if the state was another.
@@ -542,6 +557,15 @@ impl Dir<'_> {
     /// Consumer: bytes of the prefix read so far.
     pub fn set_rx_tcp(&self, n: u64) {
         self.w64(D_RX_TCP).store(n, Ordering::Release);
+    }
+    /// Consumer: true when every byte still to come is on the ring: the producer switched,
+    /// our end has read its whole prefix from TCP, and nobody is going back. Bytes on TCP then
+    /// mean nothing to a reader (its end is seen by the helper thread).
+    pub fn on_ring_for_good(&self) -> bool {
+        self.switched()
+            .is_some_and(|p| self.w64(D_RX_TCP).load(Ordering::Acquire) == p)
+            && self.back().is_none()
+            && !self.back_requested()
     }
     /// Producer: see [`Dir::rx_owner`].
     pub fn tx_owner(&self) -> u32 {

@@ -1,11 +1,20 @@
 //! `poll`, `select` and `epoll_wait` with accelerated connections among their descriptors:
-//! spin briefly on the rings before the kernel sleep. The answer is always the kernel's (the
-//! real call is made afterwards, with the time spun taken off its timeout): an accelerated
-//! descriptor is a real socket whose readiness the library keeps exact. What the spin saves is
-//! the sleep and the wake-up — tens of microseconds each time a reader empties its ring —
-//! which on a streaming connection decides whether the two sides run side by side or take
-//! turns.
+//! spin briefly on the rings before the kernel sleep. An accelerated descriptor is a real
+//! socket whose readiness the library keeps exact, so the kernel's answer is always right (the
+//! real call is made after the spin, with the time spun taken off its timeout). What the spin
+//! saves is the sleep and the wake-up — tens of microseconds each time a reader empties its
+//! ring — which on a streaming connection decides whether the two sides run side by side or
+//! take turns.
+//!
+//! `poll` and `select` may also answer from the rings alone, without the system call, when a
+//! ring has bytes to read or room to write: a streaming reader calls `select` before each
+//! `read` (iperf3's server does), and the call costs as much as copying 64 KiB. The
+//! descriptors that are not accelerated (a listener, a pipe) are then not looked at, so at most
+//! [`SKIP_OS`] answers in a row come from the rings before the kernel is asked again, unless
+//! every descriptor of the call is an accelerated connection (libvma's `VMA_SELECT_SKIP_OS`
+//! works the same way, with the same default).
 
+use std::cell::Cell;
 use std::sync::Mutex;
 
 use libc::{c_int, c_void};
@@ -15,6 +24,181 @@ use crate::{config, conn_of, sys};
 
 /// epoll registrations of accelerated connections: (epoll fd, fd, connection, events).
 static EPOLL: Mutex<Vec<(c_int, c_int, usize, u32)>> = Mutex::new(Vec::new());
+
+/// Answers in a row a thread's `poll`/`select` may give from the rings alone, without asking
+/// the kernel about the descriptors that are not accelerated.
+pub const SKIP_OS: u32 = 4;
+
+thread_local! {
+    static SKIPPED: Cell<u32> = const { Cell::new(0) };
+}
+
+/// May this call answer from the rings (`all_ours`: every descriptor in it is an accelerated
+/// connection, nothing else to ask the kernel about)? Counts the answers given that way.
+fn may_skip_os(all_ours: bool) -> bool {
+    all_ours
+        || SKIPPED.with(|s| {
+            let n = s.get();
+            s.set(n.saturating_add(1));
+            n < SKIP_OS
+        })
+}
+
+/// The kernel was asked: the next calls may answer from the rings again.
+fn asked_os() {
+    SKIPPED.with(|s| s.set(0));
+}
+
+/// `poll`'s answer when a ring is ready: the number of entries ready, every entry's
+/// `revents` set; 0, the entries untouched, when no ring is. The other descriptors are asked
+/// about (the kernel's poll, no timeout) unless `skip_os()` says this answer may skip them.
+fn poll_rings(set: &mut [libc::pollfd], skip_os: impl FnOnce() -> bool) -> c_int {
+    let want = |p: &libc::pollfd| -> libc::c_short {
+        let Some(c) = conn_of(p.fd) else {
+            return 0;
+        };
+        let (r, w) = c.ring_ready();
+        let mut ev = 0;
+        if r {
+            ev |= p.events & (libc::POLLIN | libc::POLLRDNORM);
+        }
+        if w {
+            ev |= p.events & (libc::POLLOUT | libc::POLLWRNORM);
+        }
+        ev
+    };
+    let ready: Vec<libc::c_short> = set.iter().map(want).collect();
+    if ready.iter().all(|&r| r == 0) {
+        return 0;
+    }
+    if !skip_os() {
+        // The others, as the kernel sees them now (an accelerated one's entry is left out: a
+        // negative descriptor is ignored by poll).
+        let mut others: Vec<libc::pollfd> = set
+            .iter()
+            .map(|p| libc::pollfd {
+                fd: if conn_of(p.fd).is_some() { -1 } else { p.fd },
+                events: p.events,
+                revents: 0,
+            })
+            .collect();
+        let zero = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        if sys::ppoll(others.as_mut_ptr(), others.len(), &zero).is_ok() {
+            for (p, o) in set.iter_mut().zip(&others) {
+                p.revents = o.revents;
+            }
+        }
+        asked_os();
+    } else {
+        for p in set.iter_mut() {
+            p.revents = 0;
+        }
+    }
+    let mut n = 0;
+    for (p, r) in set.iter_mut().zip(ready) {
+        p.revents |= r;
+        n += (p.revents != 0) as c_int;
+    }
+    n
+}
+
+/// `select`'s answer when a ring is ready, as [`poll_rings`] (`conns`: the accelerated
+/// descriptors asked about, with read and write interest).
+///
+/// # Safety
+/// As select(2): the sets, when non-null, hold `FD_SETSIZE` bits; every fd < `nfds`.
+unsafe fn select_rings(
+    nfds: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    conns: &[(c_int, &Conn, bool, bool)],
+    skip_os: impl FnOnce() -> bool,
+) -> c_int {
+    let ready: Vec<(c_int, bool, bool)> = conns
+        .iter()
+        .map(|&(fd, c, rd, wr)| {
+            let (rr, wr2) = c.ring_ready();
+            (fd, rd && rr, wr && wr2)
+        })
+        .filter(|&(_, a, b)| a || b)
+        .collect();
+    if ready.is_empty() {
+        return 0;
+    }
+    let sets = [r, w, e];
+    let mut n = 0;
+    if !skip_os() {
+        // The others, as the kernel sees them now: our descriptors taken out of copies of
+        // the sets, then the kernel's select without a timeout.
+        // SAFETY: fd_set is plain bits; the copies are ours.
+        let mut copies: [libc::fd_set; 3] = unsafe { std::mem::zeroed() };
+        for (copy, &set) in copies.iter_mut().zip(&sets) {
+            if !set.is_null() {
+                // SAFETY: the caller's set, FD_SETSIZE bits.
+                *copy = unsafe { *set };
+                for &(fd, ..) in conns {
+                    // SAFETY: our copy; fd < nfds <= FD_SETSIZE.
+                    unsafe { libc::FD_CLR(fd, copy) };
+                }
+            }
+        }
+        let ptr = |i: usize, c: &mut [libc::fd_set; 3]| -> *mut libc::fd_set {
+            if sets[i].is_null() {
+                std::ptr::null_mut()
+            } else {
+                &mut c[i]
+            }
+        };
+        let (pr, pw, pe) = (
+            ptr(0, &mut copies),
+            ptr(1, &mut copies),
+            ptr(2, &mut copies),
+        );
+        let mut zero = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 0,
+        };
+        let k = sys::select(nfds, pr, pw, pe, &mut zero);
+        asked_os();
+        for (i, &set) in sets.iter().enumerate() {
+            if !set.is_null() {
+                // SAFETY: the caller's set; the kernel's answer when it gave one, else empty.
+                unsafe {
+                    if k.is_ok() {
+                        *set = copies[i];
+                    } else {
+                        libc::FD_ZERO(set);
+                    }
+                }
+            }
+        }
+        n = k.unwrap_or(0) as c_int;
+    } else {
+        for set in sets {
+            if !set.is_null() {
+                // SAFETY: the caller's set of FD_SETSIZE bits.
+                unsafe { libc::FD_ZERO(set) };
+            }
+        }
+    }
+    for (fd, rd, wr) in ready {
+        if rd {
+            // SAFETY: as above; r is non-null when read interest was found in it.
+            unsafe { libc::FD_SET(fd, r) };
+            n += 1;
+        }
+        if wr {
+            // SAFETY: as above, for w.
+            unsafe { libc::FD_SET(fd, w) };
+            n += 1;
+        }
+    }
+    n
+}
 
 fn budget(timeout_ns: Option<u64>) -> u64 {
     let spin_ns = config::get().map_or(0, |c| c.spin_ns);
@@ -41,6 +225,17 @@ fn spin_on(conns: &[(&Conn, bool, bool)], timeout_ns: Option<u64>) -> u64 {
     now_ns().saturating_sub(t0)
 }
 
+/// Before a kernel call that may sleep on the descriptors: every wake-up byte their readers
+/// owe (a spin that saw bytes, a read that left some) is queued, so the kernel sees them
+/// readable.
+fn pay_debts<'a>(conns: impl IntoIterator<Item = (&'a Conn, bool)>) {
+    for (c, r) in conns {
+        if r {
+            c.pay_debt();
+        }
+    }
+}
+
 /// Spins with a millisecond timeout (-1: none) and returns what is left of it.
 fn spin_ms(conns: &[(&Conn, bool, bool)], timeout_ms: c_int) -> c_int {
     let limit = (timeout_ms > 0).then(|| timeout_ms as u64 * 1_000_000);
@@ -62,7 +257,7 @@ pub unsafe fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout_ms: c_int) -
         return real(timeout_ms);
     }
     // SAFETY: the caller's n pollfds.
-    let set = unsafe { std::slice::from_raw_parts(fds, n as usize) };
+    let set = unsafe { std::slice::from_raw_parts_mut(fds, n as usize) };
     let conns: Vec<(&Conn, bool, bool)> = set
         .iter()
         .filter_map(|p| {
@@ -78,7 +273,19 @@ pub unsafe fn poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout_ms: c_int) -
     if conns.is_empty() {
         return real(timeout_ms);
     }
-    real(spin_ms(&conns, timeout_ms))
+    let all_ours = conns.len() == set.len();
+    let k = poll_rings(set, || may_skip_os(all_ours));
+    if k > 0 {
+        return k;
+    }
+    let left = spin_ms(&conns, timeout_ms);
+    let k = poll_rings(set, || may_skip_os(all_ours));
+    if k > 0 {
+        return k;
+    }
+    asked_os();
+    pay_debts(conns.iter().map(|&(c, r, _)| (c, r)));
+    real(left)
 }
 
 /// `select(2)`.
@@ -101,24 +308,40 @@ pub unsafe fn select(
         return real(tv);
     }
     let mut conns = Vec::new();
+    let mut all_ours = true;
     for fd in 0..nfds {
         // SAFETY: the caller's fd_sets hold FD_SETSIZE bits; fd < nfds <= FD_SETSIZE.
-        let (rd, wr) = unsafe {
+        let (rd, wr, ex) = unsafe {
             (
                 !r.is_null() && libc::FD_ISSET(fd, r),
                 !w.is_null() && libc::FD_ISSET(fd, w),
+                !e.is_null() && libc::FD_ISSET(fd, e),
             )
         };
-        if rd || wr {
-            if let Some(c) = conn_of(fd) {
-                conns.push((c, rd, wr));
+        if rd || wr || ex {
+            match conn_of(fd) {
+                Some(c) => conns.push((fd, c, rd, wr)),
+                None => all_ours = false,
             }
         }
     }
     if conns.is_empty() {
         return real(tv);
     }
-    let spent = spin_on(&conns, timeout_ns);
+    // SAFETY: the caller's sets (as select(2)); every fd in conns < nfds.
+    let k = unsafe { select_rings(nfds, r, w, e, &conns, || may_skip_os(all_ours)) };
+    if k > 0 {
+        return k;
+    }
+    let spun: Vec<(&Conn, bool, bool)> = conns.iter().map(|&(_, c, rd, wr)| (c, rd, wr)).collect();
+    let spent = spin_on(&spun, timeout_ns);
+    // SAFETY: as above.
+    let k = unsafe { select_rings(nfds, r, w, e, &conns, || may_skip_os(all_ours)) };
+    if k > 0 {
+        return k;
+    }
+    asked_os();
+    pay_debts(spun.iter().map(|&(c, r, _)| (c, r)));
     if let Some(t) = timeout_ns {
         let left = t.saturating_sub(spent);
         // SAFETY: tv is the caller's, non-null here.
@@ -195,5 +418,7 @@ pub unsafe fn epoll_wait(
     if conns.is_empty() {
         return real(timeout_ms);
     }
-    real(spin_ms(&conns, timeout_ms))
+    let left = spin_ms(&conns, timeout_ms);
+    pay_debts(conns.iter().map(|&(c, r, _)| (c, r)));
+    real(left)
 }
