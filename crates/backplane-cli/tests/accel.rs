@@ -141,6 +141,7 @@ fn the_socket_calls_of_real_programs_work_on_accelerated_connections() {
         "forkseq",
         "forkboth",
         "spawned",
+        "pwaits",
         "pingpoll",
     ]
     .iter()

@@ -442,6 +442,46 @@ pub unsafe extern "C" fn __poll_chk(
 }
 
 #[no_mangle]
+pub unsafe extern "C" fn ppoll(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    tmo: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    // SAFETY: the caller's arguments, as ppoll(2).
+    unsafe { wait::ppoll(fds, n, tmo, mask) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __ppoll_chk(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    tmo: *const libc::timespec,
+    mask: *const libc::sigset_t,
+    fdslen: size_t,
+) -> c_int {
+    if (fdslen / std::mem::size_of::<libc::pollfd>()) < n as usize {
+        // SAFETY: the fortify failure handler.
+        unsafe { __chk_fail() };
+    }
+    // SAFETY: as ppoll.
+    unsafe { wait::ppoll(fds, n, tmo, mask) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn pselect(
+    nfds: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    tmo: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    // SAFETY: the caller's arguments, as pselect(2).
+    unsafe { wait::pselect(nfds, r, w, e, tmo, mask) }
+}
+
+#[no_mangle]
 pub unsafe extern "C" fn select(
     nfds: c_int,
     r: *mut libc::fd_set,

@@ -194,6 +194,28 @@ pub fn splice(
 pub fn ppoll(fds: *mut libc::pollfd, n: usize, ts: *const libc::timespec) -> Res {
     sc!(libc::SYS_ppoll, fds, n, ts, 0usize, 0usize)
 }
+/// `ppoll(2)` with the caller's timeout (updated by the kernel) and signal mask (may be null).
+pub fn ppoll_mask(
+    fds: *mut libc::pollfd,
+    n: usize,
+    ts: *mut libc::timespec,
+    mask: *const libc::sigset_t,
+) -> Res {
+    sc!(libc::SYS_ppoll, fds, n, ts, mask, 8usize)
+}
+/// `pselect6(2)` with the caller's timeout (updated by the kernel) and signal mask.
+pub fn pselect(
+    n: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    ts: *mut libc::timespec,
+    mask: *const libc::sigset_t,
+) -> Res {
+    // The kernel's sixth argument: the mask and its size.
+    let data: [usize; 2] = [mask as usize, 8];
+    sc!(libc::SYS_pselect6, n, r, w, e, ts, data.as_ptr())
+}
 /// `poll(2)`.
 pub fn poll(fds: *mut libc::pollfd, n: usize, timeout: c_int) -> Res {
     sc!(libc::SYS_poll, fds, n, timeout)

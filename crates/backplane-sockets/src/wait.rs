@@ -236,6 +236,64 @@ fn pay_debts<'a>(conns: impl IntoIterator<Item = (&'a Conn, bool)>) {
     }
 }
 
+/// `ppoll(2)`: not spun or answered from the rings (a program that passes a signal mask
+/// wants the kernel's exact wait), but every wake-up byte its descriptors' readers owe is
+/// paid first, so the kernel sees them readable.
+///
+/// # Safety
+/// As ppoll(2).
+pub unsafe fn ppoll(
+    fds: *mut libc::pollfd,
+    n: libc::nfds_t,
+    tmo: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    if !fds.is_null() && n as usize <= 1 << 16 {
+        // SAFETY: the caller's n pollfds.
+        let set = unsafe { std::slice::from_raw_parts(fds, n as usize) };
+        pay_debts(
+            set.iter()
+                .filter_map(|p| Some((conn_of(p.fd)?, p.events & libc::POLLIN != 0))),
+        );
+    }
+    // glibc passes a copy: the kernel writes the time left into it.
+    // SAFETY: tmo is the caller's timespec when non-null.
+    let mut t = (!tmo.is_null()).then(|| unsafe { *tmo });
+    let tp = t
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |t| t as *mut libc::timespec);
+    sys::to_c(sys::ppoll_mask(fds, n as usize, tp, mask)) as c_int
+}
+
+/// `pselect(2)`, as [`ppoll`].
+///
+/// # Safety
+/// As pselect(2).
+pub unsafe fn pselect(
+    nfds: c_int,
+    r: *mut libc::fd_set,
+    w: *mut libc::fd_set,
+    e: *mut libc::fd_set,
+    tmo: *const libc::timespec,
+    mask: *const libc::sigset_t,
+) -> c_int {
+    if !r.is_null() && (1..=libc::FD_SETSIZE as c_int).contains(&nfds) {
+        // SAFETY: the caller's read set holds FD_SETSIZE bits; fd < nfds <= FD_SETSIZE.
+        pay_debts((0..nfds).filter_map(|fd| unsafe {
+            libc::FD_ISSET(fd, r)
+                .then(|| conn_of(fd))
+                .flatten()
+                .map(|c| (c, true))
+        }));
+    }
+    // SAFETY: tmo is the caller's timespec when non-null.
+    let mut t = (!tmo.is_null()).then(|| unsafe { *tmo });
+    let tp = t
+        .as_mut()
+        .map_or(std::ptr::null_mut(), |t| t as *mut libc::timespec);
+    sys::to_c(sys::pselect(nfds, r, w, e, tp, mask)) as c_int
+}
+
 /// Spins with a millisecond timeout (-1: none) and returns what is left of it.
 fn spin_ms(conns: &[(&Conn, bool, bool)], timeout_ms: c_int) -> c_int {
     let limit = (timeout_ms > 0).then(|| timeout_ms as u64 * 1_000_000);

@@ -680,6 +680,55 @@ def spawned():
     print(f"ok {scen}", flush=True)
 
 
+def pwaits():
+    """ppoll and pselect (which the library does not spin in) see bytes at once, also right
+    after a select that answered from the ring without the program reading yet."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class PollFd(ctypes.Structure):
+        _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+    class TimeSpec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    def ppoll_in(fd, secs):
+        p = PollFd(fd, select.POLLIN, 0)
+        t = TimeSpec(int(secs), 0)
+        r = libc.ppoll(ctypes.byref(p), 1, ctypes.byref(t), None)
+        return r == 1 and p.revents & select.POLLIN
+
+    def pselect_in(fd, secs):
+        bits = (ctypes.c_ulong * 16)()
+        bits[fd // 64] |= 1 << (fd % 64)
+        t = TimeSpec(int(secs), 0)
+        r = libc.pselect(fd + 1, ctypes.byref(bits), None, None, ctypes.byref(t), None)
+        return r == 1 and bits[fd // 64] & (1 << (fd % 64))
+
+    if role == "server":
+        s = listen()
+        c, _ = s.accept()
+        fd = c.fileno()
+        for i in range(300):
+            wait = [ppoll_in, pselect_in][i % 2]
+            if i % 3 == 0:
+                # select first (it may answer from the ring), then the kernel's wait.
+                check(select.select([c], [], [], 5)[0], f"{i}: select missed the byte")
+            t0 = time.time()
+            check(wait(fd, 5), f"{i}: {wait.__name__} missed the byte")
+            check(time.time() - t0 < 0.1, f"{i}: {wait.__name__} took {time.time() - t0:.3f} s")
+            check(c.recv(1) == b"p", f"{i}: ping")
+            c.sendall(b"q")
+        c.close()
+    else:
+        c = connect()
+        for i in range(300):
+            c.sendall(b"p")
+            check(recv_exact(c, 1) == b"q", f"{i}: pong")
+    print(f"ok {scen}", flush=True)
+
+
 def nodedown():
     """The server's node goes DOWN mid-stream (the test kills its agent): both ends get
     ECONNRESET/EPIPE, never a hang."""
@@ -710,5 +759,5 @@ def nodedown():
 
 {"stream": stream, "readiness": readiness, "dups": dups, "forked": forked,
  "killed": killed, "many": many, "corrupt": corrupt, "execd": execd,
- "forkseq": forkseq, "forkboth": forkboth, "spawned": spawned, "nodedown": nodedown,
+ "forkseq": forkseq, "forkboth": forkboth, "spawned": spawned, "pwaits": pwaits, "nodedown": nodedown,
  "pingpoll": pingpoll}[scen]()
