@@ -236,6 +236,18 @@ fn pay_debts<'a>(conns: impl IntoIterator<Item = (&'a Conn, bool)>) {
     }
 }
 
+/// Calls `f` with a copy of the timeout at `tmo` (null stays null), as glibc does: the kernel
+/// writes the time left into it, and the caller's is `const`.
+///
+/// # Safety
+/// `tmo` is null or a readable timespec.
+unsafe fn with_copy<R>(tmo: *const libc::timespec, f: impl FnOnce(*mut libc::timespec) -> R) -> R {
+    // SAFETY: caller contract.
+    let mut t = (!tmo.is_null()).then(|| unsafe { *tmo });
+    f(t.as_mut()
+        .map_or(std::ptr::null_mut(), |t| t as *mut libc::timespec))
+}
+
 /// `ppoll(2)`: not spun or answered from the rings (a program that passes a signal mask
 /// wants the kernel's exact wait), but every wake-up byte its descriptors' readers owe is
 /// paid first, so the kernel sees them readable.
@@ -256,13 +268,12 @@ pub unsafe fn ppoll(
                 .filter_map(|p| Some((conn_of(p.fd)?, p.events & libc::POLLIN != 0))),
         );
     }
-    // glibc passes a copy: the kernel writes the time left into it.
     // SAFETY: tmo is the caller's timespec when non-null.
-    let mut t = (!tmo.is_null()).then(|| unsafe { *tmo });
-    let tp = t
-        .as_mut()
-        .map_or(std::ptr::null_mut(), |t| t as *mut libc::timespec);
-    sys::to_c(sys::ppoll_mask(fds, n as usize, tp, mask)) as c_int
+    unsafe {
+        with_copy(tmo, |tp| {
+            sys::to_c(sys::ppoll_mask(fds, n as usize, tp, mask)) as c_int
+        })
+    }
 }
 
 /// `pselect(2)`, as [`ppoll`].
@@ -287,11 +298,11 @@ pub unsafe fn pselect(
         }));
     }
     // SAFETY: tmo is the caller's timespec when non-null.
-    let mut t = (!tmo.is_null()).then(|| unsafe { *tmo });
-    let tp = t
-        .as_mut()
-        .map_or(std::ptr::null_mut(), |t| t as *mut libc::timespec);
-    sys::to_c(sys::pselect(nfds, r, w, e, tp, mask)) as c_int
+    unsafe {
+        with_copy(tmo, |tp| {
+            sys::to_c(sys::pselect(nfds, r, w, e, tp, mask)) as c_int
+        })
+    }
 }
 
 /// Spins with a millisecond timeout (-1: none) and returns what is left of it.

@@ -69,6 +69,16 @@ def recv_exact(c, n):
     return bytes(buf)
 
 
+def recv_all(c):
+    """Everything up to the end of the stream."""
+    buf = bytearray()
+    while True:
+        d = c.recv(1 << 20)
+        if not d:
+            return bytes(buf)
+        buf += d
+
+
 def readable(fd, t=0.0):
     return bool(select.select([fd], [], [], t)[0])
 
@@ -311,12 +321,7 @@ def forked():
         data = pattern(4 << 20, 3)
         t = threading.Thread(target=lambda: c.sendall(data) or c.shutdown(socket.SHUT_WR))
         t.start()
-        back = bytearray()
-        while True:
-            d = c.recv(1 << 20)
-            if not d:
-                break
-            back += d
+        back = recv_all(c)
         t.join()
         check(bytes(back) == data, f"echo differs ({len(back)} of {len(data)})")
     print(f"ok {scen}", flush=True)
@@ -487,12 +492,7 @@ def execd():
     elif role == "execchild":
         c = socket.socket(fileno=port)
         check(c.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_STREAM, "a TCP socket")
-        rest = bytearray()
-        while True:
-            d = c.recv(1 << 20)
-            if not d:
-                break
-            rest += d
+        rest = recv_all(c)
         check(bytes(rest) == data[1 << 20:], f"rest of the stream differs ({len(rest)} bytes)")
         c.sendall(s2)
         c.close()
@@ -500,12 +500,7 @@ def execd():
         c = connect()
         t = threading.Thread(target=lambda: c.sendall(data) or c.shutdown(socket.SHUT_WR))
         t.start()
-        back = bytearray()
-        while True:
-            d = c.recv(1 << 20)
-            if not d:
-                break
-            back += d
+        back = recv_all(c)
         t.join()
         check(bytes(back) == s1 + s2, f"answer differs ({len(back)} of {len(s1) + len(s2)})")
     print(f"ok {scen}", flush=True)
@@ -653,12 +648,7 @@ def spawned():
             c.close()
     elif role == "inherit":
         c = socket.socket(fileno=port)
-        rest = bytearray()
-        while True:
-            d = c.recv(1 << 20)
-            if not d:
-                break
-            rest += d
+        rest = recv_all(c)
         c.sendall(hashlib.sha256(bytes(rest)).hexdigest().encode())
         c.detach()
         sys.exit(0)
@@ -668,12 +658,7 @@ def spawned():
             data = pattern(1 << 20, len(way))
             c.sendall(data)
             c.shutdown(socket.SHUT_WR)
-            back = bytearray()
-            while True:
-                d = c.recv(65536)
-                if not d:
-                    break
-                back += d
+            back = recv_all(c)
             want = hashlib.sha256(data[head:]).hexdigest().encode() + b"|parent"
             check(bytes(back) == want, f"{way}: answer {bytes(back)[:80]!r}")
             c.close()
