@@ -1141,6 +1141,8 @@ extern "C" {
 
 macro_rules! variadic_exec {
     ($name:ident, $target:ident) => {
+        // SAFETY: a naked function whose whole body is one jump to a C function of the same
+        // (variadic) signature: no prologue, nothing of the caller's state is touched.
         #[unsafe(naked)]
         #[no_mangle]
         pub unsafe extern "C" fn $name() {
