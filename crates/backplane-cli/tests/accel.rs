@@ -154,6 +154,7 @@ fn the_socket_calls_of_real_programs_work_on_accelerated_connections() {
         "forkboth",
         "spawned",
         "pwaits",
+        "urgent",
         "pingpoll",
     ]
     .iter()

@@ -433,7 +433,7 @@ impl Conn {
         }
         crate::ensure_helper();
         if flags & libc::MSG_OOB != 0 {
-            return Err(libc::EINVAL);
+            return self.recv_urgent(bufs, flags);
         }
         if flags & libc::MSG_ERRQUEUE != 0 {
             return Err(libc::EAGAIN);
@@ -864,9 +864,6 @@ impl Conn {
         }
         crate::ensure_helper();
         let nosig = flags & libc::MSG_NOSIGNAL != 0;
-        if flags & libc::MSG_OOB != 0 {
-            return Err(libc::EOPNOTSUPP);
-        }
         let want = bufs.len();
         let dontwait = flags & libc::MSG_DONTWAIT != 0 || self.nonblock.load(Ordering::Relaxed);
         let mut st = self.tx.lock().unwrap_or_else(|e| e.into_inner());
@@ -889,6 +886,13 @@ impl Conn {
         sync_tx(&d, &mut st);
         if d.back_requested() && d.back().is_none() {
             self.give_back(&d, &mut st);
+        }
+        if flags & libc::MSG_OOB != 0 {
+            // Urgent data is the kernel's: the connection goes back to TCP for good first.
+            if d.back().is_none() {
+                self.back_for_urgent(&d, &st);
+            }
+            return self.send_tcp(&mut st, iov, flags, dontwait, nosig);
         }
         let back = d.back().is_some();
         if back || !st.switched {
@@ -1075,15 +1079,69 @@ impl Conn {
         // Writable is the kernel socket's business from now on: undo any fill of A.
         sys::drain(self.b);
         config::log(format_args!(
-            "{}: back on the kernel's TCP (the peer's program execs)",
+            "{}: back on the kernel's TCP (the peer's program execs or sends urgent data)",
             self.label
         ));
         self.wake_reader(d);
     }
 
-    /// The helper thread saw urgent data on TCP: the peer asks us to go back (it execs).
+    /// Takes the urgent byte the peer sent with its request to go back, if it asked and the
+    /// byte has not been taken: an urgent byte after that one is the program's.
+    fn take_back_urgent(&self) {
+        let rx = self.seg_fast.dir(self.role, false);
+        if self.seg_fast.dir(self.role, true).back_requested()
+            && !rx.urgent_taken()
+            && sys::recv1(self.tcp, libc::MSG_OOB | libc::MSG_DONTWAIT).is_ok()
+        {
+            rx.set_urgent_taken();
+        }
+    }
+
+    /// `recv(MSG_OOB)`: the kernel's urgent byte, once our receiving direction is back on TCP
+    /// (a peer that sends urgent data goes back first); before, there is none (`EINVAL`).
+    fn recv_urgent(&self, bufs: &Bufs<'_>, flags: c_int) -> Res {
+        self.peekers.fetch_add(1, Ordering::SeqCst);
+        let back = !self.ended() && {
+            self.take_back_urgent();
+            let rx = self.seg_fast.dir(self.role, false);
+            let tx = self.seg_fast.dir(self.role, true);
+            rx.back().is_some() && (!tx.back_requested() || rx.urgent_taken())
+        };
+        self.peekers.fetch_sub(1, Ordering::SeqCst);
+        if !back {
+            return Err(libc::EINVAL);
+        }
+        let (p, len) = bufs.piece(0);
+        sys::recvfrom(
+            self.tcp,
+            p as *mut libc::c_void,
+            len,
+            flags,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    }
+
+    /// Before our first urgent byte: our sending direction goes back to the kernel's TCP for
+    /// good (urgent data is the kernel's: its mark, `SIGURG`, `sockatmark`). The peer reads the
+    /// ring up to where we stopped, then TCP; its own direction stays on the ring. No request
+    /// and no urgent byte of ours go with it (Linux keeps one urgent mark: a second urgent byte
+    /// sent before the first is read turns the first into stream data).
+    fn back_for_urgent(&self, d: &Dir<'_>, st: &TxState) {
+        d.set_back(st.tail);
+        // Writable is the kernel socket's business from now on: undo any fill of A.
+        sys::drain(self.b);
+        self.wake_reader(d);
+        config::log(format_args!(
+            "{}: sending on the kernel's TCP (urgent data)",
+            self.label
+        ));
+    }
+
+    /// The helper thread saw urgent data on TCP: the peer asks us to go back (it execs, or
+    /// sends urgent data), or the urgent byte is the program's (left to it).
     pub fn back_event(&self) {
-        let _ = sys::recv1(self.tcp, libc::MSG_OOB | libc::MSG_DONTWAIT);
+        self.take_back_urgent();
         let d = self.seg_fast.dir(self.role, true);
         if !d.back_requested() || d.back().is_some() {
             return;

@@ -653,6 +653,9 @@ pub unsafe extern "C" fn dup2(old: c_int, new: c_int) -> c_int {
     unsafe { dup3(old, new, 0) }
 }
 
+/// `F_SETOWN_EX` (Linux; not in the libc crate for every target).
+const F_SETOWN_EX: c_int = 15;
+
 fn fcntl_impl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
     if is_hidden(fd) {
         return sys::to_c(Err(libc::EBADF)) as c_int;
@@ -664,6 +667,10 @@ fn fcntl_impl(fd: c_int, cmd: c_int, arg: usize) -> c_int {
             (libc::F_SETFL, Ok(_)) => c
                 .nonblock
                 .store(arg & libc::O_NONBLOCK as usize != 0, Ordering::Relaxed),
+            // SIGURG comes from the kernel's TCP socket, where urgent data arrives.
+            (libc::F_SETOWN | F_SETOWN_EX, Ok(_)) => {
+                let _ = sys::fcntl(c.tcp(), cmd, arg);
+            }
             _ => {}
         }
     }

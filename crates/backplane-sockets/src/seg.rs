@@ -99,9 +99,10 @@ const D_BACK: usize = 448; // producer
 const D_BACK_AT: usize = 456; // producer
 const D_BACK_CLAIM: usize = 464; // producer processes: which one moves the ring's bytes
 const D_BACK_REQ: usize = 512; // consumer: asks the producer to go back
-                               // After a fork, several processes of one end may use a direction at the same instant: each
-                               // call holds its end's lock word for the direction (the pid holding it, `LOCK_WAITERS` set by
-                               // the processes sleeping on it).
+const D_URG_TAKEN: usize = 516; // consumer: took the producer's going-back urgent byte
+                                // After a fork, several processes of one end may use a direction at the same instant: each
+                                // call holds its end's lock word for the direction (the pid holding it, `LOCK_WAITERS` set by
+                                // the processes sleeping on it).
 const D_TX_LOCK: usize = 576; // producer processes
 const D_RX_LOCK: usize = 640; // consumer processes
 
@@ -603,6 +604,15 @@ impl Dir<'_> {
     /// Producer: the consumer asked to go back.
     pub fn back_requested(&self) -> bool {
         self.w32(D_BACK_REQ).load(Ordering::Acquire) != 0
+    }
+    /// Consumer: the urgent byte the producer sent on TCP with its request to go back (see
+    /// `Conn::hand_back`) is taken: any urgent byte after it is the program's.
+    pub fn set_urgent_taken(&self) {
+        self.w32(D_URG_TAKEN).store(1, Ordering::SeqCst);
+    }
+    /// See [`Dir::set_urgent_taken`].
+    pub fn urgent_taken(&self) -> bool {
+        self.w32(D_URG_TAKEN).load(Ordering::Acquire) != 0
     }
     /// Producer: takes the duty of going back (one process of the end does it).
     pub fn claim_back(&self) -> bool {

@@ -714,6 +714,55 @@ def pwaits():
     print(f"ok {scen}", flush=True)
 
 
+def urgent():
+    """MSG_OOB both ways after bytes went over the ring: the urgent byte is read with
+    recv(MSG_OOB), the stream around it stays whole and in order, SIGURG reaches F_SETOWN's
+    owner, sockatmark says where the mark is."""
+    data = pattern(1 << 20, 31)
+    urgs = []
+
+    def oob(c):
+        t0 = time.time()
+        while time.time() - t0 < 10:
+            try:
+                return c.recv(1, socket.MSG_OOB)
+            except (BlockingIOError, OSError) as e:
+                if getattr(e, "errno", None) not in (errno.EINVAL, errno.EAGAIN):
+                    raise
+                time.sleep(0.01)
+        fail("no urgent byte in 10 s")
+
+    if role == "server":
+        s = listen()
+        c, _ = s.accept()
+        c.sendall(b"h")  # the client writes once it has seen the claim: on the ring
+        signal.signal(signal.SIGURG, lambda *a: urgs.append(1))
+        fcntl.fcntl(c.fileno(), fcntl.F_SETOWN, os.getpid())
+        check(recv_exact(c, len(data)) == data, "the ring's MiB")
+        check(recv_exact(c, 3) == b"abc", "before the urgent byte")
+        check(oob(c) == b"U", "the client's urgent byte")
+        after = recv_exact(c, 3)
+        check(after == b"def", f"after the urgent byte (it is not in the stream): {after!r}")
+        time.sleep(0.1)
+        check(urgs, "no SIGURG for the urgent byte")
+        # The other way, on a connection now on the kernel's TCP.
+        c.sendall(b"xyz")
+        c.send(b"V", socket.MSG_OOB)
+        c.sendall(b"w" + data)
+        c.close()
+    else:
+        c = connect()
+        check(recv_exact(c, 1) == b"h", "hello")
+        c.sendall(data)
+        c.sendall(b"abc")
+        c.send(b"U", socket.MSG_OOB)
+        c.sendall(b"def")
+        check(recv_exact(c, 3) == b"xyz", "the server's bytes before its urgent byte")
+        check(oob(c) == b"V", "the server's urgent byte")
+        check(recv_all(c) == b"w" + data, "the server's bytes after its urgent byte")
+    print(f"ok {scen}", flush=True)
+
+
 def nodedown():
     """The server's node goes DOWN mid-stream (the test kills its agent): both ends get
     ECONNRESET/EPIPE, never a hang."""
@@ -744,5 +793,5 @@ def nodedown():
 
 {"stream": stream, "readiness": readiness, "dups": dups, "forked": forked,
  "killed": killed, "many": many, "corrupt": corrupt, "execd": execd,
- "forkseq": forkseq, "forkboth": forkboth, "spawned": spawned, "pwaits": pwaits, "nodedown": nodedown,
+ "forkseq": forkseq, "forkboth": forkboth, "spawned": spawned, "pwaits": pwaits, "urgent": urgent, "nodedown": nodedown,
  "pingpoll": pingpoll}[scen]()
