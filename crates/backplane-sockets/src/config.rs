@@ -19,8 +19,12 @@ use std::sync::OnceLock;
 
 use crate::sys;
 
-/// Default ring bytes per direction.
-pub const DEFAULT_RING: usize = 2 << 20;
+/// Default ring bytes per direction: 8 MiB, the size of the kernel's own TCP buffers' maxima
+/// (4 MiB to send, 6 MiB to receive by default). Against 2 MiB, in four alternating pairs
+/// of `perf ip --accel` runs: iperf3 through the rings 251–266 Gbit/s against 194–242 in the
+/// runs without a collapsed round, and 0.88–1.01× the datagram bandwidth against 0.65–0.80×
+/// (a bigger ring lets the reader lag the writer by more than a core's 1 MiB L2).
+pub const DEFAULT_RING: usize = 8 << 20;
 /// Default spin before a blocking call sleeps.
 pub const DEFAULT_SPIN_US: u64 = 50;
 

@@ -345,6 +345,12 @@ unsafe fn offer_and_connect(
             libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
             0o600,
         )? as c_int;
+        // The segment is sparse: a write into a page the filesystem (a tmpfs /run) has no
+        // room for would be SIGBUS in the program. Without ample room, the kernel's TCP.
+        if sys::free_bytes(mf).is_ok_and(|free| free < 4 * len as u64) {
+            let _ = sys::close(mf);
+            return Err(libc::ENOSPC);
+        }
         let r = sys::ftruncate(mf, len as u64)
             .and_then(|_| sys::mmap_shared(mf, len).map(|p| p as usize));
         let _ = sys::close(mf);

@@ -270,6 +270,13 @@ pub fn rename(from: &[u8], to: &[u8]) -> Res {
         to.as_ptr()
     )
 }
+/// Bytes free to unprivileged users on the filesystem of `fd` (`fstatfs(2)`).
+pub fn free_bytes(fd: c_int) -> Result<u64, c_int> {
+    // SAFETY: statfs is plain data, filled by the kernel.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    sc!(libc::SYS_fstatfs, fd, &mut st as *mut libc::statfs)?;
+    Ok((st.f_bavail as u64).saturating_mul(st.f_bsize as u64))
+}
 /// `ftruncate(2)`.
 pub fn ftruncate(fd: c_int, len: u64) -> Res {
     sc!(libc::SYS_ftruncate, fd, len)
