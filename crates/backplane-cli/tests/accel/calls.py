@@ -735,15 +735,19 @@ def urgent():
     if role == "server":
         s = listen()
         c, _ = s.accept()
-        c.sendall(b"h")  # the client writes once it has seen the claim: on the ring
         signal.signal(signal.SIGURG, lambda *a: urgs.append(1))
         fcntl.fcntl(c.fileno(), fcntl.F_SETOWN, os.getpid())
+        # The client writes once it has seen the claim (its bytes go on the ring), and only
+        # after SIGURG has an owner.
+        c.sendall(b"h")
         check(recv_exact(c, len(data)) == data, "the ring's MiB")
         check(recv_exact(c, 3) == b"abc", "before the urgent byte")
         check(oob(c) == b"U", "the client's urgent byte")
         after = recv_exact(c, 3)
         check(after == b"def", f"after the urgent byte (it is not in the stream): {after!r}")
-        time.sleep(0.1)
+        t0 = time.time()
+        while not urgs and time.time() - t0 < 2:
+            time.sleep(0.01)
         check(urgs, "no SIGURG for the urgent byte")
         # The other way, on a connection now on the kernel's TCP.
         c.sendall(b"xyz")
