@@ -702,7 +702,9 @@ def pwaits():
                 check(select.select([c], [], [], 5)[0], f"{i}: select missed the byte")
             t0 = time.time()
             check(wait(fd, 5), f"{i}: {wait.__name__} missed the byte")
-            check(time.time() - t0 < 0.1, f"{i}: {wait.__name__} took {time.time() - t0:.3f} s")
+            # An unpaid wake-up byte waits for the watcher's round (up to 0.2 s): with a
+            # hundred chances, some wait well past 0.15 s; a loaded machine's stall rarely does.
+            check(time.time() - t0 < 0.15, f"{i}: {wait.__name__} took {time.time() - t0:.3f} s")
             check(c.recv(1) == b"p", f"{i}: ping")
             c.sendall(b"q")
         c.close()
