@@ -34,12 +34,7 @@ fn have(prog: &str) -> bool {
 }
 
 fn lib_built() {
-    let lib = std::path::Path::new(BIN).with_file_name("libbackplane_sockets.so");
-    assert!(
-        lib.is_file(),
-        "{} is missing: build it with `cargo build -p backplane-sockets` (or test the workspace)",
-        lib.display()
-    );
+    common::lib_built("libbackplane_sockets.so", "backplane-sockets");
 }
 
 /// `backplane exec [--accel] --name F NODE -- ARGS...` with the library's log on.

@@ -17,14 +17,8 @@ fn have(prog: &str) -> bool {
     found
 }
 
-/// The library must have been built beside the binary (`cargo test --workspace` does).
 fn lib_built() {
-    let lib = std::path::Path::new(BIN).with_file_name("libibverbs.so");
-    assert!(
-        lib.is_file(),
-        "{} is missing: build it with `cargo build -p backplane-ibverbs` (or test the workspace)",
-        lib.display()
-    );
+    common::lib_built("libibverbs.so", "backplane-ibverbs");
 }
 
 /// `backplane exec --verbs --name F NODE -- ARGS...`

@@ -78,3 +78,37 @@ impl Drop for Fab {
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
+
+/// Checks that the shared library `file` (e.g. `libbackplane_sockets.so`) was built beside the
+/// binary from the current sources of workspace crate `krate` (`cargo test --workspace`
+/// builds it; `cargo test -p backplane-cli` alone does not, and a library older than its
+/// sources would test yesterday's code).
+#[allow(dead_code)] // each test file uses what it needs
+pub fn lib_built(file: &str, krate: &str) {
+    let lib = std::path::Path::new(BIN).with_file_name(file);
+    let built = std::fs::metadata(&lib).and_then(|m| m.modified());
+    let Ok(built) = built else {
+        panic!(
+            "{} is missing: build it with `cargo build -p {krate}` (or test the workspace)",
+            lib.display()
+        );
+    };
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(krate)
+        .join("src");
+    let newest = std::fs::read_dir(&src)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok()?.modified().ok())
+        .max();
+    if let Some(newest) = newest {
+        assert!(
+            newest <= built,
+            "{} is older than {}: rebuild it with `cargo build -p {krate}` (or test the workspace)",
+            lib.display(),
+            src.display()
+        );
+    }
+}
