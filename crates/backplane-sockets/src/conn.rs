@@ -743,12 +743,10 @@ impl Conn {
         } else {
             let rx = self.seg_fast.dir(self.role, false);
             let tx = self.seg_fast.dir(self.role, true);
-            let on_ring =
-                |d: &Dir<'_>| d.switched().is_some() && d.back().is_none() && !d.back_requested();
             (read
-                && on_ring(&rx)
+                && rx.on_ring()
                 && (rx.pending() > 0 || rx.fin() || self.peer_eof.load(Ordering::Relaxed)))
-                || (write && on_ring(&tx) && tx.pending() < self.seg_fast.ring() as u64)
+                || (write && tx.on_ring() && tx.pending() < self.seg_fast.ring() as u64)
         };
         self.peekers.fetch_sub(1, Ordering::SeqCst);
         r
@@ -776,9 +774,7 @@ impl Conn {
             let tx = self.seg_fast.dir(self.role, true);
             (
                 rx.on_ring_for_good() && rx.pending() > 0,
-                tx.switched().is_some()
-                    && tx.back().is_none()
-                    && !tx.back_requested()
+                tx.on_ring()
                     && !self.tx_shut.load(Ordering::Relaxed)
                     && tx.pending() < self.seg_fast.ring() as u64,
             )
@@ -801,9 +797,8 @@ impl Conn {
 
     /// After the spin: bytes seen → the wake-up byte is owed: the wait answers from the rings
     /// (and the program's read that follows takes the bytes), or pays it before its kernel
-    /// call, which then returns at once; none → ARMED
-    /// again, and anything that came meanwhile (a producer that saw SPIN sent nothing) is
-    /// signalled now.
+    /// call, which then returns at once; none → ARMED again, and anything that came
+    /// meanwhile (a producer that saw SPIN sent nothing) is signalled now.
     pub fn spin_end(&self) {
         self.peekers.fetch_add(1, Ordering::SeqCst);
         if !self.ended() {
@@ -1076,12 +1071,15 @@ impl Conn {
             // We had shut down (a fin on the ring, after the bytes just sent): say it on TCP.
             let _ = sys::shutdown(self.tcp, libc::SHUT_WR);
         }
+        self.left_ring(d, "back on the kernel's TCP (the peer's program execs)");
+    }
+
+    /// Our sending direction just went back to the kernel's TCP (`d.set_back` done).
+    fn left_ring(&self, d: &Dir<'_>, what: &str) {
         // Writable is the kernel socket's business from now on: undo any fill of A.
         sys::drain(self.b);
-        config::log(format_args!(
-            "{}: back on the kernel's TCP (the peer's program execs or sends urgent data)",
-            self.label
-        ));
+        config::log(format_args!("{}: {what}", self.label));
+        // A reader of the peer's waiting on the ring looks again (and turns to TCP).
         self.wake_reader(d);
     }
 
@@ -1129,13 +1127,7 @@ impl Conn {
     /// sent before the first is read turns the first into stream data).
     fn back_for_urgent(&self, d: &Dir<'_>, st: &TxState) {
         d.set_back(st.tail);
-        // Writable is the kernel socket's business from now on: undo any fill of A.
-        sys::drain(self.b);
-        self.wake_reader(d);
-        config::log(format_args!(
-            "{}: sending on the kernel's TCP (urgent data)",
-            self.label
-        ));
+        self.left_ring(d, "sending on the kernel's TCP (urgent data)");
     }
 
     /// The helper thread saw urgent data on TCP: the peer asks us to go back (it execs, or

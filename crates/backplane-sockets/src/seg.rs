@@ -559,14 +559,18 @@ impl Dir<'_> {
     pub fn set_rx_tcp(&self, n: u64) {
         self.w64(D_RX_TCP).store(n, Ordering::Release);
     }
-    /// Consumer: true when every byte still to come is on the ring: the producer switched,
-    /// our end has read its whole prefix from TCP, and nobody is going back. Bytes on TCP then
-    /// mean nothing to a reader (its end is seen by the helper thread).
+    /// The direction is on the ring: the producer switched, and nobody is going back.
+    pub fn on_ring(&self) -> bool {
+        self.switched().is_some() && self.back().is_none() && !self.back_requested()
+    }
+    /// Consumer: true when every byte still to come is on the ring: [`Dir::on_ring`], and our
+    /// end has read the producer's whole prefix from TCP. Bytes on TCP then mean nothing to a
+    /// reader (its end is seen by the helper thread).
     pub fn on_ring_for_good(&self) -> bool {
-        self.switched()
-            .is_some_and(|p| self.w64(D_RX_TCP).load(Ordering::Acquire) == p)
-            && self.back().is_none()
-            && !self.back_requested()
+        self.on_ring()
+            && self
+                .switched()
+                .is_some_and(|p| self.w64(D_RX_TCP).load(Ordering::Acquire) == p)
     }
     /// Producer: see [`Dir::rx_owner`].
     pub fn tx_owner(&self) -> u32 {

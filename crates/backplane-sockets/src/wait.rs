@@ -67,8 +67,9 @@ fn poll_rings(set: &mut [libc::pollfd], skip_os: impl FnOnce() -> bool) -> c_int
         }
         ev
     };
-    let ready: Vec<libc::c_short> = set.iter().map(want).collect();
-    if ready.iter().all(|&r| r == 0) {
+    // Two looks at the rings rather than a list of the first (no allocation per call): a
+    // ring only gets readier for us between them, unless another thread reads meanwhile.
+    if set.iter().all(|p| want(p) == 0) {
         return 0;
     }
     if !skip_os() {
@@ -98,8 +99,8 @@ fn poll_rings(set: &mut [libc::pollfd], skip_os: impl FnOnce() -> bool) -> c_int
         }
     }
     let mut n = 0;
-    for (p, r) in set.iter_mut().zip(ready) {
-        p.revents |= r;
+    for p in set.iter_mut() {
+        p.revents |= want(p);
         n += (p.revents != 0) as c_int;
     }
     n
@@ -118,15 +119,12 @@ unsafe fn select_rings(
     conns: &[(c_int, &Conn, bool, bool)],
     skip_os: impl FnOnce() -> bool,
 ) -> c_int {
-    let ready: Vec<(c_int, bool, bool)> = conns
-        .iter()
-        .map(|&(fd, c, rd, wr)| {
-            let (rr, wr2) = c.ring_ready();
-            (fd, rd && rr, wr && wr2)
-        })
-        .filter(|&(_, a, b)| a || b)
-        .collect();
-    if ready.is_empty() {
+    let ready = |&(fd, c, rd, wr): &(c_int, &Conn, bool, bool)| {
+        let (rr, ww) = c.ring_ready();
+        (fd, rd && rr, wr && ww)
+    };
+    // Two looks at the rings, as in `poll_rings`.
+    if !conns.iter().map(ready).any(|(_, a, b)| a || b) {
         return 0;
     }
     let sets = [r, w, e];
@@ -185,7 +183,7 @@ unsafe fn select_rings(
             }
         }
     }
-    for (fd, rd, wr) in ready {
+    for (fd, rd, wr) in conns.iter().map(ready) {
         if rd {
             // SAFETY: as above; r is non-null when read interest was found in it.
             unsafe { libc::FD_SET(fd, r) };
@@ -226,8 +224,8 @@ fn spin_on(conns: &[(&Conn, bool, bool)], timeout_ns: Option<u64>) -> u64 {
 }
 
 /// Before a kernel call that may sleep on the descriptors: every wake-up byte their readers
-/// owe (a spin that saw bytes, a read that left some) is queued, so the kernel sees them
-/// readable.
+/// owe (a spinner that saw bytes and answered from the rings) is queued, so the kernel sees
+/// them readable.
 fn pay_debts<'a>(conns: impl IntoIterator<Item = (&'a Conn, bool)>) {
     for (c, r) in conns {
         if r {
