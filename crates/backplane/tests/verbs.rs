@@ -788,6 +788,49 @@ fn a_peer_node_going_down_fails_outstanding_work_within_a_second() {
     drop(b);
 }
 
+/// A NIC acknowledges a message when it lands in a posted receive, polled or not, and a
+/// requester whose peer vanished retries for `(retry_cnt + 1) × 4.096 µs × 2^timeout` before
+/// RETRY_EXC_ERR. `ibv_srq_pingpong` depends on both: its client exits after its last expected
+/// completion with the server's extra sends in its ring; failing those at once failed the server.
+#[test]
+fn a_destroyed_qp_acknowledges_what_it_holds_and_unacknowledged_work_fails_after_the_retries() {
+    let fab = Fab::up("verbs_gone_ack", 2);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (a, b) = pair(&f, QpType::Rc, ALL, 4096);
+    recv(&b, 7, 0, 64);
+    recv(&b, 8, 64, 64);
+    let mut wc = [Wc::default(); 4];
+    // b's poll publishes its credits; a's two sends then go out at once, into b's ring.
+    assert_eq!(b.cq.poll(&mut wc), 0);
+    a.qp.post_send(&[
+        SendWr::send_inline(1, b"one").signaled(),
+        SendWr::send_inline(2, b"two").signaled(),
+    ])
+    .unwrap();
+    // b does not poll again: its QP goes with both messages in its ring.
+    let Side { qp: bqp, .. } = b;
+    drop(bqp);
+    let mut p = Pump::new(&[&a.cq]);
+    for id in [1, 2] {
+        let w = p.next(0);
+        assert_eq!((w.wr_id, w.status), (id, WcStatus::Success), "{w:?}");
+    }
+    // Work posted now is never acknowledged: it fails once the retries are spent (ready_qp
+    // sets timeout 14 and retry_cnt 7: 8 × 67 ms), not sooner.
+    let t0 = Instant::now();
+    a.qp.post_send(&[SendWr::send_inline(3, b"three").signaled()])
+        .unwrap();
+    let w = p.next(0);
+    let took = t0.elapsed();
+    assert_eq!((w.wr_id, w.status), (3, WcStatus::RetryExcErr), "{w:?}");
+    let wait = backplane::verbs::fsm::retry_wait(14, 7);
+    assert!(
+        took >= wait,
+        "failed after {took:?}, before the retries ({wait:?})"
+    );
+    assert_eq!(a.cq.poll(&mut wc), 0);
+}
+
 #[test]
 fn a_peer_scribbling_over_its_window_gets_its_qp_in_error_never_a_panic() {
     let fab = Fab::up("verbs_hostile", 2);

@@ -143,9 +143,32 @@ pub const fn rnr_timer_us(v: u8) -> u64 {
     T[(v & 31) as usize]
 }
 
+/// How long an RC requester retries an unacknowledged request before it completes with
+/// `IBV_WC_RETRY_EXC_ERR`: the local ACK timeout (4.096 µs × 2^`timeout`, IB spec 9.7.6.1.3)
+/// for the first transmission and each of `retry_cnt` retries. `timeout` 0 means "infinite" in
+/// the specification; here it means no wait (a gone peer fails the work at once), so a program
+/// that leaves it unset is told and does not hang.
+pub fn retry_wait(timeout: u8, retry_cnt: u8) -> std::time::Duration {
+    if timeout == 0 {
+        return std::time::Duration::ZERO;
+    }
+    let ns = 4096u64 << (timeout.min(31));
+    std::time::Duration::from_nanos(ns.saturating_mul(u64::from(retry_cnt.min(7)) + 1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_retry_wait_is_the_ack_timeout_for_the_first_try_and_each_retry() {
+        use std::time::Duration;
+        assert_eq!(retry_wait(0, 7), Duration::ZERO, "0: no wait");
+        assert_eq!(retry_wait(1, 0), Duration::from_nanos(8192));
+        // perftest and the pingpong examples: timeout 14, retry_cnt 7 = 8 × 67.1 ms.
+        assert_eq!(retry_wait(14, 7), Duration::from_nanos((8 * 4096) << 14));
+        assert_eq!(retry_wait(31, 7), retry_wait(31, 9), "retry_cnt is 3 bits");
+    }
     use crate::verbs::types::AhAttr;
 
     fn rtr_attr() -> QpAttr {

@@ -924,7 +924,7 @@ impl Drop for Qp {
         let Engine { qps, cqs, mrs, .. } = &mut *eng;
         if let Some(mut q) = qps[self.id].take() {
             let env = self.ctx.env(mrs);
-            q.destroy(&env);
+            q.destroy(&env, cqs);
             for cq in [q.send_cq, q.recv_cq] {
                 if let Some(Some(c)) = cqs.get_mut(cq) {
                     c.qps.retain(|&x| x != self.id);

@@ -114,6 +114,7 @@ impl Ctx {
             msgs_out: 0,
             bell_pending: false,
             peer_gone: false,
+            gone_since: None,
             ud,
             remote: Vec::new(),
             drops: 0,

@@ -424,6 +424,9 @@ pub(crate) struct QpEngine {
     msgs_out: u64,
     bell_pending: bool,
     peer_gone: bool,
+    /// When this QP first saw its peer gone with work unacknowledged: that work completes
+    /// with RETRY_EXC_ERR once the retries a NIC would make are spent (`fsm::retry_wait`).
+    gone_since: Option<Instant>,
     ud: Option<Endpoint>,
     remote: Vec<Rc<RemoteMr>>,
     /// Messages dropped: UC/UD without a receive, bad Q_Key, malformed datagrams.

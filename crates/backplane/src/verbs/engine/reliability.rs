@@ -130,9 +130,21 @@ impl QpEngine {
         Duration::from_micros(fsm::rnr_timer_us(v.saturating_sub(1) as u8))
     }
 
-    /// When the RNR wait needs the process to look again (for the completion channel).
+    /// When the QP needs the process to look again (for the completion channel): an RNR
+    /// wait's next retry, or the end of the retries for work a gone peer never acknowledged.
     pub(crate) fn deadline(&self) -> Option<Instant> {
-        self.rel.rnr_deadline(self.attr.rnr_retry)
+        let rnr = self.rel.rnr_deadline(self.attr.rnr_retry);
+        let gone = self.gone_deadline();
+        match (rnr, gone) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn gone_deadline(&self) -> Option<Instant> {
+        self.gone_since
+            .filter(|_| !self.sq.is_empty())
+            .map(|t| t + fsm::retry_wait(self.attr.timeout, self.attr.retry_cnt))
     }
 
     /// Writes our posted-receive count into the peer's block (the credits its sends wait for).
@@ -156,11 +168,19 @@ impl QpEngine {
 
     pub(super) fn complete_acked(&mut self, cqs: &mut Cqs, look: bool) {
         if self.peer_gone && !self.sq.is_empty() && self.ty != QpType::Ud {
-            // Acknowledged work completes; the first unacknowledged request fails.
+            // Acknowledged work completes; the first unacknowledged request fails once the
+            // retries a NIC would make have run out (the peer cannot acknowledge any more,
+            // but a program that is about to finish, with the work it needs acknowledged,
+            // must not see the failure sooner than on hardware).
             self.refresh_ack();
             self.pop_completed(cqs);
             if !self.sq.is_empty() {
-                self.fail(Some(0), WcStatus::RetryExcErr, cqs);
+                let now = Instant::now();
+                let since = *self.gone_since.get_or_insert(now);
+                if now >= since + fsm::retry_wait(self.attr.timeout, self.attr.retry_cnt) {
+                    self.gone_since = None;
+                    self.fail(Some(0), WcStatus::RetryExcErr, cqs);
+                }
             }
             return;
         }

@@ -189,7 +189,9 @@ impl QpEngine {
     ) -> Exec {
         use WrOpcode::*;
         if self.peer_gone && self.ty != QpType::Ud {
-            return Exec::Fatal(WcStatus::RetryExcErr);
+            // Nobody will acknowledge it: it waits for the retries to run out, then fails
+            // (`complete_acked`).
+            return Exec::Full;
         }
         match op.opcode {
             Send | SendWithImm if self.ty == QpType::Ud => self.exec_ud(op, env),

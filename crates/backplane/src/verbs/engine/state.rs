@@ -212,6 +212,7 @@ impl QpEngine {
         self.published = self.rq_posted;
         self.peer = Some(peer);
         self.peer_gone = false;
+        self.gone_since = None;
         Ok(())
     }
 
@@ -232,6 +233,7 @@ impl QpEngine {
         self.msgs_in = 0;
         self.msgs_out = 0;
         self.peer_gone = false;
+        self.gone_since = None;
         self.bell_pending = false;
         self.idle = 0;
         self.published = 0;
@@ -274,7 +276,15 @@ impl QpEngine {
         }
     }
 
-    pub(crate) fn destroy(&mut self, env: &CtxParts<'_>) {
+    pub(crate) fn destroy(&mut self, env: &CtxParts<'_>, cqs: &mut Cqs) {
+        if self.ty != QpType::Ud && matches!(self.state, QpState::Rtr | QpState::Rts) {
+            // A NIC acknowledges a message when it lands in a posted receive, whether or not
+            // the program polled for it. Messages already in our ring that have a receive are
+            // taken (and so acknowledged) before the peer learns we are gone; otherwise a
+            // program that exits after its last expected completion fails the peer's sends
+            // that hardware would have completed.
+            self.drive_rx(env, cqs);
+        }
         if let Some(p) = self.peer.take() {
             // Our last acks and NAKs are visible before the flag (`publish_gone`).
             p.link.publish_gone();
