@@ -97,20 +97,25 @@ fn finish(mut c: Child, secs: u64, what: &str) -> Output {
 }
 
 /// Runs calls.py SCENARIO: server on node 2, client on node 1; returns (server, client) output.
+/// Waits (up to 20 s) until node `node`'s accelerated listener on `port` is registered. A
+/// client must start after that: one that looked for the registration just before it was made,
+/// and connected just after the server listened, would rightly stay on the kernel's TCP and
+/// fail an "accelerated" check.
+fn wait_registered(fab: &Fab, node: u32, port: u16) {
+    let reg = backplane::fabric::fabric_dir(&fab.name)
+        .join("accel")
+        .join(format!("n{node}-l{port}"));
+    let t0 = Instant::now();
+    while !reg.exists() && t0.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn scenario(fab: &Fab, scen: &str, port: u16, accel: (bool, bool)) -> (String, String) {
     let p = port.to_string();
     let server = spawn(fab, 2, accel.1, &["python3", CALLS, "server", scen, &p]);
     if accel.1 {
-        // The client starts once the server's listener is registered: a client that looked
-        // for the registration just before it was made, and connected just after the server
-        // listened, would rightly stay on the kernel's TCP and fail the "accelerated" check.
-        let reg = backplane::fabric::fabric_dir(&fab.name)
-            .join("accel")
-            .join(format!("n2-l{port}"));
-        let t0 = Instant::now();
-        while !reg.exists() && t0.elapsed() < Duration::from_secs(20) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        wait_registered(fab, 2, port);
     }
     let client = spawn(fab, 1, accel.0, &["python3", CALLS, "client", scen, &p]);
     let c = finish(client, 120, &format!("{scen} client"));
@@ -215,7 +220,7 @@ fn a_peer_without_the_library_gets_the_kernel_tcp_and_the_same_stream() {
 
 fn iperf_json(fab: &Fab, port: &str, args: &[&str]) -> (serde_json::Value, String) {
     let mut server = spawn(fab, 2, true, &["iperf3", "-s", "-1", "-p", port]);
-    std::thread::sleep(Duration::from_millis(300));
+    wait_registered(fab, 2, port.parse().unwrap());
     let mut a = vec!["timeout", "60", "iperf3", "-c", "node2", "-p", port, "-J"];
     a.extend_from_slice(args);
     let o = run(fab, 1, true, &a);
@@ -267,7 +272,7 @@ fn sockperf_tcp_ping_pong_and_throughput_run_accelerated() {
             true,
             &["sockperf", "sr", "--tcp", "-i", "192.168.20.2", "-p", port],
         );
-        std::thread::sleep(Duration::from_millis(300));
+        wait_registered(&fab, 2, port.parse().unwrap());
         let o = run(
             &fab,
             1,
@@ -392,7 +397,7 @@ fn nc_half_close_and_redis_benchmark_run_accelerated() {
         let dst = dir.join("dst");
         let server_script = format!("nc -l 7601 > {}", dst.display());
         let server = spawn(&fab, 2, true, &["sh", "-c", &server_script]);
-        std::thread::sleep(Duration::from_millis(300));
+        wait_registered(&fab, 2, 7601);
         let script = format!("nc -N node2 7601 < {}", src.display());
         let c = run(&fab, 1, true, &["timeout", "30", "sh", "-c", &script]);
         let s = finish(server, 30, "nc server");
@@ -429,7 +434,7 @@ fn nc_half_close_and_redis_benchmark_run_accelerated() {
                 "no",
             ],
         );
-        std::thread::sleep(Duration::from_millis(500));
+        wait_registered(&fab, 2, 7602);
         let o = run(
             &fab,
             1,
@@ -509,6 +514,7 @@ fn a_node_that_goes_down_resets_its_accelerated_connections_and_rejoins() {
         true,
         &["python3", CALLS, "server", "nodedown", "7901"],
     );
+    wait_registered(&fab, 2, 7901);
     let client = spawn(
         &fab,
         1,
