@@ -526,6 +526,17 @@ pub(crate) unsafe extern "C" fn post_send(
 ) -> c_int {
     // SAFETY: caller contract.
     let q = unsafe { &*qp.cast::<QpObj>() };
+    if !wr.is_null() {
+        // SAFETY: `wr` is readable (caller).
+        let w = unsafe { &*wr };
+        if w.opcode == WrOpcode::RdmaWrite as c_int {
+            // The line the write will end in starts its trip before the lock and the
+            // conversion, not after them (a peer polling it sees the data sooner).
+            // SAFETY: the opcode says which member of the union the program filled.
+            let r = unsafe { w.wr.rdma };
+            q.qp.prefetch_write(r.remote_addr, r.rkey);
+        }
+    }
     let ud = q.ibv.qp_type == QpType::Ud as c_int;
     // SAFETY: the context outlives its QPs.
     let _g = unsafe { &*q.ctx }.lock();

@@ -135,14 +135,15 @@ impl Test {
     }
 }
 
-/// Whether to run UCX alongside.
+/// Whether to run a peer program (`ucx_perftest` for `--ucx`, perftest's for `--perftest`)
+/// alongside.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UcxMode {
-    /// Run `ucx_perftest` when it is installed; say so when it is not.
+    /// Run it when it is installed; say so when it is not.
     Auto,
-    /// Do not run UCX.
+    /// Do not run it.
     Off,
-    /// Fail if `ucx_perftest` is missing.
+    /// Fail if it is missing.
     Require,
 }
 

@@ -857,6 +857,18 @@ impl Qp {
         self.with(|q, env, cqs| q.post_send(wrs, env, cqs))
     }
 
+    /// Asks for the line an RDMA_WRITE to `remote_addr` (with `rkey`) will end in, if it goes
+    /// where the last one went (see [`Qp::post_send`]'s prefetch): for a caller that has work to
+    /// do before it can post — the drop-in libibverbs converting the program's request — so
+    /// the line's trip overlaps that work too. Only a hint: never faults, changes nothing.
+    #[inline(always)]
+    pub fn prefetch_write(&self, remote_addr: u64, rkey: u32) {
+        let h = self.write_hint.get();
+        if h.rkey == rkey && h.remote_addr == remote_addr {
+            crate::sync::prefetch_write(h.line);
+        }
+    }
+
     /// Asks for the lines `wr` will write in the peer's memory, as the handle's hints predict
     /// them (PREFETCHW; a hint never faults and is never dereferenced), so they start their
     /// trip to this core while the engine is looked up and the request checked — which the
@@ -866,10 +878,7 @@ impl Qp {
         match (wr.opcode, wr.wr) {
             (WrOpcode::RdmaWrite, WrDetail::Rdma { remote_addr, rkey }) => {
                 // A WRITE to where the last one went.
-                let h = self.write_hint.get();
-                if h.rkey == rkey && h.remote_addr == remote_addr {
-                    crate::sync::prefetch_write(h.line);
-                }
+                self.prefetch_write(remote_addr, rkey);
             }
             (WrOpcode::Send | WrOpcode::SendWithImm, _) => {
                 // The next record of the ring to the peer (its first lines: a small
