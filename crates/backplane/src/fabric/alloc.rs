@@ -66,6 +66,28 @@ impl WindowAlloc {
         *self = Self::new(self.base, self.end);
     }
 
+    /// What to tell a client this allocator refused, on node `slot`: the window is full — and,
+    /// when ranges freed less than [`QUARANTINE`] ago are waiting, that retrying soon may
+    /// succeed (a program run again right after it exited finds its last run's memory there).
+    pub fn full_message(&self, slot: u32, now: Instant) -> String {
+        let waiting: u64 = self
+            .quarantine
+            .iter()
+            .filter(|&&(t, _, _)| t > now)
+            .map(|&(_, _, len)| len)
+            .sum();
+        if waiting == 0 {
+            format!("node {slot}'s window is full; use a larger --window-size")
+        } else {
+            format!(
+                "node {slot}'s window is full ({} KiB freed less than {} s ago are reusable \
+                 then: retry, or use a larger --window-size)",
+                waiting / 1024,
+                QUARANTINE.as_secs()
+            )
+        }
+    }
+
     /// Bytes free now (quarantined bytes excluded).
     pub fn free_bytes(&self) -> u64 {
         self.free.values().sum()
@@ -112,6 +134,28 @@ mod tests {
         assert!(y >= x + 4096 || y + 128 <= x);
         assert!(z >= y + 128);
         assert!(a.alloc(1 << 20, 64, now).is_none());
+    }
+
+    #[test]
+    fn a_full_window_with_memory_in_quarantine_says_a_retry_may_succeed() {
+        let t0 = Instant::now();
+        let mut a = WindowAlloc::new(0, 8192);
+        let x = a.alloc(8192, 64, t0).unwrap();
+        assert!(a.alloc(64, 64, t0).is_none());
+        let plain = a.full_message(3, t0);
+        assert_eq!(plain, "node 3's window is full; use a larger --window-size");
+        a.free(x, 8192, t0);
+        assert!(a.alloc(64, 64, t0).is_none());
+        let m = a.full_message(3, t0);
+        assert!(
+            m.contains("8 KiB freed less than 1 s ago") && m.contains("retry"),
+            "{m}"
+        );
+        assert_eq!(
+            a.full_message(3, t0 + QUARANTINE),
+            plain,
+            "once reusable: plain"
+        );
     }
 
     #[test]

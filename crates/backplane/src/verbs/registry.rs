@@ -150,7 +150,9 @@ impl Registry {
         match req {
             VerbsRequest::OpenContext { slot } => {
                 host.ready_slot(slot)?;
-                let off = host.alloc(slot, EV_LEN, 64).ok_or_else(|| no_room(slot))?;
+                let off = host
+                    .alloc(slot, EV_LEN, 64)
+                    .ok_or_else(|| host.full(slot))?;
                 host.window(slot).zero(off, EV_LEN).expect("allocated");
                 self.ctxs.push(CtxEntry {
                     client: id,
@@ -379,7 +381,7 @@ impl Registry {
             return Err(invalid("the QP's context is not open on this node"));
         }
         let len = QpBlockRepr::footprint(ring_len);
-        let off = host.alloc(slot, len, 4096).ok_or_else(|| no_room(slot))?;
+        let off = host.alloc(slot, len, 4096).ok_or_else(|| host.full(slot))?;
         let qpn = self.new_qpn(slot);
         let w = host.window(slot).clone();
         w.zero(off, QP_RING_OFF).expect("allocated");
@@ -509,13 +511,6 @@ impl Service for Registry {
     fn node_down(&mut self, host: &mut dyn Host, slot: u32) {
         self.drop_node(host, slot);
     }
-}
-
-fn no_room(slot: u32) -> Failure {
-    (
-        ErrorKind::NoSpace,
-        format!("node {slot}'s window is full; use a larger --window-size"),
-    )
 }
 
 /// Checks a region's memfd: sealed against shrinking (a peer's mapping can never fault), long

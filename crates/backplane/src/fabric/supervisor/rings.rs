@@ -83,11 +83,9 @@ impl Sup {
             ));
         }
         let now = Instant::now();
-        let Some(rec) = self.allocs[slot as usize - 1].alloc(ENDPOINT_LEN, 4096, now) else {
-            return Err((
-                ErrorKind::NoSpace,
-                format!("node {slot}'s window is full; use a larger --window-size"),
-            ));
+        let a = &mut self.allocs[slot as usize - 1];
+        let Some(rec) = a.alloc(ENDPOINT_LEN, 4096, now) else {
+            return Err((ErrorKind::NoSpace, a.full_message(slot, now)));
         };
         let generation = self.life[slot as usize - 1].generation();
         let pid = self.clients.get(&id).map_or(0, |c| c.pid);
@@ -174,19 +172,20 @@ impl Sup {
             ));
         }
         let now = Instant::now();
-        let no_room = |slot: u32| {
+        let ring_bytes = RingRepr::footprint(self.ring_data());
+        let allocs = &mut self.allocs;
+        let no_room = |allocs: &[WindowAlloc], slot: u32| {
             (
                 ErrorKind::NoSpace,
-                format!("node {slot}'s window is full; use a larger --window-size"),
+                allocs[slot as usize - 1].full_message(slot, now),
             )
         };
-        let ring_bytes = RingRepr::footprint(self.ring_data());
-        let ring_off = self.allocs[dst.0 as usize - 1]
-            .alloc(ring_bytes, 4096, now)
-            .ok_or_else(|| no_room(dst.0))?;
-        let Some(credit_off) = self.allocs[src.0 as usize - 1].alloc(CREDIT_LEN, 64, now) else {
-            self.allocs[dst.0 as usize - 1].free(ring_off, ring_bytes, now);
-            return Err(no_room(src.0));
+        let Some(ring_off) = allocs[dst.0 as usize - 1].alloc(ring_bytes, 4096, now) else {
+            return Err(no_room(allocs, dst.0));
+        };
+        let Some(credit_off) = allocs[src.0 as usize - 1].alloc(CREDIT_LEN, 64, now) else {
+            allocs[dst.0 as usize - 1].free(ring_off, ring_bytes, now);
+            return Err(no_room(allocs, src.0));
         };
         let ring_id = self.next_ring;
         self.next_ring += 1;

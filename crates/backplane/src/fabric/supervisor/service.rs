@@ -27,6 +27,13 @@ pub trait Host {
     fn alloc(&mut self, slot: u32, len: u64, align: u64) -> Option<u64>;
     /// Gives back a range `alloc` handed out.
     fn free(&mut self, slot: u32, off: u64, len: u64);
+    /// The refusal for an `alloc` that found node `slot`'s window full.
+    fn full(&self, slot: u32) -> Failure {
+        (
+            ErrorKind::NoSpace,
+            format!("node {slot}'s window is full; use a larger --window-size"),
+        )
+    }
     /// Node `slot`'s window (`slot` must exist: checked by `ready_slot` or recorded earlier).
     fn window(&self, slot: u32) -> &Arc<Region>;
     /// Node `slot`'s generation.
@@ -115,6 +122,16 @@ impl Host for HostView<'_> {
         {
             a.free(off, len, Instant::now());
         }
+    }
+    fn full(&self, slot: u32) -> Failure {
+        let msg = match slot
+            .checked_sub(1)
+            .and_then(|i| self.allocs.get(i as usize))
+        {
+            Some(a) => a.full_message(slot, Instant::now()),
+            None => format!("node {slot}'s window is full; use a larger --window-size"),
+        };
+        (ErrorKind::NoSpace, msg)
     }
     fn window(&self, slot: u32) -> &Arc<Region> {
         &self.windows[slot as usize - 1]
