@@ -12,6 +12,7 @@ use backplane::verbs::{
 use crate::abi::*;
 use crate::objects::*;
 use crate::Ctx;
+use backplane::wire::verbs::QP_MIN_RING;
 
 #[repr(C)]
 pub(crate) struct QpObj {
@@ -53,10 +54,31 @@ fn cap_out(c: QpCap) -> IbvQpCap {
     }
 }
 
+/// The largest ring a QP gets when `BACKPLANE_VERBS_RING` is unset. A stream of large SENDs
+/// needs a ring that holds a whole message: `ib_send_bw` 1 MiB measured 10–11 GB/s with
+/// 512 KiB rings, 29–31 with 1 MiB, 33 with 2 MiB (alternating, same fabric, 64 MiB window).
+const AUTO_RING_MAX: u32 = 2 << 20;
+
+/// The ring a QP gets when `BACKPLANE_VERBS_RING` is unset, for a node window of `window`
+/// bytes: a 64th of it (room for a program's dozens of QPs), as a power of two between the
+/// smallest ring and [`AUTO_RING_MAX`] — 1 MiB in the default 64 MiB window, 512 KiB (the
+/// fixed size before) in 32 MiB. When the window still cannot hold it, `ibv_create_qp` halves
+/// it, and the process's later QPs start from the smaller size (saying so once).
+fn auto_ring(window: u64) -> u32 {
+    let share = (window / 64).clamp(u64::from(QP_MIN_RING), u64::from(AUTO_RING_MAX));
+    let ring = 1u32 << (63 - share.leading_zeros());
+    match SHORT_RING.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => ring,
+        short => ring.min(short),
+    }
+}
+
+/// The ring size a QP of this process last had to fall back to (0: none yet).
+static SHORT_RING: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 /// The inbound ring of each RC/UC QP: `BACKPLANE_VERBS_RING` (bytes, a power of two from
-/// 256 KiB to 64 MiB, with K/M suffixes), else the engine's default. Only SEND data travels
-/// through it (RDMA WRITE/READ go straight to the peer's memory); a larger ring keeps more
-/// SEND data in flight, at the cost of window space per QP.
+/// 256 KiB to 64 MiB, with K/M suffixes), else 0: [`auto_ring`]. Only SEND data travels through it (RDMA WRITE/READ go straight to the peer's
+/// memory); a larger ring keeps more SEND data in flight, at the cost of window space per QP.
 fn ring_bytes() -> u32 {
     static RING: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     *RING.get_or_init(|| {
@@ -77,6 +99,32 @@ fn ring_bytes() -> u32 {
             }
         }
     })
+}
+
+/// The supervisor refused for want of window space.
+fn window_full(e: &VerbsError) -> bool {
+    use backplane::fabric::{ctl::ErrorKind, FabricError};
+    matches!(
+        e,
+        VerbsError::Fabric(FabricError::Refused {
+            kind: ErrorKind::NoSpace,
+            ..
+        })
+    )
+}
+
+/// One line, the first time a QP of this process gets a ring smaller than `wanted`.
+fn smaller_rings_once(bytes: u32, wanted: u32) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!(
+            "libibverbs (backplane): the node's window is short: a QP gets a {} KiB SEND ring \
+             instead of {} KiB (slower large SENDs; a larger --window-size or \
+             BACKPLANE_VERBS_RING sets it)",
+            bytes / 1024,
+            wanted / 1024
+        );
+    }
 }
 
 /// `ibv_create_qp`: RC, UC or UD, with its own receive queue or a shared one (`srq`).
@@ -128,7 +176,7 @@ pub unsafe extern "C" fn bp_ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAt
     }
     // SAFETY: the context outlives its PDs.
     let _g = unsafe { &*p.ctx }.lock();
-    let init = QpInitAttr {
+    let mut init = QpInitAttr {
         send_cq: &scq.cq,
         recv_cq: &rcq.cq,
         cap: cap_in(a.cap),
@@ -137,11 +185,24 @@ pub unsafe extern "C" fn bp_ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAt
         ring_bytes: ring_bytes(),
         srq: srq.map(|s| &s.srq),
     };
-    let qp = match p.pd.create_qp(&init) {
-        Ok(q) => q,
-        Err(e) => {
-            fail_verbs(call, &e);
-            return null_mut();
+    let auto = init.ring_bytes == 0 && ty != QpType::Ud;
+    if auto {
+        // SAFETY: the context outlives its PDs.
+        init.ring_bytes = auto_ring(unsafe { &*p.ctx }.fabric.window_size());
+    }
+    let wanted = init.ring_bytes;
+    let qp = loop {
+        match p.pd.create_qp(&init) {
+            Ok(q) => break q,
+            Err(e) if auto && window_full(&e) && init.ring_bytes > QP_MIN_RING => {
+                init.ring_bytes /= 2;
+                SHORT_RING.store(init.ring_bytes, std::sync::atomic::Ordering::Relaxed);
+                smaller_rings_once(init.ring_bytes, wanted);
+            }
+            Err(e) => {
+                fail_verbs(call, &e);
+                return null_mut();
+            }
         }
     };
     a.cap = cap_out(qp.query().cap);
@@ -697,4 +758,19 @@ pub(crate) unsafe fn post_recv_list(
         unsafe { *bad_wr = bad };
     }
     rc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_automatic_ring_is_a_64th_of_the_window_within_its_bounds() {
+        assert_eq!(auto_ring(64 << 20), 1 << 20, "the default window");
+        assert_eq!(auto_ring(1 << 30), AUTO_RING_MAX);
+        assert_eq!(auto_ring(32 << 20), 512 << 10);
+        assert_eq!(auto_ring(96 << 20), 1 << 20, "a power of two, rounded down");
+        assert_eq!(auto_ring(8 << 20), QP_MIN_RING);
+        assert_eq!(auto_ring(1 << 20), QP_MIN_RING);
+    }
 }
