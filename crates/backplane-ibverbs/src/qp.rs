@@ -77,8 +77,9 @@ fn auto_ring(window: u64) -> u32 {
 static SHORT_RING: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// The inbound ring of each RC/UC QP: `BACKPLANE_VERBS_RING` (bytes, a power of two from
-/// 256 KiB to 64 MiB, with K/M suffixes), else 0: [`auto_ring`]. Only SEND data travels through it (RDMA WRITE/READ go straight to the peer's
-/// memory); a larger ring keeps more SEND data in flight, at the cost of window space per QP.
+/// 256 KiB to 64 MiB, with K/M suffixes), else 0: [`auto_ring`]. Only SEND data travels
+/// through it (RDMA WRITE/READ go straight to the peer's memory); a larger ring keeps more
+/// SEND data in flight, at the cost of window space per QP.
 fn ring_bytes() -> u32 {
     static RING: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
     *RING.get_or_init(|| {

@@ -12,6 +12,11 @@ use std::time::{Duration, Instant};
 /// How long freed memory waits before it can be handed out again.
 pub const QUARANTINE: Duration = Duration::from_secs(1);
 
+/// The refusal for a full window, on node `slot`.
+pub fn window_full(slot: u32) -> String {
+    format!("node {slot}'s window is full; use a larger --window-size")
+}
+
 /// First-fit allocator over `[base, end)`.
 #[derive(Debug, Clone)]
 pub struct WindowAlloc {
@@ -77,7 +82,7 @@ impl WindowAlloc {
             .map(|&(_, _, len)| len)
             .sum();
         if waiting == 0 {
-            format!("node {slot}'s window is full; use a larger --window-size")
+            window_full(slot)
         } else {
             format!(
                 "node {slot}'s window is full ({} KiB freed less than {} s ago are reusable \

@@ -633,10 +633,7 @@ impl Cq {
                 if let Some(p) = q.peer_slot() {
                     nodes.push(p);
                 }
-                deadline = match (deadline, q.deadline()) {
-                    (Some(a), Some(b)) => Some(std::cmp::min(a, b)),
-                    (a, b) => a.or(b),
-                };
+                deadline = engine::earlier(deadline, q.deadline());
             }
         }
         ch.arm(channel::Armed {

@@ -29,10 +29,7 @@ pub trait Host {
     fn free(&mut self, slot: u32, off: u64, len: u64);
     /// The refusal for an `alloc` that found node `slot`'s window full.
     fn full(&self, slot: u32) -> Failure {
-        (
-            ErrorKind::NoSpace,
-            format!("node {slot}'s window is full; use a larger --window-size"),
-        )
+        (ErrorKind::NoSpace, crate::fabric::alloc::window_full(slot))
     }
     /// Node `slot`'s window (`slot` must exist: checked by `ready_slot` or recorded earlier).
     fn window(&self, slot: u32) -> &Arc<Region>;
@@ -129,7 +126,7 @@ impl Host for HostView<'_> {
             .and_then(|i| self.allocs.get(i as usize))
         {
             Some(a) => a.full_message(slot, Instant::now()),
-            None => format!("node {slot}'s window is full; use a larger --window-size"),
+            None => crate::fabric::alloc::window_full(slot),
         };
         (ErrorKind::NoSpace, msg)
     }

@@ -118,6 +118,14 @@ impl RqEntry {
     }
 }
 
+/// The earlier of two optional deadlines (None: no deadline).
+pub(crate) fn earlier(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// Credits an RC QP on a shared receive queue publishes: more than any sender will use, so its
 /// peer never waits for them. A message that finds the SRQ empty waits in the QP's inbound
 /// ring (in order, as after an RNR NAK retried without limit) until a receive is posted.

@@ -133,12 +133,10 @@ impl QpEngine {
     /// When the QP needs the process to look again (for the completion channel): an RNR
     /// wait's next retry, or the end of the retries for work a gone peer never acknowledged.
     pub(crate) fn deadline(&self) -> Option<Instant> {
-        let rnr = self.rel.rnr_deadline(self.attr.rnr_retry);
-        let gone = self.gone_deadline();
-        match (rnr, gone) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        earlier(
+            self.rel.rnr_deadline(self.attr.rnr_retry),
+            self.gone_deadline(),
+        )
     }
 
     fn gone_deadline(&self) -> Option<Instant> {
@@ -176,8 +174,8 @@ impl QpEngine {
             self.pop_completed(cqs);
             if !self.sq.is_empty() {
                 let now = Instant::now();
-                let since = *self.gone_since.get_or_insert(now);
-                if now >= since + fsm::retry_wait(self.attr.timeout, self.attr.retry_cnt) {
+                self.gone_since.get_or_insert(now);
+                if self.gone_deadline().is_some_and(|d| now >= d) {
                     self.gone_since = None;
                     self.fail(Some(0), WcStatus::RetryExcErr, cqs);
                 }
