@@ -147,6 +147,24 @@ pub enum UcxMode {
     Require,
 }
 
+/// The loop the verbs latency tests run on the backplane side (`--loop`).
+#[derive(
+    clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Loop {
+    /// The fabric's own: requests signaled every 64th, a clock read per round trip on the
+    /// client only, waiting loops that PAUSE.
+    #[default]
+    Native,
+    /// perftest's (`run_iter_lat_write` / `run_iter_lat_send`), step for step over the Rust
+    /// API: every request signaled and its completion polled before anything else, a clock
+    /// read per iteration on both sides, waiting loops without PAUSE, and in send-lat the
+    /// receive reposted between the answer and the next send. perftest beside it then differs
+    /// only by the drop-in libibverbs.so.1 (write-lat and send-lat).
+    Perftest,
+}
+
 /// Arguments of `perf`.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -172,6 +190,10 @@ pub struct Args {
     /// unmodified, over the fabric through the drop-in `libibverbs.so.1`, in the same run.
     #[arg(long, value_enum, default_value = "auto")]
     perftest: UcxMode,
+    /// write-lat and send-lat: the backplane side's loop — its own, or perftest's step for
+    /// step, so that `--perftest` beside it measures the drop-in library alone.
+    #[arg(long = "loop", value_enum, default_value = "native")]
+    loop_: Loop,
     /// Repeat the whole comparison this many times, backplane and its peer (UCX; veth for
     /// `ip`; memcpy for `dma-bw`) alternating, and report each field's median over the rounds
     /// with every round's ratio and their median (a shared, noisy machine moves single runs
@@ -219,6 +241,8 @@ struct PeerConfig {
     test: Test,
     node: u32,
     port: u32,
+    #[serde(default, rename = "loop")]
+    loop_: Loop,
 }
 
 #[derive(Debug, Serialize)]
@@ -226,6 +250,9 @@ struct Report {
     version: u32,
     test: Test,
     fabric: String,
+    /// The backplane side's loop (write-lat, send-lat).
+    #[serde(rename = "loop")]
+    loop_: Loop,
     backplane: Vec<Row>,
     ucx: Option<Vec<Row>>,
     ucx_note: Option<String>,
@@ -280,6 +307,12 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return dma::run(&a);
     }
     let sizes = sizes(&a)?;
+    if a.loop_ == Loop::Perftest && !matches!(a.test, Test::WriteLat | Test::SendLat) {
+        bail!(
+            "--loop perftest is for write-lat and send-lat (the other tests' loops are \
+             perftest's already)"
+        );
+    }
     if a.iters == Some(0) {
         bail!("--iters must be at least 1");
     }
@@ -361,6 +394,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         version: 1,
         test: a.test,
         fabric: fabric_name,
+        loop_: a.loop_,
         backplane: rows,
         ucx,
         ucx_note,
@@ -402,7 +436,7 @@ fn measure_backplane(
     if fabric.nodes() < 2 {
         bail!("fabric '{name}' has one node; perf needs nodes 1 and 2");
     }
-    let (mut peer, peer_guard) = spawn_peer(&name, a.test)?;
+    let (mut peer, peer_guard) = spawn_peer(&name, a.test, a.loop_)?;
     let announce_run = || {
         if !a.json && first {
             eprintln!(
@@ -416,7 +450,15 @@ fn measure_backplane(
     let mut rows = Vec::new();
     if a.test.is_verbs() {
         let iters: Vec<u64> = sizes.iter().map(|&s| iters_for(a, s)).collect();
-        rows = verbs::client(&fabric, a.test, PEER_PORT, sizes, &iters, announce_run)?;
+        rows = verbs::client(
+            &fabric,
+            a.test,
+            a.loop_,
+            PEER_PORT,
+            sizes,
+            &iters,
+            announce_run,
+        )?;
     } else {
         let mut ep = fabric.node(1)?.bind(0)?;
         let peer = Addr::new(2, PEER_PORT);
@@ -461,7 +503,11 @@ fn measure_backplane(
 
 /// Starts the far side (`perf-peer`) of `test` on node 2 of fabric `name`; the guard kills
 /// it on an error, a return or Ctrl-C.
-fn spawn_peer(name: &str, test: Test) -> anyhow::Result<(std::process::Child, teardown::Guard)> {
+fn spawn_peer(
+    name: &str,
+    test: Test,
+    loop_: Loop,
+) -> anyhow::Result<(std::process::Child, teardown::Guard)> {
     let exe = std::env::current_exe()?;
     // The peer's configuration travels typed on its stdin; fabric and test are labels for ps.
     let mut peer = Command::new(exe)
@@ -477,6 +523,7 @@ fn spawn_peer(name: &str, test: Test) -> anyhow::Result<(std::process::Child, te
             test,
             node: 2,
             port: PEER_PORT,
+            loop_,
         };
         let mut line = serde_json::to_vec(&cfg)?;
         line.push(b'\n');
@@ -490,7 +537,7 @@ fn spawn_peer(name: &str, test: Test) -> anyhow::Result<(std::process::Child, te
 /// the average in MB/s (for `perf ip --accel`, which sets the accelerated TCP beside it).
 pub fn dgram_bw_on(name: &str, size: u64, iters: u64) -> anyhow::Result<f64> {
     let fabric = Fabric::attach(name)?;
-    let (mut peer, guard) = spawn_peer(name, Test::DgramBw)?;
+    let (mut peer, guard) = spawn_peer(name, Test::DgramBw, Loop::Native)?;
     let mut ep = fabric.node(1)?.bind(0)?;
     let to = Addr::new(2, PEER_PORT);
     backplane_bench::peer::fabric_hello(&mut ep, to).context("perf peer")?;
@@ -582,7 +629,7 @@ pub fn run_peer(_: PeerArgs) -> anyhow::Result<()> {
     let a: PeerConfig = serde_json::from_str(&line).context("malformed perf peer configuration")?;
     let fabric = Fabric::attach(&a.name)?;
     if a.test.is_verbs() {
-        return verbs::peer(&fabric, a.test, a.node, a.port);
+        return verbs::peer(&fabric, a.test, a.loop_, a.node, a.port);
     }
     let mut ep = fabric.node(a.node)?.bind(a.port)?;
     let mut ctl = [0u8; 16];
@@ -649,6 +696,10 @@ fn render(r: &Report) -> String {
         r.test.title(),
         r.test.note()
     );
+    if r.loop_ == Loop::Perftest {
+        o += " loop: perftest's, step for step (every request signaled and its completion polled, \
+              a clock read per iteration on both sides, waits without PAUSE)\n";
+    }
     let lat = r.test.is_lat();
     if lat {
         o += &format!(
@@ -893,6 +944,7 @@ mod tests {
             version: 1,
             test: Test::WriteLat,
             fabric: "t".into(),
+            loop_: Loop::Native,
             backplane: median_rows(&bp.iter().map(|v| &v[..]).collect::<Vec<_>>()),
             ucx: Some(median_rows(&ux.iter().map(|v| &v[..]).collect::<Vec<_>>())),
             ucx_note: None,

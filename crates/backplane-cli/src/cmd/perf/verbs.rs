@@ -17,7 +17,7 @@ use backplane::fabric::Fabric;
 use backplane::verbs::cm::{self, ConnParam, PeerInfo};
 use backplane::verbs::*;
 
-use super::{Test, MAX_SIZE};
+use super::{Loop, Test, MAX_SIZE};
 use backplane_bench::perf_row::Row;
 
 const RX_DEPTH: u32 = 512;
@@ -43,6 +43,8 @@ struct End {
     mr: Mr,
     /// Send work requests posted since the last signaled one.
     sent: u64,
+    /// Receives completed while [`End::poll_one`] waited for a send's completion.
+    early_recvs: u64,
 }
 
 fn open(fabric: &Fabric, slot: u32) -> anyhow::Result<End> {
@@ -67,6 +69,7 @@ fn open(fabric: &Fabric, slot: u32) -> anyhow::Result<End> {
         qp,
         mr,
         sent: 0,
+        early_recvs: 0,
     };
     for _ in 0..RX_DEPTH {
         e.repost()?;
@@ -224,6 +227,40 @@ impl End {
             }
         }
         Ok(())
+    }
+
+    /// Polls one completion at a time, as perftest does, until one of `op` comes (no PAUSE
+    /// between polls). perftest has a send and a receive CQ; here they are one, so a receive
+    /// that completes while a send's completion is awaited is counted and taken by the next
+    /// wait for a receive. Any other completion, or an error, ends the run.
+    fn poll_one(&mut self, op: WcOpcode) -> anyhow::Result<()> {
+        if op == WcOpcode::Recv && self.early_recvs > 0 {
+            self.early_recvs -= 1;
+            return Ok(());
+        }
+        let mut wc = [Wc::default(); 1];
+        let mut spins = 0u32;
+        let mut t0 = None;
+        loop {
+            if self.cq.poll(&mut wc) == 1 {
+                let w = wc[0];
+                if w.status == WcStatus::Success && w.opcode == op {
+                    return Ok(());
+                }
+                if w.status == WcStatus::Success && w.opcode == WcOpcode::Recv {
+                    self.early_recvs += 1;
+                    continue;
+                }
+                bail!("unexpected completion {w:?} (waiting for {op:?})");
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1 << 20) {
+                let t = *t0.get_or_insert_with(Instant::now);
+                if t.elapsed() > Duration::from_secs(30) {
+                    bail!("the peer stopped answering");
+                }
+            }
+        }
     }
 
     fn send_ctl(&mut self, a: u64, b: u64) -> anyhow::Result<()> {
@@ -400,6 +437,73 @@ fn write_pingpong(
     Ok(rtt)
 }
 
+/// perftest's `run_iter_lat_write`, step for step: wait for the peer's byte (a plain load
+/// loop, no PAUSE; the `first` side skips the first wait), a clock read, the byte stored,
+/// the WRITE posted signaled, its completion polled. The client's round trips are the
+/// differences of consecutive clock reads (`count - 1` of them), as perftest computes them.
+fn write_pingpong_perftest(
+    e: &mut End,
+    rkey: u32,
+    size: u64,
+    count: u64,
+    first: bool,
+) -> anyhow::Result<Vec<u64>> {
+    let sge = [e.mr.sge(SRC, size as u32)];
+    let mut wr = SendWr::write(0, &sge, 0, rkey).signaled();
+    if size <= INLINE {
+        wr.send_flags |= SendFlags::INLINE;
+    }
+    let wr = [wr];
+    let mut t = vec![0u64; count as usize];
+    for i in 0..count {
+        if !(first && i == 0) {
+            // The peer's answer to our last byte (client), or its next byte (peer).
+            let want = stamp(if first { i - 1 } else { i });
+            while e.peek(size - 1) != want {}
+        }
+        t[i as usize] = Clock::raw();
+        e.stamp_src(size, stamp(i));
+        e.qp.post_send(&wr)?;
+        e.poll_one(WcOpcode::RdmaWrite)?;
+    }
+    if first && count > 0 {
+        // The peer's last answer, so the next size starts from a quiet region.
+        while e.peek(size - 1) != stamp(count - 1) {}
+    }
+    Ok(t.windows(2).map(|w| w[1] - w[0]).collect())
+}
+
+/// perftest's `run_iter_lat_send`, step for step: poll until a receive completes (no PAUSE;
+/// the client, which sends first, skips the first wait), post that receive again, a clock
+/// read, the SEND posted signaled, its completion polled. Round trips as in
+/// [`write_pingpong_perftest`]; the client takes the last answer after its loop.
+fn send_pingpong_perftest(
+    e: &mut End,
+    size: u64,
+    count: u64,
+    first: bool,
+) -> anyhow::Result<Vec<u64>> {
+    let sge = [e.mr.sge(SRC, size as u32)];
+    let mut wr = e.send_wr(size).signaled();
+    wr.sg_list = &sge;
+    let wr = [wr];
+    let mut t = vec![0u64; count as usize];
+    for i in 0..count {
+        if !(first && i == 0) {
+            e.poll_one(WcOpcode::Recv)?;
+            e.repost()?;
+        }
+        t[i as usize] = Clock::raw();
+        e.qp.post_send(&wr)?;
+        e.poll_one(WcOpcode::Send)?;
+    }
+    if first && count > 0 {
+        e.poll_one(WcOpcode::Recv)?;
+        e.repost()?;
+    }
+    Ok(t.windows(2).map(|w| w[1] - w[0]).collect())
+}
+
 fn stamp(i: u64) -> u8 {
     (i % 255) as u8 + 1
 }
@@ -412,6 +516,7 @@ fn warmup(iters: u64) -> u64 {
 pub(super) fn client(
     fabric: &Fabric,
     test: Test,
+    lp: Loop,
     port: u32,
     sizes: &[u64],
     iters: &[u64],
@@ -434,7 +539,7 @@ pub(super) fn client(
         }
         let row = match test {
             Test::WriteLat | Test::ReadLat | Test::AtomicLat | Test::SendLat => {
-                lat(&mut e, &peer, test, size, warm, n)?
+                lat(&mut e, &peer, test, lp, size, warm, n)?
             }
             _ => bw(&mut e, &peer, test, size, warm, n)?,
         };
@@ -453,6 +558,7 @@ fn lat(
     e: &mut End,
     peer: &PeerInfo,
     test: Test,
+    lp: Loop,
     size: u64,
     warm: u64,
     n: u64,
@@ -462,6 +568,16 @@ fn lat(
     let clock = Clock::new();
     let _ = clock.t0;
     let mut samples = Vec::with_capacity(n as usize);
+    if lp == Loop::Perftest {
+        let raw = match test {
+            Test::WriteLat => write_pingpong_perftest(e, peer.rkey, size, warm + n, true)?,
+            _ => send_pingpong_perftest(e, size, warm + n, true)?,
+        };
+        for r in raw.iter().skip(warm as usize) {
+            h.record(clock.ns(*r).max(1))?;
+        }
+        return Ok(Row::latency(&h, size, n, true));
+    }
     if test == Test::WriteLat {
         let raw = write_pingpong(e, peer.rkey, size, warm + n, true)?;
         for r in &raw[warm as usize..] {
@@ -596,7 +712,13 @@ fn bw(
 }
 
 /// The far side (node 2, `perf-peer`): listens, then plays its part size after size.
-pub(super) fn peer(fabric: &Fabric, test: Test, node: u32, port: u32) -> anyhow::Result<()> {
+pub(super) fn peer(
+    fabric: &Fabric,
+    test: Test,
+    lp: Loop,
+    node: u32,
+    port: u32,
+) -> anyhow::Result<()> {
     let mut e = open(fabric, node)?;
     let mut l = cm::Listener::bind(&e._ctx, port)?;
     let client = l.accept(&e.qp, &e.offer(), Some(Duration::from_secs(30)))?;
@@ -612,6 +734,13 @@ pub(super) fn peer(fabric: &Fabric, test: Test, node: u32, port: u32) -> anyhow:
         e.send_ctl(0, 0)?; // ready
         let len = size as u32;
         match test {
+            Test::WriteLat | Test::SendLat if lp == Loop::Perftest => {
+                if test == Test::WriteLat {
+                    write_pingpong_perftest(&mut e, client.rkey, size, count, false)?;
+                } else {
+                    send_pingpong_perftest(&mut e, size, count, false)?;
+                }
+            }
             Test::WriteLat => {
                 write_pingpong(&mut e, client.rkey, size, count, false)?;
             }
