@@ -15,15 +15,17 @@
 //! IP). Opening a device needs to know the node: the process runs in it (`BACKPLANE_FABRIC` and
 //! `BACKPLANE_NODE`, which `backplane exec` sets, or the node's network namespace).
 //!
-//! **Objects** (`objects`, `qp`): PDs, MRs — the program's own buffers, registered in place
-//! ([`backplane::verbs::Pd::reg_user_mr`]) — completion channels, CQs, RC/UC/UD QPs and
-//! address handles are the engine's; the header's inline data path (`ibv_post_send`,
-//! `ibv_post_recv`, `ibv_poll_cq`, `ibv_req_notify_cq`) jumps through the context's `ops`.
-//! Not offered (the program gets libibverbs' failure and stops with its own error): SRQs, the
+//! **Objects** (`objects`, `qp`, `srq`): PDs, MRs — the program's own buffers, registered in
+//! place ([`backplane::verbs::Pd::reg_user_mr`]) — completion channels, CQs, RC/UC/UD QPs,
+//! shared receive queues and address handles are the engine's; the header's inline data path
+//! (`ibv_post_send`, `ibv_post_recv`, `ibv_post_srq_recv`, `ibv_poll_cq`, `ibv_req_notify_cq`)
+//! jumps through the context's `ops`, one call at a time per context ([`lock`]).
+//! Not offered (the program gets libibverbs' failure and stops with its own error): the
 //! extended API (`verbs_context` is not provided, so the header's `ibv_create_qp_ex` & co.
 //! answer `EOPNOTSUPP`), memory windows, multicast, ODP, `rdma_cm`.
 
 pub mod abi;
+mod lock;
 mod objects;
 mod qp;
 mod srq;
@@ -63,40 +65,18 @@ struct Ctx {
     gid: [u8; 16],
     /// Held by every call that reaches the engine. The engine takes no lock (a context's
     /// objects belong to one thread in the Rust API); libibverbs programs may use one context
-    /// from several threads, so calls are made one at a time here — unless the program says
-    /// it uses each context from one thread (`BACKPLANE_VERBS_SINGLE_THREADED=1`, as
-    /// `MLX5_SINGLE_THREADED=1` tells mlx5's provider), which saves an atomic per call.
-    busy: AtomicBool,
-    single_threaded: bool,
+    /// from several threads, so calls are made one at a time here (biased towards the first
+    /// thread: see [`lock::EngineLock`]).
+    engine: lock::EngineLock,
     /// PDs, MRs, channels, CQs, QPs and AHs made on it and not destroyed yet.
     objects: std::sync::atomic::AtomicUsize,
 }
 
-/// A context's engine, held (see [`Ctx::busy`]); `None` for a single-threaded context.
-struct Held<'a>(Option<&'a AtomicBool>);
-
-impl Drop for Held<'_> {
-    fn drop(&mut self) {
-        if let Some(b) = self.0 {
-            b.store(false, Ordering::Release);
-        }
-    }
-}
-
 impl Ctx {
     /// Waits for the context's engine to be free and holds it.
-    fn lock(&self) -> Held<'_> {
-        if self.single_threaded {
-            return Held(None);
-        }
-        while self
-            .busy
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            std::hint::spin_loop();
-        }
-        Held(Some(&self.busy))
+    #[inline]
+    fn lock(&self) -> lock::Held<'_> {
+        self.engine.lock()
     }
 }
 
@@ -415,8 +395,9 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         ctx,
         fabric,
         slot,
-        busy: AtomicBool::new(false),
-        single_threaded: std::env::var("BACKPLANE_VERBS_SINGLE_THREADED").is_ok_and(|v| v == "1"),
+        engine: lock::EngineLock::new(
+            std::env::var("BACKPLANE_VERBS_SINGLE_THREADED").is_ok_and(|v| v == "1"),
+        ),
         objects: std::sync::atomic::AtomicUsize::new(0),
     });
     let p = Box::into_raw(c);
