@@ -39,6 +39,8 @@ const ALL: AccessFlags = AccessFlags::from_bits_retain(
 struct End {
     _ctx: Context,
     cq: Cq,
+    /// The receive CQ when it is not `cq` (see [`open`]).
+    rcq: Option<Cq>,
     qp: Qp,
     mr: Mr,
     /// Send work requests posted since the last signaled one.
@@ -47,11 +49,18 @@ struct End {
     early_recvs: u64,
 }
 
-fn open(fabric: &Fabric, slot: u32) -> anyhow::Result<End> {
+/// One side's objects; `split`: receives complete on a CQ of their own, as in perftest's
+/// SEND tests (`--loop perftest`), rather than on the send CQ.
+fn open(fabric: &Fabric, slot: u32, split: bool) -> anyhow::Result<End> {
     let ctx = Context::open(&fabric.node(slot)?)?;
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(4 * (RX_DEPTH + TX_DEPTH) as usize, None)?;
-    let mut init = QpInitAttr::new(QpType::Rc, &cq, &cq);
+    let rcq = if split {
+        Some(ctx.create_cq(4 * RX_DEPTH as usize, None)?)
+    } else {
+        None
+    };
+    let mut init = QpInitAttr::new(QpType::Rc, &cq, rcq.as_ref().unwrap_or(&cq));
     init.cap = QpCap {
         max_send_wr: TX_DEPTH,
         max_recv_wr: RX_DEPTH,
@@ -66,6 +75,7 @@ fn open(fabric: &Fabric, slot: u32) -> anyhow::Result<End> {
     let e = End {
         _ctx: ctx,
         cq,
+        rcq,
         qp,
         mr,
         sent: 0,
@@ -78,6 +88,11 @@ fn open(fabric: &Fabric, slot: u32) -> anyhow::Result<End> {
 }
 
 impl End {
+    /// Where receives complete.
+    fn recv_cq(&self) -> &Cq {
+        self.rcq.as_ref().unwrap_or(&self.cq)
+    }
+
     fn repost(&self) -> anyhow::Result<()> {
         self.qp.post_recv(&[RecvWr {
             wr_id: 0,
@@ -110,7 +125,7 @@ impl End {
         let mut t0 = None;
         let mut spins = 0u32;
         loop {
-            let n = self.cq.poll(&mut wc);
+            let n = self.recv_cq().poll(&mut wc);
             for w in &wc[..n] {
                 if w.status != WcStatus::Success {
                     bail!("work completed with {} ({w:?})", w.status);
@@ -230,7 +245,7 @@ impl End {
     }
 
     /// Polls one completion at a time, as perftest does, until one of `op` comes (no PAUSE
-    /// between polls). perftest has a send and a receive CQ; here they are one, so a receive
+    /// between polls), receives on the receive CQ. Where that is the send CQ too, a receive
     /// that completes while a send's completion is awaited is counted and taken by the next
     /// wait for a receive. Any other completion, or an error, ends the run.
     fn poll_one(&mut self, op: WcOpcode) -> anyhow::Result<()> {
@@ -241,8 +256,13 @@ impl End {
         let mut wc = [Wc::default(); 1];
         let mut spins = 0u32;
         let mut t0 = None;
+        let on_recv_cq = op == WcOpcode::Recv && self.rcq.is_some();
         loop {
-            if self.cq.poll(&mut wc) == 1 {
+            let cq = match &self.rcq {
+                Some(r) if on_recv_cq => r,
+                _ => &self.cq,
+            };
+            if cq.poll(&mut wc) == 1 {
                 let w = wc[0];
                 if w.status == WcStatus::Success && w.opcode == op {
                     return Ok(());
@@ -522,7 +542,7 @@ pub(super) fn client(
     iters: &[u64],
     announce: impl FnOnce(),
 ) -> anyhow::Result<Vec<Row>> {
-    let mut e = open(fabric, 1)?;
+    let mut e = open(fabric, 1, lp == Loop::Perftest && test == Test::SendLat)?;
     let peer = cm::connect(&e._ctx, 2, port, &e.qp, &e.offer(), Duration::from_secs(10))
         .context("perf peer did not come up")?;
     announce();
@@ -719,7 +739,7 @@ pub(super) fn peer(
     node: u32,
     port: u32,
 ) -> anyhow::Result<()> {
-    let mut e = open(fabric, node)?;
+    let mut e = open(fabric, node, lp == Loop::Perftest && test == Test::SendLat)?;
     let mut l = cm::Listener::bind(&e._ctx, port)?;
     let client = l.accept(&e.qp, &e.offer(), Some(Duration::from_secs(30)))?;
     loop {
