@@ -383,13 +383,7 @@ pub(crate) struct CqObj {
     pub(crate) ibv: IbvCq,
     pub(crate) cq: Cq,
     pub(crate) ctx: *const Ctx,
-    /// Completions taken from the engine before they are written out in libibverbs' layout
-    /// (made once: a poll must not initialise a buffer each time).
-    pub(crate) scratch: Vec<backplane::verbs::Wc>,
 }
-
-/// Completions taken from the engine per step of a poll.
-const POLL_STEP: usize = 16;
 
 /// `ibv_create_cq`.
 #[no_mangle]
@@ -455,7 +449,6 @@ pub extern "C" fn bp_ibv_create_cq(
         },
         cq,
         ctx: c,
-        scratch: vec![backplane::verbs::Wc::default(); POLL_STEP],
     }));
     if let Some(ch) = ch {
         ch.ibv.refcnt += 1;
@@ -553,8 +546,8 @@ pub(crate) unsafe extern "C" fn poll_cq(
     wc: *mut IbvWc,
 ) -> c_int {
     // SAFETY: caller contract (the inline wrapper passes the program's CQ); the context's
-    // lock, taken next, makes this call the only one using it.
-    let c = unsafe { &mut *cq.cast::<CqObj>() };
+    // lock, taken next, makes this call the only one using its engine.
+    let c = unsafe { &*cq.cast::<CqObj>() };
     // SAFETY: the context outlives its CQs.
     let _g = unsafe { &*c.ctx }.lock();
     let want = num_entries.max(0) as usize;
@@ -563,18 +556,13 @@ pub(crate) unsafe extern "C" fn poll_cq(
         c.cq.poll(&mut []);
         return 0;
     }
-    let mut n = 0usize;
-    while n < want {
-        let k = c.cq.poll(&mut c.scratch[..(want - n).min(POLL_STEP)]);
-        for (i, w) in c.scratch[..k].iter().enumerate() {
-            // SAFETY: n + i < num_entries, which the caller promises are writable.
-            unsafe { wc.add(n + i).write(wc_out(w)) };
-        }
-        n += k;
-        if k < POLL_STEP {
-            break;
-        }
-    }
+    // Each completion goes from the engine's queue straight into the program's array, in
+    // libibverbs' layout (no buffer in between: reloading a just-stored completion whole
+    // stalled on store forwarding, 40 % of a poll).
+    let n = c.cq.poll_each(want, |i, w| {
+        // SAFETY: i < want = num_entries, which the caller promises are writable.
+        unsafe { wc.add(i).write(wc_out(w)) };
+    });
     // An overrun CQ is in error (as after IBV_EVENT_CQ_ERR): said when it has nothing left.
     if n == 0 && c.cq.overruns() > 0 {
         return -1;

@@ -598,6 +598,14 @@ impl Cq {
         self.ctx.poll(self.id, wc)
     }
 
+    /// As [`Cq::poll`], handing each of up to `max` completions to `sink` (its index in this
+    /// call, the completion) as it leaves the queue — for a caller that converts them (the
+    /// drop-in libibverbs writes `struct ibv_wc`s), without a buffer in between.
+    #[inline]
+    pub fn poll_each(&self, max: usize, sink: impl FnMut(usize, &Wc)) -> usize {
+        self.ctx.poll_each(self.id, max, sink)
+    }
+
     /// Completions that arrived while the CQ already held its `cqe` entries. On hardware that
     /// is a CQ overrun (the asynchronous event `IBV_EVENT_CQ_ERR`, completions lost); here the
     /// completions are kept and counted, so the mistake is visible without losing work.

@@ -147,6 +147,18 @@ impl Ctx {
     /// Polls completion queue `cq`: up to `out.len()` completions; when it holds none, its QPs
     /// are moved along first (so completions already there come back at once).
     pub(crate) fn poll(&self, cq: usize, out: &mut [Wc]) -> usize {
+        self.poll_each(cq, out.len(), |i, w| out[i] = *w)
+    }
+
+    /// As [`Ctx::poll`], handing each of up to `max` completions to `sink` (its index, the
+    /// completion) straight from the queue, without a buffer in between.
+    #[inline]
+    pub(crate) fn poll_each(
+        &self,
+        cq: usize,
+        max: usize,
+        mut sink: impl FnMut(usize, &Wc),
+    ) -> usize {
         let mut eng = self.eng.borrow_mut();
         let eng = &mut *eng;
         let need = eng
@@ -161,11 +173,11 @@ impl Ctx {
             return 0;
         };
         let mut n = 0;
-        while n < out.len() {
+        while n < max {
             let Some(wc) = c.entries.pop_front() else {
                 break;
             };
-            out[n] = wc;
+            sink(n, &wc);
             n += 1;
         }
         n

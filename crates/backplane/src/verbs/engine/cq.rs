@@ -19,6 +19,10 @@ pub(crate) struct CqState {
 
 pub(crate) type Cqs = Vec<Option<CqState>>;
 
+/// Appends a completion (inlined: built in place, a completion is not first stored on the
+/// stack in narrow pieces and then reloaded whole — a store-forwarding stall that was a fifth
+/// of a signaled RDMA WRITE's cost).
+#[inline(always)]
 pub(super) fn push_cqe(cqs: &mut Cqs, cq: usize, wc: Wc) {
     if let Some(Some(c)) = cqs.get_mut(cq) {
         // Receives wait in the ring while the CQ is full (`cq_room`); send completions cannot
