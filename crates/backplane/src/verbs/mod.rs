@@ -176,7 +176,7 @@ impl Context {
         }
         let mut e = self.inner.eng.borrow_mut();
         let st = CqState {
-            entries: std::collections::VecDeque::with_capacity(cqe.min(4096)),
+            entries: engine::CqRing::with_capacity(cqe.min(4096)),
             cap: cqe,
             qps: Vec::new(),
             channel: channel.map(|c| c.shared.clone()),
