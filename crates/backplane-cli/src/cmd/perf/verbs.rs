@@ -410,6 +410,15 @@ use crate::sys::tsc;
 #[cfg(not(target_arch = "x86_64"))]
 static EPOCH: std::sync::LazyLock<Instant> = std::sync::LazyLock::new(Instant::now);
 
+/// An unsignaled RDMA_WRITE of `sge` to the start of the peer's region, inline when small.
+fn write_wr<'a>(sge: &'a [Sge], rkey: u32, size: u64) -> SendWr<'a> {
+    let mut wr = SendWr::write(0, sge, 0, rkey);
+    if size <= INLINE {
+        wr.send_flags |= SendFlags::INLINE;
+    }
+    wr
+}
+
 /// The RDMA_WRITE ping-pong of `write-lat` (ib_write_lat): each side writes the iteration's
 /// stamp into the last byte of the other's region and polls the last byte of its own. The
 /// work requests are built once (as perftest does); `first` is the side that starts. Returns
@@ -422,10 +431,7 @@ fn write_pingpong(
     first: bool,
 ) -> anyhow::Result<Vec<u64>> {
     let sge = [e.mr.sge(SRC, size as u32)];
-    let mut wr = SendWr::write(0, &sge, 0, rkey);
-    if size <= INLINE {
-        wr.send_flags = SendFlags::INLINE;
-    }
+    let wr = write_wr(&sge, rkey, size);
     let signaled = [wr.signaled()];
     let plain = [wr];
     let mut rtt = Vec::with_capacity(if first { count as usize } else { 0 });
@@ -469,11 +475,7 @@ fn write_pingpong_perftest(
     first: bool,
 ) -> anyhow::Result<Vec<u64>> {
     let sge = [e.mr.sge(SRC, size as u32)];
-    let mut wr = SendWr::write(0, &sge, 0, rkey).signaled();
-    if size <= INLINE {
-        wr.send_flags |= SendFlags::INLINE;
-    }
-    let wr = [wr];
+    let wr = [write_wr(&sge, rkey, size).signaled()];
     let mut t = vec![0u64; count as usize];
     for i in 0..count {
         if !(first && i == 0) {
@@ -675,13 +677,7 @@ fn bw(
     let sge = [e.mr.sge(SRC, len)];
     let one = |e: &mut End| -> anyhow::Result<()> {
         let wr = match test {
-            Test::WriteBw => {
-                let mut wr = SendWr::write(0, &sge, 0, peer.rkey);
-                if size <= INLINE {
-                    wr.send_flags = SendFlags::INLINE;
-                }
-                wr
-            }
+            Test::WriteBw => write_wr(&sge, peer.rkey, size),
             Test::ReadBw => SendWr::read(0, &sge, 0, peer.rkey),
             _ => {
                 let mut wr = e.send_wr(size);
