@@ -61,12 +61,13 @@ fn perf_rounds_keep_every_round_and_report_medians() {
     assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
 }
 
-/// `perf write-lat / send-lat --loop perftest`: perftest's loop over the Rust API runs to the
-/// end on both sides (the peer's answers all taken, the protocol in step for a second size)
-/// and says so in the JSON; the other tests refuse the option in one line.
+/// `perf write-lat / send-lat / read-lat / atomic-lat --loop perftest`: perftest's loop over
+/// the Rust API runs to the end on both sides (the peer's answers all taken, the protocol in
+/// step for the next size) and says so in the JSON; the bandwidth tests refuse the option in
+/// one line.
 #[test]
-fn perf_loop_perftest_runs_perftests_loop_for_write_and_send_latency() {
-    for test in ["write-lat", "send-lat"] {
+fn perf_loop_perftest_runs_perftests_loop_for_every_latency_test() {
+    for test in ["write-lat", "send-lat", "read-lat", "atomic-lat"] {
         let out = bp(&[
             "perf",
             test,
@@ -87,16 +88,17 @@ fn perf_loop_perftest_runs_perftests_loop_for_write_and_send_latency() {
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(v["loop"], "perftest", "{v}");
         let rows = v["backplane"].as_array().unwrap();
-        assert_eq!(rows.len(), 18, "{test}: every size 8 B .. 1 MiB");
+        let sizes = if test == "atomic-lat" { 1 } else { 18 };
+        assert_eq!(rows.len(), sizes, "{test}: every size 8 B .. 1 MiB");
         for r in rows {
             let t = r["t_typical_us"].as_f64().unwrap();
             assert!(t > 0.0 && t < 1e6, "{test}: {r}");
         }
     }
-    let bad = bp(&["perf", "read-lat", "--loop", "perftest", "--ucx", "off"]);
+    let bad = bp(&["perf", "read-bw", "--loop", "perftest", "--ucx", "off"]);
     assert_eq!(bad.status.code(), Some(1), "{}", stderr(&bad));
     assert!(
-        stderr(&bad).contains("--loop perftest is for write-lat and send-lat"),
+        stderr(&bad).contains("--loop perftest is for the latency tests"),
         "{}",
         stderr(&bad)
     );

@@ -157,11 +157,12 @@ pub enum Loop {
     /// client only, waiting loops that PAUSE.
     #[default]
     Native,
-    /// perftest's (`run_iter_lat_write` / `run_iter_lat_send`), step for step over the Rust
-    /// API: every request signaled and its completion polled before anything else, a clock
-    /// read per iteration on both sides, waiting loops without PAUSE, and in send-lat the
+    /// perftest's (`run_iter_lat_write`, `run_iter_lat_send`, `run_iter_lat`), step for step
+    /// over the Rust API: every request signaled and its completion polled before anything
+    /// else, a clock read per iteration (on both sides of a ping-pong) and the time between
+    /// consecutive reads as the sample, waiting loops without PAUSE, and in send-lat the
     /// receive reposted between the answer and the next send. perftest beside it then differs
-    /// only by the drop-in libibverbs.so.1 (write-lat and send-lat).
+    /// only by the drop-in libibverbs.so.1.
     Perftest,
 }
 
@@ -190,8 +191,8 @@ pub struct Args {
     /// unmodified, over the fabric through the drop-in `libibverbs.so.1`, in the same run.
     #[arg(long, value_enum, default_value = "auto")]
     perftest: UcxMode,
-    /// write-lat and send-lat: the backplane side's loop — its own, or perftest's step for
-    /// step, so that `--perftest` beside it measures the drop-in library alone.
+    /// Latency tests: the backplane side's loop — its own, or perftest's step for step, so
+    /// that `--perftest` beside it measures the drop-in library alone.
     #[arg(long = "loop", value_enum, default_value = "native")]
     loop_: Loop,
     /// Repeat the whole comparison this many times, backplane and its peer (UCX; veth for
@@ -250,7 +251,7 @@ struct Report {
     version: u32,
     test: Test,
     fabric: String,
-    /// The backplane side's loop (write-lat, send-lat).
+    /// The backplane side's loop (latency tests).
     #[serde(rename = "loop")]
     loop_: Loop,
     backplane: Vec<Row>,
@@ -307,10 +308,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         return dma::run(&a);
     }
     let sizes = sizes(&a)?;
-    if a.loop_ == Loop::Perftest && !matches!(a.test, Test::WriteLat | Test::SendLat) {
+    if a.loop_ == Loop::Perftest && !a.test.is_lat() {
         bail!(
-            "--loop perftest is for write-lat and send-lat (the other tests' loops are \
-             perftest's already)"
+            "--loop perftest is for the latency tests (the bandwidth loops are perftest's already)"
         );
     }
     if a.iters == Some(0) {
