@@ -61,7 +61,19 @@ fn membarrier_ok() -> bool {
     })
 }
 
+#[inline(always)]
 fn this_thread() -> u64 {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
+    // SAFETY: on x86_64 glibc the thread pointer (%fs) points at the thread's control block,
+    // whose `self` field at offset 16 is what `pthread_self` returns (the TLS ABI the
+    // compilers' stack protector at %fs:40 relies on too); a load from the calling thread's
+    // own TCB, always mapped. Saves a call through the PLT per lock.
+    let t = unsafe {
+        let t: u64;
+        core::arch::asm!("mov {}, qword ptr fs:[16]", out(reg) t, options(nostack, readonly, preserves_flags));
+        t
+    };
+    #[cfg(not(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu")))]
     // SAFETY: pthread_self has no preconditions; it reads the calling thread's handle.
     let t = unsafe { libc::pthread_self() } as u64;
     // A handle is a TCB address: never 0 or all ones, but keep the two markers out anyway.
@@ -210,6 +222,18 @@ mod tests {
         let _h = g.lock.lock();
         // SAFETY: the lock is held.
         assert_eq!(unsafe { *g.n.get() }, 1000 + 5 * EACH);
+    }
+
+    #[test]
+    fn this_thread_is_pthread_self() {
+        let mine = this_thread();
+        // SAFETY: no preconditions.
+        assert_eq!(
+            mine,
+            (unsafe { libc::pthread_self() } as u64).clamp(1, CLOSED - 1)
+        );
+        let other = std::thread::spawn(this_thread).join().unwrap();
+        assert_ne!(mine, other);
     }
 
     #[test]
