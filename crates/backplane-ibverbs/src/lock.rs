@@ -227,11 +227,9 @@ mod tests {
     #[test]
     fn this_thread_is_pthread_self() {
         let mine = this_thread();
-        // SAFETY: no preconditions.
-        assert_eq!(
-            mine,
-            (unsafe { libc::pthread_self() } as u64).clamp(1, CLOSED - 1)
-        );
+        // SAFETY: pthread_self has no preconditions.
+        let libc_says = unsafe { libc::pthread_self() } as u64;
+        assert_eq!(mine, libc_says.clamp(1, CLOSED - 1));
         let other = std::thread::spawn(this_thread).join().unwrap();
         assert_ne!(mine, other);
     }
