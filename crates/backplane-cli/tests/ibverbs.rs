@@ -365,3 +365,49 @@ fn threads_sharing_one_context_take_turns_and_every_byte_arrives() {
         text(&out)
     );
 }
+
+/// `examples/c/perftest_loops.c` — perftest's latency loops over plain libibverbs, the probe
+/// behind the README's findings on where `ib_write_lat`'s time goes — builds and runs each of
+/// its loops between two nodes (a few thousand iterations: it must work, not measure here).
+#[test]
+fn the_perftest_loops_probe_runs_each_loop_between_two_nodes() {
+    lib_built();
+    let dir = std::env::temp_dir().join(format!("bp-ptloops-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("perftest_loops");
+    let src = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/c/perftest_loops.c"
+    );
+    let cc = std::process::Command::new("cc")
+        .args(["-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&exe)
+        .args([src, "-libverbs"])
+        .output()
+        .expect("run cc");
+    assert!(cc.status.success(), "cc: {}", text(&cc));
+    let exe = exe.to_str().unwrap().to_owned();
+    let fab = Fab::up("ibv_ptloops", 2, &[]);
+    for (i, (args, want)) in [
+        (&["-t", "write", "-n", "3000"][..], "write: "),
+        (
+            &["-t", "write", "-P", "-n", "3000"][..],
+            "write with PAUSE: ",
+        ),
+        (&["-t", "send", "-n", "3000"][..], "send: "),
+        (&["-t", "post", "-o", "read", "-n", "3000"][..], "read: "),
+        (&["-t", "post", "-o", "fadd", "-n", "3000"][..], "fadd: "),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let r = pair(&fab, &exe, 18760 + i as u16, args);
+        both_succeed(&format!("perftest_loops {args:?}"), &r);
+        let out = String::from_utf8_lossy(&r.1.stdout).into_owned();
+        assert!(
+            out.starts_with(want) && out.contains(" ns "),
+            "{args:?}: {out}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
