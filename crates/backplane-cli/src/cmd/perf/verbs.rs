@@ -49,6 +49,31 @@ struct End {
     early_recvs: u64,
 }
 
+/// The 30 s a polling loop waits for the peer, checked now and then: reading the clock costs
+/// as much as a poll, or as the operation being timed (read-lat), so it is read only every
+/// 65536th empty poll, from the first such one on.
+struct Patience {
+    polls: u32,
+    since: Option<Instant>,
+}
+
+impl Patience {
+    fn new() -> Self {
+        Self {
+            polls: 0,
+            since: None,
+        }
+    }
+
+    /// Counts one empty poll; true once the 30 s are over.
+    #[inline]
+    fn out(&mut self) -> bool {
+        self.polls = self.polls.wrapping_add(1);
+        self.polls.is_multiple_of(65536)
+            && self.since.get_or_insert_with(Instant::now).elapsed() > Duration::from_secs(30)
+    }
+}
+
 /// One side's objects; `split`: receives complete on a CQ of their own, as in perftest's
 /// SEND tests (`--loop perftest`), rather than on the send CQ.
 fn open(fabric: &Fabric, slot: u32, split: bool) -> anyhow::Result<End> {
@@ -122,8 +147,7 @@ impl End {
     fn take_recv(&self) -> anyhow::Result<Wc> {
         let mut wc = [Wc::default(); 2];
         let mut got = None;
-        let mut t0 = None;
-        let mut spins = 0u32;
+        let mut patience = Patience::new();
         loop {
             let n = self.recv_cq().poll(&mut wc);
             for w in &wc[..n] {
@@ -139,13 +163,8 @@ impl End {
             if let Some(w) = got {
                 return Ok(w);
             }
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(65536) {
-                // Reading the clock costs as much as a poll: only now and then.
-                let t = *t0.get_or_insert_with(Instant::now);
-                if t.elapsed() > Duration::from_secs(30) {
-                    bail!("the peer stopped answering");
-                }
+            if patience.out() {
+                bail!("the peer stopped answering");
             }
         }
     }
@@ -154,8 +173,7 @@ impl End {
     fn sink(&self, count: u64) -> anyhow::Result<()> {
         let mut wc = [Wc::default(); 32];
         let mut got = 0;
-        let mut idle = 0u32;
-        let mut t0 = None;
+        let mut patience = Patience::new();
         while got < count {
             let n = self.cq.poll(&mut wc);
             for w in &wc[..n] {
@@ -167,14 +185,8 @@ impl End {
                     self.repost()?;
                 }
             }
-            if n == 0 {
-                idle = idle.wrapping_add(1);
-                if idle.is_multiple_of(65536) {
-                    let t = *t0.get_or_insert_with(Instant::now);
-                    if t.elapsed() > Duration::from_secs(30) {
-                        bail!("the sender stopped after {got} of {count} messages");
-                    }
-                }
+            if n == 0 && patience.out() {
+                bail!("the sender stopped after {got} of {count} messages");
             }
         }
         Ok(())
@@ -183,10 +195,7 @@ impl End {
     /// Polls until the signaled work request `wr_id` completes.
     fn wait_send(&self, wr_id: u64) -> anyhow::Result<()> {
         let mut wc = [Wc::default(); 1];
-        // The clock is read only after many empty polls: a read costs as much as the
-        // operation being timed (read-lat, atomic-lat), and was inside every sample.
-        let mut t0 = None;
-        let mut spins = 0u32;
+        let mut patience = Patience::new();
         loop {
             let n = self.cq.poll(&mut wc);
             for w in &wc[..n] {
@@ -200,12 +209,8 @@ impl End {
                     return Ok(());
                 }
             }
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(65536) {
-                let t = *t0.get_or_insert_with(Instant::now);
-                if t.elapsed() > Duration::from_secs(30) {
-                    bail!("work request {wr_id} never completed");
-                }
+            if patience.out() {
+                bail!("work request {wr_id} never completed");
             }
         }
     }
@@ -261,8 +266,7 @@ impl End {
             return Ok(());
         }
         let mut wc = [Wc::default(); 1];
-        let mut spins = 0u32;
-        let mut t0 = None;
+        let mut patience = Patience::new();
         let on_recv_cq = op == WcOpcode::Recv && self.rcq.is_some();
         loop {
             let cq = match &self.rcq {
@@ -280,12 +284,8 @@ impl End {
                 }
                 bail!("unexpected completion {w:?} (waiting for {op:?})");
             }
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(1 << 20) {
-                let t = *t0.get_or_insert_with(Instant::now);
-                if t.elapsed() > Duration::from_secs(30) {
-                    bail!("the peer stopped answering");
-                }
+            if patience.out() {
+                bail!("the peer stopped answering");
             }
         }
     }
