@@ -335,6 +335,24 @@ fn a_program_killed_mid_run_leaves_its_peer_able_to_finish_and_nothing_behind() 
     assert!(left.is_empty(), "{left:?}");
 }
 
+/// Compiles `src` (relative to this crate) against the system's `<infiniband/verbs.h>` with
+/// warnings as errors, into a directory of its own; the directory and the program.
+fn compile_c(src: &str, name: &str) -> (std::path::PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!("bp-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join(name);
+    let cc = std::process::Command::new("cc")
+        .args(["-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(src))
+        .args(["-libverbs", "-lpthread"])
+        .output()
+        .expect("run cc");
+    assert!(cc.status.success(), "cc {src}: {}", text(&cc));
+    let exe = exe.to_str().unwrap().to_owned();
+    (dir, exe)
+}
+
 /// A multi-threaded libibverbs program (`tests/c/ibv_threads.c`, compiled here against the
 /// system's `<infiniband/verbs.h>` and run with the drop-in library): four threads on one
 /// context at once, the main thread — which opened the context and so holds the lock's bias —
@@ -344,19 +362,9 @@ fn a_program_killed_mid_run_leaves_its_peer_able_to_finish_and_nothing_behind() 
 #[test]
 fn threads_sharing_one_context_take_turns_and_every_byte_arrives() {
     lib_built();
-    let dir = std::env::temp_dir().join(format!("bp-ibv-threads-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let exe = dir.join("ibv_threads");
-    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/c/ibv_threads.c");
-    let cc = std::process::Command::new("cc")
-        .args(["-O2", "-Wall", "-Werror", "-o"])
-        .arg(&exe)
-        .args([src, "-libverbs", "-lpthread"])
-        .output()
-        .expect("run cc");
-    assert!(cc.status.success(), "cc: {}", text(&cc));
+    let (dir, exe) = compile_c("tests/c/ibv_threads.c", "ibv_threads");
     let fab = Fab::up("ibv_threads", 2, &[]);
-    let out = exec_verbs(&fab, 1, &[exe.to_str().unwrap(), "4", "3000"]);
+    let out = exec_verbs(&fab, 1, &[&exe, "4", "3000"]);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(out.status.success(), "{}", text(&out));
     assert!(
@@ -372,21 +380,7 @@ fn threads_sharing_one_context_take_turns_and_every_byte_arrives() {
 #[test]
 fn the_perftest_loops_probe_runs_each_loop_between_two_nodes() {
     lib_built();
-    let dir = std::env::temp_dir().join(format!("bp-ptloops-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let exe = dir.join("perftest_loops");
-    let src = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../examples/c/perftest_loops.c"
-    );
-    let cc = std::process::Command::new("cc")
-        .args(["-O2", "-Wall", "-Wextra", "-Werror", "-o"])
-        .arg(&exe)
-        .args([src, "-libverbs"])
-        .output()
-        .expect("run cc");
-    assert!(cc.status.success(), "cc: {}", text(&cc));
-    let exe = exe.to_str().unwrap().to_owned();
+    let (dir, exe) = compile_c("../../examples/c/perftest_loops.c", "perftest_loops");
     let fab = Fab::up("ibv_ptloops", 2, &[]);
     for (i, (args, want)) in [
         (&["-t", "write", "-n", "3000"][..], "write: "),
