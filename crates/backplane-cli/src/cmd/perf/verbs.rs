@@ -786,12 +786,11 @@ pub(super) fn peer(
         e.send_ctl(0, 0)?; // ready
         let len = size as u32;
         match test {
-            Test::WriteLat | Test::SendLat if lp == Loop::Perftest => {
-                if test == Test::WriteLat {
-                    write_pingpong_perftest(&mut e, client.rkey, size, count, false)?;
-                } else {
-                    send_pingpong_perftest(&mut e, size, count, false)?;
-                }
+            Test::WriteLat if lp == Loop::Perftest => {
+                write_pingpong_perftest(&mut e, client.rkey, size, count, false)?;
+            }
+            Test::SendLat if lp == Loop::Perftest => {
+                send_pingpong_perftest(&mut e, size, count, false)?;
             }
             Test::WriteLat => {
                 write_pingpong(&mut e, client.rkey, size, count, false)?;
