@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 
 mode=${1:-main}
 # ucx-utils: ucx_perftest, the peer `backplane perf` measures against in the same run.
+# libucx-dev: the UCP header backplane-ucx (the link between the hosts of a fabric) builds against.
 # iproute2: namespaces and interfaces of IP over the fabric. procps: ps. ip also builds `bench`'s veth pair.
 # (No fonts: the bench's plots embed DejaVu Sans.)
 # iperf3, iputils-ping, sockperf: the network tests and the IP benchmark.
@@ -16,7 +17,7 @@ mode=${1:-main}
 # sockets (exec --accel, backplane-sockets) are tested with (with iperf3 and sockperf);
 # openssh-server, openssh-client, rsync: sshd forks and execs with the connection (scp, rsync
 # over ssh); qperf: tcp_bw and tcp_lat.
-packages=(ucx-utils iproute2 procps iperf3 iputils-ping sockperf libibverbs-dev ibverbs-utils perftest
+packages=(ucx-utils libucx-dev iproute2 procps iperf3 iputils-ping sockperf libibverbs-dev ibverbs-utils perftest
   python3 curl netcat-openbsd redis-server redis-tools openssh-server openssh-client rsync qperf)
 
 missing=()

@@ -1,0 +1,375 @@
+//! The link between the supervisors of a fabric that spans hosts: UCP active messages over the
+//! transport UCX picks at run time (TCP, RDMA verbs, shared memory), driven from one thread.
+//!
+//! A [`Link`] is one UCP context and worker, an optional listener, and up to 64 endpoints named
+//! by an [`EpId`]. Messages are whole byte strings up to [`MAX_MSG`] (sent eagerly, copied on
+//! both sides). Nothing blocks: connecting, accepting, receiving and failing arrive as
+//! [`Event`]s from [`Link::poll`], which the caller runs from its own event loop (the worker's
+//! wake-up fd is [`Link::fd`]).
+//!
+//! Why a C shim (`src/shim.c`) rather than bindings: UCP's parameter structs are unions and
+//! field masks whose layouts change between releases; the shim is compiled against the
+//! installed header, so the Rust side binds ten plain functions and nothing can drift.
+
+use std::ffi::{CStr, CString};
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{BorrowedFd, RawFd};
+
+/// The largest message [`Link::send`] takes.
+pub const MAX_MSG: usize = 64 * 1024;
+
+/// The unsafe FFI: the shim's functions, nothing else.
+mod ffi {
+    use std::ffi::{c_char, c_int, c_void};
+
+    #[repr(C)]
+    pub struct Link {
+        _private: [u8; 0],
+    }
+
+    #[repr(C)]
+    pub struct Event {
+        pub kind: c_int,
+        pub ep: c_int,
+        pub status: c_int,
+        pub len: usize,
+        pub data: *mut c_void,
+    }
+
+    pub const EV_ACCEPTED: c_int = 1;
+    pub const EV_MESSAGE: c_int = 2;
+    pub const EV_FAILED: c_int = 3;
+    pub const EV_DROPPED: c_int = 4;
+
+    extern "C" {
+        pub fn bpx_open(ip: *const c_char, port: u16, out: *mut *mut Link) -> c_int;
+        pub fn bpx_listen_port(l: *mut Link) -> c_int;
+        pub fn bpx_efd(l: *mut Link) -> c_int;
+        pub fn bpx_connect(l: *mut Link, ip: *const c_char, port: u16) -> c_int;
+        pub fn bpx_send(l: *mut Link, ep: c_int, buf: *const c_void, len: usize) -> c_int;
+        pub fn bpx_progress(l: *mut Link) -> c_int;
+        pub fn bpx_arm(l: *mut Link) -> c_int;
+        pub fn bpx_next_event(l: *mut Link, ev: *mut Event) -> c_int;
+        pub fn bpx_free(p: *mut c_void);
+        pub fn bpx_close(l: *mut Link, ep: c_int);
+        pub fn bpx_ep_info(l: *mut Link, ep: c_int, buf: *mut c_char, cap: usize) -> usize;
+        pub fn bpx_close_all(l: *mut Link);
+        pub fn bpx_status_string(status: c_int) -> *const c_char;
+    }
+}
+
+/// A UCX status, with UCX's own words for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Error {
+    /// The `ucs_status_t` value (negative).
+    pub status: i32,
+    /// What was being done.
+    pub what: String,
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.what, status_string(self.status))
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// UCX's description of a status code.
+pub fn status_string(status: i32) -> String {
+    // SAFETY: ucs_status_string takes any value and returns a static NUL-terminated string
+    // ("Unknown error" for values it does not know).
+    let p = unsafe { ffi::bpx_status_string(status) };
+    if p.is_null() {
+        return format!("UCX status {status}");
+    }
+    // SAFETY: p is non-null and points to a static C string (see above).
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// An endpoint of a [`Link`] (an index, reused after [`Link::close`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct EpId(pub i32);
+
+/// Something that happened on a link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A peer connected to the listener: a new endpoint.
+    Accepted(EpId),
+    /// A message from an endpoint (`None`: its sender is not one of our endpoints).
+    Message(Option<EpId>, Vec<u8>),
+    /// An endpoint failed (peer gone, connection refused, …); close it.
+    Failed(EpId, Error),
+    /// A message we could not take (rendezvous or larger than [`MAX_MSG`]) was dropped.
+    Dropped(Option<EpId>, usize),
+}
+
+/// One UCP context + worker (+ listener). Not `Send`: UCX runs it single-threaded.
+pub struct Link {
+    raw: *mut ffi::Link,
+}
+
+fn ipv4(addr: IpAddr) -> Result<CString, Error> {
+    match addr {
+        IpAddr::V4(a) => Ok(CString::new(a.to_string()).expect("no NUL in an address")),
+        IpAddr::V6(_) => Err(Error {
+            status: -20, // UCS_ERR_INVALID_ADDR
+            what: format!("{addr}: only IPv4 addresses are supported"),
+        }),
+    }
+}
+
+fn check(status: i32, what: impl FnOnce() -> String) -> Result<(), Error> {
+    if status < 0 {
+        Err(Error {
+            status,
+            what: what(),
+        })
+    } else {
+        Ok(())
+    }
+}
+
+impl Link {
+    /// Opens a link, listening on `listen` if given (port 0: any free port).
+    pub fn open(listen: Option<SocketAddr>) -> Result<Self, Error> {
+        let ip = listen.map(|a| ipv4(a.ip())).transpose()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: ip is a valid C string or null; raw is a valid out-pointer; on failure the
+        // shim frees what it made and leaves raw untouched.
+        let s = unsafe {
+            ffi::bpx_open(
+                ip.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
+                listen.map_or(0, |a| a.port()),
+                &mut raw,
+            )
+        };
+        check(s, || match listen {
+            Some(a) => format!("cannot listen on {a} with UCX"),
+            None => "cannot start UCX".into(),
+        })?;
+        Ok(Self { raw })
+    }
+
+    /// The port the listener listens on (0 without one).
+    pub fn listen_port(&self) -> u16 {
+        // SAFETY: raw is a live link (owned by self).
+        unsafe { ffi::bpx_listen_port(self.raw) as u16 }
+    }
+
+    /// The worker's wake-up file descriptor: poll it for readability, then [`Link::poll`].
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: raw is a live link; the fd belongs to its worker and lives as long as it.
+        let fd: RawFd = unsafe { ffi::bpx_efd(self.raw) };
+        // SAFETY: the worker's fd stays open until the link is dropped, which the borrow of
+        // self prevents while the BorrowedFd lives.
+        unsafe { BorrowedFd::borrow_raw(fd) }
+    }
+
+    /// Starts connecting to `addr`; a failure to connect arrives as [`Event::Failed`].
+    pub fn connect(&mut self, addr: SocketAddr) -> Result<EpId, Error> {
+        let ip = ipv4(addr.ip())?;
+        // SAFETY: raw is live; ip is a valid C string for the call.
+        let r = unsafe { ffi::bpx_connect(self.raw, ip.as_ptr(), addr.port()) };
+        check(r, || format!("cannot connect to {addr} with UCX"))?;
+        Ok(EpId(r))
+    }
+
+    /// Sends one message (copied; at most [`MAX_MSG`] bytes).
+    pub fn send(&mut self, ep: EpId, msg: &[u8]) -> Result<(), Error> {
+        // SAFETY: raw is live; msg is valid for len bytes and copied before the call returns.
+        let r = unsafe { ffi::bpx_send(self.raw, ep.0, msg.as_ptr().cast(), msg.len()) };
+        check(r, || format!("cannot send to endpoint {}", ep.0))
+    }
+
+    /// Makes progress and returns what happened. If it returns nothing and [`Link::arm`]
+    /// returns true, it is safe to wait on [`Link::fd`].
+    pub fn poll(&mut self) -> Vec<Event> {
+        // SAFETY: raw is live; progress runs the callbacks on this thread.
+        while unsafe { ffi::bpx_progress(self.raw) } != 0 {}
+        let mut out = Vec::new();
+        loop {
+            let mut ev = ffi::Event {
+                kind: 0,
+                ep: -1,
+                status: 0,
+                len: 0,
+                data: std::ptr::null_mut(),
+            };
+            // SAFETY: raw is live; ev is a valid out-pointer.
+            if unsafe { ffi::bpx_next_event(self.raw, &mut ev) } == 0 {
+                break;
+            }
+            let ep = (ev.ep >= 0).then_some(EpId(ev.ep));
+            let data = if ev.data.is_null() {
+                Vec::new()
+            } else {
+                // SAFETY: the shim malloc'ed ev.len bytes at ev.data for this event and hands
+                // them over; they are copied and freed here once.
+                let v =
+                    unsafe { std::slice::from_raw_parts(ev.data as *const u8, ev.len) }.to_vec();
+                // SAFETY: ev.data came from the shim's malloc and is freed exactly once.
+                unsafe { ffi::bpx_free(ev.data) };
+                v
+            };
+            match (ev.kind, ep) {
+                (ffi::EV_ACCEPTED, Some(e)) => out.push(Event::Accepted(e)),
+                (ffi::EV_MESSAGE, from) => out.push(Event::Message(from, data)),
+                (ffi::EV_FAILED, Some(e)) => out.push(Event::Failed(
+                    e,
+                    Error {
+                        status: ev.status,
+                        what: format!("endpoint {}", e.0),
+                    },
+                )),
+                (ffi::EV_DROPPED, from) => out.push(Event::Dropped(from, ev.len)),
+                _ => {} // an event of an endpoint closed since
+            }
+        }
+        out
+    }
+
+    /// Arms the wake-up fd: true if it is safe to sleep on [`Link::fd`] now.
+    pub fn arm(&mut self) -> bool {
+        // SAFETY: raw is live.
+        unsafe { ffi::bpx_arm(self.raw) != 0 }
+    }
+
+    /// Closes an endpoint at once (its outstanding sends are cancelled).
+    pub fn close(&mut self, ep: EpId) {
+        // SAFETY: raw is live; the shim ignores indexes that are not open.
+        unsafe { ffi::bpx_close(self.raw, ep.0) }
+    }
+
+    /// The transports UCX chose for an endpoint, as `tl/device` (e.g. `tcp/veth0`,
+    /// `rc_mlx5/mlx5_0:1`, `posix/memory`), once it is connected; empty before.
+    pub fn transports(&mut self, ep: EpId) -> Vec<String> {
+        let mut buf = vec![0u8; 8192];
+        // SAFETY: raw is live; buf is writable for its length; the shim NUL-terminates.
+        let n = unsafe { ffi::bpx_ep_info(self.raw, ep.0, buf.as_mut_ptr().cast(), buf.len()) };
+        parse_lanes(&String::from_utf8_lossy(&buf[..n]))
+    }
+}
+
+/// The `tl/device` of each lane in `ucp_ep_print_info`'s text, without repeats: lines such as
+/// `#                 lane[0]:  1:tcp/vethA.0 md[1]  -> md[1]/tcp/sysdev[255] rma_bw#0 am`.
+pub fn parse_lanes(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for line in text.lines() {
+        let Some(rest) = line.split("lane[").nth(1) else {
+            continue;
+        };
+        let Some(tok) = rest.split_whitespace().nth(1) else {
+            continue;
+        };
+        // "1:tcp/vethA.0" → "tcp/vethA"
+        let tl = tok.split_once(':').map_or(tok, |(_, t)| t);
+        let tl = tl.rsplit_once('.').map_or(tl, |(a, b)| {
+            if b.bytes().all(|c| c.is_ascii_digit()) {
+                a
+            } else {
+                tl
+            }
+        });
+        if !tl.is_empty() && !out.iter().any(|x| x == tl) {
+            out.push(tl.to_owned());
+        }
+    }
+    out
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        // SAFETY: raw is live and owned; it is not used after this.
+        unsafe { ffi::bpx_close_all(self.raw) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn lanes_are_read_from_ucps_own_description() {
+        let text = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n\
+                    #                 lane[0]:  1:tcp/vethA.0 md[1]          -> md[1]/tcp/sysdev[255] rma_bw#0 am am_bw#0\n\
+                    #                 lane[1]:  3:tcp/vethA.0 md[1]          -> md[1]/tcp/sysdev[255] am_bw#1\n\
+                    #                 lane[2]:  0:posix/memory.0 md[0]        -> md[0]/posix am\n";
+        assert_eq!(parse_lanes(text), vec!["tcp/vethA", "posix/memory"]);
+        assert!(parse_lanes("nothing here").is_empty());
+    }
+
+    fn until<T>(l: &mut Link, what: &str, mut f: impl FnMut(Event) -> Option<T>) -> T {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            for e in l.poll() {
+                if let Some(t) = f(e) {
+                    return t;
+                }
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn two_links_exchange_messages_and_see_each_other_fail() {
+        let mut server = Link::open(Some("127.0.0.1:0".parse().unwrap())).unwrap();
+        let port = server.listen_port();
+        assert_ne!(port, 0);
+        let mut client = Link::open(None).unwrap();
+        let ep = client
+            .connect(SocketAddr::from(([127, 0, 0, 1], port)))
+            .unwrap();
+        client.send(ep, b"hello").unwrap();
+        // Drive both from one thread: the client's progress is what sends.
+        let (from, msg) = {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let _ = client.poll();
+                let got = server.poll().into_iter().find_map(|e| match e {
+                    Event::Message(f, m) => Some((f, m)),
+                    _ => None,
+                });
+                if let Some(g) = got {
+                    break g;
+                }
+                assert!(Instant::now() < deadline, "no message");
+            }
+        };
+        assert_eq!(msg, b"hello");
+        let back = from.expect("the reply endpoint is the accepted one");
+        server.send(back, &[7u8; 3000]).unwrap();
+        let reply = until(&mut client, "the reply", |e| match e {
+            Event::Message(Some(f), m) if f == ep => Some(m),
+            _ => None,
+        });
+        assert_eq!(reply, vec![7u8; 3000]);
+        assert!(!client.transports(ep).is_empty());
+        let too_big = client.send(ep, &vec![0u8; MAX_MSG + 1]).unwrap_err();
+        assert!(too_big.to_string().contains("cannot send"), "{too_big}");
+        // The server goes away: the client's endpoint fails.
+        drop(server);
+        let failed = until(&mut client, "the failure", |e| match e {
+            Event::Failed(f, err) if f == ep => Some(err),
+            _ => None,
+        });
+        assert!(failed.status < 0);
+        client.close(ep);
+    }
+
+    #[test]
+    fn a_port_in_use_and_a_v6_address_are_refused_in_one_line() {
+        let a = Link::open(Some("127.0.0.1:0".parse().unwrap())).unwrap();
+        let taken = SocketAddr::from(([127, 0, 0, 1], a.listen_port()));
+        let e = Link::open(Some(taken)).err().expect("port in use");
+        assert!(
+            e.to_string().starts_with("cannot listen on 127.0.0.1:"),
+            "{e}"
+        );
+        assert!(!e.to_string().contains('\n'));
+        let e = Link::open(Some("[::1]:0".parse().unwrap())).err().unwrap();
+        assert!(e.to_string().contains("only IPv4"), "{e}");
+    }
+}

@@ -1,0 +1,404 @@
+/*
+ * The only code that touches UCX's structures: a small C layer over UCP 1.13 so that the
+ * Rust side (src/lib.rs) binds plain functions with plain types, and the layouts of UCP's
+ * parameter structs, unions and field masks come from <ucp/api/ucp.h> itself and cannot
+ * drift. One link = one UCP context, one worker (single-threaded: every call below, and every
+ * callback, runs on the thread that calls bpx_progress), an optional listener, and up to
+ * BPX_MAX_EPS endpoints named by their index. What happens asynchronously (a peer connected, a
+ * message arrived, an endpoint failed) is queued as events and read with bpx_next_event.
+ */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucp/api/ucp.h>
+
+#define BPX_MAX_EPS 64
+#define BPX_AM_ID 7
+#define BPX_MAX_MSG (64 * 1024)
+#define BPX_MAX_INFLIGHT 4096
+
+enum { BPX_EV_ACCEPTED = 1, BPX_EV_MESSAGE = 2, BPX_EV_FAILED = 3, BPX_EV_DROPPED = 4 };
+
+typedef struct bpx_event {
+    int kind;
+    int ep;
+    int status;
+    size_t len;
+    void *data;
+} bpx_event;
+
+struct bpx_link;
+
+typedef struct bpx_ep {
+    struct bpx_link *link;
+    int index;
+    ucp_ep_h ep;
+} bpx_ep;
+
+typedef struct bpx_link {
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    ucp_listener_h listener;
+    bpx_ep eps[BPX_MAX_EPS];
+    bpx_event *q;
+    size_t qhead, qlen, qcap;
+    size_t inflight;
+    int efd;
+} bpx_link;
+
+static void push(bpx_link *l, bpx_event ev)
+{
+    if (l->qlen == l->qcap) {
+        size_t cap = l->qcap ? l->qcap * 2 : 64;
+        bpx_event *q = malloc(cap * sizeof *q);
+        if (!q) {
+            free(ev.data);
+            return;
+        }
+        for (size_t i = 0; i < l->qlen; i++)
+            q[i] = l->q[(l->qhead + i) % l->qcap];
+        free(l->q);
+        l->q = q;
+        l->qhead = 0;
+        l->qcap = cap;
+    }
+    l->q[(l->qhead + l->qlen) % l->qcap] = ev;
+    l->qlen++;
+}
+
+static int free_index(bpx_link *l)
+{
+    for (int i = 0; i < BPX_MAX_EPS; i++)
+        if (!l->eps[i].ep)
+            return i;
+    return -1;
+}
+
+static void ep_failed(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    bpx_ep *e = arg;
+    (void)ep;
+    bpx_event ev = {BPX_EV_FAILED, e->index, status, 0, NULL};
+    push(e->link, ev);
+}
+
+static void set_err_handling(ucp_ep_params_t *p, bpx_ep *e)
+{
+    p->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    p->err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p->err_handler.cb = ep_failed;
+    p->err_handler.arg = e;
+}
+
+static void on_conn_request(ucp_conn_request_h req, void *arg)
+{
+    bpx_link *l = arg;
+    int i = free_index(l);
+    if (i < 0) {
+        ucp_listener_reject(l->listener, req);
+        return;
+    }
+    ucp_ep_params_t p;
+    memset(&p, 0, sizeof p);
+    p.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST;
+    p.conn_request = req;
+    set_err_handling(&p, &l->eps[i]);
+    ucp_ep_h ep;
+    if (ucp_ep_create(l->worker, &p, &ep) != UCS_OK)
+        return;
+    l->eps[i].ep = ep;
+    bpx_event ev = {BPX_EV_ACCEPTED, i, 0, 0, NULL};
+    push(l, ev);
+}
+
+static int index_of(bpx_link *l, ucp_ep_h ep)
+{
+    for (int i = 0; i < BPX_MAX_EPS; i++)
+        if (ep && l->eps[i].ep == ep)
+            return i;
+    return -1;
+}
+
+static ucs_status_t on_message(void *arg, const void *header, size_t header_length, void *data,
+                               size_t length, const ucp_am_recv_param_t *param)
+{
+    bpx_link *l = arg;
+    (void)header;
+    (void)header_length;
+    int from = -1;
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
+        from = index_of(l, param->reply_ep);
+    /* Eager data is in `data` for the call (FLAG_DATA only says it could be kept longer). */
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length > BPX_MAX_MSG) {
+        /* A rendezvous message: our senders force eager, so this is not one of ours. */
+        bpx_event ev = {BPX_EV_DROPPED, from, 0, length, NULL};
+        push(l, ev);
+        return UCS_OK;
+    }
+    void *copy = malloc(length ? length : 1);
+    if (!copy)
+        return UCS_OK;
+    memcpy(copy, data, length);
+    bpx_event ev = {BPX_EV_MESSAGE, from, 0, length, copy};
+    push(l, ev);
+    return UCS_OK;
+}
+
+const char *bpx_status_string(int status)
+{
+    return ucs_status_string((ucs_status_t)status);
+}
+
+static int parse_addr(const char *ip, uint16_t port, struct sockaddr_in *sa)
+{
+    memset(sa, 0, sizeof *sa);
+    sa->sin_family = AF_INET;
+    sa->sin_port = htons(port);
+    return inet_pton(AF_INET, ip, &sa->sin_addr) == 1 ? 0 : UCS_ERR_INVALID_ADDR;
+}
+
+void bpx_close_all(bpx_link *l);
+
+/* Opens a link; listens on ip:port when ip is not NULL (port 0: any). */
+int bpx_open(const char *ip, uint16_t port, bpx_link **out)
+{
+    bpx_link *l = calloc(1, sizeof *l);
+    if (!l)
+        return UCS_ERR_NO_MEMORY;
+    l->efd = -1;
+    for (int i = 0; i < BPX_MAX_EPS; i++) {
+        l->eps[i].link = l;
+        l->eps[i].index = i;
+    }
+    ucp_params_t p;
+    memset(&p, 0, sizeof p);
+    p.field_mask = UCP_PARAM_FIELD_FEATURES;
+    p.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    ucs_status_t s = ucp_init(&p, NULL, &l->ctx);
+    if (s != UCS_OK)
+        goto fail;
+    ucp_worker_params_t wp;
+    memset(&wp, 0, sizeof wp);
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    s = ucp_worker_create(l->ctx, &wp, &l->worker);
+    if (s != UCS_OK)
+        goto fail;
+    ucp_am_handler_param_t hp;
+    memset(&hp, 0, sizeof hp);
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    hp.id = BPX_AM_ID;
+    hp.cb = on_message;
+    hp.arg = l;
+    s = ucp_worker_set_am_recv_handler(l->worker, &hp);
+    if (s != UCS_OK)
+        goto fail;
+    s = ucp_worker_get_efd(l->worker, &l->efd);
+    if (s != UCS_OK)
+        goto fail;
+    if (ip) {
+        struct sockaddr_in sa;
+        s = parse_addr(ip, port, &sa);
+        if (s != UCS_OK)
+            goto fail;
+        ucp_listener_params_t lp;
+        memset(&lp, 0, sizeof lp);
+        lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+        lp.sockaddr.addr = (const struct sockaddr *)&sa;
+        lp.sockaddr.addrlen = sizeof sa;
+        lp.conn_handler.cb = on_conn_request;
+        lp.conn_handler.arg = l;
+        s = ucp_listener_create(l->worker, &lp, &l->listener);
+        if (s != UCS_OK)
+            goto fail;
+    }
+    *out = l;
+    return UCS_OK;
+fail:
+    bpx_close_all(l);
+    return s;
+}
+
+/* The port the listener listens on (0 without a listener). */
+int bpx_listen_port(bpx_link *l)
+{
+    if (!l->listener)
+        return 0;
+    ucp_listener_attr_t a;
+    memset(&a, 0, sizeof a);
+    a.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    if (ucp_listener_query(l->listener, &a) != UCS_OK)
+        return 0;
+    if (a.sockaddr.ss_family == AF_INET)
+        return ntohs(((struct sockaddr_in *)&a.sockaddr)->sin_port);
+    if (a.sockaddr.ss_family == AF_INET6)
+        return ntohs(((struct sockaddr_in6 *)&a.sockaddr)->sin6_port);
+    return 0;
+}
+
+int bpx_efd(bpx_link *l)
+{
+    return l->efd;
+}
+
+/* Starts connecting to ip:port; returns the endpoint's index or a negative status. Failure to
+ * connect arrives later as a FAILED event. */
+int bpx_connect(bpx_link *l, const char *ip, uint16_t port)
+{
+    int i = free_index(l);
+    if (i < 0)
+        return UCS_ERR_EXCEEDS_LIMIT;
+    struct sockaddr_in sa;
+    ucs_status_t s = parse_addr(ip, port, &sa);
+    if (s != UCS_OK)
+        return s;
+    ucp_ep_params_t p;
+    memset(&p, 0, sizeof p);
+    p.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
+    p.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    p.sockaddr.addr = (const struct sockaddr *)&sa;
+    p.sockaddr.addrlen = sizeof sa;
+    set_err_handling(&p, &l->eps[i]);
+    ucp_ep_h ep;
+    s = ucp_ep_create(l->worker, &p, &ep);
+    if (s != UCS_OK)
+        return s;
+    l->eps[i].ep = ep;
+    return i;
+}
+
+static void sent(void *request, ucs_status_t status, void *user_data)
+{
+    bpx_link *l = ((void **)user_data)[0];
+    (void)status;
+    l->inflight--;
+    free(user_data);
+    ucp_request_free(request);
+}
+
+/* Sends one message (copied: the caller's buffer is free on return). 0 or a negative status. */
+int bpx_send(bpx_link *l, int index, const void *buf, size_t len)
+{
+    if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep)
+        return UCS_ERR_INVALID_PARAM;
+    if (len > BPX_MAX_MSG)
+        return UCS_ERR_MESSAGE_TRUNCATED;
+    if (l->inflight >= BPX_MAX_INFLIGHT)
+        return UCS_ERR_NO_RESOURCE;
+    /* The link pointer, then the payload: the completion callback frees both. */
+    void **copy = malloc(sizeof(void *) + (len ? len : 1));
+    if (!copy)
+        return UCS_ERR_NO_MEMORY;
+    copy[0] = l;
+    memcpy(copy + 1, buf, len);
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof p);
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    p.cb.send = sent;
+    p.user_data = copy;
+    ucs_status_ptr_t r = ucp_am_send_nbx(l->eps[index].ep, BPX_AM_ID, NULL, 0, copy + 1, len, &p);
+    if (r == NULL) {
+        free(copy);
+        return 0;
+    }
+    if (UCS_PTR_IS_ERR(r)) {
+        free(copy);
+        return UCS_PTR_STATUS(r);
+    }
+    l->inflight++;
+    return 0;
+}
+
+/* Makes progress; returns how much happened (0: nothing). */
+int bpx_progress(bpx_link *l)
+{
+    return (int)ucp_worker_progress(l->worker);
+}
+
+/* Arms the wake-up fd: 1 if it is safe to sleep on it, 0 if there is more to progress first. */
+int bpx_arm(bpx_link *l)
+{
+    return ucp_worker_arm(l->worker) == UCS_OK;
+}
+
+/* Takes the oldest event; 1 if there was one. The caller frees ev->data with bpx_free. */
+int bpx_next_event(bpx_link *l, bpx_event *ev)
+{
+    if (!l->qlen)
+        return 0;
+    *ev = l->q[l->qhead];
+    l->qhead = (l->qhead + 1) % l->qcap;
+    l->qlen--;
+    return 1;
+}
+
+void bpx_free(void *p)
+{
+    free(p);
+}
+
+/* Closes an endpoint at once (outstanding sends are cancelled). */
+void bpx_close(bpx_link *l, int index)
+{
+    if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep)
+        return;
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof p);
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(l->eps[index].ep, &p);
+    l->eps[index].ep = NULL;
+    if (UCS_PTR_IS_PTR(r)) {
+        while (ucp_request_check_status(r) == UCS_INPROGRESS)
+            ucp_worker_progress(l->worker);
+        ucp_request_free(r);
+    }
+    /* Events already queued for this index are stale now: drop them. */
+    for (size_t i = 0; i < l->qlen; i++) {
+        bpx_event *e = &l->q[(l->qhead + i) % l->qcap];
+        if (e->ep == index)
+            e->ep = -1;
+    }
+}
+
+/* UCP's own description of an endpoint (its lanes: transport/device per lane), into buf. */
+size_t bpx_ep_info(bpx_link *l, int index, char *buf, size_t cap)
+{
+    if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep || !cap)
+        return 0;
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f)
+        return 0;
+    ucp_ep_print_info(l->eps[index].ep, f);
+    fclose(f);
+    size_t n = len < cap - 1 ? len : cap - 1;
+    memcpy(buf, text, n);
+    buf[n] = 0;
+    free(text);
+    return n;
+}
+
+void bpx_close_all(bpx_link *l)
+{
+    for (int i = 0; i < BPX_MAX_EPS; i++)
+        bpx_close(l, i);
+    if (l->listener)
+        ucp_listener_destroy(l->listener);
+    if (l->worker)
+        ucp_worker_destroy(l->worker);
+    if (l->ctx)
+        ucp_cleanup(l->ctx);
+    for (size_t i = 0; i < l->qlen; i++)
+        free(l->q[(l->qhead + i) % l->qcap].data);
+    free(l->q);
+    free(l);
+}
