@@ -636,6 +636,7 @@ fn start_fabric(
             .clone()
             .map(|m| (m, backplane::model::Forwarding::CutThrough)),
         topology: None,
+        hosts: None,
     })
     .context("cannot start a temporary fabric")?;
     let f = Fabric::attach(&fname)?;

@@ -271,7 +271,8 @@ pub fn parse_lanes(text: &str) -> Vec<String> {
                 tl
             }
         });
-        if !tl.is_empty() && !out.iter().any(|x| x == tl) {
+        // Lanes without a device (the connection manager, `cm`) carry no data.
+        if tl.contains('/') && !out.iter().any(|x| x == tl) {
             out.push(tl.to_owned());
         }
     }
@@ -295,7 +296,8 @@ mod tests {
         let text = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n\
                     #                 lane[0]:  1:tcp/vethA.0 md[1]          -> md[1]/tcp/sysdev[255] rma_bw#0 am am_bw#0\n\
                     #                 lane[1]:  3:tcp/vethA.0 md[1]          -> md[1]/tcp/sysdev[255] am_bw#1\n\
-                    #                 lane[2]:  0:posix/memory.0 md[0]        -> md[0]/posix am\n";
+                    #                 lane[2]:  0:posix/memory.0 md[0]        -> md[0]/posix am\n\
+                    #                 lane[3]:  cm\n";
         assert_eq!(parse_lanes(text), vec!["tcp/vethA", "posix/memory"]);
         assert!(parse_lanes("nothing here").is_empty());
     }

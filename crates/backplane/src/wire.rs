@@ -391,6 +391,8 @@ pub enum DownReason {
     Hung = 2,
     /// The fabric is shutting down.
     Shutdown = 3,
+    /// The node runs on another host, which stopped answering (fabrics across hosts).
+    HostLost = 4,
 }
 
 impl DownReason {
@@ -401,6 +403,7 @@ impl DownReason {
             1 => Self::Exited,
             2 => Self::Hung,
             3 => Self::Shutdown,
+            4 => Self::HostLost,
             _ => return None,
         })
     }

@@ -40,6 +40,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let name = &a.name.name;
     let fabric = Fabric::attach(name)?;
     fabric.node_info(a.node)?; // unknown node: a clear error
+    super::require_local(&fabric, &[a.node])?;
     let accel = if a.accel {
         Some(accel_env(name, &fabric)?)
     } else {

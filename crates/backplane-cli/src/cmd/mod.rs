@@ -54,6 +54,33 @@ enum Command {
 
 /// Writes a command's result to stdout. A closed stdout (`backplane perf ... | head`) is not
 /// an error: commands that clean up on signals catch SIGPIPE, so it shows up here as EPIPE.
+/// Refuses nodes that run on another host of a fabric across hosts: nothing but `status`
+/// reaches them from here yet.
+pub fn require_local(fabric: &backplane::fabric::Fabric, nodes: &[u32]) -> anyhow::Result<()> {
+    let st = fabric.status()?;
+    let Some(me) = st.hosts.first() else {
+        return Ok(());
+    };
+    for &n in nodes {
+        if let Some(row) = st.slots.iter().find(|s| s.slot == n) {
+            if !me.slots.contains(&n) {
+                anyhow::bail!(
+                    "node {n} runs on host '{}', not on this host ('{}'): programs, datagrams, \
+                     verbs and DMA between hosts are not carried yet; use this host's nodes ({})",
+                    row.host.as_deref().unwrap_or("?"),
+                    me.name,
+                    me.slots
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn emit(text: &str) -> anyhow::Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();

@@ -436,6 +436,7 @@ fn measure_backplane(
     if fabric.nodes() < 2 {
         bail!("fabric '{name}' has one node; perf needs nodes 1 and 2");
     }
+    super::require_local(&fabric, &[1, 2])?;
     let (mut peer, peer_guard) = spawn_peer(&name, a.test, a.loop_)?;
     let announce_run = || {
         if !a.json && first {

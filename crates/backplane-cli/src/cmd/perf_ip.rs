@@ -297,6 +297,7 @@ pub fn run(secs: u64, json: bool, rounds: u32, accel: bool) -> anyhow::Result<()
         net: Some(NetPlan::new(net::DEFAULT_SUBNET, mtu, 2)?),
         link: None,
         topology: None,
+        hosts: None,
     })?;
     let fabric = Fabric::attach(&name)?;
     let agents = [fabric.node_info(1)?.pid, fabric.node_info(2)?.pid];

@@ -47,9 +47,40 @@ pub fn render(r: &StatusReport) -> String {
     if let Some(t) = &r.topology {
         out += &format!("topology {}: {}\n", t.kind, t.links.join(", "));
     }
+    // A fabric across hosts: a HOST column, and room for DOWN(host-lost).
+    let hw = if r.hosts.is_empty() {
+        0
+    } else {
+        r.hosts
+            .iter()
+            .map(|h| h.name.len())
+            .max()
+            .unwrap_or(0)
+            .max(4)
+    };
+    let host_cell = |h: &str| {
+        if hw == 0 {
+            String::new()
+        } else {
+            format!("{h:<hw$} ")
+        }
+    };
+    let state_of = |s: &backplane::fabric::ctl::SlotStatus| match s.down_reason {
+        backplane::wire::DownReason::Hung => "DOWN(h)".to_string(),
+        backplane::wire::DownReason::HostLost => "DOWN(host-lost)".to_string(),
+        _ => s.state.to_string(),
+    };
+    let sw = r
+        .slots
+        .iter()
+        .map(|s| state_of(s).len())
+        .max()
+        .unwrap_or(0)
+        .max(8);
     out += &format!(
-        "{:>4} {:<8} {:>3} {:>7} {:>5} {:<26} {:<13} {:>9} {:>3} {:>10} {:>12} {:>10} {:>12} {:>6} {:>8}\n",
+        "{:>4} {}{:<sw$} {:>3} {:>7} {:>5} {:<26} {:<13} {:>9} {:>3} {:>10} {:>12} {:>10} {:>12} {:>6} {:>8}\n",
         "SLOT",
+        host_cell("HOST"),
         "STATE",
         "GEN",
         "PID",
@@ -67,13 +98,11 @@ pub fn render(r: &StatusReport) -> String {
     );
     let net = r.slots.iter().any(|s| s.address.is_some());
     for s in &r.slots {
-        let state = match s.down_reason {
-            backplane::wire::DownReason::Hung => "DOWN(h)".to_string(),
-            _ => s.state.to_string(),
-        };
+        let state = state_of(s);
         out += &format!(
-            "{:>4} {:<8} {:>3} {:>7} {:>5} {:<26} {:<13} {:>8.1}s {:>3} {:>10} {:>12} {:>10} {:>12} {:>6} {:>8}\n",
+            "{:>4} {}{:<sw$} {:>3} {:>7} {:>5} {:<26} {:<13} {:>8.1}s {:>3} {:>10} {:>12} {:>10} {:>12} {:>6} {:>8}\n",
             s.slot,
+            host_cell(s.host.as_deref().unwrap_or("-")),
             state,
             s.generation,
             s.pid,
@@ -110,6 +139,40 @@ pub fn render(r: &StatusReport) -> String {
                 i.tx_packets,
                 i.tx_bytes,
                 i.rx_dropped + i.tx_dropped
+            );
+        }
+    }
+    if !r.hosts.is_empty() {
+        let aw = r
+            .hosts
+            .iter()
+            .map(|h| h.address.len())
+            .max()
+            .unwrap_or(0)
+            .max(7);
+        out += &format!(
+            "\n{:<hw$} {:<aw$} {:<12} {:<9} {:<24} {}\n",
+            "HOST", "ADDRESS", "SLOTS", "STATE", "TRANSPORT (UCX)", "HEARD"
+        );
+        for h in &r.hosts {
+            let slots: Vec<String> = h.slots.iter().map(u32::to_string).collect();
+            let transport = if h.transport.is_empty() {
+                "-".to_string()
+            } else {
+                h.transport.join(",")
+            };
+            let heard = match (h.heard_ms_ago, &h.error) {
+                (Some(ms), _) => format!("{ms} ms ago"),
+                (None, Some(e)) => format!("({e})"),
+                (None, None) => "-".to_string(),
+            };
+            out += &format!(
+                "{:<hw$} {:<aw$} {:<12} {:<9} {:<24} {heard}\n",
+                h.name,
+                h.address,
+                slots.join(","),
+                h.state,
+                transport
             );
         }
     }

@@ -31,6 +31,16 @@ pub struct Args {
     /// A topology file (TOML): star or distributed, its links and their models.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["link", "forwarding"])]
     topology: Option<std::path::PathBuf>,
+    /// A fabric across hosts: a TOML file of `[[hosts]]` (name, address = "IPv4:PORT", slots),
+    /// the same on every host; each host runs `up --hosts FILE --host NAME` for its slots.
+    #[arg(long, value_name = "FILE", requires = "host", conflicts_with_all = ["topology", "link", "nodes"])]
+    hosts: Option<std::path::PathBuf>,
+    /// Which host of the hosts file this is.
+    #[arg(long, value_name = "NAME", requires = "hosts")]
+    host: Option<String>,
+    /// How long to wait for the hosts listed before this one to welcome it (seconds).
+    #[arg(long, value_name = "SECS", default_value_t = 10.0, requires = "hosts")]
+    join_timeout: f64,
     /// Restart a node whose agent died after this many milliseconds (0: leave it DOWN).
     #[arg(long, default_value_t = 1000)]
     restart_delay_ms: u64,
@@ -84,7 +94,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         .as_deref()
         .map(launch::load_topology)
         .transpose()?;
+    let hosts = match (&a.hosts, &a.host) {
+        (Some(f), Some(me)) => {
+            let path = std::fs::canonicalize(f)
+                .with_context(|| format!("cannot read hosts file {}", f.display()))?;
+            let plan = launch::load_hosts(&path, me)?;
+            Some((path, plan))
+        }
+        _ => None,
+    };
     let nodes = match (a.nodes, &topo) {
+        _ if hosts.is_some() => hosts.as_ref().map_or(0, |(_, p)| p.nodes()),
         (Some(n), Some(t)) if n != t.nodes => {
             anyhow::bail!(
                 "--nodes {n} disagrees with the topology file, which has {} nodes",
@@ -96,7 +116,18 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         (None, None) => 4,
     };
     // Judge the node count and window before the subnet they must fit in.
-    let plain = options(&a.name.name, nodes, a.window_size, a.restart_delay_ms, None)?;
+    let mut plain = options(&a.name.name, nodes, a.window_size, a.restart_delay_ms, None)?;
+    if !(a.join_timeout.is_finite() && a.join_timeout > 0.0 && a.join_timeout <= 3600.0) {
+        anyhow::bail!(
+            "--join-timeout {} is out of range: use 0.1 to 3600 seconds",
+            a.join_timeout
+        );
+    }
+    plain.hosts = hosts.as_ref().map(|(p, plan)| launch::HostsOptions {
+        file: p.clone(),
+        host: plan.this().name.clone(),
+        join_timeout_ms: (a.join_timeout * 1000.0).round().max(1.0) as u64,
+    });
     backplane::fabric::supervisor::check_config(&plain.config()?)?;
     let net = a.net.plan(nodes)?;
     let link = match &a.link {
@@ -109,7 +140,31 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut o = options(&a.name.name, nodes, a.window_size, a.restart_delay_ms, net)?;
     o.link = link.as_ref().map(|(_, l)| l.clone());
     o.topology = topo_path;
+    o.hosts = plain.hosts.clone();
     launch::start(&o)?;
+    if let Some((_, plan)) = &hosts {
+        let me = plan.this();
+        let others: Vec<String> = plan
+            .hosts
+            .iter()
+            .filter(|h| h.name != me.name)
+            .map(|h| format!("{} ({})", h.name, h.address))
+            .collect();
+        println!(
+            "fabric '{}' is up on host '{}': nodes {} of 1..={}, {} windows, no network; other hosts: {}",
+            a.name.name,
+            me.name,
+            me.slots
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            nodes,
+            human_size(a.window_size),
+            others.join(", ")
+        );
+        return Ok(());
+    }
     let net_note = net.map_or(String::from(", no network"), |p| {
         format!(", bp0 {} .. {} (MTU {})", p.cidr(1), p.cidr(nodes), p.mtu)
     });

@@ -207,6 +207,32 @@ pub struct StatusReport {
     pub topology: Option<TopologyStatus>,
     /// One row per slot, slot order.
     pub slots: Vec<SlotStatus>,
+    /// A fabric across hosts: every host, this one first (empty on a one-host fabric).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<HostStatus>,
+}
+
+/// One host of a fabric across hosts, as this host's supervisor sees it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct HostStatus {
+    /// Its name.
+    pub name: String,
+    /// Where its supervisor listens.
+    pub address: String,
+    /// The slots it runs.
+    pub slots: Vec<u32>,
+    /// `this host`, `joined`, `dialing`, `waiting` (for it to dial us), `lost`, `refused`,
+    /// `left` (it shut down).
+    pub state: String,
+    /// The transports UCX chose to reach it (`tl/device`, e.g. `tcp/eth0`), once joined.
+    #[serde(default)]
+    pub transport: Vec<String>,
+    /// Milliseconds since it was last heard from (joined hosts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heard_ms_ago: Option<u64>,
+    /// The last failure or refusal, in one line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// A fabric's topology in `status`.
@@ -283,6 +309,9 @@ pub struct SlotStatus {
     /// The interface's own counters, as `ip -s link` shows them inside the node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub interface: Option<IfStats>,
+    /// The host that runs the node (fabrics across hosts only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
     /// Accelerated sockets of the node's programs (`exec --accel`), read by the process
     /// asking for the status; absent until one ran.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -46,6 +46,29 @@ pub struct Options {
     pub link: Option<(String, crate::model::Forwarding)>,
     /// A topology file (its node count and links replace `nodes` and `link`).
     pub topology: Option<PathBuf>,
+    /// A fabric across hosts (the file's slots replace `nodes`).
+    pub hosts: Option<HostsOptions>,
+}
+
+/// How this host takes part in a fabric across hosts.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct HostsOptions {
+    /// The hosts file.
+    pub file: PathBuf,
+    /// This host's name in it.
+    pub host: String,
+    /// How long `up` waits to join the hosts listed before this one.
+    pub join_timeout_ms: u64,
+}
+
+/// Reads and checks a hosts file for host `me`.
+pub fn load_hosts(path: &std::path::Path, me: &str) -> Result<super::hosts::HostPlan, StartError> {
+    let text = std::fs::read_to_string(path).map_err(|e| StartError::Os {
+        what: format!("cannot read hosts file {}", path.display()),
+        source: e,
+    })?;
+    super::hosts::HostPlan::parse(&path.display().to_string(), &text, me)
+        .map_err(|e| StartError::Hosts(e.to_string()))
 }
 
 /// Reads and checks a topology file.
@@ -86,6 +109,7 @@ impl Options {
             net: None,
             link: None,
             topology: None,
+            hosts: None,
         }
     }
 
@@ -105,7 +129,14 @@ impl Options {
                 .as_ref()
                 .and_then(|(n, m)| resolve_link(n, *m).ok()),
             topology: None,
+            hosts: None,
         };
+        if let Some(h) = &self.hosts {
+            let mut plan = load_hosts(&h.file, &h.host)?;
+            plan.join_timeout_ms = h.join_timeout_ms;
+            c.nodes = plan.nodes();
+            c.hosts = Some(plan);
+        }
         if let Some(t) = topology {
             c.nodes = t.nodes;
             if t.kind == super::topology::Kind::Star {

@@ -102,6 +102,14 @@ impl NodeLife {
         }
     }
 
+    /// The node went DOWN for `reason` somewhere this supervisor only hears of (a node on
+    /// another host): no restart from here.
+    pub fn lost(&mut self, reason: DownReason) -> Option<Transition> {
+        self.restart_at = None;
+        (self.state != NodeState::Down && self.state != NodeState::Empty)
+            .then(|| self.to(NodeState::Down, reason))
+    }
+
     /// The fabric is stopping.
     pub fn shutdown(&mut self) -> Option<Transition> {
         self.restart_at = None;

@@ -8,6 +8,7 @@
 pub mod accel;
 pub mod alloc;
 pub mod ctl;
+pub mod hosts;
 pub mod launch;
 pub mod life;
 pub mod members;

@@ -36,6 +36,7 @@ use crate::sync::{self, fence, Ordering};
 use crate::wire::{self, *};
 
 mod config;
+mod hosts;
 mod lock;
 mod nodes;
 mod rings;
@@ -119,6 +120,10 @@ struct Sup {
     /// Each node's state and generation for accelerated sockets (none if the file could not
     /// be made: connections then outlive a node's restart as the kernel's TCP would).
     accel_nodes: Option<crate::fabric::accel::NodeWords>,
+    /// A fabric across hosts: the link to the other hosts' supervisors.
+    hosts: Option<hosts::HostLink>,
+    /// The generation each remote node last had on its own host.
+    remote_gen: HashMap<u32, u32>,
 }
 
 /// Set by SIGTERM, SIGINT or SIGHUP; the event loop (whose `poll` has a timeout and is never
@@ -199,6 +204,10 @@ fn run_inner(
     publish(&control, 0, &hdr, FABRIC_INIT_OFF);
 
     let listener = bind_listener(&lock.dir.join(SOCKET_FILE))?;
+    let hosts = match &cfg.hosts {
+        Some(plan) => Some(hosts::HostLink::open(plan.clone(), now)?),
+        None => None,
+    };
     let accel_nodes = crate::fabric::accel::NodeWords::create(&cfg.name, cfg.nodes).ok();
     let mut sup = Sup {
         allocs: (0..cfg.nodes)
@@ -223,6 +232,8 @@ fn run_inner(
         stopping: false,
         verbs,
         accel_nodes,
+        hosts,
+        remote_gen: HashMap::new(),
     };
     if lock.stale {
         sup.say("removed what a crashed supervisor left behind");
@@ -241,6 +252,9 @@ fn run_inner(
     }
     for slot in 1..=sup.cfg.nodes {
         sup.write_entry(slot, DownReason::None);
+        if !sup.cfg.is_local(slot) {
+            continue; // another host runs it: its entry follows what that host reports
+        }
         if let Err(e) = sup.spawn_agent(slot) {
             sup.shutdown_all();
             return Err(e);
@@ -259,7 +273,21 @@ fn run_inner(
         }
         if !booted {
             let net_up = sup.cfg.net.is_none() || sup.net_ready.iter().all(|&r| r);
-            if net_up && sup.life.iter().all(|l| l.state() == NodeState::Ready) {
+            let joined = match sup.hosts.as_ref().map(|h| h.boot(Instant::now())) {
+                None => true,
+                Some(Ok(done)) => done,
+                Some(Err(msg)) => {
+                    sup.say(&msg);
+                    sup.shutdown_all();
+                    return Err(StartError::Hosts(msg));
+                }
+            };
+            let local_ready = sup
+                .cfg
+                .local_slots()
+                .iter()
+                .all(|&s| sup.life[s as usize - 1].state() == NodeState::Ready);
+            if net_up && joined && local_ready {
                 booted = true;
                 if let Some(mut r) = ready.take() {
                     let _ = writeln!(r, "ready");
@@ -330,6 +358,9 @@ impl Sup {
     }
 
     fn shutdown_all(&mut self) {
+        if let Some(mut h) = self.hosts.take() {
+            h.goodbye();
+        }
         for slot in 1..=self.cfg.nodes {
             let t = self.life[slot as usize - 1].shutdown();
             self.apply(slot, t);
@@ -366,9 +397,12 @@ impl Sup {
         let agent_slots: Vec<u32> = (1..=self.cfg.nodes)
             .filter(|&s| self.agents[s as usize - 1].is_some())
             .collect();
+        // The host link's wake-up fd may only be slept on once armed; if it cannot be armed
+        // there is host traffic to take first.
+        let link_busy = self.hosts.as_mut().is_some_and(|h| !h.arm());
         let ready_flags;
         {
-            let mut fds = Vec::with_capacity(1 + client_ids.len() + agent_slots.len());
+            let mut fds = Vec::with_capacity(2 + client_ids.len() + agent_slots.len());
             fds.push(PollFd::new(listener, PollFlags::IN));
             for id in &client_ids {
                 fds.push(PollFd::new(&self.clients[id].sock, PollFlags::IN));
@@ -377,7 +411,12 @@ impl Sup {
                 let a = self.agents[s as usize - 1].as_ref().expect("filtered");
                 fds.push(PollFd::new(&a.pidfd, PollFlags::IN));
             }
-            let ts = Timespec::try_from(TICK).expect("tick fits");
+            let link_fd = self.hosts.as_ref().map(|h| h.fd());
+            if let Some(fd) = &link_fd {
+                fds.push(PollFd::new(fd, PollFlags::IN));
+            }
+            let wait = if link_busy { Duration::ZERO } else { TICK };
+            let ts = Timespec::try_from(wait).expect("tick fits");
             let _ = poll(&mut fds, Some(&ts));
             ready_flags = fds.iter().map(|f| f.revents()).collect::<Vec<_>>();
         }
@@ -427,11 +466,15 @@ impl Sup {
                 Ok(None) | Err(_) => self.drop_client(*id),
             }
         }
+        self.hosts_step(now);
         self.tick(now);
     }
 
     fn tick(&mut self, now: Instant) {
         for slot in 1..=self.cfg.nodes {
+            if !self.cfg.is_local(slot) {
+                continue;
+            }
             let i = slot as usize - 1;
             let beat = self
                 .win(slot)
@@ -484,12 +527,14 @@ impl Sup {
     }
 
     fn ready_slot(&self, slot: u32) -> Result<(), (ErrorKind, String)> {
+        self.remote_refusal(slot)?;
         service::ready_slot(self.cfg.nodes, &self.life, slot)
     }
 
     /// Runs `f` on the hosted service with the supervisor parts it may use.
     fn with_service<R>(&mut self, f: impl FnOnce(&mut dyn Service, &mut dyn Host) -> R) -> R {
         let mut host = HostView {
+            plan: self.hosts.as_ref().map(|h| &h.plan),
             nodes: self.cfg.nodes,
             life: &self.life,
             allocs: &mut self.allocs,
@@ -590,6 +635,7 @@ impl Sup {
                 Ok((Response::Ok, None))
             }
             Request::Grant { slot } => {
+                self.remote_refusal(slot)?;
                 if slot == 0 || slot > self.cfg.nodes {
                     return Err((ErrorKind::NotFound, format!("node {slot} does not exist")));
                 }
@@ -601,7 +647,10 @@ impl Sup {
                     Some(self.windows[slot as usize - 1].clone()),
                 ))
             }
-            Request::Bind { slot, port } => self.bind(id, slot, port).map(|r| (r, None)),
+            Request::Bind { slot, port } => {
+                self.remote_refusal(slot)?;
+                self.bind(id, slot, port).map(|r| (r, None))
+            }
             Request::Unbind { slot, port } => {
                 if self
                     .endpoints
@@ -617,9 +666,12 @@ impl Sup {
                 src_port,
                 dst_slot,
                 dst_port,
-            } => self
-                .connect(id, (src_slot, src_port), (dst_slot, dst_port))
-                .map(|r| (r, None)),
+            } => {
+                self.remote_refusal(src_slot)?;
+                self.remote_refusal(dst_slot)?;
+                self.connect(id, (src_slot, src_port), (dst_slot, dst_port))
+                    .map(|r| (r, None))
+            }
             Request::RetireRing { slot, ring_off } => {
                 self.retire_ring(id, slot, ring_off);
                 Ok((Response::Ok, None))

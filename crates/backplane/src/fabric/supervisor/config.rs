@@ -24,6 +24,21 @@ pub struct Config {
     pub link: Option<LinkRepr>,
     /// A distributed topology (star topologies only set `link`).
     pub topology: Option<crate::fabric::topology::Topology>,
+    /// A fabric across hosts: which host this is and which slots each host runs (`None`: one
+    /// host runs every slot).
+    pub hosts: Option<crate::fabric::hosts::HostPlan>,
+}
+
+impl Config {
+    /// True if this supervisor runs `slot` (always, on a one-host fabric).
+    pub fn is_local(&self, slot: u32) -> bool {
+        self.hosts.as_ref().is_none_or(|h| h.is_local(slot))
+    }
+
+    /// The slots this supervisor runs.
+    pub fn local_slots(&self) -> Vec<u32> {
+        (1..=self.nodes).filter(|&s| self.is_local(s)).collect()
+    }
 }
 
 /// Why a fabric could not be started.
@@ -64,6 +79,9 @@ pub enum StartError {
     /// Occurs when a node does not come up.
     #[error("{0}")]
     Boot(String),
+    /// Occurs when a fabric across hosts is asked for something it does not carry yet.
+    #[error("{0}")]
+    Hosts(String),
     /// Occurs when IP over the fabric is asked for without the privileges it needs.
     #[error("IP over the fabric needs root (network namespaces and TAP devices); run as root or add --no-net")]
     NeedRoot,
@@ -99,14 +117,35 @@ pub fn check_config(c: &Config) -> Result<(), StartError> {
     {
         return Err(StartError::BadWindowSize(c.window_size));
     }
+    if let Some(h) = &c.hosts {
+        if c.net.is_some() {
+            return Err(StartError::Hosts(format!(
+                "IP over the fabric does not span hosts yet: start host '{}' with --no-net",
+                h.this().name
+            )));
+        }
+        if c.link.is_some() || c.topology.is_some() {
+            return Err(StartError::Hosts(
+                "a fabric across hosts has no emulated links yet: leave out --link and --topology"
+                    .into(),
+            ));
+        }
+        if h.nodes() != c.nodes {
+            return Err(StartError::Hosts(format!(
+                "--nodes {} disagrees with the hosts file, whose slots run 1..={}",
+                c.nodes,
+                h.nodes()
+            )));
+        }
+    }
     if c.net.is_some() && !rustix::process::geteuid().is_root() {
         return Err(StartError::NeedRoot);
     }
-    let need = c.nodes as u64 * c.window_size;
+    let need = c.local_slots().len() as u64 * c.window_size;
     if let Some(avail) = mem_available() {
         if need > avail {
             return Err(StartError::NoMemory {
-                nodes: c.nodes,
+                nodes: c.local_slots().len() as u32,
                 each: c.window_size >> 20,
                 need: need >> 20,
                 avail: avail >> 20,
@@ -130,6 +169,7 @@ mod tests {
             net: None,
             link: None,
             topology: None,
+            hosts: None,
         }
     }
 

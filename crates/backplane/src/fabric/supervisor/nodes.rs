@@ -63,7 +63,10 @@ impl Sup {
     }
 
     pub(super) fn first_down_during_boot(&self) -> Option<u32> {
-        (1..=self.cfg.nodes).find(|&s| self.life[s as usize - 1].state() == NodeState::Down)
+        self.cfg
+            .local_slots()
+            .into_iter()
+            .find(|&s| self.life[s as usize - 1].state() == NodeState::Down)
     }
 
     /// Writes slot's node table entry under the seqlock and bumps the fabric epoch.
@@ -109,6 +112,7 @@ impl Sup {
                 DownReason::Exited => ", agent exited",
                 DownReason::Hung => ", heartbeat stopped",
                 DownReason::Shutdown => ", shutdown",
+                DownReason::HostLost => ", its host stopped answering",
             }
         ));
         match t.state {

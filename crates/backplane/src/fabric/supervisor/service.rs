@@ -97,6 +97,8 @@ pub(super) fn ready_slot(nodes: u32, life: &[NodeLife], slot: u32) -> Result<(),
 
 /// The supervisor's parts a service uses, borrowed while it runs.
 pub(super) struct HostView<'a> {
+    /// A fabric across hosts: nodes on other hosts are refused.
+    pub(super) plan: Option<&'a crate::fabric::hosts::HostPlan>,
     pub(super) nodes: u32,
     pub(super) life: &'a [NodeLife],
     pub(super) allocs: &'a mut [WindowAlloc],
@@ -105,6 +107,11 @@ pub(super) struct HostView<'a> {
 
 impl Host for HostView<'_> {
     fn ready_slot(&self, slot: u32) -> Result<(), Failure> {
+        if let Some(p) = self.plan {
+            if slot >= 1 && slot <= self.nodes && !p.is_local(slot) {
+                return Err(super::hosts::remote_refusal(p, slot));
+            }
+        }
         ready_slot(self.nodes, self.life, slot)
     }
     fn alloc(&mut self, slot: u32, len: u64, align: u64) -> Option<u64> {

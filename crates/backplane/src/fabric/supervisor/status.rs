@@ -4,7 +4,11 @@
 use super::*;
 
 impl Sup {
-    pub(super) fn status(&self) -> StatusReport {
+    pub(super) fn status(&mut self) -> StatusReport {
+        let hosts = match self.hosts.as_mut() {
+            Some(h) => h.status(Instant::now()),
+            None => Vec::new(),
+        };
         let now = now_ms();
         let slots = (1..=self.cfg.nodes)
             .map(|slot| {
@@ -54,7 +58,10 @@ impl Sup {
                     state: self.life[i].state(),
                     down_reason: entry_reason,
                     generation: self.life[i].generation(),
-                    pid: self.agent_pid(slot),
+                    pid: match &self.hosts {
+                        Some(h) if !self.cfg.is_local(slot) => h.remote_pid(slot),
+                        _ => self.agent_pid(slot),
+                    },
                     procs: 0, // counted by the asking process
                     window_base: wire::window_base(slot),
                     window_size: self.cfg.window_size,
@@ -72,6 +79,10 @@ impl Sup {
                     mac: self.cfg.net.map(|_| net::Mac::of_slot(slot).to_string()),
                     interface: ifstats,
                     accel: None,
+                    host: self
+                        .hosts
+                        .as_ref()
+                        .and_then(|h| h.plan.owner(slot).map(|o| h.plan.hosts[o].name.clone())),
                 }
             })
             .collect();
@@ -104,6 +115,7 @@ impl Sup {
             supervisor_pid: std::process::id(),
             uptime_s: self.created.elapsed().as_secs_f64(),
             slots,
+            hosts,
         }
     }
 

@@ -1,0 +1,316 @@
+//! One fabric across hosts (issue 19), on one machine: each "host" is a supervisor in a
+//! network namespace of its own with its own run directory, the namespaces joined by veth
+//! pairs to a bridge in a third, and the supervisors talk over UCX (`UCX_TLS=tcp`). Needs
+//! root (namespaces): CI runs as root; elsewhere these tests say so and pass without running.
+
+mod common;
+use common::*;
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn root() -> bool {
+    if rustix::process::geteuid().is_root() {
+        return true;
+    }
+    eprintln!("skipped: hosts in network namespaces need root");
+    false
+}
+
+fn ip(args: &[&str]) {
+    let o = Command::new("ip").args(args).output().expect("run ip");
+    assert!(o.status.success(), "ip {args:?}: {}", stderr(&o));
+}
+
+/// Hosts `h0, h1, …` of one fabric, each a namespace with address 10.79.NET.(k+1) on a veth
+/// to a bridge in a switch namespace; a run directory each. Everything goes on drop.
+struct Hosts {
+    fabric: String,
+    tag: String,
+    net: u8,
+    count: usize,
+    dir: PathBuf,
+}
+
+impl Hosts {
+    fn new(test: &str, net: u8, count: usize) -> Self {
+        let fabric = name(test);
+        let tag = format!("h{net}x{}", std::process::id() % 10000);
+        let dir = std::env::temp_dir().join(format!("bp-hosts-{fabric}"));
+        let h = Self {
+            fabric,
+            tag,
+            net,
+            count,
+            dir,
+        };
+        h.cleanup_netns();
+        std::fs::create_dir_all(&h.dir).unwrap();
+        let sw = h.ns_switch();
+        ip(&["netns", "add", &sw]);
+        ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"]);
+        ip(&["-n", &sw, "link", "set", "br0", "up"]);
+        for k in 0..count {
+            let ns = h.ns(k);
+            std::fs::create_dir_all(h.run_dir(k)).unwrap();
+            ip(&["netns", "add", &ns]);
+            let (a, b) = (format!("{}a{k}", h.tag), format!("{}b{k}", h.tag));
+            ip(&["link", "add", &a, "type", "veth", "peer", "name", &b]);
+            ip(&["link", "set", &a, "netns", &ns, "name", "eth0"]);
+            ip(&["link", "set", &b, "netns", &sw]);
+            ip(&["-n", &sw, "link", "set", &b, "master", "br0", "up"]);
+            let addr = format!("{}/24", h.addr(k));
+            ip(&["-n", &ns, "addr", "add", &addr, "dev", "eth0"]);
+            ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+            ip(&["-n", &ns, "link", "set", "lo", "up"]);
+        }
+        h
+    }
+
+    fn ns(&self, k: usize) -> String {
+        format!("{}-{k}", self.tag)
+    }
+    fn ns_switch(&self) -> String {
+        format!("{}-sw", self.tag)
+    }
+    fn addr(&self, k: usize) -> String {
+        format!("10.79.{}.{}", self.net, k + 1)
+    }
+    fn run_dir(&self, k: usize) -> PathBuf {
+        self.dir.join(format!("run{k}"))
+    }
+
+    /// Writes a hosts file: host k runs `slots[k]`, listening on port 13500.
+    fn file(&self, file: &str, slots: &[&[u32]]) -> PathBuf {
+        let mut t = String::new();
+        for (k, s) in slots.iter().enumerate() {
+            t += &format!(
+                "[[hosts]]\nname = \"h{k}\"\naddress = \"{}:13500\"\nslots = {s:?}\n\n",
+                self.addr(k)
+            );
+        }
+        let p = self.dir.join(file);
+        std::fs::write(&p, t).unwrap();
+        p
+    }
+
+    /// `backplane ARGS` on host k (its namespace and run directory, UCX over TCP).
+    fn bp(&self, k: usize, args: &[&str]) -> Output {
+        Command::new("ip")
+            .args(["netns", "exec", &self.ns(k), "env"])
+            .arg(format!("BACKPLANE_RUN_DIR={}", self.run_dir(k).display()))
+            .arg("UCX_TLS=tcp")
+            .arg(BIN)
+            .args(args)
+            .output()
+            .expect("run backplane")
+    }
+
+    fn up(&self, k: usize, file: &std::path::Path, extra: &[&str]) -> Output {
+        let host = format!("h{k}");
+        let f = file.to_str().unwrap();
+        let mut a = vec![
+            "up",
+            "--name",
+            &self.fabric,
+            "--hosts",
+            f,
+            "--host",
+            &host,
+            "--no-net",
+            "--window-size",
+            "8M",
+        ];
+        a.extend_from_slice(extra);
+        self.bp(k, &a)
+    }
+
+    fn up_ok(&self, k: usize, file: &std::path::Path) {
+        let o = self.up(k, file, &[]);
+        assert!(o.status.success(), "up on h{k}: {}", stderr(&o));
+    }
+
+    fn down(&self, k: usize) {
+        let _ = self.bp(k, &["down", "--name", &self.fabric]);
+    }
+
+    fn status(&self, k: usize) -> serde_json::Value {
+        let o = self.bp(k, &["status", "--name", &self.fabric, "--json"]);
+        assert!(o.status.success(), "status on h{k}: {}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+
+    /// (state, down_reason, generation, host) of `slot` as host k sees it.
+    fn slot(&self, k: usize, slot: u32) -> (String, String, u64, String) {
+        let s = self.status(k);
+        let row = &s["slots"][slot as usize - 1];
+        (
+            row["state"].as_str().unwrap().to_owned(),
+            row["down_reason"].as_str().unwrap().to_owned(),
+            row["generation"].as_u64().unwrap(),
+            row["host"].as_str().unwrap_or("").to_owned(),
+        )
+    }
+
+    /// Waits until host k sees `slot` in `state` (with `reason`, if given); returns how long.
+    fn wait_slot(&self, k: usize, slot: u32, state: &str, reason: Option<&str>) -> Duration {
+        let t0 = Instant::now();
+        let got = wait_for(Duration::from_secs(15), || {
+            let (st, r, _, _) = self.slot(k, slot);
+            (st == state && reason.is_none_or(|x| x == r)).then_some(())
+        });
+        assert!(
+            got.is_some(),
+            "h{k} never saw slot {slot} {state} {reason:?}: {}",
+            self.status(k)
+        );
+        t0.elapsed()
+    }
+
+    fn host_state(&self, k: usize, host: &str) -> serde_json::Value {
+        let s = self.status(k);
+        s["hosts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|h| h["name"] == host)
+            .cloned()
+            .unwrap_or_else(|| panic!("no host {host} in {s}"))
+    }
+
+    fn cleanup_netns(&self) {
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.ns_switch()])
+            .output();
+        for k in 0..self.count {
+            let _ = Command::new("ip")
+                .args(["netns", "del", &self.ns(k)])
+                .output();
+        }
+    }
+
+    /// Nothing of the fabric left on any host: no run directory, process or shared memory.
+    fn assert_nothing_left(&self) {
+        for k in 0..self.count {
+            let d = self.run_dir(k).join(&self.fabric);
+            assert!(!d.exists(), "{} is left", d.display());
+        }
+        let left: Vec<String> = leftovers(&self.fabric)
+            .into_iter()
+            .filter(|l| !l.starts_with("directory"))
+            .collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for k in 0..self.count {
+            self.down(k);
+        }
+        self.cleanup_netns();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn one_line(o: &Output) -> String {
+    let e = stderr(o);
+    let lines: Vec<&str> = e
+        .lines()
+        .filter(|l| !l.contains("UCX  ERROR") && !l.trim().is_empty())
+        .collect();
+    assert_eq!(lines.len(), 1, "not one line: {e}");
+    lines[0].to_owned()
+}
+
+#[test]
+fn two_hosts_join_lose_each_other_and_rejoin_with_new_generations() {
+    if !root() {
+        return;
+    }
+    let h = Hosts::new("hosts_two", 11, 2);
+    // Odd slots on h0, even on h1: `perf --name` (nodes 1 and 2) spans both.
+    let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
+    h.up_ok(0, &file);
+    h.up_ok(1, &file);
+    // Every slot of every host, on either host, with its host and UCX's transport.
+    for k in 0..2 {
+        for slot in 1..=4 {
+            h.wait_slot(k, slot, "READY", None);
+            let (_, _, gen, host) = h.slot(k, slot);
+            assert_eq!(host, if slot % 2 == 1 { "h0" } else { "h1" });
+            assert_eq!(gen, 1);
+        }
+    }
+    let peer = h.host_state(0, "h1");
+    assert_eq!(peer["state"], "joined");
+    let tl = peer["transport"].to_string();
+    assert!(tl.contains("tcp/eth0"), "transport {tl}");
+    let table = h.bp(0, &["status", "--name", &h.fabric]);
+    let table = String::from_utf8_lossy(&table.stdout).into_owned();
+    assert!(
+        table.contains("HOST") && table.contains("tcp/eth0"),
+        "{table}"
+    );
+
+    // The network to h1 is cut: h0 sees h1's nodes DOWN (host-lost), and back with a new
+    // generation once the network returns.
+    ip(&["-n", &h.ns(1), "link", "set", "eth0", "down"]);
+    let took = h.wait_slot(0, 2, "DOWN", Some("host_lost"));
+    eprintln!("h0 saw h1 lost after {took:?} (cut network)");
+    assert_eq!(h.slot(0, 1).0, "READY", "h0's own nodes are untouched");
+    ip(&["-n", &h.ns(1), "link", "set", "eth0", "up"]);
+    h.wait_slot(0, 2, "READY", None);
+    assert_eq!(h.slot(0, 2).2, 2, "a rejoined node has a new generation");
+
+    // h1's supervisor is killed: seen at once (UCX reports the closed connection); h1 comes
+    // back after `down` cleans up what it left.
+    let pid = h.status(1)["supervisor_pid"].as_i64().unwrap() as i32;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let took = h.wait_slot(0, 4, "DOWN", Some("host_lost"));
+    eprintln!("h0 saw h1 lost after {took:?} (supervisor killed)");
+    h.down(1);
+    h.up_ok(1, &file);
+    h.wait_slot(0, 4, "READY", None);
+    assert_eq!(h.slot(0, 4).2, 3);
+
+    // A node of the other host cannot be used from here yet, and says so in one line.
+    let o = h.bp(
+        0,
+        &[
+            "perf",
+            "dgram-lat",
+            "--name",
+            &h.fabric,
+            "-r",
+            "1",
+            "--ucx",
+            "off",
+        ],
+    );
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("node 2 runs on host 'h1', not on this host ('h0')"),
+        "{e}"
+    );
+    let o = h.bp(0, &["exec", "--name", &h.fabric, "4", "--", "true"]);
+    assert!(
+        one_line(&o).contains("node 4 runs on host 'h1'"),
+        "{}",
+        stderr(&o)
+    );
+
+    // `down` on h1: h0 sees its nodes DOWN at once (shutdown) and keeps its own running.
+    h.down(1);
+    h.wait_slot(0, 2, "DOWN", Some("shutdown"));
+    assert_eq!(h.host_state(0, "h1")["state"], "left");
+    assert_eq!(h.slot(0, 3).0, "READY");
+    h.down(0);
+    h.assert_nothing_left();
+}
