@@ -110,18 +110,13 @@ impl Hosts {
     fn up(&self, k: usize, file: &std::path::Path, extra: &[&str]) -> Output {
         let host = format!("h{k}");
         let f = file.to_str().unwrap();
-        let mut a = vec![
-            "up",
-            "--name",
-            &self.fabric,
-            "--hosts",
-            f,
-            "--host",
-            &host,
-            "--no-net",
-            "--window-size",
-            "8M",
-        ];
+        let mut a = vec!["up", "--name", &self.fabric, "--hosts", f, "--no-net"];
+        if !extra.contains(&"--host") {
+            a.extend_from_slice(&["--host", &host]);
+        }
+        if !extra.contains(&"--window-size") {
+            a.extend_from_slice(&["--window-size", "8M"]);
+        }
         a.extend_from_slice(extra);
         self.bp(k, &a)
     }
@@ -312,5 +307,127 @@ fn two_hosts_join_lose_each_other_and_rejoin_with_new_generations() {
     assert_eq!(h.host_state(0, "h1")["state"], "left");
     assert_eq!(h.slot(0, 3).0, "READY");
     h.down(0);
+    h.assert_nothing_left();
+}
+
+#[test]
+fn a_host_that_does_not_match_or_cannot_join_is_refused_in_one_line_and_leaves_nothing() {
+    if !root() {
+        return;
+    }
+    let h = Hosts::new("hosts_refused", 12, 2);
+    let file = h.file("hosts.toml", &[&[1, 2], &[3]]);
+    // Nobody to join yet: h1 gives up after --join-timeout, naming h0 and what to do.
+    let t0 = Instant::now();
+    let o = h.up(1, &file, &["--join-timeout", "1"]);
+    assert!(!o.status.success());
+    let e = one_line(&o);
+    assert!(
+        e.contains("cannot reach host 'h0' at 10.79.12.1:13500 within 1.0 s")
+            && e.contains("start `backplane up --host h0` there first"),
+        "{e}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+    h.up_ok(0, &file);
+    // Another window size, another hosts file: h0 refuses, h1's `up` fails with the reason.
+    let o = h.up(1, &file, &["--window-size", "16M"]);
+    let e = one_line(&o);
+    assert!(
+        e.contains("host 'h0' refused host 'h1'") && e.contains("same --window-size"),
+        "{e}"
+    );
+    let other = h.file("other.toml", &[&[1, 2], &[3, 4]]);
+    let e = one_line(&h.up(1, &other, &[]));
+    assert!(
+        e.contains("gives host 'h1' slots [3, 4], we give it [3]"),
+        "{e}"
+    );
+    // The port h0 listens on is taken (a second fabric on h0 with the same file).
+    let o = h.bp(
+        0,
+        &[
+            "up",
+            "--name",
+            "other-fabric",
+            "--hosts",
+            file.to_str().unwrap(),
+            "--host",
+            "h0",
+            "--no-net",
+            "--window-size",
+            "8M",
+        ],
+    );
+    let e = one_line(&o);
+    assert!(
+        e.contains("host 'h0': cannot listen on 10.79.12.1:13500"),
+        "{e}"
+    );
+    // Bad files and flags, before anything starts.
+    let twice = h.file("twice.toml", &[&[1, 2], &[2, 3]]);
+    assert!(one_line(&h.up(1, &twice, &[])).contains("hosts 'h0' and 'h1' both claim slot 2"));
+    assert!(one_line(&h.up(1, &file, &["--host", "h9"])).contains("--host h9 is not one of"));
+    let net = h.bp(
+        1,
+        &[
+            "up",
+            "--name",
+            &h.fabric,
+            "--hosts",
+            file.to_str().unwrap(),
+            "--host",
+            "h1",
+        ],
+    );
+    assert!(one_line(&net).contains("start host 'h1' with --no-net"));
+    // None of the refused attempts left anything on h1; h0 runs on, alone.
+    assert!(!h.run_dir(1).join(&h.fabric).exists());
+    assert!(!h.run_dir(0).join("other-fabric").exists());
+    assert_eq!(h.slot(0, 1).0, "READY");
+    assert_eq!(h.slot(0, 3).0, "EMPTY");
+    // With the right file and size it joins.
+    h.up_ok(1, &file);
+    h.wait_slot(0, 3, "READY", None);
+    h.down(1);
+    h.down(0);
+    h.assert_nothing_left();
+}
+
+#[test]
+fn three_hosts_see_every_slot_and_one_leaving_and_returning_leaves_the_others_working() {
+    if !root() {
+        return;
+    }
+    let h = Hosts::new("hosts_three", 13, 3);
+    let file = h.file("hosts.toml", &[&[1, 2], &[3, 4], &[5, 6]]);
+    for k in 0..3 {
+        h.up_ok(k, &file);
+    }
+    for k in 0..3 {
+        for slot in 1..=6 {
+            h.wait_slot(k, slot, "READY", None);
+        }
+        for other in (0..3).filter(|&o| o != k) {
+            let s = h.host_state(k, &format!("h{other}"));
+            assert_eq!(s["state"], "joined", "h{k} sees h{other}: {s}");
+        }
+    }
+    h.down(1);
+    for k in [0, 2] {
+        h.wait_slot(k, 3, "DOWN", Some("shutdown"));
+        h.wait_slot(k, 4, "DOWN", Some("shutdown"));
+        for slot in [1, 2, 5, 6] {
+            assert_eq!(h.slot(k, slot).0, "READY", "h{k} slot {slot}");
+        }
+    }
+    // h1 comes back: h0 (which it dials) and h2 (which dials it) both take it back.
+    h.up_ok(1, &file);
+    for k in [0, 2] {
+        h.wait_slot(k, 4, "READY", None);
+        assert_eq!(h.slot(k, 4).2, 2);
+    }
+    for k in 0..3 {
+        h.down(k);
+    }
     h.assert_nothing_left();
 }

@@ -130,9 +130,30 @@ fn check(status: i32, what: impl FnOnce() -> String) -> Result<(), Error> {
     }
 }
 
+/// A supervisor restarted on the same address must listen again at once, while its old
+/// connections sit in TIME_WAIT: the connection managers reuse the address unless the
+/// environment already says otherwise. (Through the environment because UCX 1.13 reads the
+/// CM's options from there only: `ucp_config_modify` of `TCP_CM_REUSEADDR` is accepted and
+/// ignored — tried.) Set once, before the first context.
+fn reuse_addresses() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        for var in ["UCX_TCP_CM_REUSEADDR", "UCX_RDMA_CM_REUSEADDR"] {
+            if std::env::var_os(var).is_none() {
+                std::env::set_var(var, "y");
+            }
+        }
+    });
+}
+
 impl Link {
     /// Opens a link, listening on `listen` if given (port 0: any free port).
+    ///
+    /// The first call sets `UCX_TCP_CM_REUSEADDR` and `UCX_RDMA_CM_REUSEADDR` to `y` in the
+    /// environment unless they are set: make it before starting threads that read the
+    /// environment from C.
     pub fn open(listen: Option<SocketAddr>) -> Result<Self, Error> {
+        reuse_addresses();
         let ip = listen.map(|a| ipv4(a.ip())).transpose()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: ip is a valid C string or null; raw is a valid out-pointer; on failure the
@@ -291,6 +312,12 @@ mod tests {
     use super::*;
     use std::time::{Duration, Instant};
 
+    /// The tests open links from several threads: one at a time (see [`Link::open`]).
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     #[test]
     fn lanes_are_read_from_ucps_own_description() {
         let text = "#\n# UCP endpoint\n#\n#               peer: <no debug data>\n\
@@ -317,6 +344,7 @@ mod tests {
 
     #[test]
     fn two_links_exchange_messages_and_see_each_other_fail() {
+        let _one = serial();
         let mut server = Link::open(Some("127.0.0.1:0".parse().unwrap())).unwrap();
         let port = server.listen_port();
         assert_ne!(port, 0);
@@ -363,6 +391,7 @@ mod tests {
 
     #[test]
     fn a_port_in_use_and_a_v6_address_are_refused_in_one_line() {
+        let _one = serial();
         let a = Link::open(Some("127.0.0.1:0".parse().unwrap())).unwrap();
         let taken = SocketAddr::from(([127, 0, 0, 1], a.listen_port()));
         let e = Link::open(Some(taken)).err().expect("port in use");
