@@ -251,16 +251,21 @@ fn two_hosts_join_lose_each_other_and_rejoin_with_new_generations() {
 
     // The network to h1 is cut: h0 sees h1's nodes DOWN (host-lost), and back with a new
     // generation once the network returns.
+    // (Generations are compared as "greater than before": a host starved of CPU for longer
+    // than the heartbeat allows on a loaded machine is, rightly, lost and rejoined once more.)
+    let gen2 = h.slot(0, 2).2;
     ip(&["-n", &h.ns(1), "link", "set", "eth0", "down"]);
     let took = h.wait_slot(0, 2, "DOWN", Some("host_lost"));
     eprintln!("h0 saw h1 lost after {took:?} (cut network)");
     assert_eq!(h.slot(0, 1).0, "READY", "h0's own nodes are untouched");
     ip(&["-n", &h.ns(1), "link", "set", "eth0", "up"]);
     h.wait_slot(0, 2, "READY", None);
-    assert_eq!(h.slot(0, 2).2, 2, "a rejoined node has a new generation");
+    let gen2_back = h.slot(0, 2).2;
+    assert!(gen2_back > gen2, "a rejoined node has a new generation");
 
     // h1's supervisor is killed: seen at once (UCX reports the closed connection); h1 comes
     // back after `down` cleans up what it left.
+    let gen4 = h.slot(0, 4).2;
     let pid = h.status(1)["supervisor_pid"].as_i64().unwrap() as i32;
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(pid).unwrap(),
@@ -272,7 +277,7 @@ fn two_hosts_join_lose_each_other_and_rejoin_with_new_generations() {
     h.down(1);
     h.up_ok(1, &file);
     h.wait_slot(0, 4, "READY", None);
-    assert_eq!(h.slot(0, 4).2, 3);
+    assert!(h.slot(0, 4).2 > gen4);
 
     // A node of the other host cannot be used from here yet, and says so in one line.
     let o = h.bp(
@@ -412,6 +417,7 @@ fn three_hosts_see_every_slot_and_one_leaving_and_returning_leaves_the_others_wo
             assert_eq!(s["state"], "joined", "h{k} sees h{other}: {s}");
         }
     }
+    let gen4 = h.slot(0, 4).2;
     h.down(1);
     for k in [0, 2] {
         h.wait_slot(k, 3, "DOWN", Some("shutdown"));
@@ -424,7 +430,7 @@ fn three_hosts_see_every_slot_and_one_leaving_and_returning_leaves_the_others_wo
     h.up_ok(1, &file);
     for k in [0, 2] {
         h.wait_slot(k, 4, "READY", None);
-        assert_eq!(h.slot(k, 4).2, 2);
+        assert!(h.slot(k, 4).2 > gen4);
     }
     for k in 0..3 {
         h.down(k);
