@@ -107,6 +107,20 @@ impl Hosts {
             .expect("run backplane")
     }
 
+    /// This test binary, re-run on host k as `role` of test `test_fn`.
+    fn spawn_role(&self, k: usize, test_fn: &str, role: &str) -> std::process::Child {
+        Command::new("ip")
+            .args(["netns", "exec", &self.ns(k), "env"])
+            .arg(format!("BACKPLANE_RUN_DIR={}", self.run_dir(k).display()))
+            .arg("UCX_TLS=tcp")
+            .arg(format!("BP_ROLE={role}"))
+            .arg(format!("BP_FABRIC={}", self.fabric))
+            .arg(std::env::current_exe().unwrap())
+            .args([test_fn, "--exact", "--nocapture", "--test-threads=1"])
+            .spawn()
+            .expect("spawn a role")
+    }
+
     fn up(&self, k: usize, file: &std::path::Path, extra: &[&str]) -> Output {
         let host = format!("h{k}");
         let f = file.to_str().unwrap();
@@ -206,6 +220,19 @@ impl Drop for Hosts {
         }
         self.cleanup_netns();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Waits for a child role with a bound on a hang; its exit status.
+fn finish(mut c: std::process::Child, what: &str) -> std::process::ExitStatus {
+    let got = wait_for(Duration::from_secs(90), || c.try_wait().unwrap());
+    match got {
+        Some(s) => s,
+        None => {
+            let _ = c.kill();
+            let _ = c.wait();
+            panic!("{what} hung");
+        }
     }
 }
 
@@ -435,5 +462,121 @@ fn three_hosts_see_every_slot_and_one_leaving_and_returning_leaves_the_others_wo
     for k in 0..3 {
         h.down(k);
     }
+    h.assert_nothing_left();
+}
+
+/// Datagram `seq`'s length and bytes: lengths from 1 B to 64 KiB, every byte checked.
+fn dgram_of(seq: u64) -> Vec<u8> {
+    let len = match seq % 5 {
+        0 => 8,
+        1 => 1 + (seq as usize * 7919) % 4096,
+        2 => 65536,
+        3 => 1500,
+        _ => 16 + (seq as usize * 104729) % 60000,
+    };
+    let mut v: Vec<u8> = (0..len).map(|i| (i as u64 + seq * 31) as u8).collect();
+    if len >= 8 {
+        v[..8].copy_from_slice(&seq.to_le_bytes());
+    }
+    v
+}
+
+const CROSS_PORT: u32 = 7000;
+const CROSS_COUNT: u64 = 3000;
+
+fn cross_host_role(role: &str) {
+    use backplane::fabric::Fabric;
+    use backplane::transport::Addr;
+    let fabric = Fabric::attach(&std::env::var("BP_FABRIC").unwrap()).unwrap();
+    match role {
+        "receiver" => {
+            let mut ep = fabric.node(2).unwrap().bind(CROSS_PORT).unwrap();
+            let mut buf = vec![0u8; 65536];
+            let mut from = None;
+            for seq in 0..CROSS_COUNT {
+                let (n, src) = ep
+                    .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                    .unwrap();
+                assert_eq!(src.node, 1, "datagram {seq} from {src}");
+                assert!(from.is_none_or(|f| f == src));
+                from = Some(src);
+                let want = dgram_of(seq);
+                assert_eq!(n, want.len(), "datagram {seq}'s length");
+                assert!(buf[..n] == want[..], "datagram {seq}'s bytes");
+                // A slow receiver for a while: the sender must wait, not lose anything.
+                if seq < 300 && seq % 30 == 0 {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            let src = from.unwrap();
+            ep.send_to(src, format!("done:{CROSS_COUNT}").as_bytes())
+                .unwrap();
+            let (n, _) = ep
+                .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                .unwrap();
+            assert_eq!(&buf[..n], b"bye");
+        }
+        "sender" => {
+            let mut ep = fabric.node(1).unwrap().bind(0).unwrap();
+            let to = Addr::new(2, CROSS_PORT);
+            // The receiver binds when its process is up: until then nothing listens there.
+            let first = dgram_of(0);
+            let sent = wait_for(Duration::from_secs(30), || match ep.send_to(to, &first) {
+                Ok(()) => Some(()),
+                Err(backplane::dgram::DgramError::Unreachable(_)) => {
+                    std::thread::sleep(Duration::from_millis(20));
+                    None
+                }
+                Err(e) => panic!("first send: {e}"),
+            });
+            assert!(sent.is_some(), "the receiver never bound");
+            for seq in 1..CROSS_COUNT {
+                ep.send_to(to, &dgram_of(seq)).unwrap();
+            }
+            let mut buf = [0u8; 64];
+            let (n, src) = ep
+                .recv_from_timeout(&mut buf, Duration::from_secs(60))
+                .unwrap();
+            assert_eq!(src, to);
+            assert_eq!(&buf[..n], format!("done:{CROSS_COUNT}").as_bytes());
+            ep.send_to(to, b"bye").unwrap();
+        }
+        _ => unreachable!(),
+    }
+}
+
+#[test]
+fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
+    if let Some(r) = role() {
+        cross_host_role(&r);
+        return;
+    }
+    if !root() {
+        return;
+    }
+    let h = Hosts::new("hosts_dgram", 14, 2);
+    let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
+    h.up_ok(0, &file);
+    h.up_ok(1, &file);
+    h.wait_slot(0, 2, "READY", None);
+    h.wait_slot(1, 1, "READY", None);
+    let test_fn = "datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers";
+    let rx = h.spawn_role(1, test_fn, "receiver");
+    let tx = h.spawn_role(0, test_fn, "sender");
+    assert!(finish(tx, "the sender").success(), "the sender failed");
+    assert!(finish(rx, "the receiver").success(), "the receiver failed");
+    // Both hosts count the traffic on their own node's side.
+    let s0 = h.status(0);
+    assert!(
+        s0["slots"][0]["tx_msgs"].as_u64().unwrap() > CROSS_COUNT,
+        "{s0}"
+    );
+    let s1 = h.status(1);
+    assert!(
+        s1["slots"][1]["rx_msgs"].as_u64().unwrap() > CROSS_COUNT,
+        "{s1}"
+    );
+    h.down(1);
+    h.down(0);
     h.assert_nothing_left();
 }

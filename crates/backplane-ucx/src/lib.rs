@@ -15,8 +15,8 @@ use std::ffi::{CStr, CString};
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{BorrowedFd, RawFd};
 
-/// The largest message [`Link::send`] takes.
-pub const MAX_MSG: usize = 64 * 1024;
+/// The largest message [`Link::send`] takes (a 4 MiB datagram and a header).
+pub const MAX_MSG: usize = 4 * 1024 * 1024 + 4096;
 
 /// The unsafe FFI: the shim's functions, nothing else.
 mod ffi {
@@ -46,7 +46,14 @@ mod ffi {
         pub fn bpx_listen_port(l: *mut Link) -> c_int;
         pub fn bpx_efd(l: *mut Link) -> c_int;
         pub fn bpx_connect(l: *mut Link, ip: *const c_char, port: u16) -> c_int;
-        pub fn bpx_send(l: *mut Link, ep: c_int, buf: *const c_void, len: usize) -> c_int;
+        pub fn bpx_send2(
+            l: *mut Link,
+            ep: c_int,
+            head: *const c_void,
+            hlen: usize,
+            buf: *const c_void,
+            blen: usize,
+        ) -> c_int;
         pub fn bpx_progress(l: *mut Link) -> c_int;
         pub fn bpx_arm(l: *mut Link) -> c_int;
         pub fn bpx_next_event(l: *mut Link, ev: *mut Event) -> c_int;
@@ -87,17 +94,62 @@ pub fn status_string(status: i32) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
+/// A received message, in the buffer the shim copied it into (freed on drop): handed over
+/// without another copy.
+pub struct Bytes {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain malloc'ed memory owned by this value alone; freeing it from
+// another thread is allowed.
+unsafe impl Send for Bytes {}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        if self.ptr.is_null() {
+            return &[];
+        }
+        // SAFETY: ptr is a live allocation of len bytes owned by self (see poll).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Bytes {
+    fn drop(&mut self) {
+        if !self.ptr.is_null() {
+            // SAFETY: ptr came from the shim's malloc and is freed once, here.
+            unsafe { ffi::bpx_free(self.ptr.cast()) }
+        }
+    }
+}
+
+impl std::fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Bytes({} B)", self.len)
+    }
+}
+
+impl PartialEq for Bytes {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Bytes {}
+
 /// An endpoint of a [`Link`] (an index, reused after [`Link::close`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct EpId(pub i32);
 
 /// Something that happened on a link.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub enum Event {
     /// A peer connected to the listener: a new endpoint.
     Accepted(EpId),
     /// A message from an endpoint (`None`: its sender is not one of our endpoints).
-    Message(Option<EpId>, Vec<u8>),
+    Message(Option<EpId>, Bytes),
     /// An endpoint failed (peer gone, connection refused, …); close it.
     Failed(EpId, Error),
     /// A message we could not take (rendezvous or larger than [`MAX_MSG`]) was dropped.
@@ -198,8 +250,25 @@ impl Link {
 
     /// Sends one message (copied; at most [`MAX_MSG`] bytes).
     pub fn send(&mut self, ep: EpId, msg: &[u8]) -> Result<(), Error> {
-        // SAFETY: raw is live; msg is valid for len bytes and copied before the call returns.
-        let r = unsafe { ffi::bpx_send(self.raw, ep.0, msg.as_ptr().cast(), msg.len()) };
+        self.send2(ep, &[], msg)
+    }
+
+    /// Sends one message made of `head` then `body` (copied once, into the message UCX
+    /// sends; at most [`MAX_MSG`] bytes in all). `NoResource` (status -2) when too many sends
+    /// are still in flight: try again after [`Link::poll`].
+    pub fn send2(&mut self, ep: EpId, head: &[u8], body: &[u8]) -> Result<(), Error> {
+        // SAFETY: raw is live; head and body are valid for their lengths and copied before
+        // the call returns.
+        let r = unsafe {
+            ffi::bpx_send2(
+                self.raw,
+                ep.0,
+                head.as_ptr().cast(),
+                head.len(),
+                body.as_ptr().cast(),
+                body.len(),
+            )
+        };
         check(r, || format!("cannot send to endpoint {}", ep.0))
     }
 
@@ -222,16 +291,11 @@ impl Link {
                 break;
             }
             let ep = (ev.ep >= 0).then_some(EpId(ev.ep));
-            let data = if ev.data.is_null() {
-                Vec::new()
-            } else {
-                // SAFETY: the shim malloc'ed ev.len bytes at ev.data for this event and hands
-                // them over; they are copied and freed here once.
-                let v =
-                    unsafe { std::slice::from_raw_parts(ev.data as *const u8, ev.len) }.to_vec();
-                // SAFETY: ev.data came from the shim's malloc and is freed exactly once.
-                unsafe { ffi::bpx_free(ev.data) };
-                v
+            // The shim malloc'ed ev.len bytes at ev.data (or null) for this event and hands
+            // them over: Bytes owns and frees them.
+            let data = Bytes {
+                ptr: ev.data.cast(),
+                len: if ev.data.is_null() { 0 } else { ev.len },
             };
             match (ev.kind, ep) {
                 (ffi::EV_ACCEPTED, Some(e)) => out.push(Event::Accepted(e)),
@@ -368,11 +432,11 @@ mod tests {
                 assert!(Instant::now() < deadline, "no message");
             }
         };
-        assert_eq!(msg, b"hello");
+        assert_eq!(&*msg, b"hello");
         let back = from.expect("the reply endpoint is the accepted one");
-        server.send(back, &[7u8; 3000]).unwrap();
+        server.send2(back, &[7u8; 1000], &[7u8; 2000]).unwrap();
         let reply = until(&mut client, "the reply", |e| match e {
-            Event::Message(Some(f), m) if f == ep => Some(m),
+            Event::Message(Some(f), m) if f == ep => Some(m.to_vec()),
             _ => None,
         });
         assert_eq!(reply, vec![7u8; 3000]);

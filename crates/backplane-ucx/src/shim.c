@@ -18,7 +18,7 @@
 
 #define BPX_MAX_EPS 64
 #define BPX_AM_ID 7
-#define BPX_MAX_MSG (64 * 1024)
+#define BPX_MAX_MSG (4 * 1024 * 1024 + 4096)
 #define BPX_MAX_INFLIGHT 4096
 
 enum { BPX_EV_ACCEPTED = 1, BPX_EV_MESSAGE = 2, BPX_EV_FAILED = 3, BPX_EV_DROPPED = 4 };
@@ -281,9 +281,11 @@ static void sent(void *request, ucs_status_t status, void *user_data)
     ucp_request_free(request);
 }
 
-/* Sends one message (copied: the caller's buffer is free on return). 0 or a negative status. */
-int bpx_send(bpx_link *l, int index, const void *buf, size_t len)
+/* Sends one message made of head then buf (copied: the caller's buffers are free on return).
+ * 0 or a negative status. */
+int bpx_send2(bpx_link *l, int index, const void *head, size_t hlen, const void *buf, size_t blen)
 {
+    size_t len = hlen + blen;
     if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep)
         return UCS_ERR_INVALID_PARAM;
     if (len > BPX_MAX_MSG)
@@ -295,7 +297,10 @@ int bpx_send(bpx_link *l, int index, const void *buf, size_t len)
     if (!copy)
         return UCS_ERR_NO_MEMORY;
     copy[0] = l;
-    memcpy(copy + 1, buf, len);
+    if (hlen)
+        memcpy(copy + 1, head, hlen);
+    if (blen)
+        memcpy((char *)(copy + 1) + hlen, buf, blen);
     ucp_request_param_t p;
     memset(&p, 0, sizeof p);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |

@@ -386,6 +386,9 @@ pub enum HostMsg {
     Welcome {
         /// The accepting host's name.
         host: String,
+        /// The port its datagram bridge listens on (same address): the joining host's
+        /// bridge dials it.
+        data_port: u16,
     },
     /// The join is refused, with the reason (one line).
     Refuse {
@@ -403,6 +406,44 @@ pub enum HostMsg {
     Bye {
         /// The sender's name.
         host: String,
+    },
+    /// Asks for a datagram route from endpoint `src` (a node of the asking host) to endpoint
+    /// `dst` (a node of the asked host): a ring into `dst` that the asked host's bridge feeds.
+    OpenRoute {
+        /// The asking host's number for the route.
+        route: u64,
+        /// Sender (node, port).
+        src: (u32, u32),
+        /// Receiver (node, port).
+        dst: (u32, u32),
+    },
+    /// The route is open; at most `window` bytes may be in flight on it.
+    RouteOpened {
+        /// The route.
+        route: u64,
+        /// The destination ring's size.
+        window: u64,
+    },
+    /// The route cannot be opened: the fabric's error class (`not_found`, `node_down`,
+    /// `no_space`, `invalid`) and why, in one line.
+    RouteRefused {
+        /// The route.
+        route: u64,
+        /// Error class.
+        kind: crate::fabric::ctl::ErrorKind,
+        /// Why.
+        message: String,
+    },
+    /// The receiving side tore its ring down (the receiver closed, or its node went DOWN):
+    /// the sender must see its channel closed.
+    RouteClosed {
+        /// The route.
+        route: u64,
+    },
+    /// The asking side gave a route up before it was used (its sender went away meanwhile).
+    CloseRoute {
+        /// The route.
+        route: u64,
     },
 }
 

@@ -35,11 +35,13 @@ use crate::mem::Region;
 use crate::sync::{self, fence, Ordering};
 use crate::wire::{self, *};
 
+mod bridge;
 mod config;
 mod hosts;
 mod lock;
 mod nodes;
 mod rings;
+mod routes;
 mod service;
 mod status;
 
@@ -124,6 +126,8 @@ struct Sup {
     hosts: Option<hosts::HostLink>,
     /// The generation each remote node last had on its own host.
     remote_gen: HashMap<u32, u32>,
+    /// Datagram routes to and from other hosts.
+    routes: routes::Routes,
 }
 
 /// Set by SIGTERM, SIGINT or SIGHUP; the event loop (whose `poll` has a timeout and is never
@@ -234,6 +238,7 @@ fn run_inner(
         accel_nodes,
         hosts,
         remote_gen: HashMap::new(),
+        routes: routes::Routes::new(),
     };
     if lock.stale {
         sup.say("removed what a crashed supervisor left behind");
@@ -467,6 +472,7 @@ impl Sup {
             }
         }
         self.hosts_step(now);
+        self.routes_tick(now);
         self.tick(now);
     }
 
@@ -516,6 +522,27 @@ impl Sup {
     }
 
     fn handle(&mut self, id: u64, req: Request) {
+        // A datagram channel to a node on another host is answered once that host opened
+        // its end of the route (or refused it).
+        if let Request::Connect {
+            src_slot,
+            src_port,
+            dst_slot,
+            dst_port,
+        } = req
+        {
+            let remote = self.hosts.as_ref().is_some_and(|h| {
+                dst_slot >= 1 && dst_slot <= self.cfg.nodes && !h.plan.is_local(dst_slot)
+            });
+            if remote {
+                match self.open_route(id, (src_slot, src_port), (dst_slot, dst_port)) {
+                    Ok(Some(resp)) => self.reply(id, &resp, &[]),
+                    Ok(None) => {}
+                    Err((kind, message)) => self.reply(id, &Response::Error { kind, message }, &[]),
+                }
+                return;
+            }
+        }
         let result = self.serve(id, req);
         match result {
             Ok((resp, fd)) => {
@@ -635,7 +662,9 @@ impl Sup {
                 Ok((Response::Ok, None))
             }
             Request::Grant { slot } => {
-                self.remote_refusal(slot)?;
+                // A node on another host is granted as its shadow window here: datagram
+                // senders write their rings to it there, receivers read senders' credit
+                // lines there (verbs and DMA are refused by the registry).
                 if slot == 0 || slot > self.cfg.nodes {
                     return Err((ErrorKind::NotFound, format!("node {slot} does not exist")));
                 }
@@ -668,7 +697,6 @@ impl Sup {
                 dst_port,
             } => {
                 self.remote_refusal(src_slot)?;
-                self.remote_refusal(dst_slot)?;
                 self.connect(id, (src_slot, src_port), (dst_slot, dst_port))
                     .map(|r| (r, None))
             }

@@ -6,6 +6,8 @@
 //! sans-IO [`crate::fabric::hosts`]'s.
 #![forbid(unsafe_code)]
 
+use std::net::SocketAddr;
+
 use backplane_ucx::{EpId, Event, Link};
 
 use super::*;
@@ -54,6 +56,8 @@ pub(super) struct HostLink {
     closing: Vec<(EpId, Instant)>,
     last_report: Instant,
     started: Instant,
+    /// The datagram bridge (its own thread and UCX link).
+    pub(super) bridge: super::bridge::Bridge,
 }
 
 impl HostLink {
@@ -67,6 +71,8 @@ impl HostLink {
                 plan.file
             ))
         })?;
+        let bridge = super::bridge::Bridge::start(me.address.ip(), plan.me)
+            .map_err(|e| StartError::Hosts(format!("host '{}': datagram bridge: {e}", me.name)))?;
         let peers = plan
             .hosts
             .iter()
@@ -88,6 +94,7 @@ impl HostLink {
             closing: Vec::new(),
             last_report: now,
             started: now,
+            bridge,
         })
     }
 
@@ -102,6 +109,20 @@ impl HostLink {
 
     fn peer_of(&self, ep: EpId) -> Option<usize> {
         self.peers.iter().position(|p| p.ep == Some(ep))
+    }
+
+    /// Sends to host `i` if it is joined (false otherwise).
+    pub(super) fn send_to(&mut self, i: usize, msg: &HostMsg) -> bool {
+        match (
+            self.peers.get(i).map(|p| p.state),
+            self.peers.get(i).and_then(|p| p.ep),
+        ) {
+            (Some(PeerState::Joined), Some(ep)) => {
+                self.send(ep, msg);
+                true
+            }
+            _ => false,
+        }
     }
 
     fn send(&mut self, ep: EpId, msg: &HostMsg) {
@@ -227,6 +248,7 @@ impl Sup {
         let mut changes: Vec<(u32, SlotChange)> = Vec::new();
         let mut log: Vec<String> = Vec::new();
         let mut lost_hosts: Vec<(usize, DownReason)> = Vec::new();
+        let mut route_msgs: Vec<(usize, HostMsg)> = Vec::new();
         for ev in h.link.poll() {
             match ev {
                 Event::Accepted(ep) => {
@@ -260,6 +282,7 @@ impl Sup {
                                 p.remote.clear();
                                 let welcome = HostMsg::Welcome {
                                     host: h.plan.this().name.clone(),
+                                    data_port: h.bridge.port,
                                 };
                                 h.send(ep, &welcome);
                                 h.last_report = now - Duration::from_millis(REPORT_PERIOD_MS);
@@ -277,7 +300,11 @@ impl Sup {
                         continue;
                     };
                     match msg {
-                        HostMsg::Welcome { .. } if h.peers[i].state == PeerState::Dialing => {
+                        HostMsg::Welcome { data_port, .. }
+                            if h.peers[i].state == PeerState::Dialing =>
+                        {
+                            let addr = SocketAddr::new(h.plan.hosts[i].address.ip(), data_port);
+                            h.bridge.send(super::bridge::Cmd::Dial { host: i, addr });
                             let p = &mut h.peers[i];
                             p.state = PeerState::Joined;
                             p.heard = now;
@@ -334,6 +361,15 @@ impl Sup {
                             if let Some(ep) = h.peers[i].ep.take() {
                                 h.closing.push((ep, now));
                             }
+                        }
+                        m @ (HostMsg::OpenRoute { .. }
+                        | HostMsg::RouteOpened { .. }
+                        | HostMsg::RouteRefused { .. }
+                        | HostMsg::RouteClosed { .. }
+                        | HostMsg::CloseRoute { .. })
+                            if h.peers[i].state == PeerState::Joined =>
+                        {
+                            route_msgs.push((i, m));
                         }
                         _ => {}
                     }
@@ -467,6 +503,15 @@ impl Sup {
                 }
             }
         }
+        for &(i, reason) in &lost_hosts {
+            // (A host that rejoined before it was missed — `Exited` here — keeps the data
+            // link its new incarnation's bridge may already have made; its old routes are
+            // dropped one by one below.)
+            if reason != DownReason::Exited {
+                h.bridge.send(super::bridge::Cmd::Forget { host: i });
+            }
+        }
+        let notes = h.bridge.notes();
         let owners: Vec<Vec<u32>> = lost_hosts
             .iter()
             .map(|&(i, _)| h.plan.hosts[i].slots.clone())
@@ -474,6 +519,15 @@ impl Sup {
         self.hosts = Some(h);
         for m in log {
             self.say(&m);
+        }
+        for &(i, _) in &lost_hosts {
+            self.routes_host_gone(i);
+        }
+        for n in notes {
+            self.route_note(n);
+        }
+        for (i, m) in route_msgs {
+            self.route_msg(i, m);
         }
         for ((_, reason), slots) in lost_hosts.iter().zip(owners) {
             for slot in slots {
@@ -544,8 +598,8 @@ pub(super) fn remote_refusal(plan: &HostPlan, slot: u32) -> (ErrorKind, String) 
     (
         ErrorKind::Invalid,
         format!(
-            "node {slot} runs on host '{host}': datagrams, verbs and DMA between hosts are not \
-             carried yet; use nodes of host '{}' ({})",
+            "node {slot} runs on host '{host}': verbs and DMA between hosts are not carried \
+             yet (datagrams are); use nodes of host '{}' ({})",
             plan.this().name,
             plan.this()
                 .slots

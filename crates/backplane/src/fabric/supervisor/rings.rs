@@ -82,6 +82,22 @@ impl Sup {
                 format!("port {port} on node {slot} is already bound"),
             ));
         }
+        let (rec, generation) = self.create_endpoint(id, slot, port)?;
+        Ok(Response::Bound {
+            port,
+            record_off: rec,
+            generation,
+        })
+    }
+
+    /// Makes endpoint (slot, port) of client `id` (0: the datagram bridge, for a shadow
+    /// endpoint of a node on another host): its record in the node's window.
+    pub(super) fn create_endpoint(
+        &mut self,
+        id: u64,
+        slot: u32,
+        port: u32,
+    ) -> Result<(u64, u32), (ErrorKind, String)> {
         let now = Instant::now();
         let a = &mut self.allocs[slot as usize - 1];
         let Some(rec) = a.alloc(ENDPOINT_LEN, 4096, now) else {
@@ -115,11 +131,7 @@ impl Sup {
         if let Some(c) = self.clients.get_mut(&id) {
             c.endpoints.push((slot, port));
         }
-        Ok(Response::Bound {
-            port,
-            record_off: rec,
-            generation,
-        })
+        Ok((rec, generation))
     }
 
     pub(super) fn connect(
@@ -139,6 +151,18 @@ impl Sup {
                 ))
             }
         }
+        self.make_ring(src, dst)
+    }
+
+    /// The ring from `src` to endpoint `dst` (made unless it exists), once the asker's right
+    /// to it is checked: a local sender's by `connect`, a sender on another host's by the
+    /// route it asked for (then `src` has no endpoint here, and its credit line lies in the
+    /// shadow window of its node).
+    pub(super) fn make_ring(
+        &mut self,
+        src: (u32, u32),
+        dst: (u32, u32),
+    ) -> Result<Response, (ErrorKind, String)> {
         let Some(dst_ep) = self.endpoints.get(&dst) else {
             return Err((
                 ErrorKind::NotFound,
@@ -319,6 +343,7 @@ impl Sup {
     /// Removes a ring: its sender sees peer-closed (and is woken), the receiver's list entry
     /// is cleared if the receiver still exists, and both allocations are freed (quarantined).
     pub(super) fn teardown_ring(&mut self, rid: u64) {
+        self.route_ring_gone(rid);
         let Some(r) = self.rings.remove(&rid) else {
             return;
         };

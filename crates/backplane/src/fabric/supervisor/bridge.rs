@@ -1,0 +1,490 @@
+//! The datagram bridge of a fabric across hosts: a thread of the supervisor that carries
+//! datagrams between this host's nodes and the other hosts' over UCX, so that programs send
+//! and receive exactly as they do on one host.
+//!
+//! A sender on this host sends to a node of another host through an ordinary datagram ring,
+//! made by this supervisor in the *shadow window* it keeps for that node (a window no agent
+//! runs in). The bridge is that ring's receiver: it reads each record, sends it to the other
+//! host's bridge (one UCX active message per datagram, numbered per route), and releases it.
+//! The other host's bridge is the sender of an ordinary ring into the destination node's real
+//! window, made by its supervisor for the route; it commits each datagram there in order and
+//! returns credits as they go in. A route's bytes in flight never exceed the destination
+//! ring's size, so a slow receiver holds its senders back through both rings: back-pressure,
+//! never loss. A sender that closes is carried across too: the last datagram, then `End`,
+//! after which the destination ring is marked sender-closed like any other.
+//!
+//! The supervisor decides (routes opened and closed, hosts joined and lost) and tells the
+//! thread with [`Cmd`]s; the thread tells it when an outbound route has delivered its end
+//! ([`Note::OutDone`]), so the shadow ring can be torn down.
+#![forbid(unsafe_code)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use backplane_ucx::{EpId, Event, Link};
+
+use crate::mem::Word32;
+use crate::ring::RingError;
+use crate::sync::Ordering;
+use crate::transport::shm::{ShmReceiver, ShmSender};
+use crate::transport::{RecvChannel, SendChannel};
+
+/// Bytes a record costs against a route's window besides its payload (its header, rounded).
+const RECORD_COST: u64 = 64;
+/// How long the thread keeps polling after the last thing it did before it sleeps.
+const SPIN: Duration = Duration::from_micros(200);
+/// How long it sleeps at most when idle (a sender on this host does not wake it).
+const NAP: Duration = Duration::from_micros(500);
+
+const KIND_HELLO: u8 = 1;
+const KIND_DATA: u8 = 2;
+const KIND_END: u8 = 3;
+const KIND_ACK: u8 = 4;
+const HEAD: usize = 24;
+
+fn head(kind: u8, route: u64, n: u64) -> [u8; HEAD] {
+    let mut h = [0u8; HEAD];
+    h[0] = kind;
+    h[8..16].copy_from_slice(&route.to_le_bytes());
+    h[16..24].copy_from_slice(&n.to_le_bytes());
+    h
+}
+
+fn parse(msg: &[u8]) -> Option<(u8, u64, u64, &[u8])> {
+    if msg.len() < HEAD {
+        return None;
+    }
+    let route = u64::from_le_bytes(msg[8..16].try_into().ok()?);
+    let n = u64::from_le_bytes(msg[16..24].try_into().ok()?);
+    Some((msg[0], route, n, &msg[HEAD..]))
+}
+
+/// What the supervisor tells the bridge.
+pub(super) enum Cmd {
+    /// Connect the data link to host `host`'s bridge (this host dials it).
+    Dial { host: usize, addr: SocketAddr },
+    /// Host `host` is gone: drop its link and every route through it.
+    Forget { host: usize },
+    /// A ring in a shadow window whose records go to `host`, route `route`, at most `window`
+    /// bytes in flight; `sender_closed` is the ring's flag the supervisor sets when its
+    /// sender closes.
+    AddOut {
+        host: usize,
+        route: u64,
+        rx: Box<ShmReceiver>,
+        sender_closed: Word32,
+        window: u64,
+    },
+    /// Drop an outbound route now (its receiver went away on the other host).
+    RemoveOut { route: u64 },
+    /// A ring into a node of this host fed by `host`'s route `route`: the bridge is its
+    /// sender; `sender_closed` is set (and the receiver woken) once the route ends;
+    /// `peer_closed` is the credit line's flag set when the receiver goes.
+    AddIn {
+        host: usize,
+        route: u64,
+        tx: Box<ShmSender>,
+        sender_closed: Word32,
+        receiver_bell: Word32,
+        peer_closed: Word32,
+    },
+    /// Drop an inbound route (its ring was torn down here).
+    RemoveIn { host: usize, route: u64 },
+}
+
+/// What the bridge tells the supervisor.
+pub(super) enum Note {
+    /// Outbound route `route` delivered everything and its end: tear its shadow ring down.
+    OutDone { route: u64 },
+}
+
+struct Out {
+    host: usize,
+    rx: Box<ShmReceiver>,
+    sender_closed: Word32,
+    window: u64,
+    inflight: u64,
+    seq: u64,
+    ended: bool,
+}
+
+struct In {
+    tx: Box<ShmSender>,
+    sender_closed: Word32,
+    receiver_bell: Word32,
+    peer_closed: Word32,
+    /// Datagrams arrived ahead of their turn or waiting for room, by sequence number.
+    waiting: BTreeMap<u64, backplane_ucx::Bytes>,
+    next: u64,
+    end_at: Option<u64>,
+    unacked: u64,
+    window_hint: u64,
+}
+
+/// The bridge's handle, kept by the supervisor.
+pub(super) struct Bridge {
+    pub(super) port: u16,
+    tx: mpsc::Sender<Cmd>,
+    notes: mpsc::Receiver<Note>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Bridge {
+    /// Starts the bridge thread, listening on `ip` (any port) for the other hosts' bridges.
+    pub(super) fn start(ip: std::net::IpAddr, me: usize) -> Result<Self, String> {
+        let (tx, rx) = mpsc::channel();
+        let (note_tx, notes) = mpsc::channel();
+        let (port_tx, port_rx) = mpsc::channel();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("bp-bridge".into())
+            .spawn(move || {
+                // The link is made on the thread that runs it (UCX single-threaded mode).
+                let link = match Link::open(Some(SocketAddr::new(ip, 0))) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = port_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                let _ = port_tx.send(Ok(link.listen_port()));
+                Worker {
+                    link,
+                    me,
+                    cmds: rx,
+                    notes: note_tx,
+                    hosts: HashMap::new(),
+                    pending: Vec::new(),
+                    outs: HashMap::new(),
+                    ins: HashMap::new(),
+                }
+                .run(&stop2);
+            })
+            .map_err(|e| format!("cannot start the bridge thread: {e}"))?;
+        let port = port_rx
+            .recv()
+            .map_err(|_| "the bridge thread died at start".to_string())??;
+        Ok(Self {
+            port,
+            tx,
+            notes,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    pub(super) fn send(&self, c: Cmd) {
+        let _ = self.tx.send(c);
+    }
+
+    pub(super) fn notes(&self) -> Vec<Note> {
+        self.notes.try_iter().collect()
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Worker {
+    link: Link,
+    me: usize,
+    cmds: mpsc::Receiver<Cmd>,
+    notes: mpsc::Sender<Note>,
+    /// Host index → its bridge's endpoint.
+    hosts: HashMap<usize, EpId>,
+    /// Accepted endpoints that have not said which host they are.
+    pending: Vec<EpId>,
+    outs: HashMap<u64, Out>,
+    ins: HashMap<(usize, u64), In>,
+}
+
+impl Worker {
+    fn run(mut self, stop: &std::sync::atomic::AtomicBool) {
+        let mut idle_since = Instant::now();
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let mut busy = self.commands();
+            busy |= self.events();
+            busy |= self.pump_out();
+            busy |= self.pump_in();
+            if busy {
+                idle_since = Instant::now();
+                continue;
+            }
+            if idle_since.elapsed() < SPIN {
+                std::hint::spin_loop();
+                continue;
+            }
+            if self.link.arm() {
+                use rustix::event::{poll, PollFd, PollFlags, Timespec};
+                let fd = self.link.fd();
+                let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+                let ts = Timespec::try_from(NAP).expect("nap fits");
+                let _ = poll(&mut fds, Some(&ts));
+            }
+        }
+    }
+
+    fn commands(&mut self) -> bool {
+        let mut any = false;
+        while let Ok(c) = self.cmds.try_recv() {
+            any = true;
+            match c {
+                Cmd::Dial { host, addr } => {
+                    if let Some(old) = self.hosts.remove(&host) {
+                        self.link.close(old);
+                    }
+                    if let Ok(ep) = self.link.connect(addr) {
+                        let _ = self
+                            .link
+                            .send2(ep, &head(KIND_HELLO, self.me as u64, 0), &[]);
+                        self.hosts.insert(host, ep);
+                    }
+                }
+                Cmd::Forget { host } => {
+                    if let Some(ep) = self.hosts.remove(&host) {
+                        self.link.close(ep);
+                    }
+                    self.outs.retain(|_, o| o.host != host);
+                    self.ins.retain(|k, _| k.0 != host);
+                }
+                Cmd::AddOut {
+                    host,
+                    route,
+                    rx,
+                    sender_closed,
+                    window,
+                } => {
+                    self.outs.insert(
+                        route,
+                        Out {
+                            host,
+                            rx,
+                            sender_closed,
+                            window,
+                            inflight: 0,
+                            seq: 0,
+                            ended: false,
+                        },
+                    );
+                }
+                Cmd::RemoveOut { route } => {
+                    self.outs.remove(&route);
+                }
+                Cmd::AddIn {
+                    host,
+                    route,
+                    tx,
+                    sender_closed,
+                    receiver_bell,
+                    peer_closed,
+                } => {
+                    let window_hint = tx.data().len();
+                    self.ins.insert(
+                        (host, route),
+                        In {
+                            tx,
+                            sender_closed,
+                            receiver_bell,
+                            peer_closed,
+                            waiting: BTreeMap::new(),
+                            next: 0,
+                            end_at: None,
+                            unacked: 0,
+                            window_hint,
+                        },
+                    );
+                }
+                Cmd::RemoveIn { host, route } => {
+                    self.ins.remove(&(host, route));
+                }
+            }
+        }
+        any
+    }
+
+    fn host_of(&self, ep: EpId) -> Option<usize> {
+        self.hosts.iter().find(|(_, &e)| e == ep).map(|(&h, _)| h)
+    }
+
+    fn events(&mut self) -> bool {
+        let evs = self.link.poll();
+        let any = !evs.is_empty();
+        for ev in evs {
+            match ev {
+                Event::Accepted(ep) => self.pending.push(ep),
+                Event::Message(Some(ep), msg) => {
+                    let Some((kind, route, n, _)) = parse(&msg) else {
+                        continue;
+                    };
+                    if kind == KIND_HELLO {
+                        if let Some(i) = self.pending.iter().position(|&p| p == ep) {
+                            self.pending.swap_remove(i);
+                            let host = route as usize;
+                            if let Some(old) = self.hosts.insert(host, ep) {
+                                if old != ep {
+                                    self.link.close(old);
+                                }
+                            }
+                        }
+                        continue;
+                    }
+                    let Some(host) = self.host_of(ep) else {
+                        continue;
+                    };
+                    match kind {
+                        KIND_DATA => {
+                            if let Some(r) = self.ins.get_mut(&(host, route)) {
+                                if n >= r.next {
+                                    r.waiting.insert(n, msg);
+                                }
+                            }
+                        }
+                        KIND_END => {
+                            if let Some(r) = self.ins.get_mut(&(host, route)) {
+                                r.end_at = Some(n);
+                            }
+                        }
+                        KIND_ACK => {
+                            if let Some(o) = self.outs.get_mut(&route) {
+                                if o.host == host {
+                                    o.inflight = o.inflight.saturating_sub(n);
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                Event::Message(None, _) | Event::Dropped(..) => {}
+                Event::Failed(ep, _) => {
+                    self.pending.retain(|&p| p != ep);
+                    // The supervisors' heartbeat decides that a host is lost; here the link
+                    // only goes (the dialling side is told to dial again when it rejoins).
+                    self.hosts.retain(|_, e| *e != ep);
+                    self.link.close(ep);
+                }
+            }
+        }
+        any
+    }
+
+    /// Reads this host's shadow rings and sends what the windows allow.
+    fn pump_out(&mut self) -> bool {
+        let mut any = false;
+        let mut done = Vec::new();
+        for (&route, o) in self.outs.iter_mut() {
+            if o.ended {
+                continue;
+            }
+            let Some(&ep) = self.hosts.get(&o.host) else {
+                continue;
+            };
+            loop {
+                match o.rx.peek() {
+                    Ok(Some(rec)) => {
+                        let cost = rec.len as u64 + RECORD_COST;
+                        if o.inflight > 0 && o.inflight + cost > o.window {
+                            break;
+                        }
+                        let mut body = vec![0u8; rec.len];
+                        if o.rx.data().read(rec.pos, &mut body).is_err() {
+                            break;
+                        }
+                        let h = head(KIND_DATA, route, o.seq);
+                        if self.link.send2(ep, &h, &body).is_err() {
+                            break; // too much in flight in UCX: after the next poll
+                        }
+                        o.seq += 1;
+                        o.inflight += cost;
+                        o.rx.release(rec);
+                        o.rx.wake_sender();
+                        any = true;
+                    }
+                    Ok(None) => {
+                        // The sender closed: everything before its flag was read above.
+                        if o.sender_closed.load(Ordering::Acquire) != 0
+                            && matches!(o.rx.peek(), Ok(None))
+                        {
+                            let _ = self.link.send2(ep, &head(KIND_END, route, o.seq), &[]);
+                            o.ended = true;
+                            done.push(route);
+                            any = true;
+                        }
+                        break;
+                    }
+                    Err(RingError::Corrupt(_)) | Err(_) => {
+                        // A sender that scribbled on its ring: end the route here.
+                        let _ = self.link.send2(ep, &head(KIND_END, route, o.seq), &[]);
+                        o.ended = true;
+                        done.push(route);
+                        any = true;
+                        break;
+                    }
+                }
+            }
+        }
+        for route in done {
+            let _ = self.notes.send(Note::OutDone { route });
+        }
+        any
+    }
+
+    /// Commits what arrived, in order, into this host's rings as room allows; acknowledges.
+    fn pump_in(&mut self) -> bool {
+        let mut any = false;
+        for (&(host, route), r) in self.ins.iter_mut() {
+            if r.peer_closed.load(Ordering::Acquire) != 0 {
+                r.waiting.clear(); // the receiver is gone: nothing more goes in
+                continue;
+            }
+            let mut wrote = false;
+            while let Some(entry) = r.waiting.first_entry() {
+                if *entry.key() != r.next {
+                    break;
+                }
+                let payload_len = entry.get().len() - HEAD;
+                let res = match r.tx.reserve(payload_len) {
+                    Ok(res) => res,
+                    Err(_) => break, // full: when the receiver makes room
+                };
+                let msg = entry.remove();
+                let _ = r.tx.data().write(res.pos, &msg[HEAD..]);
+                r.tx.commit(res);
+                r.next += 1;
+                r.unacked += payload_len as u64 + RECORD_COST;
+                wrote = true;
+            }
+            if wrote {
+                r.tx.wake_receiver();
+                any = true;
+            }
+            if r.unacked > 0 && (r.waiting.is_empty() || r.unacked >= r.window_hint / 4) {
+                if let Some(&ep) = self.hosts.get(&host) {
+                    if self
+                        .link
+                        .send2(ep, &head(KIND_ACK, route, r.unacked), &[])
+                        .is_ok()
+                    {
+                        r.unacked = 0;
+                    }
+                }
+            }
+            if r.end_at == Some(r.next) {
+                r.sender_closed.store(1, Ordering::Release);
+                crate::sync::ring(&r.receiver_bell);
+                r.end_at = None;
+                any = true;
+            }
+        }
+        any
+    }
+}
