@@ -97,8 +97,7 @@ impl Hosts {
 
     /// `backplane ARGS` on host k (its namespace and run directory, UCX over TCP).
     fn bp(&self, k: usize, args: &[&str]) -> Output {
-        Command::new("ip")
-            .args(["netns", "exec", &self.ns(k), "env"])
+        self.in_host(k)
             .arg(format!("BACKPLANE_RUN_DIR={}", self.run_dir(k).display()))
             .arg("UCX_TLS=tcp")
             .arg(BIN)
@@ -107,10 +106,18 @@ impl Hosts {
             .expect("run backplane")
     }
 
+    /// A command on host k: in its network namespace only (`nsenter --net`, not `ip netns
+    /// exec`, whose private mount namespace would hide the node namespaces the supervisor
+    /// mounts under /run/netns from everyone else).
+    fn in_host(&self, k: usize) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--net=/run/netns/{}", self.ns(k))).arg("env");
+        c
+    }
+
     /// This test binary, re-run on host k as `role` of test `test_fn`.
     fn spawn_role(&self, k: usize, test_fn: &str, role: &str) -> std::process::Child {
-        Command::new("ip")
-            .args(["netns", "exec", &self.ns(k), "env"])
+        self.in_host(k)
             .arg(format!("BACKPLANE_RUN_DIR={}", self.run_dir(k).display()))
             .arg("UCX_TLS=tcp")
             .arg(format!("BP_ROLE={role}"))
@@ -122,9 +129,16 @@ impl Hosts {
     }
 
     fn up(&self, k: usize, file: &std::path::Path, extra: &[&str]) -> Output {
+        let mut e = vec!["--no-net"];
+        e.extend_from_slice(extra);
+        self.up_net(k, file, &e)
+    }
+
+    /// `up` on host k with IP over the fabric unless `extra` says `--no-net`.
+    fn up_net(&self, k: usize, file: &std::path::Path, extra: &[&str]) -> Output {
         let host = format!("h{k}");
         let f = file.to_str().unwrap();
-        let mut a = vec!["up", "--name", &self.fabric, "--hosts", f, "--no-net"];
+        let mut a = vec!["up", "--name", &self.fabric, "--hosts", f];
         if !extra.contains(&"--host") {
             a.extend_from_slice(&["--host", &host]);
         }
@@ -399,19 +413,12 @@ fn a_host_that_does_not_match_or_cannot_join_is_refused_in_one_line_and_leaves_n
     let twice = h.file("twice.toml", &[&[1, 2], &[2, 3]]);
     assert!(one_line(&h.up(1, &twice, &[])).contains("hosts 'h0' and 'h1' both claim slot 2"));
     assert!(one_line(&h.up(1, &file, &["--host", "h9"])).contains("--host h9 is not one of"));
-    let net = h.bp(
-        1,
-        &[
-            "up",
-            "--name",
-            &h.fabric,
-            "--hosts",
-            file.to_str().unwrap(),
-            "--host",
-            "h1",
-        ],
+    // IP over the fabric on h1 but not on h0.
+    let e = one_line(&h.up_net(1, &file, &[]));
+    assert!(
+        e.contains("host 'h1' runs IP over the fabric as 192.168.") && e.contains("(or --no-net)"),
+        "{e}"
     );
-    assert!(one_line(&net).contains("start host 'h1' with --no-net"));
     // None of the refused attempts left anything on h1; h0 runs on, alone.
     assert!(!h.run_dir(1).join(&h.fabric).exists());
     assert!(!h.run_dir(0).join("other-fabric").exists());
@@ -578,5 +585,77 @@ fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
     );
     h.down(1);
     h.down(0);
+    h.assert_nothing_left();
+}
+
+#[test]
+fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
+    if !root() {
+        return;
+    }
+    let h = Hosts::new("hosts_ip", 15, 2);
+    let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
+    for k in 0..2 {
+        let o = h.up_net(k, &file, &[]);
+        assert!(o.status.success(), "up on h{k}: {}", stderr(&o));
+    }
+    h.wait_slot(0, 2, "READY", None);
+    let exec = |k: usize, node: &str, args: &[&str]| {
+        let mut a = vec!["exec", "--name", &h.fabric, node, "--"];
+        a.extend_from_slice(args);
+        h.bp(k, &a)
+    };
+    // node1 (h0) → node2 and node4 (h1) by name, and node3 (h0) → node2.
+    for (k, from, to) in [
+        (0, "1", "node2"),
+        (0, "1", "node4"),
+        (0, "3", "node2"),
+        (1, "4", "node1"),
+    ] {
+        let o = exec(k, from, &["ping", "-c", "3", "-i", "0.2", "-W", "5", to]);
+        assert!(
+            o.status.success(),
+            "ping {to} from node {from}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            stderr(&o)
+        );
+    }
+    // iperf3 (TCP) from node 1 on h0 to node 2 on h1.
+    let mut server = h
+        .in_host(1)
+        .arg(format!("BACKPLANE_RUN_DIR={}", h.run_dir(1).display()))
+        .args([
+            BIN, "exec", "--name", &h.fabric, "2", "--", "iperf3", "-s", "-1", "-p", "5402",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let got = wait_for(Duration::from_secs(20), || {
+        std::thread::sleep(Duration::from_millis(100));
+        let o = exec(
+            0,
+            "1",
+            &[
+                "timeout", "30", "iperf3", "-c", "node2", "-p", "5402", "-t", "2", "-J",
+            ],
+        );
+        o.status.success().then_some(o)
+    });
+    let _ = server.kill();
+    let _ = server.wait();
+    let o = got.expect("iperf3 never connected across hosts");
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let bps = j["end"]["sum_received"]["bits_per_second"]
+        .as_f64()
+        .unwrap();
+    eprintln!("iperf3 across hosts: {:.0} Mbit/s", bps / 1e6);
+    assert!(bps > 0.0);
+    // Each host removes only its own nodes' namespaces.
+    h.down(1);
+    assert!(std::path::Path::new(&format!("/run/netns/bp-{}-1", h.fabric)).exists());
+    assert!(!std::path::Path::new(&format!("/run/netns/bp-{}-2", h.fabric)).exists());
+    h.down(0);
+    assert!(!std::path::Path::new(&format!("/run/netns/bp-{}-1", h.fabric)).exists());
     h.assert_nothing_left();
 }

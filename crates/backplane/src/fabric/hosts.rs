@@ -248,14 +248,16 @@ impl HostPlan {
         i < self.me
     }
 
-    /// What this host says when it joins another.
-    pub fn join(&self, fabric: &str, window_size: u64) -> HostMsg {
+    /// What this host says when it joins another (`net`: IP over the fabric's subnet and
+    /// MTU, as `up` was given them, or None for `--no-net`).
+    pub fn join(&self, fabric: &str, window_size: u64, net: Option<String>) -> HostMsg {
         HostMsg::Join {
             protocol: HOSTS_PROTOCOL,
             version: env!("CARGO_PKG_VERSION").to_owned(),
             fabric: fabric.to_owned(),
             host: self.this().name.clone(),
             window_size,
+            net,
             hosts: self.hosts.clone(),
         }
     }
@@ -267,6 +269,7 @@ impl HostPlan {
         msg: &HostMsg,
         fabric: &str,
         window_size: u64,
+        net: &Option<String>,
     ) -> Result<usize, String> {
         let HostMsg::Join {
             protocol,
@@ -274,6 +277,7 @@ impl HostPlan {
             fabric: f,
             host,
             window_size: w,
+            net: n,
             hosts,
         } = msg
         else {
@@ -306,6 +310,15 @@ impl HostPlan {
         if *w != window_size {
             return Err(format!(
                 "host '{host}' has {w}-byte windows, host '{me}' {window_size}: use the same --window-size on every host"
+            ));
+        }
+        if n != net {
+            let say = |x: &Option<String>| x.clone().unwrap_or_else(|| "--no-net".into());
+            return Err(format!(
+                "host '{host}' runs IP over the fabric as {}, host '{me}' as {}: use the same \
+                 --subnet and --mtu (or --no-net) on every host",
+                say(n),
+                say(net)
             ));
         }
         if hosts != &self.hosts {
@@ -379,6 +392,8 @@ pub enum HostMsg {
         host: String,
         /// Window size of every node.
         window_size: u64,
+        /// IP over the fabric: subnet and MTU (None: `--no-net`).
+        net: Option<String>,
         /// The whole hosts table as the dialling host read it.
         hosts: Vec<HostSpec>,
     },
@@ -477,8 +492,8 @@ mod tests {
             !a.dials(1) && b.dials(0),
             "the later host dials the earlier"
         );
-        let join = b.join("f", 1 << 20);
-        assert_eq!(a.check_join(&join, "f", 1 << 20), Ok(1));
+        let join = b.join("f", 1 << 20, None);
+        assert_eq!(a.check_join(&join, "f", 1 << 20, &None), Ok(1));
         let back = HostMsg::decode(&join.encode()).unwrap();
         assert_eq!(back, join);
     }
@@ -487,13 +502,15 @@ mod tests {
     fn every_mismatch_is_refused_naming_it() {
         let a = HostPlan::parse("h.toml", TWO, "a").unwrap();
         let b = HostPlan::parse("h.toml", TWO, "b").unwrap();
-        let refuse = |m: HostMsg, w: u64| a.check_join(&m, "f", w).unwrap_err();
-        assert!(refuse(b.join("g", 4096), 4096).contains("belongs to fabric 'g'"));
-        assert!(refuse(b.join("f", 8192), 4096).contains("same --window-size"));
+        let refuse = |m: HostMsg, w: u64| a.check_join(&m, "f", w, &None).unwrap_err();
+        assert!(refuse(b.join("g", 4096, None), 4096).contains("belongs to fabric 'g'"));
+        assert!(refuse(b.join("f", 8192, None), 4096).contains("same --window-size"));
         let mut other = b.clone();
         other.hosts[1].slots = vec![3, 4, 5];
-        assert!(refuse(other.join("f", 4096), 4096).contains("gives host 'b' slots [3, 4, 5]"));
-        let mut old = b.join("f", 4096);
+        assert!(
+            refuse(other.join("f", 4096, None), 4096).contains("gives host 'b' slots [3, 4, 5]")
+        );
+        let mut old = b.join("f", 4096, None);
         if let HostMsg::Join { version, .. } = &mut old {
             *version = "0.0.1".into();
         }
@@ -502,9 +519,14 @@ mod tests {
             e.contains("runs backplane 0.0.1") && e.contains("same version"),
             "{e}"
         );
-        assert!(refuse(a.join("f", 4096), 4096).contains("own name"));
+        assert!(refuse(a.join("f", 4096, None), 4096).contains("own name"));
         assert!(HostMsg::decode(b"{\"msg\":\"nope\"}").is_err());
-        assert!(!refuse(b.join("g", 4096), 4096).contains('\n'));
+        let e = refuse(b.join("f", 4096, Some("10.9.0.0/24 mtu 9000".into())), 4096);
+        assert!(
+            e.contains("as 10.9.0.0/24 mtu 9000, host 'a' as --no-net"),
+            "{e}"
+        );
+        assert!(!refuse(b.join("g", 4096, None), 4096).contains('\n'));
     }
 
     #[test]

@@ -244,8 +244,9 @@ pub fn stop(name: &str) -> Result<Stopped, FabricError> {
     let dir = fabric_dir(name);
     if !supervisor::is_running(name) {
         if dir.exists() {
-            std::fs::remove_dir_all(&dir)?;
+            // Namespaces first: which are this host's is written in the directory.
             crate::fabric::netns::cleanup(name);
+            std::fs::remove_dir_all(&dir)?;
             return Ok(Stopped::Stale);
         }
         return Err(FabricError::NotRunning(name.to_owned()));

@@ -193,9 +193,15 @@ pub fn create_node_netns(
 /// crashed supervisor left behind). Best effort; safe to call when there are none.
 pub fn cleanup(fabric: &str) {
     let prefix = format!("bp-{fabric}-");
+    let own = own_slots(fabric);
     let ours = |name: &str| {
-        name.strip_prefix(&prefix)
-            .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|c| c.is_ascii_digit()))
+        name.strip_prefix(&prefix).is_some_and(|rest| {
+            !rest.is_empty()
+                && rest.bytes().all(|c| c.is_ascii_digit())
+                && own
+                    .as_ref()
+                    .is_none_or(|s| rest.parse::<u32>().is_ok_and(|n| s.contains(&n)))
+        })
     };
     if let Ok(d) = std::fs::read_dir("/run/netns") {
         for e in d.flatten() {
@@ -213,6 +219,20 @@ pub fn cleanup(fabric: &str) {
             }
         }
     }
+}
+
+/// The file in a fabric's run directory that lists the slots this host runs (a fabric across
+/// hosts: the other hosts' nodes' namespaces are theirs, even on one machine).
+pub const SLOTS_FILE: &str = "slots";
+
+/// The slots whose namespaces are this host's, if the fabric spans hosts (None: all).
+fn own_slots(fabric: &str) -> Option<Vec<u32>> {
+    let text = std::fs::read_to_string(super::fabric_dir(fabric).join(SLOTS_FILE)).ok()?;
+    Some(
+        text.split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .collect(),
+    )
 }
 
 /// True if fabric `fabric` has IP over the fabric (its namespaces exist).

@@ -180,6 +180,11 @@ fn run_inner(
     verbs: Box<dyn Service>,
 ) -> Result<(), StartError> {
     check_config(&cfg)?;
+    if cfg.hosts.is_some() {
+        let slots: Vec<String> = cfg.local_slots().iter().map(u32::to_string).collect();
+        std::fs::write(lock.dir.join(net::SLOTS_FILE), slots.join(" ") + "\n")
+            .map_err(os("cannot write the fabric's slot list"))?;
+    }
     let now = Instant::now();
     let control = Region::create(
         &format!("bp-{}-control", cfg.name),
@@ -245,7 +250,7 @@ fn run_inner(
     }
     if let Some(plan) = sup.cfg.net {
         net::cleanup(&sup.cfg.name);
-        for slot in 1..=sup.cfg.nodes {
+        for slot in sup.cfg.local_slots() {
             if let Err(e) = net::create_node_netns(&sup.cfg.name, slot, &plan, sup.cfg.nodes) {
                 net::cleanup(&sup.cfg.name);
                 return Err(StartError::Net {
@@ -277,7 +282,12 @@ fn run_inner(
             break;
         }
         if !booted {
-            let net_up = sup.cfg.net.is_none() || sup.net_ready.iter().all(|&r| r);
+            let net_up = sup.cfg.net.is_none()
+                || sup
+                    .cfg
+                    .local_slots()
+                    .iter()
+                    .all(|&s| sup.net_ready[s as usize - 1]);
             let joined = match sup.hosts.as_ref().map(|h| h.boot(Instant::now())) {
                 None => true,
                 Some(Ok(done)) => done,

@@ -118,12 +118,6 @@ pub fn check_config(c: &Config) -> Result<(), StartError> {
         return Err(StartError::BadWindowSize(c.window_size));
     }
     if let Some(h) = &c.hosts {
-        if c.net.is_some() {
-            return Err(StartError::Hosts(format!(
-                "IP over the fabric does not span hosts yet: start host '{}' with --no-net",
-                h.this().name
-            )));
-        }
         if c.link.is_some() || c.topology.is_some() {
             return Err(StartError::Hosts(
                 "a fabric across hosts has no emulated links yet: leave out --link and --topology"

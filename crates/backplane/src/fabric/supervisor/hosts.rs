@@ -263,10 +263,12 @@ impl Sup {
                         }
                     };
                     if h.pending.remove(&ep).is_some() {
-                        match h
-                            .plan
-                            .check_join(&msg, &self.cfg.name, self.cfg.window_size)
-                        {
+                        match h.plan.check_join(
+                            &msg,
+                            &self.cfg.name,
+                            self.cfg.window_size,
+                            &net_shape(&self.cfg),
+                        ) {
                             Ok(i) => {
                                 if let Some(old) = h.peers[i].ep.take() {
                                     h.link.close(old);
@@ -438,7 +440,9 @@ impl Sup {
             let due = p.dialed.is_none_or(|d| now.duration_since(d) >= again);
             if h.plan.dials(i) && p.ep.is_none() && p.state != PeerState::Joined && due {
                 let addr = h.plan.hosts[i].address;
-                let join = h.plan.join(&self.cfg.name, self.cfg.window_size);
+                let join = h
+                    .plan
+                    .join(&self.cfg.name, self.cfg.window_size, net_shape(&self.cfg));
                 h.peers[i].dialed = Some(now);
                 match h.link.connect(addr) {
                     Ok(ep) => {
@@ -609,6 +613,12 @@ pub(super) fn remote_refusal(plan: &HostPlan, slot: u32) -> (ErrorKind, String) 
                 .join(", ")
         ),
     )
+}
+
+/// IP over the fabric as the hosts compare it.
+fn net_shape(cfg: &Config) -> Option<String> {
+    cfg.net
+        .map(|p| format!("{}/{} mtu {}", p.network, p.prefix, p.mtu))
 }
 
 fn crate_ucx_words(e: &backplane_ucx::Error) -> String {
