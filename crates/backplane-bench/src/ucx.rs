@@ -94,10 +94,46 @@ pub fn run_named(
     iters: u64,
     warmup: u64,
 ) -> anyhow::Result<UcxResult> {
+    run_between(path, test, size, iters, warmup, None)
+}
+
+/// Where `ucx_perftest`'s server runs when it is not this host: started through `via` (a
+/// command prefix such as `ssh hostb`), reached at `addr`; both sides then use the
+/// environment's `UCX_TLS` (the transport between the hosts), not [`UCX_ENV`].
+#[derive(Debug, Clone)]
+pub struct Remote {
+    /// The command prefix that runs a program on the other host.
+    pub via: Vec<String>,
+    /// The other host's address.
+    pub addr: String,
+}
+
+/// [`run_named`] with the server on this host (`None`) or on another ([`Remote`]).
+pub fn run_between(
+    path: &Path,
+    test: &str,
+    size: u64,
+    iters: u64,
+    warmup: u64,
+    remote: Option<&Remote>,
+) -> anyhow::Result<UcxResult> {
     let port = free_port()?.to_string();
-    let mut server = Command::new(path)
+    let mut server_cmd = match remote {
+        Some(r) if !r.via.is_empty() => {
+            let mut c = Command::new(&r.via[0]);
+            c.args(&r.via[1..]).arg(path);
+            c
+        }
+        _ => {
+            let mut c = Command::new(path);
+            c.envs(UCX_ENV);
+            c
+        }
+    };
+    let client_env: &[(&str, &str)] = if remote.is_some() { &[] } else { &UCX_ENV };
+    let server_addr = remote.map_or("127.0.0.1", |r| r.addr.as_str());
+    let mut server = server_cmd
         .args(["-p", &port])
-        .envs(UCX_ENV)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -111,7 +147,7 @@ pub fn run_named(
         let t0 = crate::cpu::mono_ns();
         let out = Command::new(path)
             .args([
-                "127.0.0.1",
+                server_addr,
                 "-p",
                 &port,
                 "-t",
@@ -125,7 +161,7 @@ pub fn run_named(
                 "-f",
                 "-v",
             ])
-            .envs(UCX_ENV)
+            .envs(client_env.iter().copied())
             .stdin(Stdio::null())
             .output_guarded("ucx_perftest client")?;
         let wall_ns = crate::cpu::mono_ns() - t0;

@@ -57,12 +57,12 @@ impl Hosts {
             ip(&["netns", "add", &ns]);
             let (a, b) = (format!("{}a{k}", h.tag), format!("{}b{k}", h.tag));
             ip(&["link", "add", &a, "type", "veth", "peer", "name", &b]);
-            ip(&["link", "set", &a, "netns", &ns, "name", "eth0"]);
+            ip(&["link", "set", &a, "netns", &ns, "name", "bpx0"]);
             ip(&["link", "set", &b, "netns", &sw]);
             ip(&["-n", &sw, "link", "set", &b, "master", "br0", "up"]);
             let addr = format!("{}/24", h.addr(k));
-            ip(&["-n", &ns, "addr", "add", &addr, "dev", "eth0"]);
-            ip(&["-n", &ns, "link", "set", "eth0", "up"]);
+            ip(&["-n", &ns, "addr", "add", &addr, "dev", "bpx0"]);
+            ip(&["-n", &ns, "link", "set", "bpx0", "up"]);
             ip(&["-n", &ns, "link", "set", "lo", "up"]);
         }
         h
@@ -106,12 +106,23 @@ impl Hosts {
             .expect("run backplane")
     }
 
-    /// A command on host k: in its network namespace only (`nsenter --net`, not `ip netns
-    /// exec`, whose private mount namespace would hide the node namespaces the supervisor
-    /// mounts under /run/netns from everyone else).
+    /// A command on host k: in its network namespace, with a /sys of that namespace (UCX
+    /// finds its interfaces there), in a mount namespace that still shares /run/netns both
+    /// ways (not `ip netns exec`, whose mounts stay private: the node namespaces a supervisor
+    /// mounts there would be invisible to everyone else). `env` follows.
     fn in_host(&self, k: usize) -> Command {
         let mut c = Command::new("nsenter");
-        c.arg(format!("--net=/run/netns/{}", self.ns(k))).arg("env");
+        c.arg(format!("--net=/run/netns/{}", self.ns(k)))
+            .args([
+                "unshare",
+                "--mount",
+                "--propagation",
+                "unchanged",
+                "sh",
+                "-c",
+            ])
+            .arg("mount --make-private /sys && mount -t sysfs sysfs /sys && exec \"$0\" \"$@\"")
+            .arg("env");
         c
     }
 
@@ -282,11 +293,11 @@ fn two_hosts_join_lose_each_other_and_rejoin_with_new_generations() {
     let peer = h.host_state(0, "h1");
     assert_eq!(peer["state"], "joined");
     let tl = peer["transport"].to_string();
-    assert!(tl.contains("tcp/eth0"), "transport {tl}");
+    assert!(tl.contains("tcp/bpx0"), "transport {tl}");
     let table = h.bp(0, &["status", "--name", &h.fabric]);
     let table = String::from_utf8_lossy(&table.stdout).into_owned();
     assert!(
-        table.contains("HOST") && table.contains("tcp/eth0"),
+        table.contains("HOST") && table.contains("tcp/bpx0"),
         "{table}"
     );
 
@@ -295,11 +306,11 @@ fn two_hosts_join_lose_each_other_and_rejoin_with_new_generations() {
     // (Generations are compared as "greater than before": a host starved of CPU for longer
     // than the heartbeat allows on a loaded machine is, rightly, lost and rejoined once more.)
     let gen2 = h.slot(0, 2).2;
-    ip(&["-n", &h.ns(1), "link", "set", "eth0", "down"]);
+    ip(&["-n", &h.ns(1), "link", "set", "bpx0", "down"]);
     let took = h.wait_slot(0, 2, "DOWN", Some("host_lost"));
     eprintln!("h0 saw h1 lost after {took:?} (cut network)");
     assert_eq!(h.slot(0, 1).0, "READY", "h0's own nodes are untouched");
-    ip(&["-n", &h.ns(1), "link", "set", "eth0", "up"]);
+    ip(&["-n", &h.ns(1), "link", "set", "bpx0", "up"]);
     h.wait_slot(0, 2, "READY", None);
     let gen2_back = h.slot(0, 2).2;
     assert!(gen2_back > gen2, "a rejoined node has a new generation");
@@ -583,6 +594,63 @@ fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
         s1["slots"][1]["rx_msgs"].as_u64().unwrap() > CROSS_COUNT,
         "{s1}"
     );
+    // `perf` between the hosts: its peer started on h1 through --peer-via, ucx_perftest
+    // between the same two namespaces beside it.
+    let via = h.dir.join("on-h1.sh");
+    std::fs::write(
+        &via,
+        format!(
+            "#!/bin/sh\nexec nsenter --net=/run/netns/{} unshare --mount --propagation unchanged \
+             sh -c 'mount --make-private /sys && mount -t sysfs sysfs /sys && exec \"$0\" \"$@\"' \
+             env BACKPLANE_RUN_DIR={} UCX_TLS=tcp \"$@\"\n",
+            h.ns(1),
+            h.run_dir(1).display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&via, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    for test in ["dgram-lat", "dgram-bw"] {
+        let o = h.bp(
+            0,
+            &[
+                "perf",
+                test,
+                "--name",
+                &h.fabric,
+                "-r",
+                "1",
+                "-n",
+                "300",
+                "-s",
+                "4K",
+                "--json",
+                "--peer-via",
+                via.to_str().unwrap(),
+            ],
+        );
+        assert!(
+            o.status.success(),
+            "perf {test} across hosts: {}",
+            stderr(&o)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert!(j["backplane"][0]["bytes"] == 4096, "{j}");
+        eprintln!(
+            "perf {test} across hosts: {} / UCX {}",
+            j["backplane"][0], j["ucx"][0]
+        );
+        let ucx_ran = j["ucx"].is_array();
+        assert!(
+            ucx_ran || j["ucx_note"].as_str().unwrap_or("").contains("not found"),
+            "{j}"
+        );
+        if ucx_ran {
+            assert!(
+                j["ucx_where"].as_str().unwrap().contains("UCX_TLS=tcp"),
+                "{j}"
+            );
+        }
+    }
     h.down(1);
     h.down(0);
     h.assert_nothing_left();

@@ -201,6 +201,12 @@ pub struct Args {
     /// by tens of percent, so one run is never the figure to quote; `-r 1` for a quick look).
     #[arg(short = 'r', long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=50))]
     rounds: u32,
+    /// Start the far side (the perf peer in node 2, and `ucx_perftest`'s server) through this
+    /// command, e.g. `ssh hostb`, when node 2 runs on another host of the fabric (`--name`;
+    /// dgram-lat and dgram-bw). `ucx_perftest` then runs between the two hosts with the
+    /// environment's `UCX_TLS` (set it to what the fabric's hosts use, e.g. `tcp`).
+    #[arg(long, value_name = "CMD", requires = "name")]
+    peer_via: Option<String>,
     /// Print a JSON document (version 1) instead of tables.
     #[arg(long)]
     json: bool,
@@ -257,6 +263,9 @@ struct Report {
     backplane: Vec<Row>,
     ucx: Option<Vec<Row>>,
     ucx_note: Option<String>,
+    /// Where `ucx_perftest` ran: `UCX_TLS=posix,cma,self` on this host, or between the hosts
+    /// of nodes 1 and 2 (`--peer-via`) with the environment's `UCX_TLS`.
+    ucx_where: String,
     /// perftest's program for the same operation over the same fabric (verbs tests).
     #[serde(skip_serializing_if = "Option::is_none")]
     perftest: Option<Vec<Row>>,
@@ -316,6 +325,31 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.iters == Some(0) {
         bail!("--iters must be at least 1");
     }
+    let remote = match &a.peer_via {
+        Some(via) => {
+            if !matches!(a.test, Test::DgramLat | Test::DgramBw) {
+                bail!(
+                    "--peer-via: only dgram-lat and dgram-bw run across hosts (verbs and DMA \
+                     between hosts are not carried yet)"
+                );
+            }
+            let via: Vec<String> = via.split_whitespace().map(str::to_owned).collect();
+            if via.is_empty() {
+                bail!("--peer-via needs a command (e.g. `ssh hostb`)");
+            }
+            let name = a.name.as_deref().expect("clap requires --name");
+            let st = Fabric::attach(name)?.status()?;
+            let owner = st.slots.get(1).and_then(|s| s.host.clone());
+            let addr = st
+                .hosts
+                .iter()
+                .find(|h| Some(&h.name) == owner.as_ref())
+                .and_then(|h| h.address.parse::<std::net::SocketAddr>().ok())
+                .map_or("127.0.0.1".to_string(), |a| a.ip().to_string());
+            Some(ucx::Remote { via, addr })
+        }
+        None => None,
+    };
     let ucx_path = match (a.ucx, ucx::which("ucx_perftest")) {
         (UcxMode::Require, None) => {
             bail!("ucx_perftest is not installed (Debian package ucx-utils)")
@@ -351,7 +385,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             Ok(path) => {
                 let mut out = Vec::new();
                 for &size in &sizes {
-                    match ucx_run(path, a.test, size, iters_for(&a, size)) {
+                    match ucx_run(path, a.test, size, iters_for(&a, size), remote.as_ref()) {
                         Ok(r) => out.push(r),
                         Err(e) => {
                             ucx_note = Some(format!("ucx_perftest failed at {size} B: {e:#}"));
@@ -398,6 +432,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         backplane: rows,
         ucx,
         ucx_note,
+        ucx_where: match &remote {
+            Some(r) => format!(
+                "between the hosts, server at {}, UCX_TLS={}",
+                r.addr,
+                std::env::var("UCX_TLS").unwrap_or_else(|_| "(UCX's choice)".into())
+            ),
+            None => "UCX_TLS=posix,cma,self".into(),
+        },
         perftest,
         perftest_note,
         rounds,
@@ -436,8 +478,12 @@ fn measure_backplane(
     if fabric.nodes() < 2 {
         bail!("fabric '{name}' has one node; perf needs nodes 1 and 2");
     }
-    super::require_local(&fabric, &[1, 2])?;
-    let (mut peer, peer_guard) = spawn_peer(&name, a.test, a.loop_)?;
+    let via: Option<Vec<String>> = a
+        .peer_via
+        .as_ref()
+        .map(|v| v.split_whitespace().map(str::to_owned).collect());
+    super::require_local(&fabric, if via.is_some() { &[1] } else { &[1, 2] })?;
+    let (mut peer, peer_guard) = spawn_peer(&name, a.test, a.loop_, via.as_deref())?;
     let announce_run = || {
         if !a.json && first {
             eprintln!(
@@ -508,10 +554,20 @@ fn spawn_peer(
     name: &str,
     test: Test,
     loop_: Loop,
+    via: Option<&[String]>,
 ) -> anyhow::Result<(std::process::Child, teardown::Guard)> {
     let exe = std::env::current_exe()?;
     // The peer's configuration travels typed on its stdin; fabric and test are labels for ps.
-    let mut peer = Command::new(exe)
+    // Through `--peer-via` it runs on node 2's host (the same path to this program there).
+    let mut cmd = match via {
+        Some(v) if !v.is_empty() => {
+            let mut c = Command::new(&v[0]);
+            c.args(&v[1..]).arg(exe);
+            c
+        }
+        _ => Command::new(exe),
+    };
+    let mut peer = cmd
         .args(["perf-peer", name, test.name()])
         .stdin(Stdio::piped())
         .spawn()
@@ -538,7 +594,7 @@ fn spawn_peer(
 /// the average in MB/s (for `perf ip --accel`, which sets the accelerated TCP beside it).
 pub fn dgram_bw_on(name: &str, size: u64, iters: u64) -> anyhow::Result<f64> {
     let fabric = Fabric::attach(name)?;
-    let (mut peer, guard) = spawn_peer(name, Test::DgramBw, Loop::Native)?;
+    let (mut peer, guard) = spawn_peer(name, Test::DgramBw, Loop::Native, None)?;
     let mut ep = fabric.node(1)?.bind(0)?;
     let to = Addr::new(2, PEER_PORT);
     backplane_bench::peer::fabric_hello(&mut ep, to).context("perf peer")?;
@@ -667,13 +723,20 @@ fn announce(ep: &mut Endpoint, peer: Addr, size: u64, count: u64) -> Result<(), 
 }
 
 /// One `ucx_perftest` run (the bench crate's runner) as a row of this test's table.
-fn ucx_run(path: &std::path::Path, test: Test, size: u64, iters: u64) -> anyhow::Result<Row> {
-    let r = ucx::run_named(
+fn ucx_run(
+    path: &std::path::Path,
+    test: Test,
+    size: u64,
+    iters: u64,
+    remote: Option<&ucx::Remote>,
+) -> anyhow::Result<Row> {
+    let r = ucx::run_between(
         path,
         test.ucx_test(),
         size,
         iters,
         (iters / 10).clamp(10, 10_000),
+        remote,
     )?;
     Ok(Row::from_ucx(&r, size, test.is_lat()))
 }
@@ -757,8 +820,9 @@ fn render(r: &Report) -> String {
     o += &format!("{line}\n");
     if let Some(u) = &r.ucx {
         o += &format!(
-            " same run: UCX {} (ucx_perftest, UCX_TLS=posix,cma,self); ratio = backplane / UCX\n",
-            r.test.ucx_test()
+            " same run: UCX {} (ucx_perftest, {}); ratio = backplane / UCX\n",
+            r.test.ucx_test(),
+            r.ucx_where
         );
         if lat {
             o += &format!(
@@ -949,6 +1013,7 @@ mod tests {
             backplane: median_rows(&bp.iter().map(|v| &v[..]).collect::<Vec<_>>()),
             ucx: Some(median_rows(&ux.iter().map(|v| &v[..]).collect::<Vec<_>>())),
             ucx_note: None,
+            ucx_where: "UCX_TLS=posix,cma,self".into(),
             perftest: None,
             perftest_note: None,
             rounds,

@@ -161,6 +161,7 @@ impl Bridge {
                     pending: Vec::new(),
                     outs: HashMap::new(),
                     ins: HashMap::new(),
+                    scratch: Vec::new(),
                 }
                 .run(&stop2);
             })
@@ -206,6 +207,8 @@ struct Worker {
     pending: Vec<EpId>,
     outs: HashMap<u64, Out>,
     ins: HashMap<(usize, u64), In>,
+    /// A datagram on its way from a shadow ring to UCX (kept: no allocation per datagram).
+    scratch: Vec<u8>,
 }
 
 impl Worker {
@@ -395,12 +398,13 @@ impl Worker {
                         if o.inflight > 0 && o.inflight + cost > o.window {
                             break;
                         }
-                        let mut body = vec![0u8; rec.len];
-                        if o.rx.data().read(rec.pos, &mut body).is_err() {
+                        let body = &mut self.scratch;
+                        body.resize(rec.len, 0);
+                        if o.rx.data().read(rec.pos, body).is_err() {
                             break;
                         }
                         let h = head(KIND_DATA, route, o.seq);
-                        if self.link.send2(ep, &h, &body).is_err() {
+                        if self.link.send2(ep, &h, body).is_err() {
                             break; // too much in flight in UCX: after the next poll
                         }
                         o.seq += 1;
