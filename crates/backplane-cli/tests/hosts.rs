@@ -559,6 +559,40 @@ fn cross_host_role(role: &str) {
             assert_eq!(&buf[..n], format!("done:{CROSS_COUNT}").as_bytes());
             ep.send_to(to, b"bye").unwrap();
         }
+        "stream_receiver" => {
+            let mut ep = fabric.node(2).unwrap().bind(CROSS_PORT).unwrap();
+            let mut buf = vec![0u8; 65536];
+            // Until its host goes away under it.
+            while ep
+                .recv_from_timeout(&mut buf, Duration::from_secs(60))
+                .is_ok()
+            {}
+        }
+        "stream_sender" => {
+            let mut ep = fabric.node(1).unwrap().bind(0).unwrap();
+            let to = Addr::new(2, CROSS_PORT);
+            let data = vec![7u8; 1000];
+            let mut sent = 0u64;
+            let err = loop {
+                match ep.send_to(to, &data) {
+                    Ok(()) => sent += 1,
+                    Err(backplane::dgram::DgramError::Unreachable(_)) if sent == 0 => {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => break e,
+                }
+            };
+            eprintln!("sender stopped after {sent} datagrams: {err}");
+            assert!(sent > 0);
+            assert!(
+                matches!(
+                    err,
+                    backplane::dgram::DgramError::NodeDown(2)
+                        | backplane::dgram::DgramError::Unreachable(_)
+                ),
+                "{err}"
+            );
+        }
         _ => unreachable!(),
     }
 }
@@ -725,5 +759,40 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
     assert!(!std::path::Path::new(&format!("/run/netns/bp-{}-2", h.fabric)).exists());
     h.down(0);
     assert!(!std::path::Path::new(&format!("/run/netns/bp-{}-1", h.fabric)).exists());
+    h.assert_nothing_left();
+}
+
+#[test]
+fn a_sender_to_a_host_that_dies_gets_an_error_not_a_hang() {
+    if let Some(r) = role() {
+        cross_host_role(&r);
+        return;
+    }
+    if !root() {
+        return;
+    }
+    let h = Hosts::new("hosts_dgram_dies", 16, 2);
+    let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
+    h.up_ok(0, &file);
+    h.up_ok(1, &file);
+    h.wait_slot(0, 2, "READY", None);
+    let test_fn = "a_sender_to_a_host_that_dies_gets_an_error_not_a_hang";
+    let rx = h.spawn_role(1, test_fn, "stream_receiver");
+    let tx = h.spawn_role(0, test_fn, "stream_sender");
+    // Traffic flows (node 2 counts it), then h1's supervisor is killed.
+    let flowing = wait_for(Duration::from_secs(30), || {
+        (h.status(1)["slots"][1]["rx_msgs"].as_u64().unwrap_or(0) > 1000).then_some(())
+    });
+    assert!(flowing.is_some(), "no traffic across: {}", h.status(1));
+    let pid = h.status(1)["supervisor_pid"].as_i64().unwrap() as i32;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    assert!(finish(tx, "the sender").success(), "the sender failed");
+    let _ = finish(rx, "the receiver");
+    h.down(1);
+    h.down(0);
     h.assert_nothing_left();
 }

@@ -34,7 +34,7 @@ use crate::transport::{RecvChannel, SendChannel};
 /// Bytes a record costs against a route's window besides its payload (its header, rounded).
 const RECORD_COST: u64 = 64;
 /// How long the thread keeps polling after the last thing it did before it sleeps.
-const SPIN: Duration = Duration::from_micros(200);
+const SPIN: Duration = Duration::from_micros(1000);
 /// How long it sleeps at most when idle (a sender on this host does not wake it).
 const NAP: Duration = Duration::from_micros(500);
 
