@@ -68,6 +68,18 @@ impl Hosts {
         h
     }
 
+    /// Two hosts without IP over the fabric, up and joined: odd slots 1, 3 on h0, even 2, 4
+    /// on h1 (so nodes 1 and 2, `perf`'s, are on different hosts).
+    fn odd_even(test: &str, net: u8) -> Self {
+        let h = Self::new(test, net, 2);
+        let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
+        h.up_ok(0, &file);
+        h.up_ok(1, &file);
+        h.wait_slot(0, 2, "READY", None);
+        h.wait_slot(1, 1, "READY", None);
+        h
+    }
+
     fn ns(&self, k: usize) -> String {
         format!("{}-{k}", self.tag)
     }
@@ -606,12 +618,7 @@ fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
     if !root() {
         return;
     }
-    let h = Hosts::new("hosts_dgram", 14, 2);
-    let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
-    h.up_ok(0, &file);
-    h.up_ok(1, &file);
-    h.wait_slot(0, 2, "READY", None);
-    h.wait_slot(1, 1, "READY", None);
+    let h = Hosts::odd_even("hosts_dgram", 14);
     let test_fn = "datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers";
     let rx = h.spawn_role(1, test_fn, "receiver");
     let tx = h.spawn_role(0, test_fn, "sender");
@@ -714,7 +721,8 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
         (0, "3", "node2"),
         (1, "4", "node1"),
     ] {
-        let o = exec(k, from, &["ping", "-c", "3", "-i", "0.2", "-W", "5", to]);
+        // (-w: the first packets may go while the route to the other host opens.)
+        let o = exec(k, from, &["ping", "-c", "3", "-i", "0.2", "-w", "20", to]);
         assert!(
             o.status.success(),
             "ping {to} from node {from}: {}{}",
@@ -771,11 +779,7 @@ fn a_sender_to_a_host_that_dies_gets_an_error_not_a_hang() {
     if !root() {
         return;
     }
-    let h = Hosts::new("hosts_dgram_dies", 16, 2);
-    let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
-    h.up_ok(0, &file);
-    h.up_ok(1, &file);
-    h.wait_slot(0, 2, "READY", None);
+    let h = Hosts::odd_even("hosts_dgram_dies", 16);
     let test_fn = "a_sender_to_a_host_that_dies_gets_an_error_not_a_hang";
     let rx = h.spawn_role(1, test_fn, "stream_receiver");
     let tx = h.spawn_role(0, test_fn, "stream_sender");

@@ -66,17 +66,8 @@ fn default_join_timeout() -> u64 {
     JOIN_TIMEOUT_MS
 }
 
-/// Why a hosts file or `--host` was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{file}:{line}: {message}")]
-pub struct HostsError {
-    /// File name as given.
-    pub file: String,
-    /// 1-based line (1 for whole-file problems).
-    pub line: usize,
-    /// What is wrong and what to do.
-    pub message: String,
-}
+/// Why a hosts file or `--host` was refused (line 1 for whole-file problems).
+pub type HostsError = super::topology::FileError;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -92,23 +83,11 @@ struct RawHost {
     slots: Vec<u32>,
 }
 
-fn line_of(text: &str, offset: usize) -> usize {
-    text[..offset.min(text.len())].matches('\n').count() + 1
-}
-
 impl HostPlan {
     /// Parses and checks a hosts file's text; `me` names this host. `file` names it in errors.
     pub fn parse(file: &str, text: &str, me: &str) -> Result<Self, HostsError> {
-        let err = |offset: usize, message: String| HostsError {
-            file: file.to_owned(),
-            line: line_of(text, offset),
-            message,
-        };
-        let raw: RawFile = toml::from_str(text).map_err(|e| {
-            let at = e.span().map_or(0, |s| s.start);
-            let one_line: Vec<&str> = e.message().lines().map(str::trim).collect();
-            err(at, one_line.join("; "))
-        })?;
+        let err = |offset: usize, message: String| HostsError::at(file, text, offset, message);
+        let raw: RawFile = toml::from_str(text).map_err(|e| HostsError::toml(file, text, &e))?;
         if raw.hosts.is_empty() {
             return Err(err(0, "no [[hosts]] declared".into()));
         }

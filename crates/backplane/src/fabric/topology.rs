@@ -66,16 +66,37 @@ pub struct Topology {
     pub links: Vec<Link>,
 }
 
-/// Why a topology file was refused.
+/// Why one of the fabric's TOML files (a topology, a hosts file) was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{file}:{line}: {message}")]
-pub struct TopologyError {
+pub struct FileError {
     /// File name as given.
     pub file: String,
     /// 1-based line of the offending entry.
     pub line: usize,
     /// What is wrong and what to do.
     pub message: String,
+}
+
+/// Why a topology file was refused.
+pub type TopologyError = FileError;
+
+impl FileError {
+    /// The error at byte `offset` of `text` (named by its line).
+    pub(crate) fn at(file: &str, text: &str, offset: usize, message: String) -> Self {
+        Self {
+            file: file.to_owned(),
+            line: text[..offset.min(text.len())].matches('\n').count() + 1,
+            message,
+        }
+    }
+
+    /// A TOML syntax or shape error, in one line.
+    pub(crate) fn toml(file: &str, text: &str, e: &toml::de::Error) -> Self {
+        let at = e.span().map_or(0, |s| s.start);
+        let one_line: Vec<&str> = e.message().lines().map(str::trim).collect();
+        Self::at(file, text, at, one_line.join("; "))
+    }
 }
 
 #[derive(Deserialize)]
@@ -100,23 +121,11 @@ struct RawLink {
     model: Option<String>,
 }
 
-fn line_of(text: &str, offset: usize) -> usize {
-    text[..offset.min(text.len())].matches('\n').count() + 1
-}
-
 impl Topology {
     /// Parses and checks a topology file's text. `file` names it in errors.
     pub fn parse(file: &str, text: &str) -> Result<Self, TopologyError> {
-        let err = |offset: usize, message: String| TopologyError {
-            file: file.to_owned(),
-            line: line_of(text, offset),
-            message,
-        };
-        let raw: RawFile = toml::from_str(text).map_err(|e| {
-            let at = e.span().map_or(0, |s| s.start);
-            let one_line: Vec<&str> = e.message().lines().map(str::trim).collect();
-            err(at, one_line.join("; "))
-        })?;
+        let err = |offset: usize, message: String| FileError::at(file, text, offset, message);
+        let raw: RawFile = toml::from_str(text).map_err(|e| FileError::toml(file, text, &e))?;
         let kind = match raw.kind.get_ref().as_str() {
             "star" => Kind::Star,
             "distributed" => Kind::Distributed,

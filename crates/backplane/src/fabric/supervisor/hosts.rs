@@ -64,11 +64,26 @@ impl HostLink {
     pub(super) fn open(plan: HostPlan, now: Instant) -> Result<Self, StartError> {
         let me = plan.this().clone();
         let link = Link::open(Some(me.address)).map_err(|e| {
+            let words = backplane_ucx::status_string(e.status).to_ascii_lowercase();
+            let hint = if words.contains("busy") {
+                format!(
+                    "is another fabric or program listening on port {}?",
+                    me.address.port()
+                )
+            } else if words.contains("no such device") || words.contains("unreachable") {
+                match std::env::var("UCX_TLS") {
+                    Ok(tls) => format!(
+                        "UCX_TLS={tls} leaves UCX no transport to listen with here (`ucx_info \
+                         -d` lists this host's)"
+                    ),
+                    Err(_) => format!("is {} an address of this host?", me.address.ip()),
+                }
+            } else {
+                format!("is {} an address of this host?", me.address.ip())
+            };
             StartError::Hosts(format!(
-                "host '{}': {e} (is {} an address of this host, and is the port free? see {})",
-                me.name,
-                me.address.ip(),
-                plan.file
+                "host '{}': {e}: {hint} (hosts file {})",
+                me.name, plan.file
             ))
         })?;
         let bridge = super::bridge::Bridge::start(me.address.ip(), plan.me)

@@ -142,16 +142,19 @@ impl Sup {
     ) -> Result<Response, (ErrorKind, String)> {
         self.ready_slot(src.0)?;
         self.ready_slot(dst.0)?;
-        match self.endpoints.get(&src) {
-            Some(e) if e.client == id => {}
-            _ => {
-                return Err((
-                    ErrorKind::Invalid,
-                    format!("this process does not own port {} on node {}", src.1, src.0),
-                ))
-            }
-        }
+        self.check_owner(id, src)?;
         self.make_ring(src, dst)
+    }
+
+    /// Refuses a client that does not own endpoint `src`.
+    pub(super) fn check_owner(&self, id: u64, src: (u32, u32)) -> Result<(), (ErrorKind, String)> {
+        match self.endpoints.get(&src) {
+            Some(e) if e.client == id => Ok(()),
+            _ => Err((
+                ErrorKind::Invalid,
+                format!("this process does not own port {} on node {}", src.1, src.0),
+            )),
+        }
     }
 
     /// The ring from `src` to endpoint `dst` (made unless it exists), once the asker's right

@@ -53,7 +53,61 @@ impl Routes {
     }
 }
 
+/// A ring made for a route, and what its bridge end is built from.
+struct Made {
+    rid: u64,
+    resp: Response,
+    ring: ShmRing,
+    ring_off: u64,
+    credit_off: u64,
+    dst_record_off: u64,
+    dst_w: Arc<Region>,
+    src_w: Arc<Region>,
+}
+
 impl Sup {
+    /// The ring from `src` to `dst` (made unless it exists) with the views the bridge uses.
+    fn ring_for_bridge(
+        &mut self,
+        src: (u32, u32),
+        dst: (u32, u32),
+    ) -> Result<Made, (ErrorKind, String)> {
+        let resp = self.make_ring(src, dst)?;
+        let Response::Connected {
+            ring_off,
+            credit_off,
+            dst_record_off,
+            ..
+        } = resp
+        else {
+            return Err((ErrorKind::Invalid, "no ring".into()));
+        };
+        let rid = self
+            .rings
+            .iter()
+            .find(|(_, r)| r.src == src && r.dst == dst)
+            .map(|(&k, _)| k)
+            .expect("make_ring made it");
+        let dst_w = self.windows[dst.0 as usize - 1].clone();
+        let src_w = self.windows[src.0 as usize - 1].clone();
+        match ShmRing::datagram(&dst_w, ring_off, self.ring_data(), &src_w, credit_off) {
+            Ok(ring) => Ok(Made {
+                rid,
+                resp,
+                ring,
+                ring_off,
+                credit_off,
+                dst_record_off,
+                dst_w,
+                src_w,
+            }),
+            Err(e) => {
+                self.teardown_ring(rid);
+                Err((ErrorKind::Invalid, e.to_string()))
+            }
+        }
+    }
+
     fn remote_host(&self, slot: u32) -> Option<usize> {
         let h = self.hosts.as_ref()?;
         (!h.plan.is_local(slot))
@@ -70,15 +124,7 @@ impl Sup {
         dst: (u32, u32),
     ) -> Result<Option<Response>, (ErrorKind, String)> {
         self.ready_slot(src.0)?;
-        match self.endpoints.get(&src) {
-            Some(e) if e.client == id => {}
-            _ => {
-                return Err((
-                    ErrorKind::Invalid,
-                    format!("this process does not own port {} on node {}", src.1, src.0),
-                ))
-            }
-        }
+        self.check_owner(id, src)?;
         let host = self.remote_host(dst.0).expect("caller checked");
         if self.life[dst.0 as usize - 1].state() != NodeState::Ready {
             let st = self.life[dst.0 as usize - 1].state();
@@ -188,40 +234,23 @@ impl Sup {
         }
         service::ready_slot(self.cfg.nodes, &self.life, dst.0)?;
         service::ready_slot(self.cfg.nodes, &self.life, src.0)?;
-        let resp = self.make_ring(src, dst)?;
-        let Response::Connected {
-            ring_off,
-            credit_off,
-            dst_record_off,
-            ..
-        } = resp
-        else {
-            return Err((ErrorKind::Invalid, "no ring".into()));
-        };
-        let rid = self
-            .rings
-            .iter()
-            .find(|(_, r)| r.src == src && r.dst == dst)
-            .map(|(&k, _)| k)
-            .expect("make_ring made it");
-        let data_len = self.ring_data();
-        let dst_w = self.windows[dst.0 as usize - 1].clone();
-        let src_w = self.windows[src.0 as usize - 1].clone();
+        let m = self.ring_for_bridge(src, dst)?;
+        let (dst_w, src_w) = (&m.dst_w, &m.src_w);
         let words = (|| {
-            let ring = ShmRing::datagram(&dst_w, ring_off, data_len, &src_w, credit_off)?;
             let bell = Bell::new(
-                Word32::at(&dst_w, dst_record_off + EP_ARMED_OFF as u64)?,
-                Word32::at(&dst_w, dst_record_off + EP_DOORBELL_OFF as u64)?,
+                Word32::at(dst_w, m.dst_record_off + EP_ARMED_OFF as u64)?,
+                Word32::at(dst_w, m.dst_record_off + EP_DOORBELL_OFF as u64)?,
             );
             Ok::<_, crate::mem::MemError>(Cmd::AddIn {
                 host: i,
                 route,
-                tx: Box::new(ShmSender::new(ring).with_bell(bell)),
-                sender_closed: Word32::at(&dst_w, ring_off + RING_SENDER_CLOSED_OFF as u64)?,
-                receiver_bell: Word32::at(&dst_w, dst_record_off + EP_DOORBELL_OFF as u64)?,
-                peer_closed: Word32::at(&src_w, credit_off + CREDIT_PEER_CLOSED_OFF as u64)?,
+                tx: Box::new(ShmSender::new(m.ring.clone()).with_bell(bell)),
+                sender_closed: Word32::at(dst_w, m.ring_off + RING_SENDER_CLOSED_OFF as u64)?,
+                receiver_bell: Word32::at(dst_w, m.dst_record_off + EP_DOORBELL_OFF as u64)?,
+                peer_closed: Word32::at(src_w, m.credit_off + CREDIT_PEER_CLOSED_OFF as u64)?,
             })
         })();
+        let (rid, data_len) = (m.rid, self.ring_data());
         let cmd = match words {
             Ok(c) => c,
             Err(e) => {
@@ -283,38 +312,23 @@ impl Sup {
             // node's shadow window, which the sender's ring is listed in.
             self.create_endpoint(0, dst.0, dst.1)?;
         }
-        let resp = self.make_ring(src, dst)?;
-        let Response::Connected {
-            ring_off,
-            credit_off,
-            ..
-        } = resp
-        else {
-            return Err((ErrorKind::Invalid, "no ring".into()));
-        };
-        let rid = self
-            .rings
-            .iter()
-            .find(|(_, r)| r.src == src && r.dst == dst)
-            .map(|(&k, _)| k)
-            .expect("make_ring made it");
+        let m = self.ring_for_bridge(src, dst)?;
+        let (dst_w, src_w) = (&m.dst_w, &m.src_w);
         let data_len = self.ring_data();
-        let dst_w = self.windows[dst.0 as usize - 1].clone();
-        let src_w = self.windows[src.0 as usize - 1].clone();
         let cmd = (|| {
-            let ring = ShmRing::datagram(&dst_w, ring_off, data_len, &src_w, credit_off)?;
             let bell = Bell::new(
-                Word32::at(&src_w, credit_off + CREDIT_ARMED_OFF as u64)?,
-                Word32::at(&src_w, credit_off + CREDIT_SEQ_OFF as u64)?,
+                Word32::at(src_w, m.credit_off + CREDIT_ARMED_OFF as u64)?,
+                Word32::at(src_w, m.credit_off + CREDIT_SEQ_OFF as u64)?,
             );
             Ok::<_, crate::mem::MemError>(Cmd::AddOut {
                 host,
                 route,
-                rx: Box::new(ShmReceiver::new(ring).with_bell(bell)),
-                sender_closed: Word32::at(&dst_w, ring_off + RING_SENDER_CLOSED_OFF as u64)?,
+                rx: Box::new(ShmReceiver::new(m.ring.clone()).with_bell(bell)),
+                sender_closed: Word32::at(dst_w, m.ring_off + RING_SENDER_CLOSED_OFF as u64)?,
                 window: window.min(u64::from(data_len)).max(1),
             })
         })();
+        let (rid, resp) = (m.rid, m.resp);
         let cmd = match cmd {
             Ok(c) => c,
             Err(e) => {
