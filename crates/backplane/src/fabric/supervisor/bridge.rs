@@ -152,7 +152,7 @@ impl Bridge {
                     }
                 };
                 let _ = port_tx.send(Ok(link.listen_port()));
-                Worker {
+                let worker = Worker {
                     link,
                     me,
                     cmds: rx,
@@ -162,8 +162,14 @@ impl Bridge {
                     outs: HashMap::new(),
                     ins: HashMap::new(),
                     scratch: Vec::new(),
+                };
+                // A bridge that stopped would leave routes silently stuck: the whole
+                // supervisor goes instead, which its peers see as this host lost (and its
+                // agents die with it), and `down` or `up` cleans up.
+                let run = std::panic::AssertUnwindSafe(|| worker.run(&stop2));
+                if std::panic::catch_unwind(run).is_err() {
+                    std::process::abort();
                 }
-                .run(&stop2);
             })
             .map_err(|e| format!("cannot start the bridge thread: {e}"))?;
         let port = port_rx
@@ -224,7 +230,9 @@ impl Worker {
                 continue;
             }
             if idle_since.elapsed() < SPIN {
-                std::hint::spin_loop();
+                // Give the CPU to whatever else is runnable here (the sender or receiver the
+                // bridge waits for) rather than spin it away: two cores, four parties.
+                std::thread::yield_now();
                 continue;
             }
             if self.link.arm() {
@@ -347,7 +355,18 @@ impl Worker {
                     match kind {
                         KIND_DATA => {
                             if let Some(r) = self.ins.get_mut(&(host, route)) {
-                                if n >= r.next {
+                                // A host that keeps its window never has more than a ring's
+                                // worth waiting; one that does not loses the route, not
+                                // this host's memory.
+                                let ahead = n.saturating_sub(r.next).saturating_mul(RECORD_COST);
+                                if r.waiting.len() as u64 * RECORD_COST > 4 * r.window_hint
+                                    || ahead > 4 * r.window_hint
+                                {
+                                    r.waiting.clear();
+                                    r.peer_closed.store(1, Ordering::Release);
+                                    r.sender_closed.store(1, Ordering::Release);
+                                    crate::sync::ring(&r.receiver_bell);
+                                } else if n >= r.next {
                                     r.waiting.insert(n, msg);
                                 }
                             }
@@ -458,7 +477,15 @@ impl Worker {
                 let payload_len = entry.get().len() - HEAD;
                 let res = match r.tx.reserve(payload_len) {
                     Ok(res) => res,
-                    Err(_) => break, // full: when the receiver makes room
+                    Err(RingError::Full) => break, // when the receiver makes room
+                    Err(_) => {
+                        // Too big for any ring (the other host's sender could not have
+                        // written it): not deliverable; the route goes on without it.
+                        entry.remove();
+                        r.next += 1;
+                        r.unacked += payload_len as u64 + RECORD_COST;
+                        continue;
+                    }
                 };
                 let msg = entry.remove();
                 let _ = r.tx.data().write(res.pos, &msg[HEAD..]);
