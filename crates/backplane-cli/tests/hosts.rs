@@ -31,6 +31,8 @@ struct Hosts {
     net: u8,
     count: usize,
     dir: PathBuf,
+    /// `UCX_TLS` for the hosts' processes (`tcp`; None: UCX chooses).
+    tls: Option<&'static str>,
 }
 
 impl Hosts {
@@ -44,6 +46,7 @@ impl Hosts {
             net,
             count,
             dir,
+            tls: Some("tcp"),
         };
         h.cleanup_netns();
         std::fs::create_dir_all(&h.dir).unwrap();
@@ -71,7 +74,13 @@ impl Hosts {
     /// Two hosts without IP over the fabric, up and joined: odd slots 1, 3 on h0, even 2, 4
     /// on h1 (so nodes 1 and 2, `perf`'s, are on different hosts).
     fn odd_even(test: &str, net: u8) -> Self {
-        let h = Self::new(test, net, 2);
+        Self::odd_even_over(test, net, Some("tcp"))
+    }
+
+    /// [`Hosts::odd_even`] with `UCX_TLS=tls` (None: whatever UCX picks).
+    fn odd_even_over(test: &str, net: u8, tls: Option<&'static str>) -> Self {
+        let mut h = Self::new(test, net, 2);
+        h.tls = tls;
         let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
         h.up_ok(0, &file);
         h.up_ok(1, &file);
@@ -111,7 +120,6 @@ impl Hosts {
     fn bp(&self, k: usize, args: &[&str]) -> Output {
         self.in_host(k)
             .arg(format!("BACKPLANE_RUN_DIR={}", self.run_dir(k).display()))
-            .arg("UCX_TLS=tcp")
             .arg(BIN)
             .args(args)
             .output()
@@ -135,6 +143,10 @@ impl Hosts {
             ])
             .arg("mount --make-private /sys && mount -t sysfs sysfs /sys && exec \"$0\" \"$@\"")
             .arg("env");
+        match self.tls {
+            Some(t) => c.arg(format!("UCX_TLS={t}")),
+            None => c.arg("-u").arg("UCX_TLS"),
+        };
         c
     }
 
@@ -142,7 +154,6 @@ impl Hosts {
     fn spawn_role(&self, k: usize, test_fn: &str, role: &str) -> std::process::Child {
         self.in_host(k)
             .arg(format!("BACKPLANE_RUN_DIR={}", self.run_dir(k).display()))
-            .arg("UCX_TLS=tcp")
             .arg(format!("BP_ROLE={role}"))
             .arg(format!("BP_FABRIC={}", self.fabric))
             .arg(std::env::current_exe().unwrap())
@@ -796,6 +807,31 @@ fn a_sender_to_a_host_that_dies_gets_an_error_not_a_hang() {
     .unwrap();
     assert!(finish(tx, "the sender").success(), "the sender failed");
     let _ = finish(rx, "the receiver");
+    h.down(1);
+    h.down(0);
+    h.assert_nothing_left();
+}
+
+#[test]
+fn without_ucx_tls_ucx_picks_the_transport_and_datagrams_still_cross() {
+    if let Some(r) = role() {
+        cross_host_role(&r);
+        return;
+    }
+    if !root() {
+        return;
+    }
+    // UCX may pick shared memory here (the "hosts" share a kernel); whatever it picks is
+    // shown and carries the same traffic.
+    let h = Hosts::odd_even_over("hosts_any_tl", 17, None);
+    let tl = h.host_state(0, "h1")["transport"].clone();
+    eprintln!("UCX chose {tl} between the hosts");
+    assert!(tl.as_array().is_some_and(|t| !t.is_empty()), "{tl}");
+    let test_fn = "without_ucx_tls_ucx_picks_the_transport_and_datagrams_still_cross";
+    let rx = h.spawn_role(1, test_fn, "receiver");
+    let tx = h.spawn_role(0, test_fn, "sender");
+    assert!(finish(tx, "the sender").success(), "the sender failed");
+    assert!(finish(rx, "the receiver").success(), "the receiver failed");
     h.down(1);
     h.down(0);
     h.assert_nothing_left();
