@@ -371,7 +371,7 @@ fn two_hosts_join_lose_each_other_and_rejoin_with_new_generations() {
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(
-        e.contains("node 2 runs on host 'h1', not on this host ('h0')"),
+        e.contains("node 2 runs on host 'h1', not on this host ('h0'): run its programs there"),
         "{e}"
     );
     let o = h.bp(0, &["exec", "--name", &h.fabric, "4", "--", "true"]);
@@ -835,4 +835,76 @@ fn without_ucx_tls_ucx_picks_the_transport_and_datagrams_still_cross() {
     h.down(1);
     h.down(0);
     h.assert_nothing_left();
+}
+
+#[test]
+fn unmodified_ibv_ud_pingpong_runs_between_nodes_of_two_hosts_and_rc_is_refused_in_words() {
+    if !have_prog("ibv_ud_pingpong") || !root() {
+        return;
+    }
+    lib_built("libibverbs.so", "backplane-ibverbs");
+    let h = Hosts::odd_even("hosts_verbs_ud", 18);
+    // The programs exchange their addresses over TCP between the hosts' own addresses, then
+    // talk through the fabric: UD sends are datagrams, so they cross the bridge.
+    let pair = |prog: &str, port: &str, extra: &[&str]| {
+        let mut a = vec![
+            "exec", "--name", &h.fabric, "--verbs", "2", "--", prog, "-g", "0",
+        ];
+        a.extend_from_slice(&["-p", port]);
+        a.extend_from_slice(extra);
+        let server = h
+            .in_host(1)
+            .arg(format!("BACKPLANE_RUN_DIR={}", h.run_dir(1).display()))
+            .arg(BIN)
+            .args(&a)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let addr = h.addr(1);
+        let mut c = vec![
+            "exec", "--name", &h.fabric, "--verbs", "1", "--", prog, "-g", "0",
+        ];
+        c.extend_from_slice(&["-p", port]);
+        c.extend_from_slice(extra);
+        c.push(&addr);
+        let client = wait_for(Duration::from_secs(20), || {
+            let o = h.bp(0, &c);
+            // Until the server listens: the client's "Couldn't connect".
+            (o.status.success() || !stderr(&o).contains("Couldn't connect to")).then_some(o)
+        })
+        .expect("the client never reached the server");
+        let server = server.wait_with_output().unwrap();
+        (client, server)
+    };
+    let (c, s) = pair("ibv_ud_pingpong", "18791", &["-n", "300", "-c"]);
+    for (who, o) in [("client", &c), ("server", &s)] {
+        assert!(
+            o.status.success(),
+            "ibv_ud_pingpong {who}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            stderr(o)
+        );
+        assert!(String::from_utf8_lossy(&o.stdout).contains("300 iters in"));
+    }
+    // RC needs a connection across hosts, which is not carried: the program's own error, and
+    // ours saying why.
+    // (Whichever side moves its QP to RTR first says so; the other loses its socket.)
+    let (c, s) = pair("ibv_rc_pingpong", "18792", &["-n", "10"]);
+    assert!(!c.status.success() && !s.status.success());
+    let e = stderr(&c) + &stderr(&s);
+    assert!(e.contains("Failed to modify QP to RTR"), "{e}");
+    assert!(e.contains("RC/UC queue pairs"), "{e}");
+    h.down(1);
+    h.down(0);
+    h.assert_nothing_left();
+}
+
+fn have_prog(p: &str) -> bool {
+    let found = std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(p).exists()));
+    if !found {
+        eprintln!("skipped: {p} is not installed (scripts/setup.sh --test installs it)");
+    }
+    found
 }

@@ -54,8 +54,8 @@ enum Command {
 
 /// Writes a command's result to stdout. A closed stdout (`backplane perf ... | head`) is not
 /// an error: commands that clean up on signals catch SIGPIPE, so it shows up here as EPIPE.
-/// Refuses nodes that run on another host of a fabric across hosts: nothing but `status`
-/// reaches them from here yet.
+/// Refuses nodes that run on another host of a fabric across hosts: a program for one runs on
+/// its host.
 pub fn require_local(fabric: &backplane::fabric::Fabric, nodes: &[u32]) -> anyhow::Result<()> {
     let st = fabric.status()?;
     let Some(me) = st.hosts.first() else {
@@ -65,8 +65,8 @@ pub fn require_local(fabric: &backplane::fabric::Fabric, nodes: &[u32]) -> anyho
         if let Some(row) = st.slots.iter().find(|s| s.slot == n) {
             if !me.slots.contains(&n) {
                 anyhow::bail!(
-                    "node {n} runs on host '{}', not on this host ('{}'): programs, datagrams, \
-                     verbs and DMA between hosts are not carried yet; use this host's nodes ({})",
+                    "node {n} runs on host '{}', not on this host ('{}'): run its programs there \
+                     (this host's nodes: {})",
                     row.host.as_deref().unwrap_or("?"),
                     me.name,
                     me.slots

@@ -329,8 +329,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Some(via) => {
             if !matches!(a.test, Test::DgramLat | Test::DgramBw) {
                 bail!(
-                    "--peer-via: only dgram-lat and dgram-bw run across hosts (verbs and DMA \
-                     between hosts are not carried yet)"
+                    "--peer-via: only dgram-lat and dgram-bw run across hosts (RC queue pairs, \
+                     memory grants and DMA between hosts are not carried yet)"
                 );
             }
             let via: Vec<String> = via.split_whitespace().map(str::to_owned).collect();

@@ -617,8 +617,9 @@ pub(super) fn remote_refusal(plan: &HostPlan, slot: u32) -> (ErrorKind, String) 
     (
         ErrorKind::Invalid,
         format!(
-            "node {slot} runs on host '{host}': verbs and DMA between hosts are not carried \
-             yet (datagrams are); use nodes of host '{}' ({})",
+            "node {slot} runs on host '{host}': RC/UC queue pairs, memory grants and DMA between \
+             hosts are not carried yet (datagrams and UD queue pairs are); use nodes of host \
+             '{}' ({})",
             plan.this().name,
             plan.this()
                 .slots
