@@ -28,6 +28,39 @@ pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
     let _ = futex::wait(word, futex::Flags::empty(), expected, ts.as_ref());
 }
 
+/// Sleeps until any of `words` no longer holds its expected value, someone wakes one of them,
+/// or `timeout` passes (`futex_waitv`, Linux 5.16; at most 128 words, the rest are not
+/// watched). Spurious returns are allowed; callers re-check their conditions.
+#[cfg(not(loom))]
+pub fn futex_wait_any(words: &[(&AtomicU32, u32)], timeout: Duration) {
+    use rustix::thread::futex;
+    let waits: Vec<futex::Wait> = words
+        .iter()
+        .take(128)
+        .map(|&(w, v)| {
+            let mut x = futex::Wait::new();
+            x.val = u64::from(v);
+            x.uaddr = futex::WaitPtr::new(std::ptr::from_ref(w).cast_mut().cast());
+            x.flags = futex::WaitFlags::SIZE_U32;
+            x
+        })
+        .collect();
+    // futex_waitv's timeout is absolute.
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    let ns = now.tv_nsec as u64 + u64::from(timeout.subsec_nanos());
+    let until = rustix::time::Timespec {
+        tv_sec: now.tv_sec + timeout.as_secs() as i64 + (ns / 1_000_000_000) as i64,
+        tv_nsec: (ns % 1_000_000_000) as _,
+    };
+    // Errors (EAGAIN: a word already changed, ETIMEDOUT, EINTR) all mean "go and re-check".
+    let _ = futex::waitv(
+        &waits,
+        futex::WaitvFlags::empty(),
+        Some(&until),
+        rustix::time::ClockId::Monotonic,
+    );
+}
+
 /// Wakes every waiter sleeping on `word`.
 #[cfg(not(loom))]
 pub fn futex_wake(word: &AtomicU32) {

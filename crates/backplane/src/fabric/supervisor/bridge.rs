@@ -35,8 +35,9 @@ use crate::transport::{RecvChannel, SendChannel};
 const RECORD_COST: u64 = 64;
 /// How long the thread keeps polling after the last thing it did before it sleeps.
 const SPIN: Duration = Duration::from_micros(1000);
-/// How long it sleeps at most when idle (a sender on this host does not wake it).
-const NAP: Duration = Duration::from_micros(500);
+/// How long it sleeps at most when idle: senders here, receivers making room and UCX wake
+/// it before (a wake-up it misses costs at most this).
+const NAP: Duration = Duration::from_millis(100);
 
 const KIND_HELLO: u8 = 1;
 const KIND_DATA: u8 = 2;
@@ -76,6 +77,8 @@ pub(super) enum Cmd {
         rx: Box<ShmReceiver>,
         sender_closed: Word32,
         window: u64,
+        /// The shadow endpoint's doorbell (armed flag, bell) its senders ring.
+        bell: (Word32, Word32),
     },
     /// Drop an outbound route now (its receiver went away on the other host).
     RemoveOut { route: u64 },
@@ -89,6 +92,8 @@ pub(super) enum Cmd {
         sender_closed: Word32,
         receiver_bell: Word32,
         peer_closed: Word32,
+        /// The credit line's doorbell (armed flag, bell) the receiver rings as it makes room.
+        credit_bell: (Word32, Word32),
     },
     /// Drop an inbound route (its ring was torn down here).
     RemoveIn { host: usize, route: u64 },
@@ -104,6 +109,7 @@ struct Out {
     host: usize,
     rx: Box<ShmReceiver>,
     sender_closed: Word32,
+    bell: (Word32, Word32),
     window: u64,
     inflight: u64,
     seq: u64,
@@ -115,12 +121,40 @@ struct In {
     sender_closed: Word32,
     receiver_bell: Word32,
     peer_closed: Word32,
+    credit_bell: (Word32, Word32),
     /// Datagrams arrived ahead of their turn or waiting for room, by sequence number.
     waiting: BTreeMap<u64, backplane_ucx::Bytes>,
     next: u64,
     end_at: Option<u64>,
     unacked: u64,
     window_hint: u64,
+}
+
+/// How UCX wakes the sleeping bridge: the watcher thread polls the worker's fd while `watch`
+/// is 1 (the bridge armed the worker and sleeps) and rings `bell` when it is readable.
+#[derive(Default)]
+struct Wake {
+    bell: crate::sync::AtomicU32,
+    watch: crate::sync::AtomicU32,
+}
+
+/// The watcher: UCX's wake-up fd turned into a futex ring the bridge sleeps on with the
+/// shared-memory doorbells (a thread cannot sleep on a fd and futexes at once).
+fn watch(fd: std::os::fd::OwnedFd, wake: &Wake, stop: &std::sync::atomic::AtomicBool) {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let tick = Duration::from_millis(100);
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        if wake.watch.load(Ordering::Acquire) == 0 {
+            crate::sync::futex_wait(&wake.watch, 0, Some(tick));
+            continue;
+        }
+        let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+        let ts = Timespec::try_from(tick).expect("tick fits");
+        if poll(&mut fds, Some(&ts)).is_ok_and(|n| n > 0) {
+            wake.watch.store(0, Ordering::Release);
+            crate::sync::ring(&wake.bell);
+        }
+    }
 }
 
 /// The bridge's handle, kept by the supervisor.
@@ -130,6 +164,7 @@ pub(super) struct Bridge {
     notes: mpsc::Receiver<Note>,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    watcher: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Bridge {
@@ -140,6 +175,9 @@ impl Bridge {
         let (port_tx, port_rx) = mpsc::channel();
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stop2 = stop.clone();
+        let wake = std::sync::Arc::new(Wake::default());
+        let wake2 = wake.clone();
+        let (fd_tx, fd_rx) = mpsc::channel::<std::os::fd::OwnedFd>();
         let thread = std::thread::Builder::new()
             .name("bp-bridge".into())
             .spawn(move || {
@@ -151,6 +189,15 @@ impl Bridge {
                         return;
                     }
                 };
+                match link.fd().try_clone_to_owned() {
+                    Ok(fd) => {
+                        let _ = fd_tx.send(fd);
+                    }
+                    Err(e) => {
+                        let _ = port_tx.send(Err(format!("cannot watch UCX's fd: {e}")));
+                        return;
+                    }
+                }
                 let _ = port_tx.send(Ok(link.listen_port()));
                 let worker = Worker {
                     link,
@@ -162,6 +209,7 @@ impl Bridge {
                     outs: HashMap::new(),
                     ins: HashMap::new(),
                     scratch: Vec::new(),
+                    wake: wake2,
                 };
                 // A bridge that stopped would leave routes silently stuck: the whole
                 // supervisor goes instead, which its peers see as this host lost (and its
@@ -175,12 +223,21 @@ impl Bridge {
         let port = port_rx
             .recv()
             .map_err(|_| "the bridge thread died at start".to_string())??;
+        let fd = fd_rx
+            .recv()
+            .map_err(|_| "the bridge thread died at start".to_string())?;
+        let stop3 = stop.clone();
+        let watcher = std::thread::Builder::new()
+            .name("bp-bridge-watch".into())
+            .spawn(move || watch(fd, &wake, &stop3))
+            .map_err(|e| format!("cannot start the bridge's watcher: {e}"))?;
         Ok(Self {
             port,
             tx,
             notes,
             stop,
             thread: Some(thread),
+            watcher: Some(watcher),
         })
     }
 
@@ -199,6 +256,9 @@ impl Drop for Bridge {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        if let Some(t) = self.watcher.take() {
+            let _ = t.join();
+        }
     }
 }
 
@@ -215,6 +275,7 @@ struct Worker {
     ins: HashMap<(usize, u64), In>,
     /// A datagram on its way from a shadow ring to UCX (kept: no allocation per datagram).
     scratch: Vec<u8>,
+    wake: std::sync::Arc<Wake>,
 }
 
 impl Worker {
@@ -235,13 +296,60 @@ impl Worker {
                 std::thread::yield_now();
                 continue;
             }
-            if self.link.arm() {
-                use rustix::event::{poll, PollFd, PollFlags, Timespec};
-                let fd = self.link.fd();
-                let mut fds = [PollFd::new(&fd, PollFlags::IN)];
-                let ts = Timespec::try_from(NAP).expect("nap fits");
-                let _ = poll(&mut fds, Some(&ts));
-            }
+            self.sleep();
+        }
+    }
+
+    /// Sleeps until there is something to do: a sender here rings a shadow endpoint's
+    /// doorbell, a receiver here makes room in a ring with datagrams waiting for it, or UCX
+    /// has events (the watcher thread turns its fd into a ring of `wake.bell`).
+    fn sleep(&mut self) {
+        let seen = self.wake.bell.load(Ordering::Acquire);
+        if !self.link.arm() {
+            return; // UCX has more to do first
+        }
+        self.wake.watch.store(1, Ordering::Release);
+        crate::sync::futex_wake(&self.wake.watch);
+        // (Clones of the words: the last look below needs the rings mutably.)
+        let mut bells: Vec<(Word32, u32)> = Vec::new();
+        for o in self.outs.values().filter(|o| !o.ended) {
+            bells.push((o.bell.1.clone(), o.bell.1.load(Ordering::Acquire)));
+            o.bell.0.store(1, Ordering::Relaxed);
+        }
+        for r in self.ins.values().filter(|r| !r.waiting.is_empty()) {
+            bells.push((r.credit_bell.1.clone(), r.credit_bell.1.load(Ordering::Acquire)));
+            r.credit_bell.0.store(1, Ordering::Relaxed);
+        }
+        // SYNC POINT doorbell-arm (receiver) and credit-arm (sender), as the datagram path's:
+        // armed before the last look at every ring.
+        crate::sync::fence(Ordering::SeqCst);
+        // (An outbound route with its window full waits for the other side's ack: UCX.)
+        let pending = self.outs.values().any(|o| {
+            !o.ended
+                && ((o.inflight < o.window && !o.rx.is_drained())
+                    || o.sender_closed.load(Ordering::Acquire) != 0)
+        }) || self.ins.values_mut().any(|r| {
+            r.waiting
+                .first_key_value()
+                .filter(|(&k, _)| k == r.next)
+                .is_some_and(|(_, m)| r.tx.has_room(m.len() - HEAD).unwrap_or(true))
+        });
+        if !pending {
+            let mut words: Vec<(&crate::sync::AtomicU32, u32)> = vec![(&self.wake.bell, seen)];
+            words.extend(bells.iter().map(|(w, v)| (&**w, *v)));
+            // More than futex_waitv's 128 words: the rest are looked at every millisecond.
+            let nap = if words.len() > 128 {
+                Duration::from_millis(1)
+            } else {
+                NAP
+            };
+            crate::sync::futex_wait_any(&words, nap);
+        }
+        for o in self.outs.values() {
+            o.bell.0.store(0, Ordering::Relaxed);
+        }
+        for r in self.ins.values() {
+            r.credit_bell.0.store(0, Ordering::Relaxed);
         }
     }
 
@@ -274,6 +382,7 @@ impl Worker {
                     rx,
                     sender_closed,
                     window,
+                    bell,
                 } => {
                     self.outs.insert(
                         route,
@@ -281,6 +390,7 @@ impl Worker {
                             host,
                             rx,
                             sender_closed,
+                            bell,
                             window,
                             inflight: 0,
                             seq: 0,
@@ -298,6 +408,7 @@ impl Worker {
                     sender_closed,
                     receiver_bell,
                     peer_closed,
+                    credit_bell,
                 } => {
                     let window_hint = tx.data().len();
                     self.ins.insert(
@@ -307,6 +418,7 @@ impl Worker {
                             sender_closed,
                             receiver_bell,
                             peer_closed,
+                            credit_bell,
                             waiting: BTreeMap::new(),
                             next: 0,
                             end_at: None,

@@ -248,6 +248,10 @@ impl Sup {
                 sender_closed: Word32::at(dst_w, m.ring_off + RING_SENDER_CLOSED_OFF as u64)?,
                 receiver_bell: Word32::at(dst_w, m.dst_record_off + EP_DOORBELL_OFF as u64)?,
                 peer_closed: Word32::at(src_w, m.credit_off + CREDIT_PEER_CLOSED_OFF as u64)?,
+                credit_bell: (
+                    Word32::at(src_w, m.credit_off + CREDIT_ARMED_OFF as u64)?,
+                    Word32::at(src_w, m.credit_off + CREDIT_SEQ_OFF as u64)?,
+                ),
             })
         })();
         let (rid, data_len) = (m.rid, self.ring_data());
@@ -326,6 +330,10 @@ impl Sup {
                 rx: Box::new(ShmReceiver::new(m.ring.clone()).with_bell(bell)),
                 sender_closed: Word32::at(dst_w, m.ring_off + RING_SENDER_CLOSED_OFF as u64)?,
                 window: window.min(u64::from(data_len)).max(1),
+                bell: (
+                    Word32::at(dst_w, m.dst_record_off + EP_ARMED_OFF as u64)?,
+                    Word32::at(dst_w, m.dst_record_off + EP_DOORBELL_OFF as u64)?,
+                ),
             })
         })();
         let (rid, resp) = (m.rid, m.resp);
