@@ -34,7 +34,7 @@ use crate::transport::{RecvChannel, SendChannel};
 /// Bytes a record costs against a route's window besides its payload (its header, rounded).
 const RECORD_COST: u64 = 64;
 /// How long the thread keeps polling after the last thing it did before it sleeps.
-const SPIN: Duration = Duration::from_micros(1000);
+const SPIN: Duration = Duration::from_micros(20);
 /// How long it sleeps at most when idle: senders here, receivers making room and UCX wake
 /// it before (a wake-up it misses costs at most this).
 const NAP: Duration = Duration::from_millis(100);
@@ -317,7 +317,10 @@ impl Worker {
             o.bell.0.store(1, Ordering::Relaxed);
         }
         for r in self.ins.values().filter(|r| !r.waiting.is_empty()) {
-            bells.push((r.credit_bell.1.clone(), r.credit_bell.1.load(Ordering::Acquire)));
+            bells.push((
+                r.credit_bell.1.clone(),
+                r.credit_bell.1.load(Ordering::Acquire),
+            ));
             r.credit_bell.0.store(1, Ordering::Relaxed);
         }
         // SYNC POINT doorbell-arm (receiver) and credit-arm (sender), as the datagram path's:
