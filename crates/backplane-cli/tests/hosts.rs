@@ -219,10 +219,24 @@ impl Hosts {
         });
         assert!(
             got.is_some(),
-            "h{k} never saw slot {slot} {state} {reason:?}: {}",
-            self.status(k)
+            "h{k} never saw slot {slot} {state} {reason:?}: {}\n{}",
+            self.status(k),
+            self.logs()
         );
         t0.elapsed()
+    }
+
+    /// Every host's supervisor log (for a failure's message).
+    fn logs(&self) -> String {
+        (0..self.count)
+            .map(|k| {
+                let f = self.run_dir(k).join(&self.fabric).join("supervisor.log");
+                format!(
+                    "--- h{k}'s supervisor log:\n{}",
+                    std::fs::read_to_string(f).unwrap_or_default()
+                )
+            })
+            .collect()
     }
 
     fn host_state(&self, k: usize, host: &str) -> serde_json::Value {

@@ -262,7 +262,9 @@ impl Sup {
         };
         let mut changes: Vec<(u32, SlotChange)> = Vec::new();
         let mut log: Vec<String> = Vec::new();
-        let mut lost_hosts: Vec<(usize, DownReason)> = Vec::new();
+        // (With how many slot changes had been collected when the host was lost: those came
+        // before the loss and are dropped; later ones, after a rejoin in the same batch, stay.)
+        let mut lost_hosts: Vec<(usize, DownReason, usize)> = Vec::new();
         let mut route_msgs: Vec<(usize, HostMsg)> = Vec::new();
         for ev in h.link.poll() {
             match ev {
@@ -288,7 +290,7 @@ impl Sup {
                                 if let Some(old) = h.peers[i].ep.take() {
                                     h.link.close(old);
                                     if h.peers[i].state == PeerState::Joined {
-                                        lost_hosts.push((i, DownReason::Exited));
+                                        lost_hosts.push((i, DownReason::Exited, changes.len()));
                                     }
                                 }
                                 let p = &mut h.peers[i];
@@ -332,9 +334,12 @@ impl Sup {
                         }
                         HostMsg::Refuse { reason } => {
                             log.push(format!(
-                                "host '{}' refused us: {reason}",
-                                h.plan.hosts[i].name
+                                "host '{}' refused us ({:?} then): {reason}",
+                                h.plan.hosts[i].name, h.peers[i].state
                             ));
+                            if h.peers[i].state == PeerState::Joined {
+                                lost_hosts.push((i, DownReason::HostLost, changes.len()));
+                            }
                             let p = &mut h.peers[i];
                             p.state = PeerState::Refused;
                             p.error = Some(reason);
@@ -373,7 +378,7 @@ impl Sup {
                         }
                         HostMsg::Bye { .. } => {
                             log.push(format!("host '{}' shut down", h.plan.hosts[i].name));
-                            lost_hosts.push((i, DownReason::Shutdown));
+                            lost_hosts.push((i, DownReason::Shutdown, changes.len()));
                             h.peers[i].state = PeerState::Left;
                             if let Some(ep) = h.peers[i].ep.take() {
                                 h.closing.push((ep, now));
@@ -402,7 +407,7 @@ impl Sup {
                         p.error = Some(crate_ucx_words(&e));
                         if p.state == PeerState::Joined {
                             p.state = PeerState::Lost;
-                            lost_hosts.push((i, DownReason::HostLost));
+                            lost_hosts.push((i, DownReason::HostLost, changes.len()));
                             log.push(format!("host '{name}' lost: {}", crate_ucx_words(&e)));
                         } else if p.state == PeerState::Dialing {
                             p.state = PeerState::Waiting;
@@ -427,7 +432,7 @@ impl Sup {
                     h.plan.hosts[i].name,
                     now.duration_since(p.heard).as_millis()
                 ));
-                lost_hosts.push((i, DownReason::HostLost));
+                lost_hosts.push((i, DownReason::HostLost, changes.len()));
                 let p = &mut h.peers[i];
                 p.state = PeerState::Lost;
                 p.error = Some("stopped answering".into());
@@ -522,7 +527,7 @@ impl Sup {
                 }
             }
         }
-        for &(i, reason) in &lost_hosts {
+        for &(i, reason, _) in &lost_hosts {
             // (A host that rejoined before it was missed — `Exited` here — keeps the data
             // link its new incarnation's bridge may already have made; its old routes are
             // dropped one by one below.)
@@ -530,16 +535,48 @@ impl Sup {
                 h.bridge.send(super::bridge::Cmd::Forget { host: i });
             }
         }
+        // Whatever the path out of Joined was, a host that is not joined has no node up here.
+        for i in 0..h.peers.len() {
+            if i == h.plan.me
+                || h.peers[i].state == PeerState::Joined
+                || lost_hosts.iter().any(|&(l, _, _)| l == i)
+            {
+                continue;
+            }
+            let up = h.plan.hosts[i].slots.iter().any(|&s| {
+                matches!(
+                    self.life[s as usize - 1].state(),
+                    NodeState::Ready | NodeState::Booting
+                )
+            });
+            if up {
+                log.push(format!(
+                    "host '{}' is {:?} but its nodes were up here: DOWN",
+                    h.plan.hosts[i].name, h.peers[i].state
+                ));
+                lost_hosts.push((i, DownReason::HostLost, changes.len()));
+            }
+        }
         let notes = h.bridge.notes();
         let owners: Vec<Vec<u32>> = lost_hosts
             .iter()
-            .map(|&(i, _)| h.plan.hosts[i].slots.clone())
+            .map(|&(i, _, _)| h.plan.hosts[i].slots.clone())
+            .collect();
+        let changes: Vec<(u32, SlotChange)> = changes
+            .into_iter()
+            .enumerate()
+            .filter(|(k, (slot, _))| {
+                !lost_hosts
+                    .iter()
+                    .any(|&(i, _, mark)| *k < mark && h.plan.owner(*slot) == Some(i))
+            })
+            .map(|(_, c)| c)
             .collect();
         self.hosts = Some(h);
         for m in log {
             self.say(&m);
         }
-        for &(i, _) in &lost_hosts {
+        for &(i, _, _) in &lost_hosts {
             self.routes_host_gone(i);
         }
         for n in notes {
@@ -548,7 +585,7 @@ impl Sup {
         for (i, m) in route_msgs {
             self.route_msg(i, m);
         }
-        for ((_, reason), slots) in lost_hosts.iter().zip(owners) {
+        for ((_, reason, _), slots) in lost_hosts.iter().zip(owners) {
             for slot in slots {
                 let t = self.life[slot as usize - 1].lost(*reason);
                 self.apply(slot, t);
