@@ -29,13 +29,22 @@ impl Sup {
             .stdin(Stdio::piped())
             .stdout(log)
             .stderr(log2);
-        // SAFETY: the closure only makes the prctl system call (async-signal-safe, no
-        // allocation) between fork and exec.
+        // SAFETY: the closure only makes the prctl and close_range system calls
+        // (async-signal-safe, no allocation) between fork and exec.
         unsafe {
             cmd.pre_exec(|| {
                 rustix::process::set_parent_process_death_signal(Some(
                     rustix::process::Signal::KILL,
                 ))?;
+                // The agent inherits its standard streams only: descriptors the supervisor's
+                // libraries opened without close-on-exec (UCX's sockets and event fds, across
+                // hosts) stay here. Best effort: before Linux 5.11 they are inherited.
+                libc::syscall(
+                    libc::SYS_close_range,
+                    3u32,
+                    u32::MAX,
+                    libc::CLOSE_RANGE_CLOEXEC,
+                );
                 Ok(())
             });
         }
