@@ -660,6 +660,11 @@ fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
         s1["slots"][1]["rx_msgs"].as_u64().unwrap() > CROSS_COUNT,
         "{s1}"
     );
+    // h0's status shows node 2's traffic as h1 reports it (within a report period).
+    let seen = wait_for(Duration::from_secs(5), || {
+        (h.status(0)["slots"][1]["rx_msgs"].as_u64().unwrap_or(0) > CROSS_COUNT).then_some(())
+    });
+    assert!(seen.is_some(), "{}", h.status(0));
     // `perf` between the hosts: its peer started on h1 through --peer-via, ucx_perftest
     // between the same two namespaces beside it.
     let via = h.dir.join("on-h1.sh");

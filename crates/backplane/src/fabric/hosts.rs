@@ -353,6 +353,13 @@ pub struct SlotReport {
     pub reason: u32,
     /// The agent's pid on its host (0: none).
     pub pid: u32,
+    /// Its datagram counters on its host: sent msgs, sent bytes, received msgs, received
+    /// bytes, drops.
+    #[serde(default)]
+    pub counters: [u64; 5],
+    /// Its open endpoints on its host.
+    #[serde(default)]
+    pub endpoints: u32,
 }
 
 /// A message between the supervisors of one fabric (JSON in one UCX active message).

@@ -42,8 +42,8 @@ struct Peer {
     dialed: Option<Instant>,
     error: Option<String>,
     transports: Vec<String>,
-    /// Its slots' generations and pids as it last reported them.
-    remote: HashMap<u32, (u32, u32)>,
+    /// Its slots as it last reported them.
+    remote: HashMap<u32, SlotReport>,
 }
 
 pub(super) struct HostLink {
@@ -215,12 +215,22 @@ impl HostLink {
         out
     }
 
-    /// The pid a remote slot's host reported (0: none, or a local slot).
-    pub(super) fn remote_pid(&self, slot: u32) -> u32 {
+    /// What a remote slot's host last reported of it.
+    fn remote(&self, slot: u32) -> Option<&SlotReport> {
         self.plan
             .owner(slot)
             .and_then(|i| self.peers[i].remote.get(&slot))
-            .map_or(0, |&(_, pid)| pid)
+    }
+
+    /// The pid a remote slot's host reported (0: none, or a local slot).
+    pub(super) fn remote_pid(&self, slot: u32) -> u32 {
+        self.remote(slot).map_or(0, |r| r.pid)
+    }
+
+    /// The counters and open endpoints a remote slot's host reported.
+    pub(super) fn remote_counters(&self, slot: u32) -> ([u64; 5], u32) {
+        self.remote(slot)
+            .map_or(([0; 5], 0), |r| (r.counters, r.endpoints))
     }
 
     /// Tells every joined host this one is going away, and gives the messages a moment to
@@ -361,7 +371,7 @@ impl Sup {
                                 let reason = DownReason::from_u32(r.reason)
                                     .filter(|&r| r != DownReason::None)
                                     .unwrap_or(DownReason::Exited);
-                                h.peers[i].remote.insert(r.slot, (r.generation, r.pid));
+                                h.peers[i].remote.insert(r.slot, r);
                                 match st {
                                     NodeState::Ready => {
                                         changes.push((r.slot, SlotChange::Ready(r.generation)))
@@ -497,12 +507,17 @@ impl Sup {
                 .cfg
                 .local_slots()
                 .into_iter()
-                .map(|slot| SlotReport {
-                    slot,
-                    state: self.life[slot as usize - 1].state() as u32,
-                    generation: self.life[slot as usize - 1].generation(),
-                    reason: self.read_reason(slot) as u32,
-                    pid: self.agent_pid(slot),
+                .map(|slot| {
+                    let (counters, endpoints) = self.slot_counters(slot);
+                    SlotReport {
+                        slot,
+                        state: self.life[slot as usize - 1].state() as u32,
+                        generation: self.life[slot as usize - 1].generation(),
+                        reason: self.read_reason(slot) as u32,
+                        pid: self.agent_pid(slot),
+                        counters,
+                        endpoints,
+                    }
                 })
                 .collect();
             let msg = HostMsg::Slots {

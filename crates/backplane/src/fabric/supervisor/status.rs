@@ -13,19 +13,12 @@ impl Sup {
         let slots = (1..=self.cfg.nodes)
             .map(|slot| {
                 let i = slot as usize - 1;
-                let mut c = self.totals[i];
-                let mut endpoints = 0;
-                for (_, e) in self.endpoints.iter().filter(|(k, _)| k.0 == slot) {
-                    endpoints += 1;
-                    for (k, v) in c.iter_mut().enumerate() {
-                        let x = self
-                            .win(slot)
-                            .u64_at(e.record_off + (EP_COUNTERS_OFF + 8 * k) as u64)
-                            .map(|a| a.load(Ordering::Relaxed))
-                            .unwrap_or(0);
-                        *v = v.saturating_add(x);
-                    }
-                }
+                // A node of another host: the traffic its host reported (here only shadow
+                // endpoints, the bridge's).
+                let (c, endpoints) = match &self.hosts {
+                    Some(h) if !self.cfg.is_local(slot) => h.remote_counters(slot),
+                    _ => self.slot_counters(slot),
+                };
                 let entry_reason = self.read_reason(slot);
                 let fwd = |k: usize| {
                     self.win(slot)
@@ -117,6 +110,25 @@ impl Sup {
             slots,
             hosts,
         }
+    }
+
+    /// Node `slot`'s datagram counters (sent msgs/bytes, received msgs/bytes, drops: those
+    /// of its closed endpoints and of its open ones) and its open endpoints.
+    pub(super) fn slot_counters(&self, slot: u32) -> ([u64; 5], u32) {
+        let mut c = self.totals[slot as usize - 1];
+        let mut endpoints = 0;
+        for (_, e) in self.endpoints.iter().filter(|(k, _)| k.0 == slot) {
+            endpoints += 1;
+            for (k, v) in c.iter_mut().enumerate() {
+                let x = self
+                    .win(slot)
+                    .u64_at(e.record_off + (EP_COUNTERS_OFF + 8 * k) as u64)
+                    .map(|a| a.load(Ordering::Relaxed))
+                    .unwrap_or(0);
+                *v = v.saturating_add(x);
+            }
+        }
+        (c, endpoints)
     }
 
     pub(super) fn read_reason(&self, slot: u32) -> DownReason {
