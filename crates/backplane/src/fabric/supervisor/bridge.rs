@@ -43,7 +43,43 @@ const KIND_HELLO: u8 = 1;
 const KIND_DATA: u8 = 2;
 const KIND_END: u8 = 3;
 const KIND_ACK: u8 = 4;
+/// Several small datagrams in one message: a u32 count, then each as a u32 length and bytes.
+const KIND_BATCH: u8 = 5;
 const HEAD: usize = 24;
+/// Datagrams up to this size are batched; a batch stops growing at [`BATCH_MAX`] bytes.
+const BATCH_SMALL: usize = 16 * 1024;
+const BATCH_MAX: usize = 64 * 1024;
+
+/// A datagram waiting to go into its ring: `len` bytes at `off` of a received message (one
+/// datagram's, or a batch's that several share).
+struct Item {
+    msg: std::rc::Rc<backplane_ucx::Bytes>,
+    off: usize,
+    len: usize,
+}
+
+impl Item {
+    fn bytes(&self) -> &[u8] {
+        &self.msg[self.off..self.off + self.len]
+    }
+}
+
+/// The datagrams of a batch message's body: (offset in the whole message, length) each, or
+/// None if it is malformed.
+fn batch_items(msg: &[u8]) -> Option<Vec<(usize, usize)>> {
+    let body = msg.get(HEAD..)?;
+    let count = u32::from_le_bytes(body.get(..4)?.try_into().ok()?) as usize;
+    let mut at = 4;
+    let mut out = Vec::with_capacity(count.min(BATCH_MAX / 4));
+    for _ in 0..count {
+        let len = u32::from_le_bytes(body.get(at..at + 4)?.try_into().ok()?) as usize;
+        at += 4;
+        body.get(at..at.checked_add(len)?)?;
+        out.push((HEAD + at, len));
+        at += len;
+    }
+    (at == body.len()).then_some(out)
+}
 
 fn head(kind: u8, route: u64, n: u64) -> [u8; HEAD] {
     let mut h = [0u8; HEAD];
@@ -107,6 +143,8 @@ pub(super) enum Note {
 
 struct Out {
     host: usize,
+    /// A batch read from the ring that UCX could not take yet, and how many datagrams it holds.
+    unsent: Option<(Vec<u8>, u64)>,
     rx: Box<ShmReceiver>,
     sender_closed: Word32,
     bell: (Word32, Word32),
@@ -123,7 +161,7 @@ struct In {
     peer_closed: Word32,
     credit_bell: (Word32, Word32),
     /// Datagrams arrived ahead of their turn or waiting for room, by sequence number.
-    waiting: BTreeMap<u64, backplane_ucx::Bytes>,
+    waiting: BTreeMap<u64, Item>,
     next: u64,
     end_at: Option<u64>,
     unacked: u64,
@@ -330,12 +368,13 @@ impl Worker {
         let pending = self.outs.values().any(|o| {
             !o.ended
                 && ((o.inflight < o.window && !o.rx.is_drained())
+                    || o.unsent.is_some()
                     || o.sender_closed.load(Ordering::Acquire) != 0)
         }) || self.ins.values_mut().any(|r| {
             r.waiting
                 .first_key_value()
                 .filter(|(&k, _)| k == r.next)
-                .is_some_and(|(_, m)| r.tx.has_room(m.len() - HEAD).unwrap_or(true))
+                .is_some_and(|(_, m)| r.tx.has_room(m.len).unwrap_or(true))
         });
         if !pending {
             let mut words: Vec<(&crate::sync::AtomicU32, u32)> = vec![(&self.wake.bell, seen)];
@@ -391,6 +430,7 @@ impl Worker {
                         route,
                         Out {
                             host,
+                            unsent: None,
                             rx,
                             sender_closed,
                             bell,
@@ -468,21 +508,38 @@ impl Worker {
                         continue;
                     };
                     match kind {
-                        KIND_DATA => {
+                        KIND_DATA | KIND_BATCH => {
                             if let Some(r) = self.ins.get_mut(&(host, route)) {
+                                let items = if kind == KIND_DATA {
+                                    Some(vec![(HEAD, msg.len() - HEAD)])
+                                } else {
+                                    batch_items(&msg)
+                                };
                                 // A host that keeps its window never has more than a ring's
-                                // worth waiting; one that does not loses the route, not
-                                // this host's memory.
-                                let ahead = n.saturating_sub(r.next).saturating_mul(RECORD_COST);
-                                if r.waiting.len() as u64 * RECORD_COST > 4 * r.window_hint
-                                    || ahead > 4 * r.window_hint
-                                {
-                                    r.waiting.clear();
-                                    r.peer_closed.store(1, Ordering::Release);
-                                    r.sender_closed.store(1, Ordering::Release);
-                                    crate::sync::ring(&r.receiver_bell);
-                                } else if n >= r.next {
-                                    r.waiting.insert(n, msg);
+                                // worth waiting; one that does not, or sends a malformed
+                                // batch, loses the route, not this host's memory.
+                                let count = items.as_ref().map_or(0, Vec::len) as u64;
+                                let last = n.saturating_add(count);
+                                let ahead = last.saturating_sub(r.next).saturating_mul(RECORD_COST);
+                                let over = (r.waiting.len() as u64 + count) * RECORD_COST
+                                    > 4 * r.window_hint;
+                                match items {
+                                    Some(items) if !over && ahead <= 4 * r.window_hint => {
+                                        let msg = std::rc::Rc::new(msg);
+                                        for (k, (off, len)) in items.into_iter().enumerate() {
+                                            let seq = n + k as u64;
+                                            if seq >= r.next {
+                                                let msg = msg.clone();
+                                                r.waiting.insert(seq, Item { msg, off, len });
+                                            }
+                                        }
+                                    }
+                                    _ => {
+                                        r.waiting.clear();
+                                        r.peer_closed.store(1, Ordering::Release);
+                                        r.sender_closed.store(1, Ordering::Release);
+                                        crate::sync::ring(&r.receiver_bell);
+                                    }
                                 }
                             }
                         }
@@ -526,7 +583,63 @@ impl Worker {
                 continue;
             };
             loop {
+                // A batch that did not go out last time goes first.
+                if let Some((b, count)) = o.unsent.take() {
+                    if self
+                        .link
+                        .send2(ep, &head(KIND_BATCH, route, o.seq), &b)
+                        .is_err()
+                    {
+                        o.unsent = Some((b, count));
+                        break;
+                    }
+                    o.seq += count;
+                    any = true;
+                }
                 match o.rx.peek() {
+                    Ok(Some(rec)) if rec.len <= BATCH_SMALL => {
+                        // Small datagrams go several to a message (read and released into
+                        // the batch; kept here if UCX cannot take it now).
+                        let batch = &mut self.scratch;
+                        batch.clear();
+                        batch.extend_from_slice(&[0; 4]);
+                        let mut count = 0u64;
+                        while let Ok(Some(rec)) = o.rx.peek() {
+                            let cost = rec.len as u64 + RECORD_COST;
+                            let fits = batch.len() + 4 + rec.len <= BATCH_MAX;
+                            if rec.len > BATCH_SMALL
+                                || !fits
+                                || (o.inflight > 0 && o.inflight + cost > o.window)
+                            {
+                                break;
+                            }
+                            let at = batch.len();
+                            batch.extend_from_slice(&(rec.len as u32).to_le_bytes());
+                            batch.resize(at + 4 + rec.len, 0);
+                            if o.rx.data().read(rec.pos, &mut batch[at + 4..]).is_err() {
+                                batch.truncate(at);
+                                break;
+                            }
+                            o.rx.release(rec);
+                            o.inflight += cost;
+                            count += 1;
+                        }
+                        if count == 0 {
+                            break;
+                        }
+                        batch[..4].copy_from_slice(&(count as u32).to_le_bytes());
+                        o.rx.wake_sender();
+                        any = true;
+                        if self
+                            .link
+                            .send2(ep, &head(KIND_BATCH, route, o.seq), batch)
+                            .is_err()
+                        {
+                            o.unsent = Some((batch.clone(), count));
+                            break; // too much in flight in UCX: after the next poll
+                        }
+                        o.seq += count;
+                    }
                     Ok(Some(rec)) => {
                         let cost = rec.len as u64 + RECORD_COST;
                         if o.inflight > 0 && o.inflight + cost > o.window {
@@ -589,7 +702,7 @@ impl Worker {
                 if *entry.key() != r.next {
                     break;
                 }
-                let payload_len = entry.get().len() - HEAD;
+                let payload_len = entry.get().len;
                 let res = match r.tx.reserve(payload_len) {
                     Ok(res) => res,
                     Err(RingError::Full) => break, // when the receiver makes room
@@ -602,8 +715,8 @@ impl Worker {
                         continue;
                     }
                 };
-                let msg = entry.remove();
-                let _ = r.tx.data().write(res.pos, &msg[HEAD..]);
+                let item = entry.remove();
+                let _ = r.tx.data().write(res.pos, item.bytes());
                 r.tx.commit(res);
                 r.next += 1;
                 r.unacked += payload_len as u64 + RECORD_COST;
@@ -632,5 +745,44 @@ impl Worker {
             }
         }
         any
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(items: &[&[u8]]) -> Vec<u8> {
+        let mut m = head(KIND_BATCH, 7, 100).to_vec();
+        m.extend_from_slice(&(items.len() as u32).to_le_bytes());
+        for i in items {
+            m.extend_from_slice(&(i.len() as u32).to_le_bytes());
+            m.extend_from_slice(i);
+        }
+        m
+    }
+
+    #[test]
+    fn batches_parse_back_and_every_malformed_one_is_refused() {
+        let m = batch(&[b"abc", b"", b"hello"]);
+        let items = batch_items(&m).unwrap();
+        let got: Vec<&[u8]> = items.iter().map(|&(o, l)| &m[o..o + l]).collect();
+        assert_eq!(got, vec![&b"abc"[..], b"", b"hello"]);
+        assert_eq!(
+            parse(&m).map(|p| (p.0, p.1, p.2)),
+            Some((KIND_BATCH, 7, 100))
+        );
+        // A count beyond the body, a length beyond it, trailing bytes, no count at all.
+        let mut more = m.clone();
+        more[HEAD..HEAD + 4].copy_from_slice(&4u32.to_le_bytes());
+        assert!(batch_items(&more).is_none());
+        let mut long = m.clone();
+        long[HEAD + 4..HEAD + 8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(batch_items(&long).is_none());
+        let mut trailing = m.clone();
+        trailing.push(0);
+        assert!(batch_items(&trailing).is_none());
+        assert!(batch_items(&head(KIND_BATCH, 7, 100)).is_none());
+        assert!(batch_items(&[1, 2, 3]).is_none());
     }
 }
