@@ -275,8 +275,14 @@ impl Link {
     /// Makes progress and returns what happened. If it returns nothing and [`Link::arm`]
     /// returns true, it is safe to wait on [`Link::fd`].
     pub fn poll(&mut self) -> Vec<Event> {
-        // SAFETY: raw is live; progress runs the callbacks on this thread.
-        while unsafe { ffi::bpx_progress(self.raw) } != 0 {}
+        // Bounded: under a steady stream progress never runs dry, and the caller has other
+        // work (its own sends) between polls.
+        for _ in 0..64 {
+            // SAFETY: raw is live; progress runs the callbacks on this thread.
+            if unsafe { ffi::bpx_progress(self.raw) } == 0 {
+                break;
+            }
+        }
         let mut out = Vec::new();
         loop {
             let mut ev = ffi::Event {
