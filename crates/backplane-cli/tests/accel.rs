@@ -24,15 +24,6 @@ fn root() -> bool {
     false
 }
 
-fn have(prog: &str) -> bool {
-    let found = std::env::var_os("PATH")
-        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()));
-    if !found {
-        eprintln!("skipped: {prog} is not installed (scripts/setup.sh --test installs it)");
-    }
-    found
-}
-
 fn lib_built() {
     common::lib_built("libbackplane_sockets.so", "backplane-sockets");
 }

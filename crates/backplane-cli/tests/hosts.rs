@@ -858,7 +858,7 @@ fn without_ucx_tls_ucx_picks_the_transport_and_datagrams_still_cross() {
 
 #[test]
 fn unmodified_ibv_ud_pingpong_runs_between_nodes_of_two_hosts_and_rc_is_refused_in_words() {
-    if !have_prog("ibv_ud_pingpong") || !root() {
+    if !have("ibv_ud_pingpong") || !root() {
         return;
     }
     lib_built("libibverbs.so", "backplane-ibverbs");
@@ -917,13 +917,4 @@ fn unmodified_ibv_ud_pingpong_runs_between_nodes_of_two_hosts_and_rc_is_refused_
     h.down(1);
     h.down(0);
     h.assert_nothing_left();
-}
-
-fn have_prog(p: &str) -> bool {
-    let found = std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|d| d.join(p).exists()));
-    if !found {
-        eprintln!("skipped: {p} is not installed (scripts/setup.sh --test installs it)");
-    }
-    found
 }

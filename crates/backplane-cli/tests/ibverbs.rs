@@ -8,15 +8,6 @@ use common::*;
 
 use std::process::{Command, Output};
 
-fn have(prog: &str) -> bool {
-    let found = std::env::var_os("PATH")
-        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()));
-    if !found {
-        eprintln!("skipped: {prog} is not installed (apt-get install ibverbs-utils)");
-    }
-    found
-}
-
 fn lib_built() {
     common::lib_built("libibverbs.so", "backplane-ibverbs");
 }

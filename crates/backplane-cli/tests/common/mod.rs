@@ -74,6 +74,17 @@ impl Drop for Fab {
     }
 }
 
+/// True if program `prog` is on PATH; says it skips otherwise (scripts/setup.sh --test
+/// installs every program the tests run).
+pub fn have(prog: &str) -> bool {
+    let found = std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()));
+    if !found {
+        eprintln!("skipped: {prog} is not installed (scripts/setup.sh --test installs it)");
+    }
+    found
+}
+
 /// stderr as a string.
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
