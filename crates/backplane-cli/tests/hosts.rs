@@ -751,13 +751,24 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
         (0, "3", "node2"),
         (1, "4", "node1"),
     ] {
-        // (-w: the first packets may go while the route to the other host opens.)
-        let o = exec(k, from, &["ping", "-c", "3", "-i", "0.2", "-w", "20", to]);
+        // The first packets may be lost while the routes to the other host open (and ARP
+        // gives up after three tries): one answer first, then three in a row.
+        let first = wait_for(Duration::from_secs(30), || {
+            let o = exec(k, from, &["ping", "-c", "1", "-W", "2", to]);
+            o.status.success().then_some(())
+        });
+        assert!(
+            first.is_some(),
+            "no ping {to} from node {from}:\n{}",
+            h.logs()
+        );
+        let o = exec(k, from, &["ping", "-c", "3", "-i", "0.2", "-W", "5", to]);
         assert!(
             o.status.success(),
-            "ping {to} from node {from}: {}{}",
+            "ping {to} from node {from}: {}{}\n{}",
             String::from_utf8_lossy(&o.stdout),
-            stderr(&o)
+            stderr(&o),
+            h.logs()
         );
     }
     // iperf3 (TCP) from node 1 on h0 to node 2 on h1.

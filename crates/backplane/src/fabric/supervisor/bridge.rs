@@ -139,7 +139,13 @@ pub(super) enum Cmd {
 pub(super) enum Note {
     /// Outbound route `route` delivered everything and its end: tear its shadow ring down.
     OutDone { route: u64 },
+    /// The data link to host `host` failed (`why`): the datagrams on it are lost, so its routes
+    /// are ended (senders open new ones once it is back; this side dials again if it dials).
+    LinkLost { host: usize, why: String },
 }
+
+/// How long after a failed data link this side dials again.
+const REDIAL: Duration = Duration::from_millis(100);
 
 struct Out {
     host: usize,
@@ -243,6 +249,7 @@ impl Bridge {
                     cmds: rx,
                     notes: note_tx,
                     hosts: HashMap::new(),
+                    dial: HashMap::new(),
                     pending: Vec::new(),
                     outs: HashMap::new(),
                     ins: HashMap::new(),
@@ -307,6 +314,8 @@ struct Worker {
     notes: mpsc::Sender<Note>,
     /// Host index → its bridge's endpoint.
     hosts: HashMap<usize, EpId>,
+    /// The hosts whose data link this side makes: their bridge's address, and when to dial.
+    dial: HashMap<usize, (SocketAddr, Instant)>,
     /// Accepted endpoints that have not said which host they are.
     pending: Vec<EpId>,
     outs: HashMap<u64, Out>,
@@ -321,6 +330,7 @@ impl Worker {
         let mut idle_since = Instant::now();
         while !stop.load(std::sync::atomic::Ordering::Relaxed) {
             let mut busy = self.commands();
+            busy |= self.redial();
             busy |= self.events();
             busy |= self.pump_out();
             busy |= self.pump_in();
@@ -380,11 +390,18 @@ impl Worker {
             let mut words: Vec<(&crate::sync::AtomicU32, u32)> = vec![(&self.wake.bell, seen)];
             words.extend(bells.iter().map(|(w, v)| (&**w, *v)));
             // More than futex_waitv's 128 words: the rest are looked at every millisecond.
+            let redial = self
+                .dial
+                .iter()
+                .filter(|(h, _)| !self.hosts.contains_key(h))
+                .map(|(_, &(_, at))| at.saturating_duration_since(Instant::now()))
+                .min();
             let nap = if words.len() > 128 {
                 Duration::from_millis(1)
             } else {
                 NAP
             };
+            let nap = redial.map_or(nap, |r| r.min(nap));
             crate::sync::futex_wait_any(&words, nap);
         }
         for o in self.outs.values() {
@@ -404,14 +421,10 @@ impl Worker {
                     if let Some(old) = self.hosts.remove(&host) {
                         self.link.close(old);
                     }
-                    if let Ok(ep) = self.link.connect(addr) {
-                        let _ = self
-                            .link
-                            .send2(ep, &head(KIND_HELLO, self.me as u64, 0), &[]);
-                        self.hosts.insert(host, ep);
-                    }
+                    self.dial.insert(host, (addr, Instant::now()));
                 }
                 Cmd::Forget { host } => {
+                    self.dial.remove(&host);
                     if let Some(ep) = self.hosts.remove(&host) {
                         self.link.close(ep);
                     }
@@ -476,6 +489,31 @@ impl Worker {
             }
         }
         any
+    }
+
+    /// Dials the hosts whose data link this side makes and that have none now, when due.
+    fn redial(&mut self) -> bool {
+        let now = Instant::now();
+        let due: Vec<(usize, SocketAddr)> = self
+            .dial
+            .iter()
+            .filter(|(h, (_, at))| !self.hosts.contains_key(h) && *at <= now)
+            .map(|(&h, &(a, _))| (h, a))
+            .collect();
+        for &(host, addr) in &due {
+            match self.link.connect(addr) {
+                Ok(ep) => {
+                    let _ = self
+                        .link
+                        .send2(ep, &head(KIND_HELLO, self.me as u64, 0), &[]);
+                    self.hosts.insert(host, ep);
+                }
+                Err(_) => {
+                    self.dial.insert(host, (addr, now + REDIAL));
+                }
+            }
+        }
+        !due.is_empty()
     }
 
     fn host_of(&self, ep: EpId) -> Option<usize> {
@@ -559,11 +597,20 @@ impl Worker {
                     }
                 }
                 Event::Message(None, _) | Event::Dropped(..) => {}
-                Event::Failed(ep, _) => {
+                Event::Failed(ep, e) => {
                     self.pending.retain(|&p| p != ep);
-                    // The supervisors' heartbeat decides that a host is lost; here the link
-                    // only goes (the dialling side is told to dial again when it rejoins).
-                    self.hosts.retain(|_, e| *e != ep);
+                    // The supervisors' heartbeat decides whether the host is lost; here the
+                    // link goes, its routes with it, and the dialling side dials again.
+                    if let Some(host) = self.host_of(ep) {
+                        self.hosts.remove(&host);
+                        if let Some(d) = self.dial.get_mut(&host) {
+                            d.1 = Instant::now() + REDIAL;
+                        }
+                        self.outs.retain(|_, o| o.host != host);
+                        self.ins.retain(|k, _| k.0 != host);
+                        let why = backplane_ucx::status_string(e.status);
+                        let _ = self.notes.send(Note::LinkLost { host, why });
+                    }
                     self.link.close(ep);
                 }
             }

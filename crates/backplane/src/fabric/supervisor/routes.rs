@@ -362,6 +362,16 @@ impl Sup {
                     self.teardown_ring(rid);
                 }
             }
+            Note::LinkLost { host, why } => {
+                let name = self
+                    .hosts
+                    .as_ref()
+                    .map_or(String::new(), |h| h.plan.hosts[host].name.clone());
+                self.say(&format!(
+                    "datagram link to host '{name}' failed ({why}): its routes end"
+                ));
+                self.routes_host_gone(host);
+            }
         }
     }
 
