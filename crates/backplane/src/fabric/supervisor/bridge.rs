@@ -5,7 +5,8 @@
 //! A sender on this host sends to a node of another host through an ordinary datagram ring,
 //! made by this supervisor in the *shadow window* it keeps for that node (a window no agent
 //! runs in). The bridge is that ring's receiver: it reads each record, sends it to the other
-//! host's bridge (one UCX active message per datagram, numbered per route), and releases it.
+//! host's bridge (UCX active messages: one per datagram over 16 KiB, smaller ones several to a
+//! message; numbered per route), and releases it.
 //! The other host's bridge is the sender of an ordinary ring into the destination node's real
 //! window, made by its supervisor for the route; it commits each datagram there in order and
 //! returns credits as they go in. A route's bytes in flight never exceed the destination
@@ -209,6 +210,7 @@ pub(super) struct Bridge {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
     watcher: Option<std::thread::JoinHandle<()>>,
+    wake: std::sync::Arc<Wake>,
 }
 
 impl Bridge {
@@ -272,9 +274,10 @@ impl Bridge {
             .recv()
             .map_err(|_| "the bridge thread died at start".to_string())?;
         let stop3 = stop.clone();
+        let wake3 = wake.clone();
         let watcher = std::thread::Builder::new()
             .name("bp-bridge-watch".into())
-            .spawn(move || watch(fd, &wake, &stop3))
+            .spawn(move || watch(fd, &wake3, &stop3))
             .map_err(|e| format!("cannot start the bridge's watcher: {e}"))?;
         Ok(Self {
             port,
@@ -283,11 +286,15 @@ impl Bridge {
             stop,
             thread: Some(thread),
             watcher: Some(watcher),
+            wake,
         })
     }
 
+    /// Hands the thread a command and wakes it (it may sleep up to [`NAP`] otherwise: a new
+    /// route's first datagram would wait for it).
     pub(super) fn send(&self, c: Cmd) {
         let _ = self.tx.send(c);
+        crate::sync::ring(&self.wake.bell);
     }
 
     pub(super) fn notes(&self) -> Vec<Note> {
@@ -298,6 +305,8 @@ impl Bridge {
 impl Drop for Bridge {
     fn drop(&mut self) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        crate::sync::ring(&self.wake.bell);
+        crate::sync::futex_wake(&self.wake.watch);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -389,7 +398,8 @@ impl Worker {
         if !pending {
             let mut words: Vec<(&crate::sync::AtomicU32, u32)> = vec![(&self.wake.bell, seen)];
             words.extend(bells.iter().map(|(w, v)| (&**w, *v)));
-            // More than futex_waitv's 128 words: the rest are looked at every millisecond.
+            // Not past a data link's redial; with more than futex_waitv's 128 words, the rest
+            // are looked at every millisecond.
             let redial = self
                 .dial
                 .iter()
