@@ -36,21 +36,28 @@ impl Sup {
             self.teardown_ring(id);
         }
         for id in ep.rings_out {
-            if let Some(r) = self.rings.get(&id) {
-                let dst_w = self.windows[r.dst.0 as usize - 1].clone();
-                if let Ok(c) = dst_w.u32_at(r.ring_off + RING_SENDER_CLOSED_OFF as u64) {
-                    c.store(1, Ordering::Release);
-                }
-                if let Some(dst) = self.endpoints.get(&r.dst) {
-                    if let Ok(d) = dst_w.u32_at(dst.record_off + EP_DOORBELL_OFF as u64) {
-                        sync::ring(d);
-                    }
-                }
-            }
+            self.close_ring_sender(id);
         }
         self.allocs[key.0 as usize - 1].free(rec, ENDPOINT_LEN, now);
         if let Some(c) = self.clients.get_mut(&ep.client) {
             c.endpoints.retain(|&k| k != key);
+        }
+    }
+
+    /// Marks ring `id` sender-closed and wakes its receiver, which reads what is left and
+    /// retires it.
+    pub(super) fn close_ring_sender(&self, id: u64) {
+        let Some(r) = self.rings.get(&id) else {
+            return;
+        };
+        let dst_w = &self.windows[r.dst.0 as usize - 1];
+        if let Ok(c) = dst_w.u32_at(r.ring_off + RING_SENDER_CLOSED_OFF as u64) {
+            c.store(1, Ordering::Release);
+        }
+        if let Some(dst) = self.endpoints.get(&r.dst) {
+            if let Ok(d) = dst_w.u32_at(dst.record_off + EP_DOORBELL_OFF as u64) {
+                sync::ring(d);
+            }
         }
     }
 

@@ -404,18 +404,7 @@ impl Sup {
     /// An inbound route ends without its last datagrams (its host is gone, or gave it up):
     /// the ring is marked sender-closed so its receiver reads what arrived and retires it.
     fn end_inbound(&mut self, rid: u64) {
-        let Some(r) = self.rings.get(&rid) else {
-            return;
-        };
-        let w = self.windows[r.dst.0 as usize - 1].clone();
-        if let Ok(c) = w.u32_at(r.ring_off + RING_SENDER_CLOSED_OFF as u64) {
-            c.store(1, Ordering::Release);
-        }
-        if let Some(e) = self.endpoints.get(&r.dst) {
-            if let Ok(d) = w.u32_at(e.record_off + EP_DOORBELL_OFF as u64) {
-                sync::ring(d);
-            }
-        }
+        self.close_ring_sender(rid);
         if let Some(RouteRef::In(i, route)) = self.routes.by_ring.get(&rid).copied() {
             if let Some(h) = &self.hosts {
                 h.bridge.send(Cmd::RemoveIn { host: i, route });
