@@ -868,7 +868,7 @@ fn without_ucx_tls_ucx_picks_the_transport_and_datagrams_still_cross() {
 }
 
 #[test]
-fn unmodified_ibv_ud_pingpong_runs_between_nodes_of_two_hosts_and_rc_is_refused_in_words() {
+fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
     if !have("ibv_ud_pingpong") || !root() {
         return;
     }
@@ -917,14 +917,32 @@ fn unmodified_ibv_ud_pingpong_runs_between_nodes_of_two_hosts_and_rc_is_refused_
         );
         assert!(String::from_utf8_lossy(&o.stdout).contains("300 iters in"));
     }
-    // RC needs a connection across hosts, which is not carried: the program's own error, and
-    // ours saying why.
-    // (Whichever side moves its QP to RTR first says so; the other loses its socket.)
-    let (c, s) = pair("ibv_rc_pingpong", "18792", &["-n", "10"]);
-    assert!(!c.status.success() && !s.status.success());
-    let e = stderr(&c) + &stderr(&s);
-    assert!(e.contains("Failed to modify QP to RTR"), "{e}");
-    assert!(e.contains("RC/UC queue pairs"), "{e}");
+    // RC and UC: the QPs connect through both supervisors, the bridges mirror them; the
+    // programs check every byte (`-c`), with completion events (`-e`) and large messages.
+    for (prog, port, extra) in [
+        ("ibv_rc_pingpong", "18792", &["-n", "500", "-c"][..]),
+        ("ibv_rc_pingpong", "18793", &["-n", "100", "-c", "-e"][..]),
+        (
+            "ibv_rc_pingpong",
+            "18794",
+            &["-n", "20", "-c", "-s", "1048576"][..],
+        ),
+        ("ibv_uc_pingpong", "18795", &["-n", "300", "-c"][..]),
+    ] {
+        let (c, s) = pair(prog, port, extra);
+        let iters = extra[1];
+        for (who, o) in [("client", &c), ("server", &s)] {
+            assert!(
+                o.status.success(),
+                "{prog} {extra:?} {who}: {}{}",
+                String::from_utf8_lossy(&o.stdout),
+                stderr(o)
+            );
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert!(out.contains(&format!("{iters} iters in")), "{out}");
+            eprintln!("{prog} {extra:?} {who}: {}", out.trim());
+        }
+    }
     h.down(1);
     h.down(0);
     h.assert_nothing_left();

@@ -29,7 +29,7 @@ use toml::Spanned;
 use crate::wire::MAX_NODES;
 
 /// What the supervisors of one fabric speak to each other; bumped on any change.
-pub const HOSTS_PROTOCOL: u32 = 1;
+pub const HOSTS_PROTOCOL: u32 = 2;
 /// How often a host reports its slots to every joined host (the heartbeat).
 pub const REPORT_PERIOD_MS: u64 = 100;
 /// A joined host not heard from for this long is lost: its nodes go DOWN (`host-lost`).
@@ -445,6 +445,44 @@ pub enum HostMsg {
     CloseRoute {
         /// The route.
         route: u64,
+    },
+    /// Connects queue pair `from` (node, QPN: the asking host's, of type `qp_type`, inbound
+    /// ring `ring_len` bytes) to queue pair `to` (the asked host's): the asked host checks
+    /// `to` exists and is of that type, makes a shadow of `from` for it to write to, and its
+    /// bridge starts mirroring the two.
+    OpenQp {
+        /// The asking host's number for the request.
+        tag: u64,
+        /// The asking host's QP (node, QPN).
+        from: (u32, u32),
+        /// Its transport (2 RC, 3 UC).
+        qp_type: u32,
+        /// Its inbound ring's size.
+        ring_len: u32,
+        /// The asked host's QP (node, QPN).
+        to: (u32, u32),
+    },
+    /// The asked QP exists: its inbound ring's size (the shadow the asking host makes).
+    QpOpened {
+        /// The request.
+        tag: u64,
+        /// The asked QP's inbound ring size.
+        ring_len: u32,
+    },
+    /// The asked QP does not exist or does not match: the error class and why, in one line.
+    QpRefused {
+        /// The request.
+        tag: u64,
+        /// Error class.
+        kind: crate::fabric::ctl::ErrorKind,
+        /// Why.
+        message: String,
+    },
+    /// The sender's queue pair `qp` (node, QPN) was destroyed: every QP of the receiving host
+    /// connected to it sees its peer gone, and its shadow goes.
+    QpGone {
+        /// The destroyed QP.
+        qp: (u32, u32),
     },
 }
 

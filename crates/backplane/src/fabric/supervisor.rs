@@ -39,14 +39,16 @@ mod bridge;
 mod config;
 mod hosts;
 mod lock;
+mod mirror;
 mod nodes;
+mod qps;
 mod rings;
 mod routes;
 mod service;
 mod status;
 
 use service::HostView;
-pub use service::{Failure, Host, NoService, Service};
+pub use service::{Failure, Host, NoService, QpSide, Service};
 
 use config::os;
 pub use config::{check_config, Config, StartError};
@@ -128,6 +130,7 @@ struct Sup {
     remote_gen: HashMap<u32, u32>,
     /// Datagram routes to and from other hosts.
     routes: routes::Routes,
+    qps: qps::QpLinks,
 }
 
 /// Set by SIGTERM, SIGINT or SIGHUP; the event loop (whose `poll` has a timeout and is never
@@ -244,6 +247,7 @@ fn run_inner(
         hosts,
         remote_gen: HashMap::new(),
         routes: routes::Routes::new(),
+        qps: qps::QpLinks::new(),
     };
     if lock.stale {
         sup.say("removed what a crashed supervisor left behind");
@@ -483,6 +487,7 @@ impl Sup {
         }
         self.hosts_step(now);
         self.routes_tick(now);
+        self.qps_tick(now);
         self.tick(now);
     }
 
@@ -583,6 +588,16 @@ impl Sup {
     /// Serves one request of the hosted service (with the fds that came with it) and replies.
     fn handle_service(&mut self, id: u64, req: serde_json::Value, fds: Vec<OwnedFd>) {
         let hello_done = self.clients.get(&id).is_some_and(|c| c.pid != 0);
+        // A QP connecting to a QP on another host is answered once that host agreed.
+        if hello_done && self.connect_across(id, &req) {
+            return;
+        }
+        self.serve_service(id, req, fds);
+    }
+
+    /// Serves a request of the hosted service and replies; true if it succeeded.
+    fn serve_service(&mut self, id: u64, req: serde_json::Value, fds: Vec<OwnedFd>) -> bool {
+        let hello_done = self.clients.get(&id).is_some_and(|c| c.pid != 0);
         let result = if hello_done {
             self.with_service(|s, h| s.handle(h, id, req, fds))
         } else {
@@ -592,8 +607,12 @@ impl Sup {
             Ok((resp, fd)) => {
                 let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
                 self.reply(id, &Response::Service(resp), &fds);
+                true
             }
-            Err((kind, message)) => self.reply(id, &Response::Error { kind, message }, &[]),
+            Err((kind, message)) => {
+                self.reply(id, &Response::Error { kind, message }, &[]);
+                false
+            }
         }
     }
 

@@ -27,11 +27,12 @@ use std::hash::{BuildHasher, Hasher};
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use crate::fabric::ctl::ErrorKind;
-use crate::fabric::supervisor::{publish, Failure, Host, Service};
+use crate::fabric::supervisor::{publish, Failure, Host, QpSide, Service};
 use crate::mem::Region;
 use crate::sync::{self, Ordering};
 use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::*;
+use serde::Deserialize;
 
 /// `IBV_ACCESS_REMOTE_WRITE`.
 const REMOTE_WRITE: u32 = 1 << 1;
@@ -43,6 +44,8 @@ const REMOTE_ATOMIC: u32 = 1 << 3;
 const QPN_BASE: u32 = 0x10_0000;
 /// Largest registrable region.
 const MAX_MR: u64 = 1 << 40;
+/// The owner of a shadow QP (a QP of another host, mirrored here): no client.
+const SHADOW: u64 = u64::MAX;
 
 struct MrEntry {
     client: u64,
@@ -79,6 +82,9 @@ struct QpEntry {
     block_len: u64,
     event_off: u64,
     peer: Option<(u32, u32)>,
+    /// A shadow's own event block (in the same shadow window), freed with it.
+    shadow_ev: Option<u64>,
+    ring_len: u32,
 }
 
 struct CtxEntry {
@@ -96,6 +102,8 @@ pub struct Registry {
     next_qpn: u32,
     keys: RandomState,
     key_counter: u64,
+    /// QPs destroyed since the supervisor last asked (`take_destroyed`).
+    destroyed: Vec<(u32, u32)>,
 }
 
 impl Registry {
@@ -108,6 +116,7 @@ impl Registry {
             next_qpn: QPN_BASE,
             keys: RandomState::new(),
             key_counter: 0,
+            destroyed: Vec::new(),
         }
     }
 
@@ -229,7 +238,16 @@ impl Registry {
                 dest_qpn,
             } => {
                 host.ready_slot(slot)?;
-                host.ready_slot(dest_slot)?;
+                // A shadow stands for a QP of another host (mirrored by the bridge).
+                if self
+                    .qps
+                    .get(&(dest_slot, dest_qpn))
+                    .is_some_and(|q| q.client == SHADOW)
+                {
+                    host.ready_anywhere(dest_slot)?;
+                } else {
+                    host.ready_slot(dest_slot)?;
+                }
                 let own_type = match self.qps.get(&(slot, qpn)) {
                     Some(q) if q.client == id => q.qp_type,
                     _ => {
@@ -406,6 +424,8 @@ impl Registry {
                 block_len: len,
                 event_off,
                 peer: None,
+                shadow_ev: None,
+                ring_len,
             },
         );
         Ok((
@@ -422,6 +442,10 @@ impl Registry {
         let Some(q) = self.qps.remove(&key) else {
             return;
         };
+        self.destroyed.push(key);
+        if let Some(ev) = q.shadow_ev {
+            host.free(key.0, ev, EV_LEN);
+        }
         let peers: Vec<((u32, u32), u64, u64)> = self
             .qps
             .iter()
@@ -510,6 +534,125 @@ impl Service for Registry {
     /// A node went DOWN: the verbs objects of its processes are stale.
     fn node_down(&mut self, host: &mut dyn Host, slot: u32) {
         self.drop_node(host, slot);
+    }
+
+    fn qp_connect_of(&self, client: u64, req: &serde_json::Value) -> Option<(QpSide, (u32, u32))> {
+        let Ok(VerbsRequest::ConnectQp {
+            slot,
+            qpn,
+            dest_slot,
+            dest_qpn,
+        }) = VerbsRequest::deserialize(req)
+        else {
+            return None;
+        };
+        let own = self.local_qp(slot, qpn)?;
+        let mine = self
+            .qps
+            .get(&(slot, qpn))
+            .is_some_and(|q| q.client == client);
+        mine.then_some((own, (dest_slot, dest_qpn)))
+    }
+
+    fn local_qp(&self, slot: u32, qpn: u32) -> Option<QpSide> {
+        let q = self.qps.get(&(slot, qpn)).filter(|q| q.client != SHADOW)?;
+        Some(QpSide {
+            slot,
+            qpn,
+            qp_type: q.qp_type,
+            ring_len: q.ring_len,
+            block_off: q.block_off,
+            event_off: q.event_off,
+        })
+    }
+
+    fn shadow_qp(
+        &mut self,
+        host: &mut dyn Host,
+        slot: u32,
+        qpn: u32,
+        qp_type: u32,
+        ring_len: u32,
+    ) -> Result<QpSide, Failure> {
+        if let Some(q) = self.qps.get(&(slot, qpn)) {
+            if q.client != SHADOW || q.qp_type != qp_type || q.ring_len != ring_len {
+                return Err(invalid(format!(
+                    "QP {qpn:#x} of node {slot} is already known here as another QP"
+                )));
+            }
+            return Ok(QpSide {
+                slot,
+                qpn,
+                qp_type,
+                ring_len,
+                block_off: q.block_off,
+                event_off: q.event_off,
+            });
+        }
+        if qp_type != 2 && qp_type != 3 {
+            return Err(invalid(format!("QP type {qp_type} has no QP block")));
+        }
+        if !ring_len.is_power_of_two() || !(QP_MIN_RING..=QP_MAX_RING).contains(&ring_len) {
+            return Err(invalid(format!("ring of {ring_len} bytes is out of range")));
+        }
+        let ev = host
+            .alloc(slot, EV_LEN, 64)
+            .ok_or_else(|| host.full(slot))?;
+        let len = QpBlockRepr::footprint(ring_len);
+        let Some(off) = host.alloc(slot, len, 4096) else {
+            host.free(slot, ev, EV_LEN);
+            return Err(host.full(slot));
+        };
+        let w = host.window(slot).clone();
+        w.zero(ev, EV_LEN).expect("allocated");
+        w.zero(off, QP_RING_OFF).expect("allocated");
+        let mut h = [0u8; 64];
+        QpBlockRepr {
+            qp_type,
+            qpn,
+            slot,
+            generation: host.generation(slot),
+            ring_len,
+            event_off: ev,
+        }
+        .emit(&mut QpBlockHeader::new_unchecked(&mut h[..]));
+        publish(&w, off, &h, QP_INIT_OFF);
+        self.qps.insert(
+            (slot, qpn),
+            QpEntry {
+                client: SHADOW,
+                pd: 0,
+                qp_type,
+                block_off: off,
+                block_len: len,
+                event_off: ev,
+                peer: None,
+                shadow_ev: Some(ev),
+                ring_len,
+            },
+        );
+        Ok(QpSide {
+            slot,
+            qpn,
+            qp_type,
+            ring_len,
+            block_off: off,
+            event_off: ev,
+        })
+    }
+
+    fn drop_shadow_qp(&mut self, host: &mut dyn Host, slot: u32, qpn: u32) {
+        if self
+            .qps
+            .get(&(slot, qpn))
+            .is_some_and(|q| q.client == SHADOW)
+        {
+            self.destroy_qp(host, (slot, qpn));
+        }
+    }
+
+    fn take_destroyed(&mut self) -> Vec<(u32, u32)> {
+        std::mem::take(&mut self.destroyed)
     }
 }
 

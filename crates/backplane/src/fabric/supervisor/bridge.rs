@@ -32,6 +32,8 @@ use crate::sync::Ordering;
 use crate::transport::shm::{ShmReceiver, ShmSender};
 use crate::transport::{RecvChannel, SendChannel};
 
+use super::mirror::{self, Mirror, QpBlock};
+
 /// Bytes a record costs against a route's window besides its payload (its header, rounded).
 const RECORD_COST: u64 = 64;
 /// How long the thread keeps polling after the last thing it did before it sleeps.
@@ -46,6 +48,14 @@ const KIND_END: u8 = 3;
 const KIND_ACK: u8 = 4;
 /// Several small datagrams in one message: a u32 count, then each as a u32 length and bytes.
 const KIND_BATCH: u8 = 5;
+/// A queue pair's mirror message (`mirror.rs`).
+const KIND_QP: u8 = 6;
+/// The sender has a queue pair's mirror too: the receiver's may ship.
+const KIND_QP_READY: u8 = 7;
+/// Ready notes kept for pairs not made here yet (the supervisor's command is on its way).
+const EARLY_READY_MAX: usize = 4096;
+/// A ready note for a pair not made here yet: (host, its QP, our QP).
+type EarlyReady = (usize, (u32, u32), (u32, u32));
 const HEAD: usize = 24;
 /// Datagrams up to this size are batched; a batch stops growing at [`BATCH_MAX`] bytes.
 const BATCH_SMALL: usize = 16 * 1024;
@@ -134,6 +144,17 @@ pub(super) enum Cmd {
     },
     /// Drop an inbound route (its ring was torn down here).
     RemoveIn { host: usize, route: u64 },
+    /// Mirror local QP `local_key` (block `local`) and the shadow of its peer `remote_key` on
+    /// host `host` (block `shadow`), replacing any mirror of that local QP.
+    AddQp {
+        host: usize,
+        local_key: (u32, u32),
+        remote_key: (u32, u32),
+        local: QpBlock,
+        shadow: QpBlock,
+    },
+    /// Drop the mirrors of QP `key` (local or remote): it was destroyed.
+    DropQp { key: (u32, u32) },
 }
 
 /// What the bridge tells the supervisor.
@@ -143,6 +164,8 @@ pub(super) enum Note {
     /// The data link to host `host` failed (`why`): the datagrams on it are lost, so its routes
     /// are ended (senders open new ones once it is back; this side dials again if it dials).
     LinkLost { host: usize, why: String },
+    /// The mirror of local QP `key` broke (`why`): the QP sees its peer gone.
+    QpBroken { key: (u32, u32), why: String },
 }
 
 /// How long after a failed data link this side dials again.
@@ -255,6 +278,8 @@ impl Bridge {
                     pending: Vec::new(),
                     outs: HashMap::new(),
                     ins: HashMap::new(),
+                    mirrors: HashMap::new(),
+                    early_ready: Vec::new(),
                     scratch: Vec::new(),
                     wake: wake2,
                 };
@@ -329,6 +354,10 @@ struct Worker {
     pending: Vec<EpId>,
     outs: HashMap<u64, Out>,
     ins: HashMap<(usize, u64), In>,
+    /// Queue pairs mirrored to other hosts, by local QP, with whether their ready note went.
+    mirrors: HashMap<(u32, u32), (Mirror, bool)>,
+    /// Ready notes that came before their pair was made here: (host, their QP, our QP).
+    early_ready: Vec<EarlyReady>,
     /// A datagram on its way from a shadow ring to UCX (kept: no allocation per datagram).
     scratch: Vec<u8>,
     wake: std::sync::Arc<Wake>,
@@ -343,6 +372,7 @@ impl Worker {
             busy |= self.events();
             busy |= self.pump_out();
             busy |= self.pump_in();
+            busy |= self.pump_qps();
             if busy {
                 idle_since = Instant::now();
                 continue;
@@ -380,6 +410,11 @@ impl Worker {
             ));
             r.credit_bell.0.store(1, Ordering::Relaxed);
         }
+        for (m, _) in self.mirrors.values().filter(|(m, _)| m.ready) {
+            let (armed, bell) = m.bell();
+            bells.push((bell.clone(), bell.load(Ordering::Acquire)));
+            armed.store(1, Ordering::Relaxed);
+        }
         // SYNC POINT doorbell-arm (receiver) and credit-arm (sender), as the datagram path's:
         // armed before the last look at every ring.
         crate::sync::fence(Ordering::SeqCst);
@@ -394,7 +429,10 @@ impl Worker {
                 .first_key_value()
                 .filter(|(&k, _)| k == r.next)
                 .is_some_and(|(_, m)| r.tx.has_room(m.len).unwrap_or(true))
-        });
+        }) || self
+            .mirrors
+            .values()
+            .any(|(m, said)| m.pending() || (!said && self.hosts.contains_key(&m.host)));
         if !pending {
             let mut words: Vec<(&crate::sync::AtomicU32, u32)> = vec![(&self.wake.bell, seen)];
             words.extend(bells.iter().map(|(w, v)| (&**w, *v)));
@@ -420,6 +458,9 @@ impl Worker {
         for r in self.ins.values() {
             r.credit_bell.0.store(0, Ordering::Relaxed);
         }
+        for (m, _) in self.mirrors.values() {
+            m.bell().0.store(0, Ordering::Relaxed);
+        }
     }
 
     fn commands(&mut self) -> bool {
@@ -440,6 +481,7 @@ impl Worker {
                     }
                     self.outs.retain(|_, o| o.host != host);
                     self.ins.retain(|k, _| k.0 != host);
+                    self.break_mirrors(host, "its host is gone");
                 }
                 Cmd::AddOut {
                     host,
@@ -495,6 +537,45 @@ impl Worker {
                 }
                 Cmd::RemoveIn { host, route } => {
                     self.ins.remove(&(host, route));
+                }
+                Cmd::AddQp {
+                    host,
+                    local_key,
+                    remote_key,
+                    ..
+                } if self.mirrors.get(&local_key).is_some_and(|(m, _)| {
+                    m.host == host && m.remote_key == remote_key && m.broken.is_none()
+                }) =>
+                {
+                    // Connected again to the same peer: the mirror goes on where it is.
+                }
+                Cmd::AddQp {
+                    host,
+                    local_key,
+                    remote_key,
+                    local,
+                    shadow,
+                } => match Mirror::new(host, local_key, remote_key, &local, &shadow) {
+                    Ok(mut m) => {
+                        let early = (host, remote_key, local_key);
+                        if let Some(i) = self.early_ready.iter().position(|e| *e == early) {
+                            self.early_ready.swap_remove(i);
+                            m.ready = true;
+                        }
+                        self.mirrors.insert(local_key, (m, false));
+                    }
+                    Err(e) => {
+                        let why = format!("its blocks cannot be mapped: {e}");
+                        let _ = self.notes.send(Note::QpBroken {
+                            key: local_key,
+                            why,
+                        });
+                    }
+                },
+                Cmd::DropQp { key } => {
+                    self.mirrors
+                        .retain(|k, (m, _)| *k != key && m.remote_key != key);
+                    self.early_ready.retain(|e| e.1 != key && e.2 != key);
                 }
             }
         }
@@ -556,6 +637,7 @@ impl Worker {
                         continue;
                     };
                     match kind {
+                        KIND_QP | KIND_QP_READY => self.qp_message(host, kind, &msg[HEAD..]),
                         KIND_DATA | KIND_BATCH => {
                             if let Some(r) = self.ins.get_mut(&(host, route)) {
                                 let items = if kind == KIND_DATA {
@@ -618,11 +700,107 @@ impl Worker {
                         }
                         self.outs.retain(|_, o| o.host != host);
                         self.ins.retain(|k, _| k.0 != host);
+                        self.break_mirrors(host, "the data link to its host failed");
                         let why = backplane_ucx::status_string(e.status);
                         let _ = self.notes.send(Note::LinkLost { host, why });
                     }
                     self.link.close(ep);
                 }
+            }
+        }
+        any
+    }
+
+    /// A mirror message or ready note from host `host`'s bridge.
+    fn qp_message(&mut self, host: usize, kind: u8, body: &[u8]) {
+        let Some((theirs, ours)) = mirror::keys(body) else {
+            return;
+        };
+        let m = self
+            .mirrors
+            .get_mut(&ours)
+            .filter(|(m, _)| m.host == host && m.remote_key == theirs);
+        match (kind, m) {
+            (KIND_QP_READY, Some((m, _))) => m.ready = true,
+            (KIND_QP_READY, None) => {
+                if self.early_ready.len() >= EARLY_READY_MAX {
+                    self.early_ready.remove(0);
+                }
+                self.early_ready.push((host, theirs, ours));
+            }
+            // A bad message breaks the pair (`pump_qps` drops it and says why).
+            (_, Some((m, _))) => m.apply(body),
+            // A pair dropped here meanwhile.
+            (_, None) => {}
+        }
+    }
+
+    /// The mirrors through host `host` end: their local QPs see their peers gone.
+    fn break_mirrors(&mut self, host: usize, why: &'static str) {
+        self.early_ready.retain(|e| e.0 != host);
+        let gone: Vec<(u32, u32)> = self
+            .mirrors
+            .iter()
+            .filter(|(_, (m, _))| m.host == host)
+            .map(|(&k, _)| k)
+            .collect();
+        for key in gone {
+            if let Some((mut m, _)) = self.mirrors.remove(&key) {
+                m.fail(why);
+                let why = why.to_string();
+                let _ = self.notes.send(Note::QpBroken { key, why });
+            }
+        }
+    }
+
+    /// Ships what local QPs wrote into their peers' shadows, and the ready notes not sent.
+    fn pump_qps(&mut self) -> bool {
+        let mut any = false;
+        for (&key, (m, said)) in self.mirrors.iter_mut() {
+            let Some(&ep) = self.hosts.get(&m.host) else {
+                continue;
+            };
+            if !*said {
+                let note = mirror::encode_ready(key, m.remote_key);
+                if self
+                    .link
+                    .send2(ep, &head(KIND_QP_READY, 0, 0), &note)
+                    .is_err()
+                {
+                    continue;
+                }
+                *said = true;
+                any = true;
+            }
+            // A few messages per pair per round, so one busy pair does not starve the rest.
+            for _ in 0..8 {
+                let Some(s) = m.next_message(&mut self.scratch) else {
+                    break;
+                };
+                if self
+                    .link
+                    .send2(ep, &head(KIND_QP, 0, 0), &self.scratch)
+                    .is_err()
+                {
+                    break; // too much in flight in UCX: after the next poll
+                }
+                m.shipped(s);
+                any = true;
+            }
+        }
+        // A pair broken by a bad value (either side's): the local QP already sees its peer
+        // gone; the supervisor tells the other host.
+        let broken: Vec<(u32, u32)> = self
+            .mirrors
+            .iter()
+            .filter(|(_, (m, _))| m.broken.is_some())
+            .map(|(&k, _)| k)
+            .collect();
+        for key in broken {
+            if let Some((m, _)) = self.mirrors.remove(&key) {
+                let why = m.broken.unwrap_or("broken").to_string();
+                let _ = self.notes.send(Note::QpBroken { key, why });
+                any = true;
             }
         }
         any

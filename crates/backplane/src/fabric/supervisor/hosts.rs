@@ -398,7 +398,11 @@ impl Sup {
                         | HostMsg::RouteOpened { .. }
                         | HostMsg::RouteRefused { .. }
                         | HostMsg::RouteClosed { .. }
-                        | HostMsg::CloseRoute { .. })
+                        | HostMsg::CloseRoute { .. }
+                        | HostMsg::OpenQp { .. }
+                        | HostMsg::QpOpened { .. }
+                        | HostMsg::QpRefused { .. }
+                        | HostMsg::QpGone { .. })
                             if h.peers[i].state == PeerState::Joined =>
                         {
                             route_msgs.push((i, m));
@@ -593,6 +597,7 @@ impl Sup {
         }
         for &(i, _, _) in &lost_hosts {
             self.routes_host_gone(i);
+            self.qps_host_gone(i);
         }
         for n in notes {
             self.route_note(n);

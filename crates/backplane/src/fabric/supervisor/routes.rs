@@ -108,7 +108,7 @@ impl Sup {
         }
     }
 
-    fn remote_host(&self, slot: u32) -> Option<usize> {
+    pub(super) fn remote_host(&self, slot: u32) -> Option<usize> {
         let h = self.hosts.as_ref()?;
         (!h.plan.is_local(slot))
             .then(|| h.plan.owner(slot))
@@ -203,6 +203,10 @@ impl Sup {
                     self.end_inbound(rid);
                 }
             }
+            m @ (HostMsg::OpenQp { .. }
+            | HostMsg::QpOpened { .. }
+            | HostMsg::QpRefused { .. }
+            | HostMsg::QpGone { .. }) => self.qp_msg(i, m),
             _ => {}
         }
     }
@@ -372,6 +376,7 @@ impl Sup {
                 ));
                 self.routes_host_gone(host);
             }
+            n @ Note::QpBroken { .. } => self.qp_note(n),
         }
     }
 

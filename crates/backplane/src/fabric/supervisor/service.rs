@@ -35,6 +35,29 @@ pub trait Host {
     fn window(&self, slot: u32) -> &Arc<Region>;
     /// Node `slot`'s generation.
     fn generation(&self, slot: u32) -> u32;
+    /// Ok if `slot` names a node that is READY, on this host or another (a fabric across
+    /// hosts mirrors the other hosts' nodes).
+    fn ready_anywhere(&self, slot: u32) -> Result<(), Failure> {
+        self.ready_slot(slot)
+    }
+}
+
+/// A queue pair's block as the datagram bridge mirrors it between hosts: where it lies in its
+/// node's window (a real one, or the shadow window of a node on another host).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpSide {
+    /// The QP's node.
+    pub slot: u32,
+    /// Its number.
+    pub qpn: u32,
+    /// 2 RC, 3 UC.
+    pub qp_type: u32,
+    /// Its inbound ring's size.
+    pub ring_len: u32,
+    /// The block's offset in the node's window.
+    pub block_off: u64,
+    /// The event block its peers ring (in the same window).
+    pub event_off: u64,
 }
 
 /// A registry hosted by the supervisor: it serves the verbs part of the control protocol and
@@ -55,6 +78,43 @@ pub trait Service: Send {
     fn client_gone(&mut self, host: &mut dyn Host, client: u64);
     /// Node `slot` went DOWN.
     fn node_down(&mut self, host: &mut dyn Host, slot: u32);
+    /// If request `req` of client `client` connects one of its queue pairs to another node's,
+    /// that QP (of this host) and the peer (node, QPN): the supervisor asks the peer's host
+    /// first when the peer is not here.
+    fn qp_connect_of(
+        &self,
+        _client: u64,
+        _req: &serde_json::Value,
+    ) -> Option<(QpSide, (u32, u32))> {
+        None
+    }
+    /// A queue pair of this host (RC or UC), for a host whose QP connects to it.
+    fn local_qp(&self, _slot: u32, _qpn: u32) -> Option<QpSide> {
+        None
+    }
+    /// The shadow of queue pair `qpn` of node `slot` (on another host, of type `qp_type`,
+    /// inbound ring `ring_len`), made in that node's shadow window unless it exists: QPs here
+    /// connect to it as to a local one, and the bridge mirrors it.
+    fn shadow_qp(
+        &mut self,
+        _host: &mut dyn Host,
+        _slot: u32,
+        _qpn: u32,
+        _qp_type: u32,
+        _ring_len: u32,
+    ) -> Result<QpSide, Failure> {
+        Err((
+            ErrorKind::Invalid,
+            "this supervisor hosts no verbs registry".into(),
+        ))
+    }
+    /// The remote queue pair `qpn` of node `slot` is gone: its shadow goes, and the QPs here
+    /// connected to it see their peer gone.
+    fn drop_shadow_qp(&mut self, _host: &mut dyn Host, _slot: u32, _qpn: u32) {}
+    /// The queue pairs destroyed since the last call (node, QPN): shadows and this host's.
+    fn take_destroyed(&mut self) -> Vec<(u32, u32)> {
+        Vec::new()
+    }
 }
 
 /// The service of a supervisor started without one: every verbs request is refused.
@@ -142,5 +202,8 @@ impl Host for HostView<'_> {
     }
     fn generation(&self, slot: u32) -> u32 {
         self.life[slot as usize - 1].generation()
+    }
+    fn ready_anywhere(&self, slot: u32) -> Result<(), Failure> {
+        ready_slot(self.nodes, self.life, slot)
     }
 }

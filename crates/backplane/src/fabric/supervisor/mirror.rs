@@ -1,0 +1,548 @@
+//! Queue pairs between hosts: the bridge mirrors a QP's block into the shadow of it that the
+//! other host keeps, so that RC and UC queue pairs on two hosts talk exactly as on one.
+//!
+//! On one host a connected QP writes its messages into its peer's inbound ring and its
+//! reliability words (credits, NAK, RNR timer, gone, and the consumer index of its own
+//! inbound ring) into its peer's block; it reads its peer's words in its own block. Across
+//! hosts the peer's block is a *shadow* in the peer node's shadow window here: the local QP
+//! writes into it as into a real one. Each host's bridge then carries what its local QP wrote
+//! into the shadow — the new ring bytes, at the same ring positions, and the words — to the
+//! other host, whose bridge writes them into the real block of the QP there, and rings its
+//! event bell like a peer would. The ring's bytes are copied, not parsed: the receiving QP
+//! validates every record as it does on one host, and positions are the same on both sides
+//! (the shadow ring has the size of the real one), so the consumer index the receiving QP
+//! publishes acknowledges exactly the sender's bytes. A sender never has more in flight than
+//! the real ring can hold: the consumer index it waits on comes back from the real ring.
+//!
+//! A mirror ships nothing before the other host's bridge said it has the pair too
+//! ([`encode_ready`]): what went before would be dropped there. Every value from the other
+//! host is checked: a ring position that goes backwards, skips, or would overwrite unread
+//! bytes breaks the pair (the local QP sees its peer gone).
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+
+use crate::mem::{MemError, Region, Span, Word32, Word64};
+use crate::sync::Ordering;
+use crate::wire::verbs::{
+    EV_ARMED_OFF, EV_BELL_OFF, QP_ACCESS_OFF, QP_ACK_OFF, QP_CREDITS_OFF, QP_NAK_OFF,
+    QP_PEER_ERR_OFF, QP_PEER_RNR_OFF, QP_RING_OFF, QP_TAIL_OFF,
+};
+use crate::wire::RECORD_ALIGN;
+
+/// At most this many ring bytes go in one message.
+pub(super) const CHUNK: u64 = 256 * 1024;
+/// A mirror message's header (after the bridge's own): two QP keys, the words, where the
+/// ring bytes that follow start.
+pub(super) const MSG_HEAD: usize = 72;
+
+/// A QP block in a window of this host: a real QP's, or a shadow's.
+#[derive(Clone)]
+pub(super) struct QpBlock {
+    /// The window (a node's, or a shadow window).
+    pub(super) win: Arc<Region>,
+    /// The block's offset.
+    pub(super) off: u64,
+    /// Its inbound ring's size.
+    pub(super) ring_len: u32,
+    /// The event block its peers ring.
+    pub(super) event_off: u64,
+}
+
+struct Words {
+    ack: Word64,
+    credits: Word64,
+    nak: Word64,
+    peer_err: Word32,
+    rnr: Word32,
+    access: Word32,
+    tail: Word64,
+    ring: Span,
+    armed: Word32,
+    bell: Word32,
+}
+
+impl Words {
+    fn of(b: &QpBlock) -> Result<Self, MemError> {
+        let w = &b.win;
+        let at32 = |o: usize| Word32::at(w, b.off + o as u64);
+        let at64 = |o: usize| Word64::at(w, b.off + o as u64);
+        Ok(Self {
+            ack: at64(QP_ACK_OFF)?,
+            credits: at64(QP_CREDITS_OFF)?,
+            nak: at64(QP_NAK_OFF)?,
+            peer_err: at32(QP_PEER_ERR_OFF)?,
+            rnr: at32(QP_PEER_RNR_OFF)?,
+            access: at32(QP_ACCESS_OFF)?,
+            tail: at64(QP_TAIL_OFF)?,
+            ring: Span::new(w, b.off + QP_RING_OFF, u64::from(b.ring_len))?,
+            armed: Word32::at(w, b.event_off + EV_ARMED_OFF as u64)?,
+            bell: Word32::at(w, b.event_off + EV_BELL_OFF as u64)?,
+        })
+    }
+
+    /// Rings the block's event bell if its owner sleeps on it (after our stores).
+    fn wake(&self) {
+        // SYNC POINT qp-bell (sender), as a peer QP's `wake_peer`.
+        crate::sync::fence(Ordering::SeqCst);
+        if self.armed.load(Ordering::Relaxed) != 0 {
+            crate::sync::ring(&self.bell);
+        }
+    }
+}
+
+/// What the local QP told its peer (read from the shadow, and its own access word).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct Snap {
+    ack: u64,
+    nak: u64,
+    credits: u64,
+    gone: u32,
+    rnr: u32,
+    access: u32,
+}
+
+/// One local QP and the shadow of its peer on another host.
+pub(super) struct Mirror {
+    /// The other host.
+    pub(super) host: usize,
+    /// The local QP (node, QPN).
+    pub(super) local_key: (u32, u32),
+    /// The peer QP on the other host (node, QPN).
+    pub(super) remote_key: (u32, u32),
+    local: Words,
+    shadow: Words,
+    /// The other bridge has this pair too: shipping may start.
+    pub(super) ready: bool,
+    /// The pair is broken (a bad value from either side), and why: nothing more is carried.
+    pub(super) broken: Option<&'static str>,
+    /// Shadow ring position shipped so far.
+    shipped: u64,
+    /// The words last shipped (None: nothing yet).
+    last: Option<Snap>,
+    /// Local ring position written so far (from the other host).
+    applied: u64,
+}
+
+const MALFORMED: &str = "a malformed mirror message from the other host";
+const POSITION: &str = "ring bytes from the other host out of place";
+const OVERRUN: &str = "the other host sent more than the ring holds unread";
+const LOCAL_POSITION: &str = "the local QP published an impossible ring position";
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// The two QP keys a mirror message or ready note names: (sender's QP, receiver's QP).
+pub(super) fn keys(body: &[u8]) -> Option<((u32, u32), (u32, u32))> {
+    if body.len() < 16 {
+        return None;
+    }
+    Some((
+        (u32_at(body, 0), u32_at(body, 4)),
+        (u32_at(body, 8), u32_at(body, 12)),
+    ))
+}
+
+/// The note that this bridge has the pair (local QP `from`, remote QP `to`).
+pub(super) fn encode_ready(from: (u32, u32), to: (u32, u32)) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[0..4].copy_from_slice(&from.0.to_le_bytes());
+    b[4..8].copy_from_slice(&from.1.to_le_bytes());
+    b[8..12].copy_from_slice(&to.0.to_le_bytes());
+    b[12..16].copy_from_slice(&to.1.to_le_bytes());
+    b
+}
+
+impl Mirror {
+    pub(super) fn new(
+        host: usize,
+        local_key: (u32, u32),
+        remote_key: (u32, u32),
+        local: &QpBlock,
+        shadow: &QpBlock,
+    ) -> Result<Self, MemError> {
+        let local = Words::of(local)?;
+        let shadow = Words::of(shadow)?;
+        // Whatever the local QP already wrote into the shadow goes with the first message.
+        Ok(Self {
+            host,
+            local_key,
+            remote_key,
+            local,
+            shadow,
+            ready: false,
+            broken: None,
+            shipped: 0,
+            last: None,
+            applied: 0,
+        })
+    }
+
+    fn snap(&self) -> Snap {
+        // SYNC POINT qp-peer-gone (acquire): the local QP's acks and NAKs before its flag.
+        let gone = self.shadow.peer_err.load(Ordering::Acquire);
+        // SYNC POINT qp-ack (acquire): a NAK is published before the index after it.
+        let ack = self.shadow.ack.load(Ordering::Acquire);
+        Snap {
+            ack,
+            nak: self.shadow.nak.load(Ordering::Relaxed),
+            // SYNC POINT qp-credits (acquire).
+            credits: self.shadow.credits.load(Ordering::Acquire),
+            gone,
+            rnr: self.shadow.rnr.load(Ordering::Relaxed),
+            // SYNC POINT qp-access (acquire).
+            access: self.local.access.load(Ordering::Acquire),
+        }
+    }
+
+    /// Whether the local QP wrote anything not shipped yet.
+    pub(super) fn pending(&self) -> bool {
+        self.ready
+            && self.broken.is_none()
+            // SYNC POINT ring-publish (acquire).
+            && (self.shadow.tail.load(Ordering::Acquire) != self.shipped
+                || self.last != Some(self.snap()))
+    }
+
+    /// The shadow's event block (armed flag, bell): the local QP rings it as it writes.
+    pub(super) fn bell(&self) -> (&Word32, &Word32) {
+        (&self.shadow.armed, &self.shadow.bell)
+    }
+
+    /// The next message to ship, if there is anything new: the header and ring bytes in
+    /// `out`; `None` when there is nothing, or the local QP published an impossible position
+    /// (then the pair is broken).
+    pub(super) fn next_message(&mut self, out: &mut Vec<u8>) -> Option<Shipment> {
+        if !self.ready || self.broken.is_some() {
+            return None;
+        }
+        let snap = self.snap();
+        // SYNC POINT ring-publish (acquire): the ring bytes before the index are readable.
+        let tail = self.shadow.tail.load(Ordering::Acquire);
+        let len = self.shadow.ring.len();
+        let Some(unsent) = tail
+            .checked_sub(self.shipped)
+            .filter(|&n| n <= len && tail.is_multiple_of(RECORD_ALIGN))
+        else {
+            self.fail(LOCAL_POSITION);
+            return None;
+        };
+        if unsent == 0 && self.last == Some(snap) {
+            return None;
+        }
+        let n = unsent.min(CHUNK);
+        out.clear();
+        out.extend_from_slice(&encode_ready(self.local_key, self.remote_key));
+        for v in [self.shipped + n, snap.ack, snap.nak, snap.credits] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        // The receiver publishes the bytes only up to a position the local QP published (a
+        // record boundary): a chunk may end inside a record.
+        let whole = u32::from(self.shipped + n == tail);
+        for v in [snap.gone, snap.rnr, snap.access, whole] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&self.shipped.to_le_bytes());
+        debug_assert_eq!(out.len(), MSG_HEAD);
+        // The bytes, in at most two pieces (the ring's end, then its start).
+        let mut at = self.shipped;
+        let end = self.shipped + n;
+        while at < end {
+            let pos = at % len;
+            let piece = (len - pos).min(end - at);
+            let from = out.len();
+            out.resize(from + piece as usize, 0);
+            // In bounds: pos + piece <= len.
+            let _ = self.shadow.ring.read(pos, &mut out[from..]);
+            at += piece;
+        }
+        Some(Shipment { end, snap })
+    }
+
+    /// The message [`Mirror::next_message`] made went out.
+    pub(super) fn shipped(&mut self, s: Shipment) {
+        self.shipped = s.end;
+        self.last = Some(s.snap);
+    }
+
+    /// Writes a message from the other host's bridge into the local QP's block: ring bytes at
+    /// their positions, then the words (NAK before the consumer index, gone last), then rings
+    /// the QP's bell. A bad message breaks the pair.
+    pub(super) fn apply(&mut self, body: &[u8]) {
+        if self.broken.is_some() {
+            return;
+        }
+        if body.len() < MSG_HEAD {
+            return self.fail(MALFORMED);
+        }
+        let tail = u64_at(body, 16);
+        let (ack, nak, credits) = (u64_at(body, 24), u64_at(body, 32), u64_at(body, 40));
+        let (gone, rnr, access) = (u32_at(body, 48), u32_at(body, 52), u32_at(body, 56));
+        let whole = u32_at(body, 60) != 0;
+        let from = u64_at(body, 64);
+        let data = &body[MSG_HEAD..];
+        let len = self.local.ring.len();
+        if from != self.applied || from.checked_add(data.len() as u64) != Some(tail) {
+            return self.fail(POSITION);
+        }
+        // The local QP's consumer index of this ring (it writes it into its peer's block).
+        // SYNC POINT ring-consume (acquire): the bytes before it were read.
+        let head = self.shadow.ack.load(Ordering::Acquire);
+        if tail.saturating_sub(head) > len {
+            return self.fail(OVERRUN);
+        }
+        let mut at = from;
+        let mut rest = data;
+        while !rest.is_empty() {
+            let pos = at % len;
+            let piece = ((len - pos) as usize).min(rest.len());
+            // In bounds: pos + piece <= len.
+            let _ = self.local.ring.write(pos, &rest[..piece]);
+            rest = &rest[piece..];
+            at += piece as u64;
+        }
+        self.applied = tail;
+        // SYNC POINT qp-ack (release, with the NAK stored before it).
+        self.local.nak.store(nak, Ordering::Relaxed);
+        self.local.ack.store(ack, Ordering::Release);
+        // SYNC POINT qp-credits (release).
+        self.local.credits.store(credits, Ordering::Release);
+        self.local.rnr.store(rnr, Ordering::Relaxed);
+        // SYNC POINT qp-access (release).
+        self.shadow.access.store(access, Ordering::Release);
+        if whole {
+            // SYNC POINT ring-publish (release): the bytes above before the index.
+            self.local.tail.store(tail, Ordering::Release);
+        }
+        if gone != 0 {
+            // SYNC POINT qp-peer-gone (release): the acks and NAKs above are seen first.
+            self.local.peer_err.store(1, Ordering::Release);
+        }
+        self.local.wake();
+    }
+
+    /// Breaks the pair here: the local QP sees its peer gone.
+    pub(super) fn fail(&mut self, why: &'static str) {
+        self.broken.get_or_insert(why);
+        // SYNC POINT qp-peer-gone (release).
+        self.local.peer_err.store(1, Ordering::Release);
+        crate::sync::ring(&self.local.bell);
+    }
+}
+
+/// A message made by [`Mirror::next_message`], to confirm once UCX took it.
+pub(super) struct Shipment {
+    end: u64,
+    snap: Snap,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RING: u32 = 4096;
+
+    fn block(win: &Arc<Region>, off: u64, ev: u64) -> QpBlock {
+        QpBlock {
+            win: win.clone(),
+            off,
+            ring_len: RING,
+            event_off: ev,
+        }
+    }
+
+    /// Two hosts: on each a real block and the shadow of the other's QP.
+    fn pair() -> (Mirror, Mirror, Arc<Region>, Arc<Region>) {
+        let a = Arc::new(Region::create("mirror-a", 64 << 10).unwrap());
+        let b = Arc::new(Region::create("mirror-b", 64 << 10).unwrap());
+        // Real block at 0 (event at 60K), shadow at 16K (event at 62K), on both.
+        let ma = Mirror::new(
+            1,
+            (1, 7),
+            (3, 9),
+            &block(&a, 0, 60 << 10),
+            &block(&a, 16 << 10, 62 << 10),
+        )
+        .unwrap();
+        let mb = Mirror::new(
+            0,
+            (3, 9),
+            (1, 7),
+            &block(&b, 0, 60 << 10),
+            &block(&b, 16 << 10, 62 << 10),
+        )
+        .unwrap();
+        (ma, mb, a, b)
+    }
+
+    fn carry(from: &mut Mirror, to: &mut Mirror) -> usize {
+        let mut buf = Vec::new();
+        let mut n = 0;
+        while let Some(s) = from.next_message(&mut buf) {
+            assert_eq!(keys(&buf), Some((from.local_key, from.remote_key)));
+            to.apply(&buf);
+            assert_eq!(to.broken, None);
+            from.shipped(s);
+            n += 1;
+        }
+        n
+    }
+
+    #[test]
+    fn ring_bytes_and_words_land_at_the_same_positions_and_wrap() {
+        let (mut ma, mut mb, a, b) = pair();
+        let mut buf = Vec::new();
+        // Nothing ships before the other side is ready.
+        a.write((16 << 10) + QP_RING_OFF, &[5; 64]).unwrap();
+        a.u64_at((16 << 10) + QP_TAIL_OFF as u64)
+            .unwrap()
+            .store(64, Ordering::Release);
+        assert!(ma.next_message(&mut buf).is_none());
+        ma.ready = true;
+        mb.ready = true;
+        // Credits and access go with the bytes.
+        a.u64_at((16 << 10) + QP_CREDITS_OFF as u64)
+            .unwrap()
+            .store(12, Ordering::Release);
+        a.u32_at(QP_ACCESS_OFF as u64)
+            .unwrap()
+            .store(0b110, Ordering::Release);
+        assert_eq!(carry(&mut ma, &mut mb), 1);
+        let mut got = [0u8; 64];
+        b.read(QP_RING_OFF, &mut got).unwrap();
+        assert_eq!(got, [5; 64]);
+        let tail = b.u64_at(QP_TAIL_OFF as u64).unwrap();
+        assert_eq!(tail.load(Ordering::Acquire), 64);
+        let credits = b.u64_at(QP_CREDITS_OFF as u64).unwrap();
+        assert_eq!(credits.load(Ordering::Acquire), 12);
+        let access = b.u32_at((16 << 10) + QP_ACCESS_OFF as u64).unwrap();
+        assert_eq!(access.load(Ordering::Acquire), 0b110);
+        // Nothing new: nothing ships.
+        assert_eq!(carry(&mut ma, &mut mb), 0);
+        // The receiver consumes; its index comes back as the sender's ack.
+        b.u64_at((16 << 10) + QP_ACK_OFF as u64)
+            .unwrap()
+            .store(64, Ordering::Release);
+        assert_eq!(carry(&mut mb, &mut ma), 1);
+        assert_eq!(
+            a.u64_at(QP_ACK_OFF as u64).unwrap().load(Ordering::Acquire),
+            64
+        );
+        // Bytes across the ring's end land across it there too.
+        let start = u64::from(RING) - 64;
+        a.write((16 << 10) + QP_RING_OFF + 64, &vec![6; start as usize - 64])
+            .unwrap();
+        a.write((16 << 10) + QP_RING_OFF + start, &[7; 64]).unwrap();
+        a.write((16 << 10) + QP_RING_OFF, &[8; 64]).unwrap();
+        a.u64_at((16 << 10) + QP_TAIL_OFF as u64)
+            .unwrap()
+            .store(u64::from(RING) + 64, Ordering::Release);
+        assert_eq!(carry(&mut ma, &mut mb), 1);
+        b.read(QP_RING_OFF + start, &mut got).unwrap();
+        assert_eq!(got, [7; 64]);
+        b.read(QP_RING_OFF, &mut got).unwrap();
+        assert_eq!(got, [8; 64]);
+        assert_eq!(tail.load(Ordering::Acquire), u64::from(RING) + 64);
+    }
+
+    #[test]
+    fn a_chunk_that_ends_inside_a_record_is_not_published_until_the_rest_is_there() {
+        let big = 4 * CHUNK as usize;
+        let a = Arc::new(Region::create("mirror-a", 2 * big).unwrap());
+        let b = Arc::new(Region::create("mirror-b", 2 * big).unwrap());
+        let blk = |w: &Arc<Region>, off: u64| QpBlock {
+            win: w.clone(),
+            off,
+            ring_len: big as u32 / 2,
+            event_off: 2 * big as u64 - 256,
+        };
+        let mut ma = Mirror::new(
+            1,
+            (1, 7),
+            (3, 9),
+            &blk(&a, 0),
+            &blk(&a, big as u64 / 2 + 4096),
+        )
+        .unwrap();
+        let mut mb = Mirror::new(
+            0,
+            (3, 9),
+            (1, 7),
+            &blk(&b, 0),
+            &blk(&b, big as u64 / 2 + 4096),
+        )
+        .unwrap();
+        ma.ready = true;
+        mb.ready = true;
+        let shadow_tail = a
+            .u64_at(big as u64 / 2 + 4096 + QP_TAIL_OFF as u64)
+            .unwrap();
+        let end = CHUNK + CHUNK / 2;
+        shadow_tail.store(end, Ordering::Release);
+        let mut buf = Vec::new();
+        let s = ma.next_message(&mut buf).unwrap();
+        mb.apply(&buf);
+        ma.shipped(s);
+        let tail = b.u64_at(QP_TAIL_OFF as u64).unwrap();
+        assert_eq!(tail.load(Ordering::Acquire), 0, "a chunk inside a record");
+        carry(&mut ma, &mut mb);
+        assert_eq!(tail.load(Ordering::Acquire), end);
+        assert_eq!(mb.broken, None);
+    }
+
+    #[test]
+    fn gone_goes_last_and_bad_positions_break_the_pair() {
+        let (mut ma, mut mb, a, b) = pair();
+        ma.ready = true;
+        mb.ready = true;
+        a.u32_at((16 << 10) + QP_PEER_ERR_OFF as u64)
+            .unwrap()
+            .store(1, Ordering::Release);
+        carry(&mut ma, &mut mb);
+        let gone = b.u32_at(QP_PEER_ERR_OFF as u64).unwrap();
+        assert_eq!(gone.load(Ordering::Acquire), 1);
+
+        // Bytes that skip ahead, overrun the unread ones, or a short message: refused.
+        let (mut ma, mut mb, a, b) = pair();
+        ma.ready = true;
+        mb.ready = true;
+        let mut buf = Vec::new();
+        a.u64_at((16 << 10) + QP_TAIL_OFF as u64)
+            .unwrap()
+            .store(64, Ordering::Release);
+        ma.next_message(&mut buf).unwrap();
+        let mut skip = buf.clone();
+        skip[64..72].copy_from_slice(&64u64.to_le_bytes());
+        mb.apply(&skip);
+        assert_eq!(mb.broken, Some(POSITION));
+        assert_eq!(
+            b.u32_at(QP_PEER_ERR_OFF as u64)
+                .unwrap()
+                .load(Ordering::Acquire),
+            1
+        );
+        let (_, mut mb, _, _) = pair();
+        mb.ready = true;
+        mb.apply(&buf[..40]);
+        assert_eq!(mb.broken, Some(MALFORMED));
+        let (_, mut mb, _, _) = pair();
+        let mut over = buf[..MSG_HEAD].to_vec();
+        over.resize(MSG_HEAD + RING as usize + 64, 0);
+        over[16..24].copy_from_slice(&(u64::from(RING) + 64).to_le_bytes());
+        mb.apply(&over);
+        assert_eq!(mb.broken, Some(OVERRUN));
+        // A local QP that publishes a position beyond its ring breaks the pair, ships nothing.
+        let (mut ma, _, a, _) = pair();
+        ma.ready = true;
+        a.u64_at((16 << 10) + QP_TAIL_OFF as u64)
+            .unwrap()
+            .store(u64::from(RING) * 2, Ordering::Release);
+        assert!(ma.next_message(&mut buf).is_none());
+        assert_eq!(ma.broken, Some(LOCAL_POSITION));
+    }
+}

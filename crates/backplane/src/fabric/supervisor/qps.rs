@@ -1,0 +1,315 @@
+//! Queue pairs between hosts, as the supervisors agree on them (the bytes and words are the
+//! bridge's mirrors, `mirror.rs`). A QP here connecting to a QP of another host is answered
+//! only once that host checked its QP and made a shadow of ours for it (`OpenQp` →
+//! `QpOpened`): then this host makes the shadow of the peer, the service connects our QP to
+//! it as to a local one, and the bridges of both hosts mirror the pair. Either QP destroyed
+//! (its process, its node, its host gone) ends the pair on both sides: the other QP sees its
+//! peer gone and completes its outstanding work with an error, as on one host.
+#![forbid(unsafe_code)]
+
+use super::bridge::{Cmd, Note};
+use super::mirror::QpBlock;
+use super::*;
+use crate::fabric::hosts::HostMsg;
+
+/// How long a connecting QP waits for the other host to answer.
+const QP_PATIENCE: Duration = Duration::from_secs(5);
+
+/// A connect waiting for the peer's host.
+struct Asked {
+    client: u64,
+    req: serde_json::Value,
+    host: usize,
+    from: QpSide,
+    to: (u32, u32),
+    at: Instant,
+}
+
+/// The QP pairs between hosts, kept by the supervisor.
+pub(super) struct QpLinks {
+    asked: HashMap<u64, Asked>,
+    next: u64,
+    /// Local QP → its peer on another host, and that host.
+    pairs: HashMap<(u32, u32), ((u32, u32), usize)>,
+}
+
+impl QpLinks {
+    pub(super) fn new() -> Self {
+        Self {
+            asked: HashMap::new(),
+            next: 1,
+            pairs: HashMap::new(),
+        }
+    }
+}
+
+impl Sup {
+    fn qp_block(&self, s: &QpSide) -> QpBlock {
+        QpBlock {
+            win: self.windows[s.slot as usize - 1].clone(),
+            off: s.block_off,
+            ring_len: s.ring_len,
+            event_off: s.event_off,
+        }
+    }
+
+    /// A service request that connects a QP here to a QP of another host: asked there first
+    /// (true: the client is answered later, or was refused now).
+    pub(super) fn connect_across(&mut self, id: u64, req: &serde_json::Value) -> bool {
+        if self.hosts.is_none() {
+            return false;
+        }
+        let Some((from, to)) = self.verbs.qp_connect_of(id, req) else {
+            return false;
+        };
+        let Some(host) = self.remote_host(to.0) else {
+            return false;
+        };
+        let refuse = |kind, message| Response::Error { kind, message };
+        let st = self.life[to.0 as usize - 1].state();
+        if st != NodeState::Ready {
+            let r = refuse(
+                ErrorKind::NodeDown,
+                format!("node {} is {st}, not READY", to.0),
+            );
+            self.reply(id, &r, &[]);
+            return true;
+        }
+        let tag = self.qps.next;
+        self.qps.next += 1;
+        let h = self.hosts.as_mut().expect("checked above");
+        let msg = HostMsg::OpenQp {
+            tag,
+            from: (from.slot, from.qpn),
+            qp_type: from.qp_type,
+            ring_len: from.ring_len,
+            to,
+        };
+        if !h.send_to(host, &msg) {
+            let message = format!(
+                "node {} runs on host '{}', which has not joined",
+                to.0, h.plan.hosts[host].name
+            );
+            self.reply(id, &refuse(ErrorKind::NodeDown, message), &[]);
+            return true;
+        }
+        self.qps.asked.insert(
+            tag,
+            Asked {
+                client: id,
+                req: req.clone(),
+                host,
+                from,
+                to,
+                at: Instant::now(),
+            },
+        );
+        true
+    }
+
+    /// A QP message from host `i`.
+    pub(super) fn qp_msg(&mut self, i: usize, m: HostMsg) {
+        match m {
+            HostMsg::OpenQp {
+                tag,
+                from,
+                qp_type,
+                ring_len,
+                to,
+            } => {
+                let reply = match self.accept_qp(i, from, qp_type, ring_len, to) {
+                    Ok(ring_len) => HostMsg::QpOpened { tag, ring_len },
+                    Err((kind, message)) => HostMsg::QpRefused { tag, kind, message },
+                };
+                if let Some(h) = self.hosts.as_mut() {
+                    h.send_to(i, &reply);
+                }
+            }
+            HostMsg::QpOpened { tag, ring_len } => {
+                if let Some(a) = self.qps.asked.remove(&tag).filter(|a| a.host == i) {
+                    self.qp_opened(a, ring_len);
+                }
+            }
+            HostMsg::QpRefused { tag, kind, message } => {
+                if let Some(a) = self.qps.asked.remove(&tag).filter(|a| a.host == i) {
+                    self.reply(a.client, &Response::Error { kind, message }, &[]);
+                }
+            }
+            HostMsg::QpGone { qp } if self.remote_host(qp.0) == Some(i) => {
+                self.with_service(|s, h| s.drop_shadow_qp(h, qp.0, qp.1));
+                self.qps_destroyed();
+            }
+            _ => {}
+        }
+    }
+
+    /// Host `i` asks to connect its QP `from` to our QP `to`: checked, the shadow of `from`
+    /// made, the pair handed to the bridge; our QP's ring size for the reply.
+    fn accept_qp(
+        &mut self,
+        i: usize,
+        from: (u32, u32),
+        qp_type: u32,
+        ring_len: u32,
+        to: (u32, u32),
+    ) -> Result<u32, (ErrorKind, String)> {
+        if self.remote_host(from.0) != Some(i) || self.remote_host(to.0).is_some() {
+            return Err((
+                ErrorKind::Invalid,
+                format!(
+                    "QP {:#x} of node {} is not this host's to connect",
+                    to.1, to.0
+                ),
+            ));
+        }
+        self.ready_slot(to.0)?;
+        let side = self.verbs.local_qp(to.0, to.1).ok_or_else(|| {
+            (
+                ErrorKind::NotFound,
+                format!("node {} has no QP {:#x}", to.0, to.1),
+            )
+        })?;
+        if side.qp_type != qp_type {
+            return Err((
+                ErrorKind::Invalid,
+                format!("QP {:#x} on node {} is of another transport", to.1, to.0),
+            ));
+        }
+        let shadow = self.with_service(|s, h| s.shadow_qp(h, from.0, from.1, qp_type, ring_len))?;
+        self.pair_up(i, &side, &shadow);
+        Ok(side.ring_len)
+    }
+
+    /// Local QP `local` and the shadow of its peer on host `i`: recorded, mirrored.
+    fn pair_up(&mut self, i: usize, local: &QpSide, shadow: &QpSide) {
+        let (lk, rk) = ((local.slot, local.qpn), (shadow.slot, shadow.qpn));
+        self.qps.pairs.insert(lk, (rk, i));
+        let cmd = Cmd::AddQp {
+            host: i,
+            local_key: lk,
+            remote_key: rk,
+            local: self.qp_block(local),
+            shadow: self.qp_block(shadow),
+        };
+        if let Some(h) = &self.hosts {
+            h.bridge.send(cmd);
+        }
+    }
+
+    /// The other host has its end: our shadow of its QP, then the connect as on one host.
+    fn qp_opened(&mut self, a: Asked, ring_len: u32) {
+        let (to, from) = (a.to, a.from);
+        let shadow = self.with_service(|s, h| s.shadow_qp(h, to.0, to.1, from.qp_type, ring_len));
+        let shadow = match shadow {
+            Ok(s) => s,
+            Err((kind, message)) => {
+                self.reply(a.client, &Response::Error { kind, message }, &[]);
+                return;
+            }
+        };
+        let ok = self.serve_service(a.client, a.req, Vec::new());
+        if ok && self.verbs.local_qp(from.slot, from.qpn) == Some(from) {
+            self.pair_up(a.host, &from, &shadow);
+        } else if let Some(h) = self.hosts.as_mut() {
+            // Our QP went meanwhile: the other host's shadow of it goes too.
+            h.send_to(
+                a.host,
+                &HostMsg::QpGone {
+                    qp: (from.slot, from.qpn),
+                },
+            );
+        }
+    }
+
+    /// QPs the service destroyed: a local QP's peer host is told, every mirror of either goes.
+    pub(super) fn qps_destroyed(&mut self) {
+        let gone = self.verbs.take_destroyed();
+        if gone.is_empty() || self.hosts.is_none() {
+            return;
+        }
+        for key in gone {
+            if let Some((_, host)) = self.qps.pairs.remove(&key) {
+                if let Some(h) = self.hosts.as_mut() {
+                    h.send_to(host, &HostMsg::QpGone { qp: key });
+                }
+            }
+            self.qps.pairs.retain(|_, (r, _)| *r != key);
+            if let Some(h) = &self.hosts {
+                h.bridge.send(Cmd::DropQp { key });
+            }
+        }
+    }
+
+    /// A bridge note about a mirror: said, and the other host told the pair is over.
+    pub(super) fn qp_note(&mut self, n: Note) {
+        if let Note::QpBroken { key, why } = n {
+            self.say(&format!(
+                "QP {:#x} of node {}: its peer on another host is cut off ({why})",
+                key.1, key.0
+            ));
+            if let Some((_, host)) = self.qps.pairs.remove(&key) {
+                if let Some(h) = self.hosts.as_mut() {
+                    h.send_to(host, &HostMsg::QpGone { qp: key });
+                }
+            }
+        }
+    }
+
+    /// Host `i` is gone: connects waiting for it are refused, its pairs forgotten (the bridge
+    /// breaks their mirrors; its nodes going DOWN take the shadows).
+    pub(super) fn qps_host_gone(&mut self, i: usize) {
+        let name = self
+            .hosts
+            .as_ref()
+            .map_or(String::new(), |h| h.plan.hosts[i].name.clone());
+        let waiting: Vec<u64> = self
+            .qps
+            .asked
+            .iter()
+            .filter(|(_, a)| a.host == i)
+            .map(|(&t, _)| t)
+            .collect();
+        for tag in waiting {
+            if let Some(a) = self.qps.asked.remove(&tag) {
+                let message = format!("host '{name}' went away before it answered the connect");
+                let r = Response::Error {
+                    kind: ErrorKind::NodeDown,
+                    message,
+                };
+                self.reply(a.client, &r, &[]);
+            }
+        }
+        self.qps.pairs.retain(|_, (_, h)| *h != i);
+    }
+
+    /// Connects waiting too long are refused; destroyed QPs are told.
+    pub(super) fn qps_tick(&mut self, now: Instant) {
+        self.qps_destroyed();
+        let late: Vec<u64> = self
+            .qps
+            .asked
+            .iter()
+            .filter(|(_, a)| now.duration_since(a.at) > QP_PATIENCE)
+            .map(|(&t, _)| t)
+            .collect();
+        for tag in late {
+            if let Some(a) = self.qps.asked.remove(&tag) {
+                let name = self
+                    .hosts
+                    .as_ref()
+                    .map_or(String::new(), |h| h.plan.hosts[a.host].name.clone());
+                let message = format!(
+                    "host '{name}' did not answer the connect to QP {:#x} of node {} within {} s",
+                    a.to.1,
+                    a.to.0,
+                    QP_PATIENCE.as_secs()
+                );
+                let r = Response::Error {
+                    kind: ErrorKind::NodeDown,
+                    message,
+                };
+                self.reply(a.client, &r, &[]);
+            }
+        }
+    }
+}
