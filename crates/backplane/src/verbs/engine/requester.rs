@@ -246,9 +246,17 @@ impl QpEngine {
             prog.msg = self.msgs_out;
             self.msgs_out += 1;
         }
+        let before = prog.pushed;
         match self.push_message(mop, op, total, prog, env) {
             Ok(true) => {}
-            Ok(false) => return Exec::Full,
+            Ok(false) => {
+                // The fragments that fitted are published: a peer asleep must take them to
+                // make room for the rest (the bridge of a fabric across hosts carries them).
+                if prog.pushed != before {
+                    self.ring_peer();
+                }
+                return Exec::Full;
+            }
             Err(s) => return Exec::Fatal(s),
         }
         self.ring_peer();
