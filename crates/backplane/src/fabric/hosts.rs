@@ -478,6 +478,41 @@ pub enum HostMsg {
         /// Why.
         message: String,
     },
+    /// Asks for region `rkey` of the asked host's QP `peer`, for the asking host's QP `qp`
+    /// connected to it (RDMA WRITE, READ, atomics): the asked host checks the region is in
+    /// the peer's protection domain and its bridge maps it to carry out `qp`'s requests.
+    GrantMr {
+        /// The asking host's number for the request.
+        tag: u64,
+        /// The asking QP (node, QPN).
+        qp: (u32, u32),
+        /// Its peer on the asked host.
+        peer: (u32, u32),
+        /// The region.
+        rkey: u32,
+    },
+    /// The region is granted: its size, access flags, whether writable, the owner's address.
+    MrOpened {
+        /// The request.
+        tag: u64,
+        /// Data bytes.
+        len: u64,
+        /// `IBV_ACCESS_*` flags.
+        access: u32,
+        /// Remote writes or atomics allowed.
+        writable: bool,
+        /// The owner's address of its first byte.
+        iova: u64,
+    },
+    /// The region is refused: the error class and why, in one line.
+    MrRefused {
+        /// The request.
+        tag: u64,
+        /// Error class.
+        kind: crate::fabric::ctl::ErrorKind,
+        /// Why.
+        message: String,
+    },
     /// The sender's queue pair `qp` (node, QPN) was destroyed: every QP of the receiving host
     /// connected to it sees its peer gone, and its shadow goes.
     QpGone {

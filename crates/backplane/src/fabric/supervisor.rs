@@ -48,7 +48,7 @@ mod service;
 mod status;
 
 use service::HostView;
-pub use service::{Failure, Host, NoService, QpSide, Service};
+pub use service::{Failure, GrantAsk, Host, NoService, QpSide, RemoteGrant, Service};
 
 use config::os;
 pub use config::{check_config, Config, StartError};
@@ -589,7 +589,7 @@ impl Sup {
     fn handle_service(&mut self, id: u64, req: serde_json::Value, fds: Vec<OwnedFd>) {
         let hello_done = self.clients.get(&id).is_some_and(|c| c.pid != 0);
         // A QP connecting to a QP on another host is answered once that host agreed.
-        if hello_done && self.connect_across(id, &req) {
+        if hello_done && (self.connect_across(id, &req) || self.grant_across(id, &req)) {
             return;
         }
         self.serve_service(id, req, fds);

@@ -38,6 +38,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod across;
 pub mod shm;
 
 use std::fmt;
@@ -368,6 +369,17 @@ pub trait RemoteRegion: Send + Sync + fmt::Debug {
     ) -> Result<(), MemError>;
     /// Copies `src` (process memory: inline data, an atomic's operand) to `off`.
     fn put_bytes(&self, off: u64, src: &[u8], how: CopyKind) -> Result<(), MemError>;
+    /// For a transport that carries puts out later (a region on another host): the ticket
+    /// of the puts made so far, for [`RemoteRegion::settled`]. `None`: a put is done when it
+    /// returns.
+    fn ticket(&self) -> Option<u64> {
+        None
+    }
+    /// Whether the puts up to `ticket` landed: `Some(true)` done, `Some(false)` refused by
+    /// the owner (or no answer will come), `None` not yet.
+    fn settled(&self, _ticket: u64) -> Option<bool> {
+        Some(true)
+    }
     /// Copies `n` bytes at `off` of the region to `dst_off` of a local span.
     fn get(
         &self,

@@ -6,10 +6,12 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
 
 use std::time::Duration;
 
+use super::across;
 use super::{
     Addr, Channels, CopyKind, GrantRequest, OpenedDatagram, PeerState, QpChannels, QpConnection,
     QpHome, QpLink, Record, RecvChannel, RemoteRegion, Reservation, RingError, SendChannel,
@@ -31,22 +33,93 @@ use crate::wire::{
     CREDIT_SEQ_OFF, EP_ARMED_OFF, EP_DOORBELL_OFF, RING_SENDER_CLOSED_OFF,
 };
 
+/// The one-sided rings of the pairs this process reaches regions on other hosts through, by
+/// (peer node, peer QPN, area offset): shared by every region granted through one pair.
+type AcrossPairs = HashMap<(u32, u32, u64), Weak<Mutex<across::Pair>>>;
+
 /// The transport of a fabric on one host.
 #[derive(Debug, Clone)]
 pub struct ShmTransport {
     fabric: Fabric,
+    across: Arc<Mutex<AcrossPairs>>,
 }
 
 impl ShmTransport {
     /// The transport of `fabric`.
     pub fn new(fabric: Fabric) -> Self {
-        Self { fabric }
+        Self {
+            fabric,
+            across: Arc::default(),
+        }
+    }
+
+    /// The pair whose one-sided area lies at `rdma_off` of node `slot`'s (shadow) window.
+    fn across_pair(
+        &self,
+        key: (u32, u32, u64),
+        ring_len: u32,
+        event_off: u64,
+    ) -> Option<Arc<Mutex<across::Pair>>> {
+        let mut pairs = self.across.lock().unwrap_or_else(|e| e.into_inner());
+        pairs.retain(|_, w| w.strong_count() > 0);
+        if let Some(p) = pairs.get(&key).and_then(Weak::upgrade) {
+            return Some(p);
+        }
+        let win = self.fabric.window(key.0).ok()?;
+        let p = Arc::new(Mutex::new(
+            across::Pair::new(&win, key.2, ring_len, event_off).ok()?,
+        ));
+        pairs.insert(key, Arc::downgrade(&p));
+        Some(p)
     }
 }
 
 impl Transport for ShmTransport {
     fn map_region(&self, req: GrantRequest) -> Option<Arc<dyn RemoteRegion>> {
-        Some(Arc::new(ShmRegion::grant(&self.fabric, req)?))
+        let rkey = match req {
+            GrantRequest::ThroughQp { rkey, .. } | GrantRequest::ForDma { rkey, .. } => rkey,
+        };
+        let req = match req {
+            GrantRequest::ThroughQp { slot, qpn, rkey } => {
+                VerbsRequest::MrGrant { slot, qpn, rkey }
+            }
+            GrantRequest::ForDma { slot, node, rkey } => {
+                VerbsRequest::DmaGrant { slot, node, rkey }
+            }
+        };
+        let (resp, fds) = self.fabric.call_service::<VerbsResponse>(&req, &[]).ok()?;
+        match resp {
+            VerbsResponse::MrGranted {
+                len,
+                access,
+                writable,
+            } => Some(Arc::new(ShmRegion::from_fd(
+                fds.into_iter().next()?,
+                len,
+                access,
+                writable,
+            )?)),
+            // The QP's peer is on another host: through the one-sided rings of its shadow.
+            VerbsResponse::MrAcross {
+                len,
+                access,
+                writable,
+                iova,
+                peer_slot,
+                peer_qpn,
+                rdma_off,
+                ring_len,
+                event_off,
+            } => {
+                let pair =
+                    self.across_pair((peer_slot, peer_qpn, rdma_off), ring_len, event_off)?;
+                let grant = (len, access, writable, iova);
+                Some(Arc::new(across::AcrossRegion::new(
+                    pair, rkey, grant, peer_slot,
+                )))
+            }
+            _ => None,
+        }
     }
 
     fn peer(&self, slot: u32) -> Option<PeerState> {
@@ -274,28 +347,16 @@ pub struct ShmRegion {
 }
 
 impl ShmRegion {
-    /// Asks the supervisor for the grant and maps it: mapped (read-only unless the grant says
-    /// writable), populated, its header checked against the grant (length), its state VALID.
-    /// `None` when the supervisor refuses or what it hands over fails a check.
-    fn grant(fabric: &Fabric, req: GrantRequest) -> Option<Self> {
-        let req = match req {
-            GrantRequest::ThroughQp { slot, qpn, rkey } => {
-                VerbsRequest::MrGrant { slot, qpn, rkey }
-            }
-            GrantRequest::ForDma { slot, node, rkey } => {
-                VerbsRequest::DmaGrant { slot, node, rkey }
-            }
-        };
-        let (resp, fds) = fabric.call_service::<VerbsResponse>(&req, &[]).ok()?;
-        let VerbsResponse::MrGranted {
-            len,
-            access,
-            writable,
-        } = resp
-        else {
-            return None;
-        };
-        let region = Arc::new(Region::map(fds.into_iter().next()?, writable).ok()?);
+    /// Maps a granted region's memfd (read-only unless `writable`), populated, its header
+    /// checked against the grant (`len`), its state VALID; `None` if anything fails a check.
+    /// The supervisor's bridge maps the regions it is granted for another host this way.
+    pub fn from_fd(
+        fd: std::os::fd::OwnedFd,
+        len: u64,
+        access: u32,
+        writable: bool,
+    ) -> Option<Self> {
+        let region = Arc::new(Region::map(fd, writable).ok()?);
         region.populate(writable);
         let mut h = [0u8; 64];
         region.read(0, &mut h).ok()?;

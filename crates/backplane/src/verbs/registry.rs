@@ -27,7 +27,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use crate::fabric::ctl::ErrorKind;
-use crate::fabric::supervisor::{publish, Failure, Host, QpSide, Service};
+use crate::fabric::supervisor::{publish, Failure, GrantAsk, Host, QpSide, RemoteGrant, Service};
 use crate::mem::Region;
 use crate::sync::{self, Ordering};
 use crate::wire::registry::{VerbsRequest, VerbsResponse};
@@ -85,6 +85,8 @@ struct QpEntry {
     /// A shadow's own event block (in the same shadow window), freed with it.
     shadow_ev: Option<u64>,
     ring_len: u32,
+    /// A shadow's one-sided area (inside its block; 0 for a QP of this host).
+    rdma_off: u64,
 }
 
 struct CtxEntry {
@@ -426,6 +428,7 @@ impl Registry {
                 peer: None,
                 shadow_ev: None,
                 ring_len,
+                rdma_off: 0,
             },
         );
         Ok((
@@ -563,6 +566,7 @@ impl Service for Registry {
             ring_len: q.ring_len,
             block_off: q.block_off,
             event_off: q.event_off,
+            rdma_off: 0,
         })
     }
 
@@ -573,13 +577,15 @@ impl Service for Registry {
         qpn: u32,
         qp_type: u32,
         ring_len: u32,
+        peer: (u32, u32),
     ) -> Result<QpSide, Failure> {
-        if let Some(q) = self.qps.get(&(slot, qpn)) {
+        if let Some(q) = self.qps.get_mut(&(slot, qpn)) {
             if q.client != SHADOW || q.qp_type != qp_type || q.ring_len != ring_len {
                 return Err(invalid(format!(
                     "QP {qpn:#x} of node {slot} is already known here as another QP"
                 )));
             }
+            q.peer = Some(peer);
             return Ok(QpSide {
                 slot,
                 qpn,
@@ -587,6 +593,7 @@ impl Service for Registry {
                 ring_len,
                 block_off: q.block_off,
                 event_off: q.event_off,
+                rdma_off: q.rdma_off,
             });
         }
         if qp_type != 2 && qp_type != 3 {
@@ -598,7 +605,9 @@ impl Service for Registry {
         let ev = host
             .alloc(slot, EV_LEN, 64)
             .ok_or_else(|| host.full(slot))?;
-        let len = QpBlockRepr::footprint(ring_len);
+        // The QP block, then (page-aligned) the one-sided area.
+        let rdma_at = QpBlockRepr::footprint(ring_len).next_multiple_of(4096);
+        let len = rdma_at + rdma_footprint(ring_len);
         let Some(off) = host.alloc(slot, len, 4096) else {
             host.free(slot, ev, EV_LEN);
             return Err(host.full(slot));
@@ -606,6 +615,7 @@ impl Service for Registry {
         let w = host.window(slot).clone();
         w.zero(ev, EV_LEN).expect("allocated");
         w.zero(off, QP_RING_OFF).expect("allocated");
+        w.zero(off + rdma_at, RDMA_RING_OFF).expect("allocated");
         let mut h = [0u8; 64];
         QpBlockRepr {
             qp_type,
@@ -626,9 +636,10 @@ impl Service for Registry {
                 block_off: off,
                 block_len: len,
                 event_off: ev,
-                peer: None,
+                peer: Some(peer),
                 shadow_ev: Some(ev),
                 ring_len,
+                rdma_off: off + rdma_at,
             },
         );
         Ok(QpSide {
@@ -638,7 +649,87 @@ impl Service for Registry {
             ring_len,
             block_off: off,
             event_off: ev,
+            rdma_off: off + rdma_at,
         })
+    }
+
+    fn grant_across_of(&self, client: u64, req: &serde_json::Value) -> Option<GrantAsk> {
+        let Ok(VerbsRequest::MrGrant { slot, qpn, rkey }) = VerbsRequest::deserialize(req) else {
+            return None;
+        };
+        let q = self.qps.get(&(slot, qpn)).filter(|q| q.client == client)?;
+        let peer = q.peer?;
+        let shadow = self.qps.get(&peer).is_some_and(|p| p.client == SHADOW);
+        shadow.then_some(GrantAsk {
+            qp: (slot, qpn),
+            peer,
+            rkey,
+        })
+    }
+
+    fn grant_to_shadow(&mut self, shadow: (u32, u32), rkey: u32) -> Result<RemoteGrant, Failure> {
+        let peer = self
+            .qps
+            .get(&shadow)
+            .filter(|q| q.client == SHADOW)
+            .and_then(|q| q.peer)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "QP {:#x} of node {} is not connected here",
+                    shadow.1, shadow.0
+                ))
+            })?;
+        let owner = self.qps.get(&peer).map(|pq| (pq.client, pq.pd));
+        let (resp, fd) = self.grant_region(rkey, "of the peer's protection domain", |mr| {
+            owner
+                .is_some_and(|(client, pd)| mr.client == client && mr.pd == pd && mr.slot == peer.0)
+        })?;
+        match (resp, fd) {
+            (
+                VerbsResponse::MrGranted {
+                    len,
+                    access,
+                    writable,
+                },
+                Some(fd),
+            ) => Ok(RemoteGrant {
+                len,
+                access,
+                writable,
+                fd,
+            }),
+            _ => Err(invalid("no region")),
+        }
+    }
+
+    fn across_reply(
+        &self,
+        qp: (u32, u32),
+        grant: (u64, u32, bool, u64),
+    ) -> Result<serde_json::Value, Failure> {
+        let (len, access, writable, iova) = grant;
+        let (peer_slot, peer_qpn) = self
+            .qps
+            .get(&qp)
+            .and_then(|q| q.peer)
+            .ok_or_else(|| invalid(format!("QP {:#x} is not connected", qp.1)))?;
+        let p = self
+            .qps
+            .get(&(peer_slot, peer_qpn))
+            .filter(|p| p.client == SHADOW)
+            .ok_or_else(|| invalid(format!("QP {:#x} is not connected across hosts", qp.1)))?;
+        let resp = VerbsResponse::MrAcross {
+            len,
+            access,
+            writable,
+            iova,
+            peer_slot,
+            peer_qpn,
+            rdma_off: p.rdma_off,
+            ring_len: p.ring_len,
+            event_off: p.event_off,
+        };
+        serde_json::to_value(resp).map_err(|e| invalid(e.to_string()))
     }
 
     fn drop_shadow_qp(&mut self, host: &mut dyn Host, slot: u32, qpn: u32) {

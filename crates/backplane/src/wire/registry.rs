@@ -119,6 +119,29 @@ pub enum VerbsResponse {
         /// Whether the attached fd may be mapped writable.
         writable: bool,
     },
+    /// Reply to `MrGrant` when the QP's peer is on another host: no fd — the region is
+    /// reached through the one-sided request ring of the peer's shadow (`wire::verbs::RDMA_*`),
+    /// which the bridges carry to the owner's host.
+    MrAcross {
+        /// Data bytes.
+        len: u64,
+        /// `IBV_ACCESS_*` flags of the region.
+        access: u32,
+        /// Whether the region may be written (remote writes or atomics allowed).
+        writable: bool,
+        /// The owner's address of the region's first byte.
+        iova: u64,
+        /// The peer QP's node (its shadow window holds the rings).
+        peer_slot: u32,
+        /// The peer QP's number.
+        peer_qpn: u32,
+        /// The one-sided area's offset in that shadow window.
+        rdma_off: u64,
+        /// Each of its two rings' size.
+        ring_len: u32,
+        /// The shadow's event block (the bridge sleeps on its bell).
+        event_off: u64,
+    },
     /// Reply to `CreateQp`.
     QpCreated {
         /// QP number.

@@ -274,6 +274,51 @@ impl QpBlockRepr {
 }
 
 // ---------------------------------------------------------------------------------------------
+// One-sided area of a shadow QP (a QP of another host, mirrored here): the local QP connected
+// to it puts its RDMA WRITE / READ / atomic requests into the request ring; this host's bridge
+// ships them to the owner's host, whose bridge carries them out on the region, and writes the
+// answers back here (READ data and atomic values into the response ring, the rest as words).
+// ---------------------------------------------------------------------------------------------
+
+/// Every request with an id up to this one is finished (u64, the bridge writes, release).
+pub const RDMA_DONE_OFF: usize = 0;
+/// The first request that failed (u64; 0 none), written before `done` passes it.
+pub const RDMA_FAILED_OFF: usize = 8;
+/// Non-zero once the pair is cut (u32): no answer will come.
+pub const RDMA_GONE_OFF: usize = 16;
+/// Request ring: producer index (the requesting process).
+pub const RDMA_REQ_TAIL_OFF: usize = 64;
+/// Request ring: consumer index (the bridge).
+pub const RDMA_REQ_HEAD_OFF: usize = 128;
+/// Response ring: producer index (the bridge).
+pub const RDMA_RESP_TAIL_OFF: usize = 192;
+/// Response ring: consumer index (the requesting process).
+pub const RDMA_RESP_HEAD_OFF: usize = 256;
+/// The request ring's data, then the response ring's, each of the shadow's ring size.
+pub const RDMA_RING_OFF: u64 = 4096;
+/// Bytes of a request record before its data: op (u8, 7 pad), id (u64), rkey (u32), length
+/// (u32), offset in the region (u64), two operands (u64 each: add / compare, swap).
+pub const RDMA_REQ_HEAD: usize = 48;
+/// Bytes of a response record before its data: id (u64), status (u32, 0 done, else the
+/// `ibv_wc_status`), pad (u32), value (u64: an atomic's old value).
+pub const RDMA_RESP_HEAD: usize = 24;
+/// At most this many data bytes in one request or response.
+pub const RDMA_PIECE: usize = 64 * 1024;
+/// RDMA WRITE of the record's data.
+pub const RDMA_OP_WRITE: u8 = 1;
+/// RDMA READ of `length` bytes.
+pub const RDMA_OP_READ: u8 = 2;
+/// Fetch and add.
+pub const RDMA_OP_FETCH_ADD: u8 = 3;
+/// Compare and swap.
+pub const RDMA_OP_CMP_SWAP: u8 = 4;
+
+/// Bytes a shadow's one-sided area occupies (after its QP block, page-aligned).
+pub const fn rdma_footprint(ring_len: u32) -> u64 {
+    RDMA_RING_OFF + 2 * ring_len as u64
+}
+
+// ---------------------------------------------------------------------------------------------
 // Context event block (in the owner's window).
 // ---------------------------------------------------------------------------------------------
 

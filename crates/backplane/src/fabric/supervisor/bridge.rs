@@ -52,6 +52,10 @@ const KIND_BATCH: u8 = 5;
 const KIND_QP: u8 = 6;
 /// The sender has a queue pair's mirror too: the receiver's may ship.
 const KIND_QP_READY: u8 = 7;
+/// A queue pair's one-sided request (RDMA WRITE, READ, atomic).
+const KIND_RDMA: u8 = 8;
+/// The answer to one.
+const KIND_RDMA_ANSWER: u8 = 9;
 /// Ready notes kept for pairs not made here yet (the supervisor's command is on its way).
 const EARLY_READY_MAX: usize = 4096;
 /// A ready note for a pair not made here yet: (host, its QP, our QP).
@@ -155,6 +159,14 @@ pub(super) enum Cmd {
     },
     /// Drop the mirrors of QP `key` (local or remote): it was destroyed.
     DropQp { key: (u32, u32) },
+    /// Region `rkey` of local QP `local_key`, granted to its peer `remote_key` on another
+    /// host: the bridge carries out that peer's one-sided requests on it.
+    AddMr {
+        local_key: (u32, u32),
+        remote_key: (u32, u32),
+        rkey: u32,
+        mr: std::sync::Arc<crate::transport::shm::ShmRegion>,
+    },
 }
 
 /// What the bridge tells the supervisor.
@@ -572,6 +584,20 @@ impl Worker {
                         });
                     }
                 },
+                Cmd::AddMr {
+                    local_key,
+                    remote_key,
+                    rkey,
+                    mr,
+                } => {
+                    if let Some((m, _)) = self
+                        .mirrors
+                        .get_mut(&local_key)
+                        .filter(|(m, _)| m.remote_key == remote_key)
+                    {
+                        m.add_region(rkey, mr);
+                    }
+                }
                 Cmd::DropQp { key } => {
                     self.mirrors
                         .retain(|k, (m, _)| *k != key && m.remote_key != key);
@@ -637,7 +663,9 @@ impl Worker {
                         continue;
                     };
                     match kind {
-                        KIND_QP | KIND_QP_READY => self.qp_message(host, kind, &msg[HEAD..]),
+                        KIND_QP | KIND_QP_READY | KIND_RDMA | KIND_RDMA_ANSWER => {
+                            self.qp_message(host, kind, &msg[HEAD..])
+                        }
                         KIND_DATA | KIND_BATCH => {
                             if let Some(r) = self.ins.get_mut(&(host, route)) {
                                 let items = if kind == KIND_DATA {
@@ -729,7 +757,22 @@ impl Worker {
                 self.early_ready.push((host, theirs, ours));
             }
             // A bad message breaks the pair (`pump_qps` drops it and says why).
-            (_, Some((m, _))) => m.apply(body),
+            (KIND_QP, Some((m, _))) => m.apply(body),
+            (KIND_RDMA, Some((m, _))) => {
+                let mut out = Vec::new();
+                m.execute(&body[16..], &mut out);
+                let sent = m.answers.is_empty()
+                    && self.hosts.get(&host).is_some_and(|&ep| {
+                        self.link
+                            .send2(ep, &head(KIND_RDMA_ANSWER, 0, 0), &out)
+                            .is_ok()
+                    });
+                if !sent {
+                    m.answers.push_back(out); // in order, after the ones waiting
+                }
+            }
+            (KIND_RDMA_ANSWER, Some((m, _))) => m.answer(&body[16..]),
+            (_, Some(_)) => {}
             // A pair dropped here meanwhile.
             (_, None) => {}
         }
@@ -772,9 +815,44 @@ impl Worker {
                 *said = true;
                 any = true;
             }
+            // Answers the other host waits for, in order.
+            while let Some(a) = m.answers.front() {
+                if self
+                    .link
+                    .send2(ep, &head(KIND_RDMA_ANSWER, 0, 0), a)
+                    .is_err()
+                {
+                    break;
+                }
+                m.answers.pop_front();
+                any = true;
+            }
+            // One-sided requests go before the ring bytes published after them (the position
+            // is read first): a WRITE lands before a later SEND is seen.
+            let upto = m.published();
+            let mut requests_out = true;
+            for _ in 0..64 {
+                let Some(rec) = m.next_request(&mut self.scratch) else {
+                    break;
+                };
+                if self
+                    .link
+                    .send2(ep, &head(KIND_RDMA, 0, 0), &self.scratch)
+                    .is_err()
+                {
+                    requests_out = false;
+                    break; // too much in flight in UCX: after the next poll
+                }
+                m.release_request(rec);
+                any = true;
+            }
+            if !requests_out || m.next_request(&mut self.scratch).is_some() {
+                // Requests still wait: the ring bytes after them wait too.
+                continue;
+            }
             // A few messages per pair per round, so one busy pair does not starve the rest.
             for _ in 0..8 {
-                let Some(s) = m.next_message(&mut self.scratch) else {
+                let Some(s) = m.next_message(&mut self.scratch, upto) else {
                     break;
                 };
                 if self

@@ -402,7 +402,10 @@ impl Sup {
                         | HostMsg::OpenQp { .. }
                         | HostMsg::QpOpened { .. }
                         | HostMsg::QpRefused { .. }
-                        | HostMsg::QpGone { .. })
+                        | HostMsg::QpGone { .. }
+                        | HostMsg::GrantMr { .. }
+                        | HostMsg::MrOpened { .. }
+                        | HostMsg::MrRefused { .. })
                             if h.peers[i].state == PeerState::Joined =>
                         {
                             route_msgs.push((i, m));

@@ -14,20 +14,46 @@
 //! publishes acknowledges exactly the sender's bytes. A sender never has more in flight than
 //! the real ring can hold: the consumer index it waits on comes back from the real ring.
 //!
+//! One-sided operations (RDMA WRITE, READ, atomics) of the local QP go through the shadow's
+//! one-sided area (`wire::verbs::RDMA_*`): the local QP's process puts requests into its
+//! request ring; this bridge ships them to the other host's bridge, which carries them out on
+//! the peer QP's region (granted to it by its supervisor, [`Mirror::add_region`]) after the
+//! same checks as on one host, and answers; the answer is written back here — READ data and
+//! atomic values into the response ring, then the id of the last finished request. Requests
+//! are shipped before the QP ring bytes the local QP published after them, and both travel in
+//! order on one UCX endpoint: a WRITE lands before a SEND posted after it is seen.
+//!
 //! A mirror ships nothing before the other host's bridge said it has the pair too
 //! ([`encode_ready`]): what went before would be dropped there. Every value from the other
 //! host is checked: a ring position that goes backwards, skips, or would overwrite unread
 //! bytes breaks the pair (the local QP sees its peer gone).
 #![forbid(unsafe_code)]
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::mem::{MemError, Region, Span, Word32, Word64};
 use crate::sync::Ordering;
+use crate::transport::shm::{ShmReceiver, ShmRegion, ShmRing, ShmSender};
+use crate::transport::{CopyKind, RecvChannel, RemoteRegion, SendChannel};
 use crate::wire::verbs::{
     EV_ARMED_OFF, EV_BELL_OFF, QP_ACCESS_OFF, QP_ACK_OFF, QP_CREDITS_OFF, QP_NAK_OFF,
-    QP_PEER_ERR_OFF, QP_PEER_RNR_OFF, QP_RING_OFF, QP_TAIL_OFF,
+    QP_PEER_ERR_OFF, QP_PEER_RNR_OFF, QP_RING_OFF, QP_TAIL_OFF, RDMA_DONE_OFF, RDMA_FAILED_OFF,
+    RDMA_GONE_OFF, RDMA_OP_CMP_SWAP, RDMA_OP_FETCH_ADD, RDMA_OP_READ, RDMA_OP_WRITE, RDMA_PIECE,
+    RDMA_REQ_HEAD, RDMA_REQ_HEAD_OFF, RDMA_REQ_TAIL_OFF, RDMA_RESP_HEAD, RDMA_RESP_HEAD_OFF,
+    RDMA_RESP_TAIL_OFF, RDMA_RING_OFF,
 };
+
+/// `IBV_ACCESS_REMOTE_WRITE`, `_READ`, `_ATOMIC`.
+const REMOTE_WRITE: u32 = 1 << 1;
+const REMOTE_READ: u32 = 1 << 2;
+const REMOTE_ATOMIC: u32 = 1 << 3;
+/// `IBV_WC_REM_ACCESS_ERR`: what a refused one-sided request answers.
+const REM_ACCESS_ERR: u32 = 10;
+/// `IBV_WC_REM_INV_REQ_ERR`: a malformed request.
+const REM_INV_REQ_ERR: u32 = 9;
+/// An answer's header after the two QP keys: id, status, op, value.
+pub(super) const ANSWER_HEAD: usize = 16 + 24;
 use crate::wire::RECORD_ALIGN;
 
 /// At most this many ring bytes go in one message.
@@ -47,6 +73,42 @@ pub(super) struct QpBlock {
     pub(super) ring_len: u32,
     /// The event block its peers ring.
     pub(super) event_off: u64,
+    /// A shadow's one-sided area (ignored for the local QP's block).
+    pub(super) rdma_off: u64,
+}
+
+/// The one-sided area of the shadow: the local QP's requests and their answers.
+struct Rdma {
+    req: ShmReceiver,
+    resp: ShmSender,
+    done: Word64,
+    failed: Word64,
+    gone: Word32,
+}
+
+impl Rdma {
+    fn of(b: &QpBlock) -> Result<Self, MemError> {
+        let w = &b.win;
+        let at = |o: usize| b.rdma_off + o as u64;
+        let len = u64::from(b.ring_len);
+        let req = ShmRing::new(
+            Word64::at(w, at(RDMA_REQ_TAIL_OFF))?,
+            Word64::at(w, at(RDMA_REQ_HEAD_OFF))?,
+            Span::new(w, b.rdma_off + RDMA_RING_OFF, len)?,
+        );
+        let resp = ShmRing::new(
+            Word64::at(w, at(RDMA_RESP_TAIL_OFF))?,
+            Word64::at(w, at(RDMA_RESP_HEAD_OFF))?,
+            Span::new(w, b.rdma_off + RDMA_RING_OFF + len, len)?,
+        );
+        Ok(Self {
+            req: ShmReceiver::new(req),
+            resp: ShmSender::new(resp),
+            done: Word64::at(w, at(RDMA_DONE_OFF))?,
+            failed: Word64::at(w, at(RDMA_FAILED_OFF))?,
+            gone: Word32::at(w, at(RDMA_GONE_OFF))?,
+        })
+    }
 }
 
 struct Words {
@@ -112,6 +174,11 @@ pub(super) struct Mirror {
     pub(super) remote_key: (u32, u32),
     local: Words,
     shadow: Words,
+    rdma: Rdma,
+    /// The local QP's regions granted to the other host's QP, by rkey.
+    regions: HashMap<u32, Arc<ShmRegion>>,
+    /// Answers to the other host's requests that UCX could not take yet.
+    pub(super) answers: VecDeque<Vec<u8>>,
     /// The other bridge has this pair too: shipping may start.
     pub(super) ready: bool,
     /// The pair is broken (a bad value from either side), and why: nothing more is carried.
@@ -167,6 +234,7 @@ impl Mirror {
         shadow: &QpBlock,
     ) -> Result<Self, MemError> {
         let local = Words::of(local)?;
+        let rdma = Rdma::of(shadow)?;
         let shadow = Words::of(shadow)?;
         // Whatever the local QP already wrote into the shadow goes with the first message.
         Ok(Self {
@@ -175,6 +243,9 @@ impl Mirror {
             remote_key,
             local,
             shadow,
+            rdma,
+            regions: HashMap::new(),
+            answers: VecDeque::new(),
             ready: false,
             broken: None,
             shipped: 0,
@@ -206,7 +277,174 @@ impl Mirror {
             && self.broken.is_none()
             // SYNC POINT ring-publish (acquire).
             && (self.shadow.tail.load(Ordering::Acquire) != self.shipped
-                || self.last != Some(self.snap()))
+                || self.last != Some(self.snap())
+                || !self.rdma.req.is_drained()
+                || !self.answers.is_empty())
+    }
+
+    /// The local QP's ring position now: what [`Mirror::next_message`] may ship after the
+    /// requests in the request ring at this moment (read before them).
+    pub(super) fn published(&self) -> u64 {
+        // SYNC POINT ring-publish (acquire).
+        self.shadow.tail.load(Ordering::Acquire)
+    }
+
+    /// The next one-sided request of the local QP, its record bytes in `out` (to ship with
+    /// the two QP keys before it); `release` it once UCX took it.
+    pub(super) fn next_request(&mut self, out: &mut Vec<u8>) -> Option<crate::ring::Record> {
+        if !self.ready || self.broken.is_some() {
+            return None;
+        }
+        let rec = match self.rdma.req.peek() {
+            Ok(Some(r)) => r,
+            Ok(None) => return None,
+            Err(_) => {
+                self.fail(LOCAL_POSITION);
+                return None;
+            }
+        };
+        out.clear();
+        out.extend_from_slice(&encode_ready(self.local_key, self.remote_key));
+        let at = out.len();
+        out.resize(at + rec.len, 0);
+        // Inside the data area (validated by the consumer).
+        let _ = self.rdma.req.data().read(rec.pos, &mut out[at..]);
+        Some(rec)
+    }
+
+    /// The request `next_request` gave went out.
+    pub(super) fn release_request(&mut self, rec: crate::ring::Record) {
+        self.rdma.req.release(rec);
+    }
+
+    /// A region of the local QP granted to the other host's QP.
+    pub(super) fn add_region(&mut self, rkey: u32, mr: Arc<ShmRegion>) {
+        self.regions.insert(rkey, mr);
+    }
+
+    /// Carries out a request of the other host's QP (`req`: its record, after the keys) on
+    /// the local QP's regions, with the checks of one host; the answer (keys, id, status, op,
+    /// value, READ data) in `out`.
+    pub(super) fn execute(&mut self, req: &[u8], out: &mut Vec<u8>) {
+        out.clear();
+        out.extend_from_slice(&encode_ready(self.local_key, self.remote_key));
+        if req.len() < RDMA_REQ_HEAD {
+            out.extend_from_slice(&[0; 24]);
+            out[24..28].copy_from_slice(&REM_INV_REQ_ERR.to_le_bytes());
+            return;
+        }
+        let op = req[0];
+        let id = u64_at(req, 8);
+        let rkey = u32_at(req, 16);
+        let len = u32_at(req, 20) as usize;
+        let off = u64_at(req, 24);
+        let (a, b) = (u64_at(req, 32), u64_at(req, 40));
+        let data = &req[RDMA_REQ_HEAD..];
+        out.extend_from_slice(&id.to_le_bytes());
+        let status_at = out.len();
+        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&u32::from(op).to_le_bytes());
+        let value_at = out.len();
+        out.extend_from_slice(&0u64.to_le_bytes());
+        let need = match op {
+            RDMA_OP_WRITE => REMOTE_WRITE,
+            RDMA_OP_READ => REMOTE_READ,
+            RDMA_OP_FETCH_ADD | RDMA_OP_CMP_SWAP => REMOTE_ATOMIC,
+            _ => 0,
+        };
+        // SYNC POINT qp-access (relaxed read of a word that only gates).
+        let qp_access = self.local.access.load(Ordering::Relaxed);
+        let region = self.regions.get(&rkey).filter(|r| r.valid());
+        let ok = need != 0
+            && len <= RDMA_PIECE
+            && (op != RDMA_OP_WRITE || data.len() == len)
+            && qp_access & need != 0
+            && region.is_some_and(|r| {
+                r.access_bits() & need != 0
+                    && off.checked_add(len as u64).is_some_and(|e| e <= r.len())
+            });
+        let status = match region.filter(|_| ok) {
+            None => REM_ACCESS_ERR,
+            Some(r) => {
+                let done = match op {
+                    RDMA_OP_WRITE => r.put_bytes(off, data, CopyKind::Ordered).map(|_| 0),
+                    RDMA_OP_READ => {
+                        let at = out.len();
+                        out.resize(at + len, 0);
+                        r.local()
+                            .ok_or(MemError::OutOfBounds {
+                                off,
+                                len: len as u64,
+                                size: 0,
+                            })
+                            .and_then(|(span, _)| span.read(off, &mut out[at..]))
+                            .map(|_| 0)
+                    }
+                    RDMA_OP_FETCH_ADD if len == 8 => r.fetch_add(off, a),
+                    RDMA_OP_CMP_SWAP if len == 8 => r.compare_swap(off, a, b),
+                    _ => Err(MemError::OutOfBounds {
+                        off,
+                        len: len as u64,
+                        size: 0,
+                    }),
+                };
+                match done {
+                    Ok(v) => {
+                        out[value_at..value_at + 8].copy_from_slice(&v.to_le_bytes());
+                        0
+                    }
+                    Err(_) => {
+                        out.truncate(value_at + 8);
+                        REM_ACCESS_ERR
+                    }
+                }
+            }
+        };
+        out[status_at..status_at + 4].copy_from_slice(&status.to_le_bytes());
+    }
+
+    /// An answer from the other host to one of the local QP's requests (after the keys):
+    /// READ data and atomic values go into the response ring, then `done` moves past it.
+    pub(super) fn answer(&mut self, body: &[u8]) {
+        if body.len() < ANSWER_HEAD - 16 {
+            return self.fail(MALFORMED);
+        }
+        let id = u64_at(body, 0);
+        let status = u32_at(body, 8);
+        let op = u32_at(body, 12) as u8;
+        let value = u64_at(body, 16);
+        let data = &body[24..];
+        if op != RDMA_OP_WRITE {
+            let ok = match self.rdma.resp.reserve(RDMA_RESP_HEAD + data.len()) {
+                Ok(r) => {
+                    let mut h = [0u8; RDMA_RESP_HEAD];
+                    h[0..8].copy_from_slice(&id.to_le_bytes());
+                    h[8..12].copy_from_slice(&status.to_le_bytes());
+                    h[16..24].copy_from_slice(&value.to_le_bytes());
+                    let d = self.rdma.resp.data();
+                    let _ = d.write(r.pos, &h);
+                    let _ = d.write(r.pos + RDMA_RESP_HEAD as u64, data);
+                    self.rdma.resp.commit(r);
+                    true
+                }
+                Err(_) => false,
+            };
+            if !ok {
+                // The requester asked for more than its response ring holds: it fails.
+                self.note_failed(id);
+            }
+        }
+        if status != 0 {
+            self.note_failed(id);
+        }
+        // SYNC POINT rdma-done (release): the response record and `failed` are seen first.
+        self.rdma.done.store(id, Ordering::Release);
+    }
+
+    fn note_failed(&self, id: u64) {
+        if self.rdma.failed.load(Ordering::Relaxed) == 0 {
+            self.rdma.failed.store(id, Ordering::Relaxed);
+        }
     }
 
     /// The shadow's event block (armed flag, bell): the local QP rings it as it writes.
@@ -217,13 +455,18 @@ impl Mirror {
     /// The next message to ship, if there is anything new: the header and ring bytes in
     /// `out`; `None` when there is nothing, or the local QP published an impossible position
     /// (then the pair is broken).
-    pub(super) fn next_message(&mut self, out: &mut Vec<u8>) -> Option<Shipment> {
+    /// Ring bytes go at most up to `upto` (a position read before the requests shipped).
+    pub(super) fn next_message(&mut self, out: &mut Vec<u8>, upto: u64) -> Option<Shipment> {
         if !self.ready || self.broken.is_some() {
             return None;
         }
         let snap = self.snap();
         // SYNC POINT ring-publish (acquire): the ring bytes before the index are readable.
-        let tail = self.shadow.tail.load(Ordering::Acquire);
+        let tail = self
+            .shadow
+            .tail
+            .load(Ordering::Acquire)
+            .min(upto.max(self.shipped));
         let len = self.shadow.ring.len();
         let Some(unsent) = tail
             .checked_sub(self.shipped)
@@ -326,11 +569,13 @@ impl Mirror {
         self.local.wake();
     }
 
-    /// Breaks the pair here: the local QP sees its peer gone.
+    /// Breaks the pair here: the local QP sees its peer gone, its one-sided requests waiting
+    /// for answers that will not come.
     pub(super) fn fail(&mut self, why: &'static str) {
         self.broken.get_or_insert(why);
         // SYNC POINT qp-peer-gone (release).
         self.local.peer_err.store(1, Ordering::Release);
+        self.rdma.gone.store(1, Ordering::Release);
         crate::sync::ring(&self.local.bell);
     }
 }
@@ -353,6 +598,7 @@ mod tests {
             off,
             ring_len: RING,
             event_off: ev,
+            rdma_off: off + 8192,
         }
     }
 
@@ -383,7 +629,7 @@ mod tests {
     fn carry(from: &mut Mirror, to: &mut Mirror) -> usize {
         let mut buf = Vec::new();
         let mut n = 0;
-        while let Some(s) = from.next_message(&mut buf) {
+        while let Some(s) = from.next_message(&mut buf, u64::MAX) {
             assert_eq!(keys(&buf), Some((from.local_key, from.remote_key)));
             to.apply(&buf);
             assert_eq!(to.broken, None);
@@ -402,7 +648,7 @@ mod tests {
         a.u64_at((16 << 10) + QP_TAIL_OFF as u64)
             .unwrap()
             .store(64, Ordering::Release);
-        assert!(ma.next_message(&mut buf).is_none());
+        assert!(ma.next_message(&mut buf, u64::MAX).is_none());
         ma.ready = true;
         mb.ready = true;
         // Credits and access go with the bytes.
@@ -453,13 +699,14 @@ mod tests {
     #[test]
     fn a_chunk_that_ends_inside_a_record_is_not_published_until_the_rest_is_there() {
         let big = 4 * CHUNK as usize;
-        let a = Arc::new(Region::create("mirror-a", 2 * big).unwrap());
-        let b = Arc::new(Region::create("mirror-b", 2 * big).unwrap());
+        let a = Arc::new(Region::create("mirror-a", 4 * big).unwrap());
+        let b = Arc::new(Region::create("mirror-b", 4 * big).unwrap());
         let blk = |w: &Arc<Region>, off: u64| QpBlock {
             win: w.clone(),
             off,
             ring_len: big as u32 / 2,
-            event_off: 2 * big as u64 - 256,
+            event_off: 4 * big as u64 - 256,
+            rdma_off: off + big as u64 / 2 + 4096,
         };
         let mut ma = Mirror::new(
             1,
@@ -485,7 +732,7 @@ mod tests {
         let end = CHUNK + CHUNK / 2;
         shadow_tail.store(end, Ordering::Release);
         let mut buf = Vec::new();
-        let s = ma.next_message(&mut buf).unwrap();
+        let s = ma.next_message(&mut buf, u64::MAX).unwrap();
         mb.apply(&buf);
         ma.shipped(s);
         let tail = b.u64_at(QP_TAIL_OFF as u64).unwrap();
@@ -515,7 +762,7 @@ mod tests {
         a.u64_at((16 << 10) + QP_TAIL_OFF as u64)
             .unwrap()
             .store(64, Ordering::Release);
-        ma.next_message(&mut buf).unwrap();
+        ma.next_message(&mut buf, u64::MAX).unwrap();
         let mut skip = buf.clone();
         skip[64..72].copy_from_slice(&64u64.to_le_bytes());
         mb.apply(&skip);
@@ -542,7 +789,7 @@ mod tests {
         a.u64_at((16 << 10) + QP_TAIL_OFF as u64)
             .unwrap()
             .store(u64::from(RING) * 2, Ordering::Release);
-        assert!(ma.next_message(&mut buf).is_none());
+        assert!(ma.next_message(&mut buf, u64::MAX).is_none());
         assert_eq!(ma.broken, Some(LOCAL_POSITION));
     }
 }

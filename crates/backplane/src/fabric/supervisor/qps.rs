@@ -15,14 +15,40 @@ use crate::fabric::hosts::HostMsg;
 /// How long a connecting QP waits for the other host to answer.
 const QP_PATIENCE: Duration = Duration::from_secs(5);
 
-/// A connect waiting for the peer's host.
+/// A request waiting for the peer's host.
 struct Asked {
     client: u64,
-    req: serde_json::Value,
     host: usize,
-    from: QpSide,
-    to: (u32, u32),
     at: Instant,
+    what: AskedFor,
+}
+
+enum AskedFor {
+    /// A connect of our QP `from` to `to` (the service request, served once answered).
+    Connect {
+        req: serde_json::Value,
+        from: QpSide,
+        to: (u32, u32),
+    },
+    /// A region `rkey` of `peer`, for our QP `qp`.
+    Grant {
+        qp: (u32, u32),
+        peer: (u32, u32),
+        rkey: u32,
+    },
+}
+
+impl AskedFor {
+    fn what(&self) -> String {
+        match self {
+            AskedFor::Connect { to, .. } => {
+                format!("the connect to QP {:#x} of node {}", to.1, to.0)
+            }
+            AskedFor::Grant { peer, rkey, .. } => {
+                format!("region {rkey:#x} of QP {:#x} of node {}", peer.1, peer.0)
+            }
+        }
+    }
 }
 
 /// The QP pairs between hosts, kept by the supervisor.
@@ -50,6 +76,7 @@ impl Sup {
             off: s.block_off,
             ring_len: s.ring_len,
             event_off: s.event_off,
+            rdma_off: s.rdma_off,
         }
     }
 
@@ -97,14 +124,108 @@ impl Sup {
             tag,
             Asked {
                 client: id,
-                req: req.clone(),
                 host,
-                from,
-                to,
                 at: Instant::now(),
+                what: AskedFor::Connect {
+                    req: req.clone(),
+                    from,
+                    to,
+                },
             },
         );
         true
+    }
+
+    /// A service request for a region through a QP whose peer is on another host: asked
+    /// there (true: the client is answered later, or was refused now).
+    pub(super) fn grant_across(&mut self, id: u64, req: &serde_json::Value) -> bool {
+        if self.hosts.is_none() {
+            return false;
+        }
+        let Some(GrantAsk { qp, peer, rkey }) = self.verbs.grant_across_of(id, req) else {
+            return false;
+        };
+        let host = match self.qps.pairs.get(&qp) {
+            Some(&(p, host)) if p == peer => host,
+            _ => {
+                let message = format!(
+                    "QP {:#x} is not connected to QP {:#x} of node {} any more",
+                    qp.1, peer.1, peer.0
+                );
+                let r = Response::Error {
+                    kind: ErrorKind::NotFound,
+                    message,
+                };
+                self.reply(id, &r, &[]);
+                return true;
+            }
+        };
+        let tag = self.qps.next;
+        self.qps.next += 1;
+        let msg = HostMsg::GrantMr {
+            tag,
+            qp,
+            peer,
+            rkey,
+        };
+        let sent = self.hosts.as_mut().is_some_and(|h| h.send_to(host, &msg));
+        if !sent {
+            let r = Response::Error {
+                kind: ErrorKind::NodeDown,
+                message: format!("node {} is on a host that has not joined", peer.0),
+            };
+            self.reply(id, &r, &[]);
+            return true;
+        }
+        self.qps.asked.insert(
+            tag,
+            Asked {
+                client: id,
+                host,
+                at: Instant::now(),
+                what: AskedFor::Grant { qp, peer, rkey },
+            },
+        );
+        true
+    }
+
+    /// Host `i` asks for region `rkey` of our QP `peer` for its QP `qp`: granted by the
+    /// service, mapped, handed to the bridge; what the reply says of it.
+    fn grant_for(
+        &mut self,
+        i: usize,
+        qp: (u32, u32),
+        peer: (u32, u32),
+        rkey: u32,
+    ) -> Result<(u64, u32, bool, u64), (ErrorKind, String)> {
+        if self.qps.pairs.get(&peer) != Some(&(qp, i)) {
+            return Err((
+                ErrorKind::NotFound,
+                format!(
+                    "QP {:#x} of node {} is not connected to QP {:#x} of node {}",
+                    peer.1, peer.0, qp.1, qp.0
+                ),
+            ));
+        }
+        let g = self.verbs.grant_to_shadow(qp, rkey)?;
+        let (len, access, writable) = (g.len, g.access, g.writable);
+        let mr = crate::transport::shm::ShmRegion::from_fd(g.fd, len, access, writable)
+            .ok_or_else(|| {
+                (
+                    ErrorKind::Invalid,
+                    format!("region {rkey:#x} cannot be mapped or was deregistered"),
+                )
+            })?;
+        let iova = crate::transport::RemoteRegion::iova(&mr);
+        if let Some(h) = &self.hosts {
+            h.bridge.send(Cmd::AddMr {
+                local_key: peer,
+                remote_key: qp,
+                rkey,
+                mr: Arc::new(mr),
+            });
+        }
+        Ok((len, access, writable, iova))
     }
 
     /// A QP message from host `i`.
@@ -127,12 +248,52 @@ impl Sup {
             }
             HostMsg::QpOpened { tag, ring_len } => {
                 if let Some(a) = self.qps.asked.remove(&tag).filter(|a| a.host == i) {
-                    self.qp_opened(a, ring_len);
+                    if let AskedFor::Connect { req, from, to } = a.what {
+                        self.qp_opened(a.client, a.host, req, from, to, ring_len);
+                    }
                 }
             }
-            HostMsg::QpRefused { tag, kind, message } => {
+            HostMsg::QpRefused { tag, kind, message }
+            | HostMsg::MrRefused { tag, kind, message } => {
                 if let Some(a) = self.qps.asked.remove(&tag).filter(|a| a.host == i) {
                     self.reply(a.client, &Response::Error { kind, message }, &[]);
+                }
+            }
+            HostMsg::GrantMr {
+                tag,
+                qp,
+                peer,
+                rkey,
+            } => {
+                let reply = match self.grant_for(i, qp, peer, rkey) {
+                    Ok((len, access, writable, iova)) => HostMsg::MrOpened {
+                        tag,
+                        len,
+                        access,
+                        writable,
+                        iova,
+                    },
+                    Err((kind, message)) => HostMsg::MrRefused { tag, kind, message },
+                };
+                if let Some(h) = self.hosts.as_mut() {
+                    h.send_to(i, &reply);
+                }
+            }
+            HostMsg::MrOpened {
+                tag,
+                len,
+                access,
+                writable,
+                iova,
+            } => {
+                if let Some(a) = self.qps.asked.remove(&tag).filter(|a| a.host == i) {
+                    if let AskedFor::Grant { qp, .. } = a.what {
+                        let r = match self.verbs.across_reply(qp, (len, access, writable, iova)) {
+                            Ok(v) => Response::Service(v),
+                            Err((kind, message)) => Response::Error { kind, message },
+                        };
+                        self.reply(a.client, &r, &[]);
+                    }
                 }
             }
             HostMsg::QpGone { qp } if self.remote_host(qp.0) == Some(i) => {
@@ -175,7 +336,8 @@ impl Sup {
                 format!("QP {:#x} on node {} is of another transport", to.1, to.0),
             ));
         }
-        let shadow = self.with_service(|s, h| s.shadow_qp(h, from.0, from.1, qp_type, ring_len))?;
+        let shadow =
+            self.with_service(|s, h| s.shadow_qp(h, from.0, from.1, qp_type, ring_len, to))?;
         self.pair_up(i, &side, &shadow);
         Ok(side.ring_len)
     }
@@ -197,23 +359,32 @@ impl Sup {
     }
 
     /// The other host has its end: our shadow of its QP, then the connect as on one host.
-    fn qp_opened(&mut self, a: Asked, ring_len: u32) {
-        let (to, from) = (a.to, a.from);
-        let shadow = self.with_service(|s, h| s.shadow_qp(h, to.0, to.1, from.qp_type, ring_len));
+    fn qp_opened(
+        &mut self,
+        client: u64,
+        host: usize,
+        req: serde_json::Value,
+        from: QpSide,
+        to: (u32, u32),
+        ring_len: u32,
+    ) {
+        let me = (from.slot, from.qpn);
+        let shadow =
+            self.with_service(|s, h| s.shadow_qp(h, to.0, to.1, from.qp_type, ring_len, me));
         let shadow = match shadow {
             Ok(s) => s,
             Err((kind, message)) => {
-                self.reply(a.client, &Response::Error { kind, message }, &[]);
+                self.reply(client, &Response::Error { kind, message }, &[]);
                 return;
             }
         };
-        let ok = self.serve_service(a.client, a.req, Vec::new());
+        let ok = self.serve_service(client, req, Vec::new());
         if ok && self.verbs.local_qp(from.slot, from.qpn) == Some(from) {
-            self.pair_up(a.host, &from, &shadow);
+            self.pair_up(host, &from, &shadow);
         } else if let Some(h) = self.hosts.as_mut() {
             // Our QP went meanwhile: the other host's shadow of it goes too.
             h.send_to(
-                a.host,
+                host,
                 &HostMsg::QpGone {
                     qp: (from.slot, from.qpn),
                 },
@@ -271,7 +442,10 @@ impl Sup {
             .collect();
         for tag in waiting {
             if let Some(a) = self.qps.asked.remove(&tag) {
-                let message = format!("host '{name}' went away before it answered the connect");
+                let message = format!(
+                    "host '{name}' went away before it answered {}",
+                    a.what.what()
+                );
                 let r = Response::Error {
                     kind: ErrorKind::NodeDown,
                     message,
@@ -299,9 +473,8 @@ impl Sup {
                     .as_ref()
                     .map_or(String::new(), |h| h.plan.hosts[a.host].name.clone());
                 let message = format!(
-                    "host '{name}' did not answer the connect to QP {:#x} of node {} within {} s",
-                    a.to.1,
-                    a.to.0,
+                    "host '{name}' did not answer {} within {} s",
+                    a.what.what(),
                     QP_PATIENCE.as_secs()
                 );
                 let r = Response::Error {

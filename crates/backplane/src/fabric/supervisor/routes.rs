@@ -206,7 +206,10 @@ impl Sup {
             m @ (HostMsg::OpenQp { .. }
             | HostMsg::QpOpened { .. }
             | HostMsg::QpRefused { .. }
-            | HostMsg::QpGone { .. }) => self.qp_msg(i, m),
+            | HostMsg::QpGone { .. }
+            | HostMsg::GrantMr { .. }
+            | HostMsg::MrOpened { .. }
+            | HostMsg::MrRefused { .. }) => self.qp_msg(i, m),
             _ => {}
         }
     }

@@ -58,6 +58,32 @@ pub struct QpSide {
     pub block_off: u64,
     /// The event block its peers ring (in the same window).
     pub event_off: u64,
+    /// A shadow's one-sided area (`wire::verbs::RDMA_*`; 0 for a QP of this host).
+    pub rdma_off: u64,
+}
+
+/// A request for a region through a QP whose peer is on another host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrantAsk {
+    /// The asking QP (node, QPN).
+    pub qp: (u32, u32),
+    /// Its peer (a shadow here).
+    pub peer: (u32, u32),
+    /// The region.
+    pub rkey: u32,
+}
+
+/// A region granted to a QP of another host: the memfd and what it allows.
+#[derive(Debug)]
+pub struct RemoteGrant {
+    /// Data bytes.
+    pub len: u64,
+    /// `IBV_ACCESS_*` flags.
+    pub access: u32,
+    /// Whether the fd may be mapped writable.
+    pub writable: bool,
+    /// The region's memfd.
+    pub fd: OwnedFd,
 }
 
 /// A registry hosted by the supervisor: it serves the verbs part of the control protocol and
@@ -95,6 +121,7 @@ pub trait Service: Send {
     /// The shadow of queue pair `qpn` of node `slot` (on another host, of type `qp_type`,
     /// inbound ring `ring_len`), made in that node's shadow window unless it exists: QPs here
     /// connect to it as to a local one, and the bridge mirrors it.
+    /// `peer` is the QP of this host it pairs with (whose regions it may be granted).
     fn shadow_qp(
         &mut self,
         _host: &mut dyn Host,
@@ -102,6 +129,7 @@ pub trait Service: Send {
         _qpn: u32,
         _qp_type: u32,
         _ring_len: u32,
+        _peer: (u32, u32),
     ) -> Result<QpSide, Failure> {
         Err((
             ErrorKind::Invalid,
@@ -111,6 +139,31 @@ pub trait Service: Send {
     /// The remote queue pair `qpn` of node `slot` is gone: its shadow goes, and the QPs here
     /// connected to it see their peer gone.
     fn drop_shadow_qp(&mut self, _host: &mut dyn Host, _slot: u32, _qpn: u32) {}
+    /// If request `req` of client `client` asks for a region through one of its QPs whose
+    /// peer is a shadow: that QP, the peer and the rkey (the peer's host grants it).
+    fn grant_across_of(&self, _client: u64, _req: &serde_json::Value) -> Option<GrantAsk> {
+        None
+    }
+    /// Region `rkey` for the shadow `shadow` (a QP of another host): granted only if it is a
+    /// region of the protection domain of the QP here the shadow pairs with.
+    fn grant_to_shadow(&mut self, _shadow: (u32, u32), _rkey: u32) -> Result<RemoteGrant, Failure> {
+        Err((
+            ErrorKind::Invalid,
+            "this supervisor hosts no verbs registry".into(),
+        ))
+    }
+    /// The reply to QP `qp`'s request for a region its peer's host granted (`len`, `access`,
+    /// `writable`, `iova`): where the one-sided area lies.
+    fn across_reply(
+        &self,
+        _qp: (u32, u32),
+        _grant: (u64, u32, bool, u64),
+    ) -> Result<serde_json::Value, Failure> {
+        Err((
+            ErrorKind::Invalid,
+            "this supervisor hosts no verbs registry".into(),
+        ))
+    }
     /// The queue pairs destroyed since the last call (node, QPN): shadows and this host's.
     fn take_destroyed(&mut self) -> Vec<(u32, u32)> {
         Vec::new()

@@ -96,6 +96,12 @@ pub(super) struct Direct {
     pub(super) state: Word32,
 }
 
+impl std::fmt::Debug for RemoteMr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RemoteMr({:#x})", self.key)
+    }
+}
+
 impl RemoteMr {
     pub(super) fn new(key: u32, mem: Arc<dyn RemoteRegion>) -> Self {
         // The direct span is exactly the granted bytes: the WRITE fast path lets its checked

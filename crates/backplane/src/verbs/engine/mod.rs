@@ -351,8 +351,14 @@ struct Progress {
 #[derive(Debug)]
 enum SendPhase {
     Pending(Box<(Work, Progress)>),
-    Ack { end: u64, msg: u64 },
+    Ack {
+        end: u64,
+        msg: u64,
+    },
     Done(WcStatus),
+    /// An RDMA WRITE a transport carries out later (a region on another host): done when
+    /// the region says its puts up to the ticket landed.
+    Placed(Rc<RemoteMr>, u64),
 }
 
 #[derive(Debug)]
@@ -374,6 +380,8 @@ enum Exec {
     Rnr,
     /// The QP must go to ERR with this status for the work request.
     Fatal(WcStatus),
+    /// Executed; complete once the region's puts up to the ticket landed.
+    Placed(Rc<RemoteMr>, u64),
 }
 
 /// A QP's home (its end of the connection), through the transport.

@@ -218,6 +218,14 @@ impl QpEngine {
                         }
                     }
                 }
+                SendPhase::Placed(ref m, t) => match m.mem.settled(t) {
+                    None => break,
+                    Some(true) => WcStatus::Success,
+                    Some(false) => {
+                        self.fail(Some(0), WcStatus::RemAccessErr, cqs);
+                        return;
+                    }
+                },
                 SendPhase::Pending(_) => break,
             };
             let e = self.sq.pop_front().expect("front exists");
@@ -249,6 +257,11 @@ impl QpEngine {
                 Exec::Ack { end, msg } => {
                     self.rel.rnr_clear();
                     self.sq[i].st = SendPhase::Ack { end, msg };
+                    self.exec += 1;
+                }
+                Exec::Placed(m, t) => {
+                    self.rel.rnr_clear();
+                    self.sq[i].st = SendPhase::Placed(m, t);
                     self.exec += 1;
                 }
                 Exec::Fatal(s) => {

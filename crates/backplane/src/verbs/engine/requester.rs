@@ -73,6 +73,9 @@ impl QpEngine {
                     Exec::Ack { end, msg } => {
                         self.push_executed(wr, signaled, byte_len, SendPhase::Ack { end, msg });
                     }
+                    Exec::Placed(m, t) => {
+                        self.push_executed(wr, signaled, byte_len, SendPhase::Placed(m, t));
+                    }
                     Exec::Full | Exec::Rnr => {
                         if matches!(r, Exec::Rnr) {
                             let delay = self.rnr_delay();
@@ -421,6 +424,12 @@ impl QpEngine {
             // [remote_addr, +total) is inside the region (remote_access checked the bounds;
             // REMOTE_WRITE regions are granted writable); the source was validated by `prepare`.
             ordered_write(&op.src, env.mrs, self.pd, &*m.mem, off, total as usize);
+            if !imm {
+                // A region on another host: complete once the write landed there.
+                if let Some(t) = m.mem.ticket() {
+                    return Exec::Placed(m, t);
+                }
+            }
         }
         if !imm {
             return Exec::Done(WcStatus::Success);
@@ -460,11 +469,20 @@ impl QpEngine {
         };
         // [remote_addr, +total) is inside the region (checked); the local entries were
         // validated writable.
+        let mut refused = false;
         walk_sges(env.mrs, self.pd, sges, 0, total as usize, true, |at, b| {
             if let Bytes::Span(dst, dst_off, n) = b {
-                let _ = m.mem.get(off + at as u64, dst, dst_off, n, CopyKind::Plain);
+                if !refused {
+                    let got = m.mem.get(off + at as u64, dst, dst_off, n, CopyKind::Plain);
+                    // Shared memory checked the range above; a region on another host may
+                    // still refuse (deregistered there, or its host gone).
+                    refused = got.is_err();
+                }
             }
         });
+        if refused {
+            return Exec::Fatal(WcStatus::RemAccessErr);
+        }
         Exec::Done(WcStatus::Success)
     }
 

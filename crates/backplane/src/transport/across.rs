@@ -1,0 +1,434 @@
+//! Regions on another host of a fabric across hosts: a QP connected to a QP of another host
+//! reaches its peer's regions through the one-sided area of the peer's shadow here
+//! (`wire::verbs::RDMA_*`). A put becomes WRITE requests in the request ring (the bridge
+//! ships them, the other host's bridge writes them into the region and answers); a get or an
+//! atomic waits for its answer in the response ring. Puts return once queued: the engine
+//! completes an RDMA WRITE when [`RemoteRegion::settled`] says it landed.
+//!
+//! Everything read from the area was written by this host's bridge (the supervisor), still
+//! checked: a record the ring does not validate, or an answer for another request, fails the
+//! access instead of being trusted.
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::shm::{Bell, ShmReceiver, ShmRing, ShmSender};
+use super::{CopyKind, RecvChannel, RemoteRegion, SendChannel};
+use crate::mem::{MemError, Region, Span, Word32, Word64};
+use crate::ring::RingError;
+use crate::sync::Ordering;
+use crate::wire::verbs::{
+    EV_ARMED_OFF, EV_BELL_OFF, RDMA_DONE_OFF, RDMA_FAILED_OFF, RDMA_GONE_OFF, RDMA_OP_CMP_SWAP,
+    RDMA_OP_FETCH_ADD, RDMA_OP_READ, RDMA_OP_WRITE, RDMA_PIECE, RDMA_REQ_HEAD, RDMA_REQ_HEAD_OFF,
+    RDMA_REQ_TAIL_OFF, RDMA_RESP_HEAD, RDMA_RESP_HEAD_OFF, RDMA_RESP_TAIL_OFF, RDMA_RING_OFF,
+};
+
+/// One request's header fields.
+struct Req {
+    op: u8,
+    rkey: u32,
+    off: u64,
+    len: usize,
+    operands: (u64, u64),
+}
+
+/// How long an access waits for room or an answer before it fails (the pair is cut sooner
+/// when the other host goes: its supervisors see it within a second).
+const PATIENCE: Duration = Duration::from_secs(10);
+
+/// The request and response rings of one pair, shared by the regions granted through it.
+#[derive(Debug)]
+pub struct Pair {
+    req: ShmSender,
+    resp: ShmReceiver,
+    bell: Bell,
+    done: Word64,
+    failed: Word64,
+    gone: Word32,
+    next_id: u64,
+    ring_len: u64,
+}
+
+fn oob(off: u64, len: u64) -> MemError {
+    MemError::OutOfBounds { off, len, size: 0 }
+}
+
+impl Pair {
+    /// The area at `rdma_off` of `win` (the shadow window of the peer's node), rings of
+    /// `ring_len` bytes, the shadow's event block at `event_off`.
+    pub fn new(
+        win: &Arc<Region>,
+        rdma_off: u64,
+        ring_len: u32,
+        event_off: u64,
+    ) -> Result<Self, MemError> {
+        let at = |o: usize| rdma_off + o as u64;
+        let len = u64::from(ring_len);
+        win.check(rdma_off, RDMA_RING_OFF + 2 * len, 4096)?;
+        let req = ShmRing::new(
+            Word64::at(win, at(RDMA_REQ_TAIL_OFF))?,
+            Word64::at(win, at(RDMA_REQ_HEAD_OFF))?,
+            Span::new(win, rdma_off + RDMA_RING_OFF, len)?,
+        );
+        let resp = ShmRing::new(
+            Word64::at(win, at(RDMA_RESP_TAIL_OFF))?,
+            Word64::at(win, at(RDMA_RESP_HEAD_OFF))?,
+            Span::new(win, rdma_off + RDMA_RING_OFF + len, len)?,
+        );
+        let done = Word64::at(win, at(RDMA_DONE_OFF))?;
+        Ok(Self {
+            req: ShmSender::new(req),
+            resp: ShmReceiver::new(resp),
+            bell: Bell::new(
+                Word32::at(win, event_off + EV_ARMED_OFF as u64)?,
+                Word32::at(win, event_off + EV_BELL_OFF as u64)?,
+            ),
+            // Requests are numbered after what the bridge already finished (a pair made
+            // again for a second grant shares the area).
+            // SYNC POINT rdma-done (acquire).
+            next_id: done.load(Ordering::Acquire),
+            done,
+            failed: Word64::at(win, at(RDMA_FAILED_OFF))?,
+            gone: Word32::at(win, at(RDMA_GONE_OFF))?,
+            ring_len: len,
+        })
+    }
+
+    fn gone(&self) -> bool {
+        self.gone.load(Ordering::Acquire) != 0
+    }
+
+    /// Waits (spinning, then yielding) until `ready` holds; false after [`PATIENCE`] or once
+    /// the pair is cut.
+    fn wait(&mut self, mut ready: impl FnMut(&mut Self) -> bool) -> bool {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if ready(self) {
+                return true;
+            }
+            if self.gone() || start.elapsed() > PATIENCE {
+                return false;
+            }
+            spins += 1;
+            if spins < 256 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Queues one request (header + `data` bytes written by `fill`); its id.
+    fn request(
+        &mut self,
+        q: Req,
+        data: usize,
+        fill: impl FnOnce(&Span, u64) -> Result<(), MemError>,
+    ) -> Result<u64, MemError> {
+        let Req {
+            op,
+            rkey,
+            off,
+            len,
+            operands,
+        } = q;
+        let mut res = None;
+        let mut rang = false;
+        let room = self.wait(|p| match p.req.reserve(RDMA_REQ_HEAD + data) {
+            Ok(r) => {
+                res = Some(r);
+                true
+            }
+            Err(RingError::Full) => {
+                // The bridge empties the ring as it ships: make sure it is awake.
+                if !rang {
+                    p.bell.ring();
+                    rang = true;
+                }
+                false
+            }
+            Err(_) => false,
+        });
+        let r = match res {
+            Some(r) if room => r,
+            _ => return Err(oob(off, len as u64)),
+        };
+        self.next_id += 1;
+        let id = self.next_id;
+        let mut h = [0u8; RDMA_REQ_HEAD];
+        h[0] = op;
+        h[8..16].copy_from_slice(&id.to_le_bytes());
+        h[16..20].copy_from_slice(&rkey.to_le_bytes());
+        h[20..24].copy_from_slice(&(len as u32).to_le_bytes());
+        h[24..32].copy_from_slice(&off.to_le_bytes());
+        h[32..40].copy_from_slice(&operands.0.to_le_bytes());
+        h[40..48].copy_from_slice(&operands.1.to_le_bytes());
+        let d = self.req.data().clone();
+        d.write(r.pos, &h)?;
+        fill(&d, r.pos + RDMA_REQ_HEAD as u64)?;
+        self.req.commit(r);
+        Ok(id)
+    }
+
+    /// The answer to request `id`: its value, with its data handed to `take`.
+    fn answer(&mut self, id: u64, take: impl FnOnce(&Span, u64, usize)) -> Result<u64, MemError> {
+        self.bell.wake();
+        let mut rec = None;
+        let got = self.wait(|p| match p.resp.peek() {
+            Ok(Some(r)) => {
+                rec = Some(r);
+                true
+            }
+            _ => false,
+        });
+        let rec = match rec {
+            Some(r) if got && r.len >= RDMA_RESP_HEAD => r,
+            _ => return Err(oob(0, 0)),
+        };
+        let mut h = [0u8; RDMA_RESP_HEAD];
+        self.resp.data().read(rec.pos, &mut h)?;
+        let rid = u64::from_le_bytes(h[0..8].try_into().expect("8 bytes"));
+        let status = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
+        let value = u64::from_le_bytes(h[16..24].try_into().expect("8 bytes"));
+        let data = self.resp.data().clone();
+        let n = rec.len - RDMA_RESP_HEAD;
+        if rid == id && status == 0 {
+            take(&data, rec.pos + RDMA_RESP_HEAD as u64, n);
+        }
+        self.resp.release(rec);
+        if rid != id || status != 0 {
+            return Err(oob(0, n as u64));
+        }
+        Ok(value)
+    }
+
+    /// Whether the requests up to `id` finished: `Some(false)` if one of them failed or no
+    /// answer will come.
+    fn settled(&self, id: u64) -> Option<bool> {
+        // SYNC POINT rdma-done (acquire): `failed` is written before `done` passes it.
+        let done = self.done.load(Ordering::Acquire);
+        let failed = self.failed.load(Ordering::Relaxed);
+        if failed != 0 && failed <= id.min(done) {
+            return Some(false);
+        }
+        if done >= id {
+            return Some(true);
+        }
+        if self.gone() {
+            return Some(false);
+        }
+        None
+    }
+}
+
+/// A region of a QP on another host, reached through the pair's rings.
+#[derive(Debug)]
+pub struct AcrossRegion {
+    pair: Arc<Mutex<Pair>>,
+    rkey: u32,
+    len: u64,
+    access: u32,
+    writable: bool,
+    iova: u64,
+    ident: (u64, u64),
+    /// The last WRITE request queued (the ticket).
+    issued: std::sync::atomic::AtomicU64,
+    broken: AtomicBool,
+}
+
+impl AcrossRegion {
+    /// Region `rkey` (`len` bytes, `access`, the owner's address `iova`) of the peer on node
+    /// `peer_slot`, through `pair`.
+    pub fn new(
+        pair: Arc<Mutex<Pair>>,
+        rkey: u32,
+        grant: (u64, u32, bool, u64),
+        peer_slot: u32,
+    ) -> Self {
+        let (len, access, writable, iova) = grant;
+        Self {
+            pair,
+            rkey,
+            len,
+            access,
+            writable,
+            iova,
+            ident: (u64::MAX - u64::from(peer_slot), u64::from(rkey)),
+            issued: std::sync::atomic::AtomicU64::new(0),
+            broken: AtomicBool::new(false),
+        }
+    }
+
+    fn pair(&self) -> std::sync::MutexGuard<'_, Pair> {
+        // A thread that panicked inside leaves the rings as they were: still usable.
+        self.pair.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn check(&self, off: u64, n: u64) -> Result<(), MemError> {
+        if off.checked_add(n).is_none_or(|e| e > self.len) || self.broken.load(Ordering::Relaxed) {
+            return Err(oob(off, n));
+        }
+        Ok(())
+    }
+
+    /// Queues WRITE requests for `n` bytes at `off`, each piece's data written by `fill`.
+    fn write(
+        &self,
+        off: u64,
+        n: usize,
+        mut fill: impl FnMut(&Span, u64, usize, usize) -> Result<(), MemError>,
+    ) -> Result<(), MemError> {
+        self.check(off, n as u64)?;
+        let mut p = self.pair();
+        let mut at = 0;
+        let mut last = None;
+        while at < n || (n == 0 && last.is_none()) {
+            let piece = (n - at).min(RDMA_PIECE);
+            let q = Req {
+                op: RDMA_OP_WRITE,
+                rkey: self.rkey,
+                off: off + at as u64,
+                len: piece,
+                operands: (0, 0),
+            };
+            let id = p.request(q, piece, |d, pos| fill(d, pos, at, piece));
+            match id {
+                Ok(id) => last = Some(id),
+                Err(e) => {
+                    self.broken.store(true, Ordering::Relaxed);
+                    return Err(e);
+                }
+            }
+            at += piece;
+        }
+        p.bell.wake();
+        if let Some(id) = last {
+            self.issued.store(id, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn atomic(&self, op: u8, off: u64, a: u64, b: u64) -> Result<u64, MemError> {
+        self.check(off, 8)?;
+        let mut p = self.pair();
+        let q = Req {
+            op,
+            rkey: self.rkey,
+            off,
+            len: 8,
+            operands: (a, b),
+        };
+        let id = p.request(q, 0, |_, _| Ok(()))?;
+        p.answer(id, |_, _, _| {}).inspect_err(|_| {
+            self.broken.store(true, Ordering::Relaxed);
+        })
+    }
+}
+
+impl RemoteRegion for AcrossRegion {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn access_bits(&self) -> u32 {
+        self.access
+    }
+    fn iova(&self) -> u64 {
+        self.iova
+    }
+    fn writable(&self) -> bool {
+        self.writable
+    }
+    fn valid(&self) -> bool {
+        !self.broken.load(Ordering::Relaxed) && !self.pair().gone()
+    }
+    fn ident(&self) -> (u64, u64) {
+        self.ident
+    }
+    fn put(
+        &self,
+        off: u64,
+        src: &Span,
+        src_off: u64,
+        n: usize,
+        _how: CopyKind,
+    ) -> Result<(), MemError> {
+        // Pieces land in order, each with its last 8 bytes last (the other bridge's ordered
+        // copy): the whole write's last bytes land last.
+        self.write(off, n, |d, pos, at, piece| {
+            src.copy_to(src_off + at as u64, d, pos, piece)
+        })
+    }
+    fn put_bytes(&self, off: u64, src: &[u8], _how: CopyKind) -> Result<(), MemError> {
+        self.write(off, src.len(), |d, pos, at, piece| {
+            d.write(pos, &src[at..at + piece])
+        })
+    }
+    fn ticket(&self) -> Option<u64> {
+        Some(self.issued.load(Ordering::Relaxed))
+    }
+    fn settled(&self, ticket: u64) -> Option<bool> {
+        self.pair().settled(ticket)
+    }
+    fn get(
+        &self,
+        off: u64,
+        dst: &Span,
+        dst_off: u64,
+        n: usize,
+        _how: CopyKind,
+    ) -> Result<(), MemError> {
+        self.check(off, n as u64)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut p = self.pair();
+        // Pieces are asked for ahead of the answers, as many as half the response ring holds.
+        let window = (p.ring_len / 2).max(RDMA_PIECE as u64 + 64) as usize;
+        let mut asked = 0usize;
+        let mut answered = 0usize;
+        let mut ids = std::collections::VecDeque::new();
+        let fail = |e| {
+            self.broken.store(true, Ordering::Relaxed);
+            e
+        };
+        while answered < n {
+            while asked < n && asked - answered < window {
+                let piece = (n - asked).min(RDMA_PIECE);
+                let q = Req {
+                    op: RDMA_OP_READ,
+                    rkey: self.rkey,
+                    off: off + asked as u64,
+                    len: piece,
+                    operands: (0, 0),
+                };
+                let id = p.request(q, 0, |_, _| Ok(())).map_err(fail)?;
+                ids.push_back((id, asked, piece));
+                asked += piece;
+            }
+            let Some((id, at, piece)) = ids.pop_front() else {
+                break;
+            };
+            let mut copied = Ok(());
+            p.answer(id, |data, pos, len| {
+                copied = if len == piece {
+                    data.copy_to(pos, dst, dst_off + at as u64, piece)
+                } else {
+                    Err(oob(pos, len as u64))
+                };
+            })
+            .map_err(fail)?;
+            copied.map_err(fail)?;
+            answered += piece;
+        }
+        Ok(())
+    }
+    fn fetch_add(&self, off: u64, add: u64) -> Result<u64, MemError> {
+        self.atomic(RDMA_OP_FETCH_ADD, off, add, 0)
+    }
+    fn compare_swap(&self, off: u64, compare: u64, swap: u64) -> Result<u64, MemError> {
+        self.atomic(RDMA_OP_CMP_SWAP, off, compare, swap)
+    }
+}
