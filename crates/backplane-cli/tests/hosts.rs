@@ -947,3 +947,356 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
     h.down(0);
     h.assert_nothing_left();
 }
+
+const RDMA_CM_PORT: u32 = 4791;
+const RDMA_ALL: u32 = 0b1111; // LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC
+
+/// The server of the cross-host verbs test (node 2, host h1): offers a 1 MiB region with a
+/// pattern; answers "ping" with "pong"; "check N" with whether the first N bytes of the region
+/// hold the client's second pattern (a WRITE posted just before the SEND must be there); a
+/// WRITE_WITH_IMM with whether its bytes are 0xEE; ends a while after "last".
+/// The client (node 1, host h0) checks READ data, atomics, and that a bad rkey is
+/// REM_ACCESS_ERR.
+fn rdma_role(role: &str) {
+    use backplane::fabric::Fabric;
+    use backplane::verbs::cm::{self, ConnParam};
+    use backplane::verbs::*;
+    let all = AccessFlags::from_bits_retain(RDMA_ALL);
+    let f = Fabric::attach(&std::env::var("BP_FABRIC").unwrap()).unwrap();
+    let pattern = |seed: usize, n: usize| -> Vec<u8> {
+        (0..n).map(|i| ((i * 7 + seed) % 251) as u8).collect()
+    };
+    let end = Instant::now() + Duration::from_secs(60);
+    match role {
+        "rdma_server" => {
+            let ctx = Context::open(&f.node(2).unwrap()).unwrap();
+            let pd = ctx.alloc_pd();
+            let cq = ctx.create_cq(64, None).unwrap();
+            let qp = pd
+                .create_qp(&QpInitAttr::new(QpType::Rc, &cq, &cq))
+                .unwrap();
+            let ctl = pd.alloc_mr(64 * 16, AccessFlags::LOCAL_WRITE).unwrap();
+            let mr = pd.alloc_mr(1 << 20, all).unwrap();
+            mr.write(0, &pattern(1, 1 << 20)).unwrap();
+            cm::init_qp(&qp, &ConnParam::default()).unwrap();
+            for i in 0..16 {
+                qp.post_recv(&[RecvWr {
+                    wr_id: i,
+                    sg_list: &[ctl.sge(i * 64, 64)],
+                }])
+                .unwrap();
+            }
+            let mut l = cm::Listener::bind(&ctx, RDMA_CM_PORT).unwrap();
+            let offer = ConnParam {
+                rkey: mr.rkey(),
+                len: mr.len() as u64,
+                ..ConnParam::default()
+            };
+            l.accept(&qp, &offer, Some(Duration::from_secs(30)))
+                .unwrap();
+            let mut wc = [Wc::default(); 4];
+            loop {
+                assert!(Instant::now() < end, "server: no word from the client");
+                let n = cq.poll(&mut wc);
+                for w in &wc[..n] {
+                    assert_eq!(w.status, WcStatus::Success, "server: {w:?}");
+                    if w.opcode == WcOpcode::Send {
+                        continue;
+                    }
+                    let reply: Vec<u8> = if w.opcode == WcOpcode::RecvRdmaWithImm {
+                        let ok = mr.to_vec(0, w.imm_data as usize).unwrap();
+                        if ok.iter().all(|&b| b == 0xEE) {
+                            b"imm-ok".to_vec()
+                        } else {
+                            b"imm-bad".to_vec()
+                        }
+                    } else {
+                        let msg = ctl.to_vec(w.wr_id * 64, w.byte_len as usize).unwrap();
+                        let msg = String::from_utf8_lossy(&msg).to_string();
+                        if msg == "ping" {
+                            b"pong".to_vec()
+                        } else if msg == "last" {
+                            // The client's last check (a bad rkey) follows: stay registered
+                            // while it runs, then go.
+                            qp.post_send(&[SendWr::send_inline(1000, b"ok").signaled()])
+                                .unwrap();
+                            std::thread::sleep(Duration::from_secs(3));
+                            return;
+                        } else if let Some(n) = msg.strip_prefix("check ") {
+                            let n: usize = n.parse().unwrap();
+                            let ok = mr.to_vec(0, n).unwrap() == pattern(2, n);
+                            format!("check {ok}").into_bytes()
+                        } else {
+                            b"what?".to_vec()
+                        }
+                    };
+                    qp.post_recv(&[RecvWr {
+                        wr_id: w.wr_id,
+                        sg_list: &[ctl.sge(w.wr_id * 64, 64)],
+                    }])
+                    .unwrap();
+                    qp.post_send(&[SendWr::send_inline(1000, &reply).signaled()])
+                        .unwrap();
+                }
+            }
+        }
+        "rdma_client" => {
+            let ctx = Context::open(&f.node(1).unwrap()).unwrap();
+            let pd = ctx.alloc_pd();
+            let cq = ctx.create_cq(64, None).unwrap();
+            let qp = pd
+                .create_qp(&QpInitAttr::new(QpType::Rc, &cq, &cq))
+                .unwrap();
+            let mr = pd.alloc_mr(1 << 20, all).unwrap();
+            cm::init_qp(&qp, &ConnParam::default()).unwrap();
+            for i in 0..8 {
+                qp.post_recv(&[RecvWr {
+                    wr_id: 100 + i,
+                    sg_list: &[mr.sge(900_000 + i * 64, 64)],
+                }])
+                .unwrap();
+            }
+            // The server binds when its process is up: connect until it answers.
+            let peer = wait_for(Duration::from_secs(30), || {
+                cm::connect(
+                    &ctx,
+                    2,
+                    RDMA_CM_PORT,
+                    &qp,
+                    &ConnParam::default(),
+                    Duration::from_secs(2),
+                )
+                .ok()
+            })
+            .expect("the server never answered the connect");
+            let rkey = peer.rkey;
+            let mut stash: Vec<Wc> = Vec::new();
+            let mut take = |want: &dyn Fn(&Wc) -> bool| -> Wc {
+                if let Some(i) = stash.iter().position(|w| want(w)) {
+                    return stash.remove(i);
+                }
+                let mut wc = [Wc::default()];
+                loop {
+                    assert!(Instant::now() < end, "client: no completion");
+                    if cq.poll(&mut wc) == 1 {
+                        if want(&wc[0]) {
+                            return wc[0];
+                        }
+                        stash.push(wc[0]);
+                    }
+                }
+            };
+            let say = |msg: &[u8], take: &mut dyn FnMut(&dyn Fn(&Wc) -> bool) -> Wc| -> Vec<u8> {
+                qp.post_send(&[SendWr::send_inline(7, msg).signaled()])
+                    .unwrap();
+                assert_eq!(take(&|w| w.wr_id == 7).status, WcStatus::Success);
+                let w = take(&|w| w.opcode == WcOpcode::Recv);
+                assert_eq!(w.status, WcStatus::Success, "{w:?}");
+                let o = 900_000 + (w.wr_id - 100) * 64;
+                let r = mr.to_vec(o, w.byte_len as usize).unwrap();
+                qp.post_recv(&[RecvWr {
+                    wr_id: w.wr_id,
+                    sg_list: &[mr.sge(o, 64)],
+                }])
+                .unwrap();
+                r
+            };
+            assert_eq!(say(b"ping", &mut take), b"pong");
+            // READ across several pieces, every byte.
+            let n = 300_000u32;
+            qp.post_send(&[SendWr::read(1, &[mr.sge(0, n)], 4096, rkey).signaled()])
+                .unwrap();
+            assert_eq!(take(&|w| w.wr_id == 1).status, WcStatus::Success);
+            let want = pattern(1, 4096 + n as usize);
+            assert!(
+                mr.to_vec(0, n as usize).unwrap() == want[4096..],
+                "READ data"
+            );
+            // A WRITE, not signaled, then a SEND at once: the server must see the WRITE.
+            let n2 = 200_000usize;
+            mr.write(0, &pattern(2, n2)).unwrap();
+            qp.post_send(&[SendWr::write(2, &[mr.sge(0, n2 as u32)], 0, rkey)])
+                .unwrap();
+            assert_eq!(
+                say(format!("check {n2}").as_bytes(), &mut take),
+                b"check true"
+            );
+            // WRITE_WITH_IMM, and the atomics on what the WRITE left.
+            mr.fill(0, 100, 0xEE).unwrap();
+            qp.post_send(&[
+                SendWr::write(3, &[mr.sge(0, 100)], 0, rkey)
+                    .with_imm(100)
+                    .signaled(),
+                SendWr::fetch_add(4, &[mr.sge(8192, 8)], 512, rkey, 5).signaled(),
+            ])
+            .unwrap();
+            assert_eq!(take(&|w| w.wr_id == 3).status, WcStatus::Success);
+            assert_eq!(take(&|w| w.wr_id == 4).status, WcStatus::Success);
+            let old = u64::from_le_bytes(mr.to_vec(8192, 8).unwrap().try_into().unwrap());
+            let at512 = u64::from_le_bytes(pattern(2, 520)[512..520].try_into().unwrap());
+            assert_eq!(old, at512, "FETCH_ADD's old value");
+            let w = take(&|w| w.opcode == WcOpcode::Recv);
+            let o = 900_000 + (w.wr_id - 100) * 64;
+            assert_eq!(mr.to_vec(o, w.byte_len as usize).unwrap(), b"imm-ok");
+            qp.post_recv(&[RecvWr {
+                wr_id: w.wr_id,
+                sg_list: &[mr.sge(o, 64)],
+            }])
+            .unwrap();
+            qp.post_send(&[
+                SendWr::cmp_swap(5, &[mr.sge(8192, 8)], 512, rkey, at512 + 5, 42).signaled(),
+            ])
+            .unwrap();
+            assert_eq!(take(&|w| w.wr_id == 5).status, WcStatus::Success);
+            let old = u64::from_le_bytes(mr.to_vec(8192, 8).unwrap().try_into().unwrap());
+            assert_eq!(old, at512 + 5, "CMP_SWAP's old value (after the add)");
+            qp.post_send(&[SendWr::read(6, &[mr.sge(8192, 8)], 512, rkey).signaled()])
+                .unwrap();
+            assert_eq!(take(&|w| w.wr_id == 6).status, WcStatus::Success);
+            assert_eq!(mr.to_vec(8192, 8).unwrap(), 42u64.to_le_bytes(), "swapped");
+            // An rkey the server never registered: the owner's host refuses it.
+            assert_eq!(say(b"last", &mut take), b"ok");
+            qp.post_send(&[SendWr::write(9, &[mr.sge(0, 8)], 0, rkey ^ 0x5a5a).signaled()])
+                .unwrap();
+            assert_eq!(take(&|w| w.wr_id == 9).status, WcStatus::RemAccessErr);
+        }
+        "loss_server" | "loss_client" => rdma_loss_role(role, &f),
+        _ => unreachable!(),
+    }
+}
+
+/// The marker file the loss client makes once its QP talks to the other host.
+fn loss_marker(fabric: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("bp-{fabric}-rc-talking"))
+}
+
+/// A ping-pong over RC between hosts until the server's host goes: the client's SEND then
+/// completes with RETRY_EXC_ERR (its peer is gone with the host), within seconds.
+fn rdma_loss_role(role: &str, f: &backplane::fabric::Fabric) {
+    use backplane::verbs::cm::{self, ConnParam};
+    use backplane::verbs::*;
+    let slot = if role == "loss_server" { 2 } else { 1 };
+    let ctx = Context::open(&f.node(slot).unwrap()).unwrap();
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let qp = pd
+        .create_qp(&QpInitAttr::new(QpType::Rc, &cq, &cq))
+        .unwrap();
+    let mr = pd.alloc_mr(64 * 16, AccessFlags::LOCAL_WRITE).unwrap();
+    cm::init_qp(&qp, &ConnParam::default()).unwrap();
+    for i in 0..16 {
+        qp.post_recv(&[RecvWr {
+            wr_id: i,
+            sg_list: &[mr.sge(i * 64, 64)],
+        }])
+        .unwrap();
+    }
+    let mine = ConnParam::default();
+    if role == "loss_server" {
+        let mut l = cm::Listener::bind(&ctx, RDMA_CM_PORT).unwrap();
+        l.accept(&qp, &mine, Some(Duration::from_secs(30))).unwrap();
+    } else {
+        wait_for(Duration::from_secs(30), || {
+            cm::connect(&ctx, 2, RDMA_CM_PORT, &qp, &mine, Duration::from_secs(2)).ok()
+        })
+        .expect("the server never answered the connect");
+    }
+    let mut wc = [Wc::default(); 4];
+    let mut pongs = 0u64;
+    let mut since: Option<Instant> = None;
+    if role == "loss_client" {
+        qp.post_send(&[SendWr::send_inline(1, b"ping").signaled()])
+            .unwrap();
+    }
+    loop {
+        let n = cq.poll(&mut wc);
+        for w in &wc[..n] {
+            if w.status != WcStatus::Success {
+                assert_eq!(role, "loss_client", "server: {w:?}");
+                let took = since.expect("a failure before the host was lost").elapsed();
+                eprintln!(
+                    "client: {:?} {took:?} after it said it talked (the server's host was cut then)",
+                    w.status
+                );
+                assert_eq!(w.status, WcStatus::RetryExcErr, "{w:?}");
+                assert!(took < Duration::from_secs(5), "{took:?}");
+                return;
+            }
+            if w.opcode != WcOpcode::Recv {
+                continue;
+            }
+            qp.post_recv(&[RecvWr {
+                wr_id: w.wr_id,
+                sg_list: &[mr.sge(w.wr_id * 64, 64)],
+            }])
+            .unwrap();
+            pongs += 1;
+            if pongs == 100 && role == "loss_client" {
+                std::fs::write(loss_marker(&f.name()), b"").unwrap();
+            }
+            if since.is_none() && loss_marker(&f.name()).exists() && pongs > 100 {
+                since = Some(Instant::now());
+            }
+            let reply: &[u8] = if role == "loss_client" {
+                b"ping"
+            } else {
+                b"pong"
+            };
+            qp.post_send(&[SendWr::send_inline(1, reply).signaled()])
+                .unwrap();
+        }
+    }
+}
+
+#[test]
+fn an_rc_peer_whose_host_is_lost_fails_outstanding_work_with_retry_exc_err() {
+    if let Some(r) = role() {
+        rdma_role(&r);
+        return;
+    }
+    if !root() {
+        return;
+    }
+    let h = Hosts::odd_even("hosts_rc_loss", 20);
+    let marker = loss_marker(&h.fabric);
+    let _ = std::fs::remove_file(&marker);
+    let test_fn = "an_rc_peer_whose_host_is_lost_fails_outstanding_work_with_retry_exc_err";
+    let mut server = h.spawn_role(1, test_fn, "loss_server");
+    let client = h.spawn_role(0, test_fn, "loss_client");
+    let talking = wait_for(Duration::from_secs(30), || marker.exists().then_some(()));
+    assert!(talking.is_some(), "the pair never talked");
+    let pid = h.status(1)["supervisor_pid"].as_i64().unwrap() as i32;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let ok = finish(client, "the client").success();
+    let _ = server.kill();
+    let _ = server.wait();
+    let _ = std::fs::remove_file(&marker);
+    assert!(ok, "the client failed");
+    h.down(1);
+    h.down(0);
+    h.assert_nothing_left();
+}
+
+#[test]
+fn rdma_write_read_and_atomics_reach_a_region_on_another_host_in_order_with_sends() {
+    if let Some(r) = role() {
+        rdma_role(&r);
+        return;
+    }
+    if !root() {
+        return;
+    }
+    let h = Hosts::odd_even("hosts_rdma", 19);
+    let test_fn = "rdma_write_read_and_atomics_reach_a_region_on_another_host_in_order_with_sends";
+    let server = h.spawn_role(1, test_fn, "rdma_server");
+    let client = h.spawn_role(0, test_fn, "rdma_client");
+    assert!(finish(client, "the client").success(), "the client failed");
+    assert!(finish(server, "the server").success(), "the server failed");
+    h.down(1);
+    h.down(0);
+    h.assert_nothing_left();
+}
