@@ -949,6 +949,8 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
 }
 
 const RDMA_CM_PORT: u32 = 4791;
+/// Takes the next completion a predicate wants (keeping the others for later).
+type Take<'a> = dyn FnMut(&dyn Fn(&backplane::verbs::Wc) -> bool) -> backplane::verbs::Wc + 'a;
 const RDMA_ALL: u32 = 0b1111; // LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC
 
 /// The server of the cross-host verbs test (node 2, host h1): offers a 1 MiB region with a
@@ -1072,7 +1074,7 @@ fn rdma_role(role: &str) {
             let rkey = peer.rkey;
             let mut stash: Vec<Wc> = Vec::new();
             let mut take = |want: &dyn Fn(&Wc) -> bool| -> Wc {
-                if let Some(i) = stash.iter().position(|w| want(w)) {
+                if let Some(i) = stash.iter().position(want) {
                     return stash.remove(i);
                 }
                 let mut wc = [Wc::default()];
@@ -1086,7 +1088,7 @@ fn rdma_role(role: &str) {
                     }
                 }
             };
-            let say = |msg: &[u8], take: &mut dyn FnMut(&dyn Fn(&Wc) -> bool) -> Wc| -> Vec<u8> {
+            let say = |msg: &[u8], take: &mut Take<'_>| -> Vec<u8> {
                 qp.post_send(&[SendWr::send_inline(7, msg).signaled()])
                     .unwrap();
                 assert_eq!(take(&|w| w.wr_id == 7).status, WcStatus::Success);
@@ -1232,9 +1234,9 @@ fn rdma_loss_role(role: &str, f: &backplane::fabric::Fabric) {
             .unwrap();
             pongs += 1;
             if pongs == 100 && role == "loss_client" {
-                std::fs::write(loss_marker(&f.name()), b"").unwrap();
+                std::fs::write(loss_marker(f.name()), b"").unwrap();
             }
-            if since.is_none() && loss_marker(&f.name()).exists() && pongs > 100 {
+            if since.is_none() && loss_marker(f.name()).exists() && pongs > 100 {
                 since = Some(Instant::now());
             }
             let reply: &[u8] = if role == "loss_client" {

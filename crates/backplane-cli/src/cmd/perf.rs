@@ -327,10 +327,10 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     let remote = match &a.peer_via {
         Some(via) => {
-            if !matches!(a.test, Test::DgramLat | Test::DgramBw) {
+            if a.perftest == UcxMode::Require {
                 bail!(
-                    "--peer-via: only dgram-lat and dgram-bw run across hosts (RC queue pairs, \
-                     memory grants and DMA between hosts are not carried yet)"
+                    "--peer-via with --perftest: perftest's programs between hosts are run by \
+                     hand (`backplane exec --verbs` on each host)"
                 );
             }
             let via: Vec<String> = via.split_whitespace().map(str::to_owned).collect();
@@ -365,6 +365,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut fabric_name = String::new();
     let mut ucx_note = ucx_path.as_ref().err().cloned();
     let mut perftest_note = match (a.perftest, perftest::unavailable(a.test)) {
+        _ if remote.is_some() => {
+            Some("perftest is not run between hosts (start it with `exec --verbs` there)".into())
+        }
         (_, None) => None,
         (UcxMode::Require, Some(why)) => bail!("{why}"),
         (UcxMode::Off, Some(_)) => None,

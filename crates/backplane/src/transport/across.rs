@@ -372,6 +372,16 @@ impl RemoteRegion for AcrossRegion {
     fn settled(&self, ticket: u64) -> Option<bool> {
         self.pair().settled(ticket)
     }
+    fn watch(&self, ticket: u64, out: &mut Vec<super::Watch>) {
+        let p = self.pair();
+        // SYNC POINT rdma-done (acquire, watched): fires at once if it already passed.
+        let seen = p.done.load(Ordering::Acquire).min(ticket.saturating_sub(1));
+        out.push(super::Watch::Moved {
+            word: p.done.clone(),
+            seen,
+        });
+        out.push(super::Watch::Flag(p.gone.clone()));
+    }
     fn get(
         &self,
         off: u64,

@@ -380,6 +380,9 @@ pub trait RemoteRegion: Send + Sync + fmt::Debug {
     fn settled(&self, _ticket: u64) -> Option<bool> {
         Some(true)
     }
+    /// What a completion channel watches while a put up to `ticket` has not settled (the
+    /// word that moves when it does); nothing for a transport whose puts are done at once.
+    fn watch(&self, _ticket: u64, _out: &mut Vec<Watch>) {}
     /// Copies `n` bytes at `off` of the region to `dst_off` of a local span.
     fn get(
         &self,

@@ -439,6 +439,8 @@ impl Mirror {
         }
         // SYNC POINT rdma-done (release): the response record and `failed` are seen first.
         self.rdma.done.store(id, Ordering::Release);
+        // A completion channel of the local QP's context may sleep on the word.
+        self.local.wake();
     }
 
     fn note_failed(&self, id: u64) {

@@ -264,6 +264,11 @@ impl QpEngine {
                 self.rel.rnr_waiting(),
             );
         }
+        // An RDMA WRITE to another host completes when its answer comes (the bridge moves a
+        // word and rings this context's bell).
+        if let Some(SendPhase::Placed(m, t)) = self.sq.front().map(|e| &e.st) {
+            m.mem.watch(*t, out);
+        }
         if let Some(ep) = &self.ud {
             let (bell, armed) = ep.doorbell_words();
             // Senders ring a UD QP's endpoint only while it is armed: keep it armed while a
