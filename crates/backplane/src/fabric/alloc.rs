@@ -87,7 +87,7 @@ impl WindowAlloc {
             format!(
                 "node {slot}'s window is full ({} KiB freed less than {} s ago are reusable \
                  then: retry, or use a larger --window-size)",
-                waiting / 1024,
+                waiting.div_ceil(1024),
                 QUARANTINE.as_secs()
             )
         }

@@ -6,12 +6,14 @@
 //!
 //! Today there is one implementation, [`shm::ShmTransport`]: every node of the fabric is a
 //! process on this host, a grant is a memfd passed over the supervisor's socket and mapped, and
-//! an access is a checked copy or atomic on that mapping ([`crate::mem::Span`]). A network
-//! engine (UCX between hosts, issue 19) implements the same two traits: `map_region` exchanges
-//! a packed rkey through the supervisors instead of a memfd, `put`/`get` become
-//! `ucp_put_nbx`/`ucp_get_nbx` (completed before they return, or flushed by the caller's
-//! completion), the atomics `ucp_atomic_op_nbx`, and `peer` reports a host that went away as
-//! its nodes DOWN. Nothing in the paths changes.
+//! an access is a checked copy or atomic on that mapping ([`crate::mem::Span`]). Across hosts
+//! (issue 19) the same transport reaches another host's nodes through its supervisor's shadows
+//! of them, which the supervisors' bridges mirror over UCX: a QP connects to a shadow QP as to
+//! a local one, and a region of a QP on another host is an [`across::AcrossRegion`] — puts and
+//! gets are requests the owner's bridge carries out — whose puts land later
+//! ([`RemoteRegion::ticket`], [`RemoteRegion::settled`]). A transport whose senders and
+//! receivers speak UCX themselves (`ucp_put_nbx`/`ucp_get_nbx`, packed rkeys exchanged through
+//! the supervisors) would implement the same traits; nothing in the paths would change.
 //!
 //! Messages go through the other pair of traits, [`SendChannel`] and [`RecvChannel`]: one
 //! direction of a message channel to one peer, with room reserved, filled and committed by the

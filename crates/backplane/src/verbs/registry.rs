@@ -726,7 +726,7 @@ impl Service for Registry {
             peer_slot,
             peer_qpn,
             rdma_off: p.rdma_off,
-            ring_len: p.ring_len,
+            ring_len: rdma_ring_len(p.ring_len),
             event_off: p.event_off,
         };
         serde_json::to_value(resp).map_err(|e| invalid(e.to_string()))

@@ -313,9 +313,19 @@ pub const RDMA_OP_FETCH_ADD: u8 = 3;
 /// Compare and swap.
 pub const RDMA_OP_CMP_SWAP: u8 = 4;
 
+/// Each one-sided ring of a shadow whose QP ring is `ring_len` bytes: as large, up to 1 MiB
+/// (sixteen 64 KiB pieces in flight: more only costs window space, the bridge keeps up).
+pub const fn rdma_ring_len(ring_len: u32) -> u32 {
+    if ring_len < (1 << 20) {
+        ring_len
+    } else {
+        1 << 20
+    }
+}
+
 /// Bytes a shadow's one-sided area occupies (after its QP block, page-aligned).
 pub const fn rdma_footprint(ring_len: u32) -> u64 {
-    RDMA_RING_OFF + 2 * ring_len as u64
+    RDMA_RING_OFF + 2 * rdma_ring_len(ring_len) as u64
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -231,6 +231,12 @@ impl End {
         } else {
             std::slice::from_ref(wr)
         };
+        self.post_reaping(wrs)
+    }
+
+    /// Posts `wrs`, reaping completions while the send queue is full (work whose completion
+    /// comes later — an RDMA WRITE to another host — holds its slot until then).
+    fn post_reaping(&self, wrs: &[SendWr<'_>]) -> anyhow::Result<()> {
         loop {
             match self.qp.post_send(wrs) {
                 Ok(()) => return Ok(()),
@@ -748,7 +754,7 @@ fn bw(
     } else {
         // A signaled request completes after everything posted before it (in order).
         let fence = [e.mr.sge(SRC, 8)];
-        e.qp.post_send(&[SendWr::read(u64::MAX - 1, &fence, 0, peer.rkey).signaled()])?;
+        e.post_reaping(&[SendWr::read(u64::MAX - 1, &fence, 0, peer.rkey).signaled()])?;
         e.wait_send(u64::MAX - 1)?;
     }
     let secs = t0.elapsed().as_secs_f64();

@@ -37,11 +37,11 @@ use crate::sync::Ordering;
 use crate::transport::shm::{ShmReceiver, ShmRegion, ShmRing, ShmSender};
 use crate::transport::{CopyKind, RecvChannel, RemoteRegion, SendChannel};
 use crate::wire::verbs::{
-    EV_ARMED_OFF, EV_BELL_OFF, QP_ACCESS_OFF, QP_ACK_OFF, QP_CREDITS_OFF, QP_NAK_OFF,
-    QP_PEER_ERR_OFF, QP_PEER_RNR_OFF, QP_RING_OFF, QP_TAIL_OFF, RDMA_DONE_OFF, RDMA_FAILED_OFF,
-    RDMA_GONE_OFF, RDMA_OP_CMP_SWAP, RDMA_OP_FETCH_ADD, RDMA_OP_READ, RDMA_OP_WRITE, RDMA_PIECE,
-    RDMA_REQ_HEAD, RDMA_REQ_HEAD_OFF, RDMA_REQ_TAIL_OFF, RDMA_RESP_HEAD, RDMA_RESP_HEAD_OFF,
-    RDMA_RESP_TAIL_OFF, RDMA_RING_OFF,
+    rdma_ring_len, EV_ARMED_OFF, EV_BELL_OFF, QP_ACCESS_OFF, QP_ACK_OFF, QP_CREDITS_OFF,
+    QP_NAK_OFF, QP_PEER_ERR_OFF, QP_PEER_RNR_OFF, QP_RING_OFF, QP_TAIL_OFF, RDMA_DONE_OFF,
+    RDMA_FAILED_OFF, RDMA_GONE_OFF, RDMA_OP_CMP_SWAP, RDMA_OP_FETCH_ADD, RDMA_OP_READ,
+    RDMA_OP_WRITE, RDMA_PIECE, RDMA_REQ_HEAD, RDMA_REQ_HEAD_OFF, RDMA_REQ_TAIL_OFF, RDMA_RESP_HEAD,
+    RDMA_RESP_HEAD_OFF, RDMA_RESP_TAIL_OFF, RDMA_RING_OFF,
 };
 
 /// `IBV_ACCESS_REMOTE_WRITE`, `_READ`, `_ATOMIC`.
@@ -90,7 +90,7 @@ impl Rdma {
     fn of(b: &QpBlock) -> Result<Self, MemError> {
         let w = &b.win;
         let at = |o: usize| b.rdma_off + o as u64;
-        let len = u64::from(b.ring_len);
+        let len = u64::from(rdma_ring_len(b.ring_len));
         let req = ShmRing::new(
             Word64::at(w, at(RDMA_REQ_TAIL_OFF))?,
             Word64::at(w, at(RDMA_REQ_HEAD_OFF))?,

@@ -198,7 +198,9 @@ impl Sup {
         peer: (u32, u32),
         rkey: u32,
     ) -> Result<(u64, u32, bool, u64), (ErrorKind, String)> {
-        if self.qps.pairs.get(&peer) != Some(&(qp, i)) {
+        if self.qps.pairs.get(&peer) != Some(&(qp, i))
+            || self.verbs.local_qp(peer.0, peer.1).is_none()
+        {
             return Err((
                 ErrorKind::NotFound,
                 format!(
@@ -399,12 +401,13 @@ impl Sup {
             return;
         }
         for key in gone {
+            // The other host keeps a shadow of our QP until told, whichever end went first
+            // (an entry stays after its peer went, for this).
             if let Some((_, host)) = self.qps.pairs.remove(&key) {
                 if let Some(h) = self.hosts.as_mut() {
                     h.send_to(host, &HostMsg::QpGone { qp: key });
                 }
             }
-            self.qps.pairs.retain(|_, (r, _)| *r != key);
             if let Some(h) = &self.hosts {
                 h.bridge.send(Cmd::DropQp { key });
             }
