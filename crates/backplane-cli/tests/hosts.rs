@@ -875,10 +875,11 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
     lib_built("libibverbs.so", "backplane-ibverbs");
     let h = Hosts::odd_even("hosts_verbs_ud", 18);
     // The programs exchange their addresses over TCP between the hosts' own addresses, then
-    // talk through the fabric: UD sends are datagrams, so they cross the bridge.
+    // talk through the fabric: UD sends are datagrams, so they cross the bridge. (A hang
+    // fails the test after 60 s, not CI after 90 min.)
     let pair = |prog: &str, port: &str, extra: &[&str]| {
         let mut a = vec![
-            "exec", "--name", &h.fabric, "--verbs", "2", "--", prog, "-g", "0",
+            "exec", "--name", &h.fabric, "--verbs", "2", "--", "timeout", "60", prog, "-g", "0",
         ];
         a.extend_from_slice(&["-p", port]);
         a.extend_from_slice(extra);
@@ -893,7 +894,7 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
             .unwrap();
         let addr = h.addr(1);
         let mut c = vec![
-            "exec", "--name", &h.fabric, "--verbs", "1", "--", prog, "-g", "0",
+            "exec", "--name", &h.fabric, "--verbs", "1", "--", "timeout", "60", prog, "-g", "0",
         ];
         c.extend_from_slice(&["-p", port]);
         c.extend_from_slice(extra);

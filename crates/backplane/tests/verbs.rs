@@ -975,6 +975,30 @@ fn a_completion_channel_fd_wakes_a_poll_loop_for_a_peer_send() {
 }
 
 #[test]
+fn a_send_that_starts_waiting_for_a_receive_after_arming_still_wakes_the_channel() {
+    // A arms its CQ, then posts a SEND while B has no receive (RNR, retried forever): what
+    // the channel watches must grow to B's credits, or A sleeps through B's receive (the
+    // pingpong across hosts, whose server posts its receives after the client sends).
+    let fab = Fab::up("verbs_rnr_armed", 2);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let a = watched_side(&f, 1);
+    let b = side(&f, 2, QpType::Rc, ALL, 4096);
+    ready_rnr(&a.qp, &info(&b), 14, 7);
+    ready_rnr(&b.qp, &info(&a), 14, 7);
+    let ch = a.ch.as_ref().unwrap();
+    a.cq.req_notify(false).unwrap();
+    a.qp.post_send(&[SendWr::send_inline(1, b"late").signaled()])
+        .unwrap();
+    recv(&b, 9, 0, 64);
+    let ev = ch.get_cq_event(Some(Duration::from_secs(5)));
+    assert!(ev.is_ok(), "no event for the SEND waiting on B's receive");
+    ch.ack_cq_events(1);
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    assert_eq!(p.next(0).status, WcStatus::Success);
+    assert_eq!(p.next(1).wr_id, 9);
+}
+
+#[test]
 fn an_ack_that_came_before_arming_still_wakes_the_channel() {
     // A's SEND completes only once B acknowledges it. B takes the message (its ack moves)
     // while A is not polling; A then arms its CQ and waits: the channel must fire for the ack

@@ -218,15 +218,24 @@ pub fn start(o: &Options) -> Result<(), StartError> {
     let _ = std::io::Write::write_all(&mut std::fs::File::from(opts_wr), &json);
     let mut line = String::new();
     let _ = BufReader::new(std::fs::File::from(rd)).read_line(&mut line);
-    // The supervisor keeps running detached; reap it here only if it already exited.
-    std::thread::spawn(move || child.wait());
-    match line.trim() {
+    let outcome = match line.trim() {
         "ready" => Ok(()),
         l if l.starts_with("error: ") => Err(StartError::Boot(l[7..].to_owned())),
         _ => Err(StartError::Boot(
             "the fabric supervisor exited during start-up".into(),
         )),
+    };
+    if outcome.is_err() {
+        // A refused start leaves nothing: the supervisor removes what it made after it said
+        // why, then exits; wait for that (bounded) so the caller finds nothing left.
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while matches!(child.try_wait(), Ok(None)) && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
     }
+    // The supervisor keeps running detached; reap it here only if it already exited.
+    std::thread::spawn(move || child.wait());
+    outcome
 }
 
 /// How a fabric was stopped.

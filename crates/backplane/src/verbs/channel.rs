@@ -88,6 +88,38 @@ impl ChannelShared {
         let _ = rustix::io::write(&self.efd, &one);
     }
 
+    /// Whether any CQ is armed (a relaxed look: `extend` decides).
+    pub(crate) fn armed_any(&self) -> bool {
+        self.armed_count.load(Ordering::Relaxed) != 0
+    }
+
+    /// If `cq` is armed (an event asked for and not yet delivered), adds what `more` watches
+    /// to it — keeping what it watched already, so nothing that moved since it was armed is
+    /// forgotten — and wakes the watcher. False if it is not armed.
+    pub(crate) fn extend(&self, more: Armed) -> bool {
+        if self.armed_count.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let mut g = self.lock();
+        let Some(a) = g.armed.iter_mut().find(|a| a.cq == more.cq) else {
+            return false;
+        };
+        a.watch.extend(more.watch);
+        a.deadline = match (a.deadline, more.deadline) {
+            (Some(x), Some(y)) => Some(x.min(y)),
+            (x, y) => x.or(y),
+        };
+        for n in more.nodes {
+            if !a.nodes.contains(&n) {
+                a.nodes.push(n);
+            }
+        }
+        drop(g);
+        self.wake.fetch_add(1, Ordering::Release);
+        futex_wake(&self.wake);
+        true
+    }
+
     /// A completion was added to `cq` by this process: fire its event if it is armed.
     pub(crate) fn completion_added(&self, cq: u32) {
         if self.armed_count.load(Ordering::Relaxed) == 0 {

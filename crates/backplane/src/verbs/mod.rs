@@ -622,35 +622,8 @@ impl Cq {
     /// Asks for an event on the channel when the next completion arrives (`ibv_req_notify_cq`).
     /// `solicited_only` is accepted and treated as "any completion" (events may be spurious).
     pub fn req_notify(&self, _solicited_only: bool) -> Result<(), VerbsError> {
-        let ctx = &self.ctx;
-        let mut eng = ctx.eng.borrow_mut();
-        let Engine { qps, cqs, .. } = &mut *eng;
-        let Some(Some(c)) = cqs.get(self.id) else {
-            return Err(VerbsError::inval("CQ is gone"));
-        };
-        let Some(ch) = c.channel.clone() else {
-            return Err(VerbsError::inval("the CQ has no completion channel"));
-        };
-        let mut watch = Vec::new();
-        let mut nodes = vec![(ctx.node.slot(), ctx.node.generation())];
-        let mut deadline = None;
-        for &id in &c.qps {
-            if let Some(Some(q)) = qps.get_mut(id) {
-                q.flush_bell_pub();
-                q.watches(&mut watch);
-                if let Some(p) = q.peer_slot() {
-                    nodes.push(p);
-                }
-                deadline = engine::earlier(deadline, q.deadline());
-            }
-        }
-        ch.arm(channel::Armed {
-            cq: self.id as u32,
-            watch,
-            deadline,
-            nodes,
-        });
-        Ok(())
+        let mut eng = self.ctx.eng.borrow_mut();
+        self.ctx.arm_cq(&mut eng, self.id)
     }
 }
 
@@ -859,7 +832,17 @@ impl Qp {
                 return Ok(());
             }
         }
-        self.with(|q, env, cqs| q.post_send(wrs, env, cqs))
+        let (r, waits) = self.with(|q, env, cqs| {
+            let r = q.post_send(wrs, env, cqs);
+            (r, q.waits_in_background().then_some(q.send_cq))
+        });
+        if let Some(cq) = waits {
+            // Work waiting on something the armed channel may not watch yet (an RNR timer,
+            // a WRITE landing on another host): the watch is made again.
+            let mut eng = self.ctx.eng.borrow_mut();
+            self.ctx.rearm_if_armed(&mut eng, cq);
+        }
+        r
     }
 
     /// Asks for the line an RDMA_WRITE to `remote_addr` (with `rkey`) will end in, if it goes

@@ -168,6 +168,15 @@ impl Ctx {
             .map_or(0, |c| c.entries.len());
         if need == 0 && !self.all_quiet(eng, cq) {
             self.progress_cq(eng, cq);
+            // A channel armed before this progress may not watch what its QPs wait for now.
+            let event_mode = eng
+                .cqs
+                .get(cq)
+                .and_then(|c| c.as_ref())
+                .is_some_and(|c| c.channel.is_some());
+            if event_mode && self.waits_in_background(eng, cq) {
+                self.rearm_if_armed(eng, cq);
+            }
         }
         let Some(Some(c)) = eng.cqs.get_mut(cq) else {
             return 0;
@@ -181,6 +190,74 @@ impl Ctx {
             n += 1;
         }
         n
+    }
+
+    /// Arms `cq`'s completion channel with what its QPs wait for now (`ibv_req_notify_cq`).
+    pub(crate) fn arm_cq(&self, eng: &mut Engine, cq: usize) -> Result<(), VerbsError> {
+        let (ch, armed) = self.watch_of(eng, cq)?;
+        ch.arm(armed);
+        Ok(())
+    }
+
+    /// The channel of `cq` and what arming it watches now.
+    fn watch_of(
+        &self,
+        eng: &mut Engine,
+        cq: usize,
+    ) -> Result<(Arc<ChannelShared>, crate::verbs::channel::Armed), VerbsError> {
+        let Engine { qps, cqs, .. } = eng;
+        let Some(Some(c)) = cqs.get(cq) else {
+            return Err(VerbsError::inval("CQ is gone"));
+        };
+        let Some(ch) = c.channel.clone() else {
+            return Err(VerbsError::inval("the CQ has no completion channel"));
+        };
+        let mut watch = Vec::new();
+        let mut nodes = vec![(self.node.slot(), self.node.generation())];
+        let mut deadline = None;
+        for &id in &c.qps {
+            if let Some(Some(q)) = qps.get_mut(id) {
+                q.flush_bell_pub();
+                q.watches(&mut watch);
+                if let Some(p) = q.peer_slot() {
+                    nodes.push(p);
+                }
+                deadline = earlier(deadline, q.deadline());
+            }
+        }
+        let armed = crate::verbs::channel::Armed {
+            cq: cq as u32,
+            watch,
+            deadline,
+            nodes,
+        };
+        Ok((ch, armed))
+    }
+
+    /// If `cq` is armed, adds to its watch what its QPs wait for now: work may have started
+    /// waiting since it was armed (for an RNR timer and the peer's credits, or for a WRITE to
+    /// land on another host), which the channel would otherwise not see.
+    pub(crate) fn rearm_if_armed(&self, eng: &mut Engine, cq: usize) {
+        let armed = eng
+            .cqs
+            .get(cq)
+            .and_then(|c| c.as_ref())
+            .and_then(|c| c.channel.as_ref())
+            .is_some_and(|ch| ch.armed_any());
+        if armed {
+            if let Ok((ch, more)) = self.watch_of(eng, cq) {
+                ch.extend(more);
+            }
+        }
+    }
+
+    /// Whether a QP of `cq` waits for something besides messages (see `rearm_if_armed`).
+    fn waits_in_background(&self, eng: &Engine, cq: usize) -> bool {
+        eng.cqs.get(cq).and_then(|c| c.as_ref()).is_some_and(|c| {
+            c.qps
+                .iter()
+                .any(|&id| matches!(eng.qps.get(id), Some(Some(q)) if q.waits_in_background()))
+        })
     }
 
     /// Nothing can have happened for `cq`: the fabric's epoch has not moved (no node came or

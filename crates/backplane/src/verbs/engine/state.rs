@@ -247,6 +247,13 @@ impl QpEngine {
         };
     }
 
+    /// Whether this QP's send work waits for something a completion channel armed earlier
+    /// may not watch: an RNR timer (and the peer's credits), a WRITE landing on another host.
+    pub(crate) fn waits_in_background(&self) -> bool {
+        self.rel.rnr_waiting()
+            || matches!(self.sq.front().map(|e| &e.st), Some(SendPhase::Placed(..)))
+    }
+
     /// What the completion channel watches for this QP.
     pub(crate) fn watches(&self, out: &mut Vec<Watch>) {
         if let Some(o) = &self.own {
