@@ -203,7 +203,7 @@ pub struct Args {
     rounds: u32,
     /// Start the far side (the perf peer in node 2, and `ucx_perftest`'s server) through this
     /// command, e.g. `ssh hostb`, when node 2 runs on another host of the fabric (`--name`;
-    /// dgram-lat and dgram-bw). `ucx_perftest` then runs between the two hosts with the
+    /// the datagram and verbs tests). `ucx_perftest` then runs between the two hosts with the
     /// environment's `UCX_TLS` (set it to what the fabric's hosts use, e.g. `tcp`).
     #[arg(long, value_name = "CMD", requires = "name")]
     peer_via: Option<String>,
