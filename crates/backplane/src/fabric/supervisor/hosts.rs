@@ -127,6 +127,11 @@ impl HostLink {
     }
 
     /// Sends to host `i` if it is joined (false otherwise).
+    /// The next step reports this host's slots to the others (a slot changed).
+    pub(super) fn report_soon(&mut self) {
+        self.last_report = Instant::now() - Duration::from_millis(REPORT_PERIOD_MS);
+    }
+
     pub(super) fn send_to(&mut self, i: usize, msg: &HostMsg) -> bool {
         match (
             self.peers.get(i).map(|p| p.state),

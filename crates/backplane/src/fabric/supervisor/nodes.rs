@@ -112,6 +112,11 @@ impl Sup {
     pub(super) fn apply(&mut self, slot: u32, t: Option<Transition>) {
         let Some(t) = t else { return };
         self.since[slot as usize - 1] = now_ms();
+        // The other hosts hear of a change of our own nodes now, not at the next heartbeat
+        // (a host's `up` returns when its nodes are READY: the others see them so at once).
+        if let Some(h) = self.hosts.as_mut().filter(|h| h.plan.is_local(slot)) {
+            h.report_soon();
+        }
         self.say(&format!(
             "node {slot}: {} (generation {}{})",
             t.state,
