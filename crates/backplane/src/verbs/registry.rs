@@ -150,6 +150,26 @@ fn invalid(m: impl Into<String>) -> Failure {
     (ErrorKind::Invalid, m.into())
 }
 
+/// A QP block can be made for this transport and ring size.
+fn check_qp_shape(qp_type: u32, ring_len: u32) -> Result<(), Failure> {
+    if qp_type != 2 && qp_type != 3 {
+        return Err(invalid(format!("QP type {qp_type} has no QP block")));
+    }
+    if !ring_len.is_power_of_two() || !(QP_MIN_RING..=QP_MAX_RING).contains(&ring_len) {
+        return Err(invalid(format!("ring of {ring_len} bytes is out of range")));
+    }
+    Ok(())
+}
+
+/// Writes a QP block's header at `off` of `w` (its control words zeroed first) and publishes
+/// it: peers that find the block see it whole.
+fn emit_qp_block(w: &Region, off: u64, repr: QpBlockRepr) {
+    w.zero(off, QP_RING_OFF).expect("allocated");
+    let mut h = [0u8; 64];
+    repr.emit(&mut QpBlockHeader::new_unchecked(&mut h[..]));
+    publish(w, off, &h, QP_INIT_OFF);
+}
+
 impl Registry {
     fn serve_verbs(
         &mut self,
@@ -387,12 +407,7 @@ impl Registry {
         event_off: u64,
     ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
         host.ready_slot(slot)?;
-        if qp_type != 2 && qp_type != 3 {
-            return Err(invalid(format!("QP type {qp_type} has no QP block")));
-        }
-        if !ring_len.is_power_of_two() || !(QP_MIN_RING..=QP_MAX_RING).contains(&ring_len) {
-            return Err(invalid(format!("ring of {ring_len} bytes is out of range")));
-        }
+        check_qp_shape(qp_type, ring_len)?;
         if !self
             .ctxs
             .iter()
@@ -403,19 +418,15 @@ impl Registry {
         let len = QpBlockRepr::footprint(ring_len);
         let off = host.alloc(slot, len, 4096).ok_or_else(|| host.full(slot))?;
         let qpn = self.new_qpn(slot);
-        let w = host.window(slot).clone();
-        w.zero(off, QP_RING_OFF).expect("allocated");
-        let mut h = [0u8; 64];
-        QpBlockRepr {
+        let repr = QpBlockRepr {
             qp_type,
             qpn,
             slot,
             generation: host.generation(slot),
             ring_len,
             event_off,
-        }
-        .emit(&mut QpBlockHeader::new_unchecked(&mut h[..]));
-        publish(&w, off, &h, QP_INIT_OFF);
+        };
+        emit_qp_block(host.window(slot), off, repr);
         self.qps.insert(
             (slot, qpn),
             QpEntry {
@@ -596,12 +607,7 @@ impl Service for Registry {
                 rdma_off: q.rdma_off,
             });
         }
-        if qp_type != 2 && qp_type != 3 {
-            return Err(invalid(format!("QP type {qp_type} has no QP block")));
-        }
-        if !ring_len.is_power_of_two() || !(QP_MIN_RING..=QP_MAX_RING).contains(&ring_len) {
-            return Err(invalid(format!("ring of {ring_len} bytes is out of range")));
-        }
+        check_qp_shape(qp_type, ring_len)?;
         let ev = host
             .alloc(slot, EV_LEN, 64)
             .ok_or_else(|| host.full(slot))?;
@@ -612,21 +618,18 @@ impl Service for Registry {
             host.free(slot, ev, EV_LEN);
             return Err(host.full(slot));
         };
-        let w = host.window(slot).clone();
+        let w = host.window(slot);
         w.zero(ev, EV_LEN).expect("allocated");
-        w.zero(off, QP_RING_OFF).expect("allocated");
         w.zero(off + rdma_at, RDMA_RING_OFF).expect("allocated");
-        let mut h = [0u8; 64];
-        QpBlockRepr {
+        let repr = QpBlockRepr {
             qp_type,
             qpn,
             slot,
             generation: host.generation(slot),
             ring_len,
             event_off: ev,
-        }
-        .emit(&mut QpBlockHeader::new_unchecked(&mut h[..]));
-        publish(&w, off, &h, QP_INIT_OFF);
+        };
+        emit_qp_block(w, off, repr);
         self.qps.insert(
             (slot, qpn),
             QpEntry {

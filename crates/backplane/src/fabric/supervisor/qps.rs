@@ -102,38 +102,47 @@ impl Sup {
             self.reply(id, &r, &[]);
             return true;
         }
-        let tag = self.qps.next;
-        self.qps.next += 1;
-        let h = self.hosts.as_mut().expect("checked above");
-        let msg = HostMsg::OpenQp {
+        let what = AskedFor::Connect {
+            req: req.clone(),
+            from,
+            to,
+        };
+        self.ask(id, host, what, |tag| HostMsg::OpenQp {
             tag,
             from: (from.slot, from.qpn),
             qp_type: from.qp_type,
             ring_len: from.ring_len,
             to,
-        };
-        if !h.send_to(host, &msg) {
-            let message = format!(
-                "node {} runs on host '{}', which has not joined",
-                to.0, h.plan.hosts[host].name
-            );
-            self.reply(id, &refuse(ErrorKind::NodeDown, message), &[]);
-            return true;
-        }
-        self.qps.asked.insert(
-            tag,
-            Asked {
-                client: id,
-                host,
-                at: Instant::now(),
-                what: AskedFor::Connect {
-                    req: req.clone(),
-                    from,
-                    to,
-                },
-            },
-        );
+        });
         true
+    }
+
+    /// Sends host `host` the request `msg(tag)` for client `id` and waits for its answer
+    /// (`what`); the client is refused at once if the host has not joined.
+    fn ask(&mut self, id: u64, host: usize, what: AskedFor, msg: impl FnOnce(u64) -> HostMsg) {
+        let tag = self.qps.next;
+        self.qps.next += 1;
+        let Some(h) = self.hosts.as_mut() else { return };
+        if !h.send_to(host, &msg(tag)) {
+            let message = format!(
+                "{} needs host '{}', which has not joined",
+                what.what(),
+                h.plan.hosts[host].name
+            );
+            let r = Response::Error {
+                kind: ErrorKind::NodeDown,
+                message,
+            };
+            self.reply(id, &r, &[]);
+            return;
+        }
+        let asked = Asked {
+            client: id,
+            host,
+            at: Instant::now(),
+            what,
+        };
+        self.qps.asked.insert(tag, asked);
     }
 
     /// A service request for a region through a QP whose peer is on another host: asked
@@ -160,32 +169,13 @@ impl Sup {
                 return true;
             }
         };
-        let tag = self.qps.next;
-        self.qps.next += 1;
-        let msg = HostMsg::GrantMr {
+        let what = AskedFor::Grant { qp, peer, rkey };
+        self.ask(id, host, what, |tag| HostMsg::GrantMr {
             tag,
             qp,
             peer,
             rkey,
-        };
-        let sent = self.hosts.as_mut().is_some_and(|h| h.send_to(host, &msg));
-        if !sent {
-            let r = Response::Error {
-                kind: ErrorKind::NodeDown,
-                message: format!("node {} is on a host that has not joined", peer.0),
-            };
-            self.reply(id, &r, &[]);
-            return true;
-        }
-        self.qps.asked.insert(
-            tag,
-            Asked {
-                client: id,
-                host,
-                at: Instant::now(),
-                what: AskedFor::Grant { qp, peer, rkey },
-            },
-        );
+        });
         true
     }
 
