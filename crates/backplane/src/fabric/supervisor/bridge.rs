@@ -54,6 +54,9 @@ const KIND_QP: u8 = 6;
 const KIND_QP_READY: u8 = 7;
 /// A queue pair's one-sided request (RDMA WRITE, READ, atomic).
 const KIND_RDMA: u8 = 8;
+/// The sender's QP of a pair was destroyed, after its last words (on the same endpoint, so
+/// they are applied before the receiver drops its side).
+const KIND_QP_GONE: u8 = 10;
 /// The answer to one.
 const KIND_RDMA_ANSWER: u8 = 9;
 /// Ready notes kept for pairs not made here yet (the supervisor's command is on its way).
@@ -157,8 +160,12 @@ pub(super) enum Cmd {
         local: QpBlock,
         shadow: QpBlock,
     },
-    /// Drop the mirrors of QP `key` (local or remote): it was destroyed.
-    DropQp { key: (u32, u32) },
+    /// Drop the mirrors of QP `key` (local or remote): it was destroyed. A local QP that was
+    /// paired with a QP of host `host` has its last words and its end sent there.
+    DropQp {
+        key: (u32, u32),
+        host: Option<usize>,
+    },
     /// Region `rkey` of local QP `local_key`, granted to its peer `remote_key` on another
     /// host: the bridge carries out that peer's one-sided requests on it.
     AddMr {
@@ -178,6 +185,11 @@ pub(super) enum Note {
     LinkLost { host: usize, why: String },
     /// The mirror of local QP `key` broke (`why`): the QP sees its peer gone.
     QpBroken { key: (u32, u32), why: String },
+    /// Host `host`'s QP `qp` was destroyed (its last words applied here): drop its shadow.
+    PeerQpGone { host: usize, qp: (u32, u32) },
+    /// Our QP `qp` was destroyed but its mirror could not say so on the data link: the
+    /// supervisor tells host `host` (`QpGone`).
+    TellQpGone { host: usize, qp: (u32, u32) },
 }
 
 /// How long after a failed data link this side dials again.
@@ -598,9 +610,18 @@ impl Worker {
                         m.add_region(rkey, mr);
                     }
                 }
-                Cmd::DropQp { key } => {
-                    self.mirrors
-                        .retain(|k, (m, _)| *k != key && m.remote_key != key);
+                Cmd::DropQp { key, host } => {
+                    match self.mirrors.remove(&key) {
+                        Some((m, _)) => self.last_words(m),
+                        // No mirror (its peer went first, or it never got one): the other
+                        // host still keeps a shadow of it.
+                        None => {
+                            if let Some(host) = host {
+                                let _ = self.notes.send(Note::TellQpGone { host, qp: key });
+                            }
+                        }
+                    }
+                    self.mirrors.retain(|_, (m, _)| m.remote_key != key);
                     self.early_ready.retain(|e| e.1 != key && e.2 != key);
                 }
             }
@@ -663,7 +684,7 @@ impl Worker {
                         continue;
                     };
                     match kind {
-                        KIND_QP | KIND_QP_READY | KIND_RDMA | KIND_RDMA_ANSWER => {
+                        KIND_QP | KIND_QP_READY | KIND_RDMA | KIND_RDMA_ANSWER | KIND_QP_GONE => {
                             self.qp_message(host, kind, &msg[HEAD..])
                         }
                         KIND_DATA | KIND_BATCH => {
@@ -772,10 +793,44 @@ impl Worker {
                 }
             }
             (KIND_RDMA_ANSWER, Some((m, _))) => m.answer(&body[16..]),
+            (KIND_QP_GONE, Some(_)) => {
+                self.mirrors.remove(&ours);
+                let _ = self.notes.send(Note::PeerQpGone { host, qp: theirs });
+            }
             (_, Some(_)) => {}
             // A pair dropped here meanwhile.
             (_, None) => {}
         }
+    }
+
+    /// Our QP of mirror `m` was destroyed: what it wrote last (its final acks, then gone) goes
+    /// to the other host, then that its QP is gone, on the same endpoint — so the other side
+    /// applies them before it drops its shadow. Without a ready link the supervisor says it.
+    fn last_words(&mut self, mut m: Mirror) {
+        let keys = mirror::encode_ready(m.local_key, m.remote_key);
+        if let Some(&ep) = self.hosts.get(&m.host).filter(|_| m.ready) {
+            while let Some(s) = m.next_message(&mut self.scratch, u64::MAX) {
+                if self
+                    .link
+                    .send2(ep, &head(KIND_QP, 0, 0), &self.scratch)
+                    .is_err()
+                {
+                    break;
+                }
+                m.shipped(s);
+            }
+            if self
+                .link
+                .send2(ep, &head(KIND_QP_GONE, 0, 0), &keys)
+                .is_ok()
+            {
+                return;
+            }
+        }
+        let _ = self.notes.send(Note::TellQpGone {
+            host: m.host,
+            qp: m.local_key,
+        });
     }
 
     /// The mirrors through host `host` end: their local QPs see their peers gone.
@@ -843,7 +898,7 @@ impl Worker {
                     requests_out = false;
                     break; // too much in flight in UCX: after the next poll
                 }
-                m.release_request(rec);
+                m.release_request(rec, &self.scratch);
                 any = true;
             }
             if !requests_out || m.next_request(&mut self.scratch).is_some() {

@@ -179,6 +179,8 @@ pub(super) struct Mirror {
     regions: HashMap<u32, Arc<ShmRegion>>,
     /// Answers to the other host's requests that UCX could not take yet.
     pub(super) answers: VecDeque<Vec<u8>>,
+    /// The id of the last request of the local QP shipped (answers must stay at or below it).
+    asked_id: u64,
     /// The other bridge has this pair too: shipping may start.
     pub(super) ready: bool,
     /// The pair is broken (a bad value from either side), and why: nothing more is carried.
@@ -246,6 +248,7 @@ impl Mirror {
             rdma,
             regions: HashMap::new(),
             answers: VecDeque::new(),
+            asked_id: 0,
             ready: false,
             broken: None,
             shipped: 0,
@@ -312,8 +315,13 @@ impl Mirror {
         Some(rec)
     }
 
-    /// The request `next_request` gave went out.
-    pub(super) fn release_request(&mut self, rec: crate::ring::Record) {
+    /// The request `next_request` gave (its bytes still in `out`) went out.
+    pub(super) fn release_request(&mut self, rec: crate::ring::Record, out: &[u8]) {
+        if let Some(id) = out.get(24..32) {
+            self.asked_id = self
+                .asked_id
+                .max(u64::from_le_bytes(id.try_into().expect("8 bytes")));
+        }
         self.rdma.req.release(rec);
     }
 
@@ -410,6 +418,11 @@ impl Mirror {
             return self.fail(MALFORMED);
         }
         let id = u64_at(body, 0);
+        // Answers come in order, each for a request that went out.
+        // SYNC POINT rdma-done (relaxed: only this thread writes it).
+        if id <= self.rdma.done.load(Ordering::Relaxed) || id > self.asked_id {
+            return self.fail(MALFORMED);
+        }
         let status = u32_at(body, 8);
         let op = u32_at(body, 12) as u8;
         let value = u64_at(body, 16);

@@ -392,20 +392,29 @@ impl Sup {
         }
         for key in gone {
             // The other host keeps a shadow of our QP until told, whichever end went first
-            // (an entry stays after its peer went, for this).
-            if let Some((_, host)) = self.qps.pairs.remove(&key) {
-                if let Some(h) = self.hosts.as_mut() {
-                    h.send_to(host, &HostMsg::QpGone { qp: key });
-                }
-            }
+            // (an entry stays after its peer went, for this): the bridge tells it after the
+            // QP's last words, on the data link (`Note::TellQpGone` if it cannot).
+            let host = self.qps.pairs.remove(&key).map(|(_, h)| h);
             if let Some(h) = &self.hosts {
-                h.bridge.send(Cmd::DropQp { key });
+                h.bridge.send(Cmd::DropQp { key, host });
             }
         }
     }
 
     /// A bridge note about a mirror: said, and the other host told the pair is over.
     pub(super) fn qp_note(&mut self, n: Note) {
+        match n {
+            Note::PeerQpGone { host, qp } => {
+                return self.qp_msg(host, HostMsg::QpGone { qp });
+            }
+            Note::TellQpGone { host, qp } => {
+                if let Some(h) = self.hosts.as_mut() {
+                    h.send_to(host, &HostMsg::QpGone { qp });
+                }
+                return;
+            }
+            _ => {}
+        }
         if let Note::QpBroken { key, why } = n {
             self.say(&format!(
                 "QP {:#x} of node {}: its peer on another host is cut off ({why})",

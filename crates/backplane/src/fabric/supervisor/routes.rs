@@ -379,7 +379,9 @@ impl Sup {
                 ));
                 self.routes_host_gone(host);
             }
-            n @ Note::QpBroken { .. } => self.qp_note(n),
+            n @ (Note::QpBroken { .. } | Note::PeerQpGone { .. } | Note::TellQpGone { .. }) => {
+                self.qp_note(n)
+            }
         }
     }
 
