@@ -188,6 +188,16 @@ impl Hosts {
         assert!(o.status.success(), "up on h{k}: {}", stderr(&o));
     }
 
+    /// `kill -9` of host k's supervisor (the host stops answering at once).
+    fn kill_supervisor(&self, k: usize) {
+        let pid = self.status(k)["supervisor_pid"].as_i64().unwrap() as i32;
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(pid).unwrap(),
+            rustix::process::Signal::KILL,
+        )
+        .unwrap();
+    }
+
     fn down(&self, k: usize) {
         let _ = self.bp(k, &["down", "--name", &self.fabric]);
     }
@@ -355,12 +365,7 @@ fn two_hosts_join_lose_each_other_and_rejoin_with_new_generations() {
     // h1's supervisor is killed: seen at once (UCX reports the closed connection); h1 comes
     // back after `down` cleans up what it left.
     let gen4 = h.slot(0, 4).2;
-    let pid = h.status(1)["supervisor_pid"].as_i64().unwrap() as i32;
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(pid).unwrap(),
-        rustix::process::Signal::KILL,
-    )
-    .unwrap();
+    h.kill_supervisor(1);
     let took = h.wait_slot(0, 4, "DOWN", Some("host_lost"));
     eprintln!("h0 saw h1 lost after {took:?} (supervisor killed)");
     h.down(1);
@@ -829,12 +834,7 @@ fn a_sender_to_a_host_that_dies_gets_an_error_not_a_hang() {
         (h.status(1)["slots"][1]["rx_msgs"].as_u64().unwrap_or(0) > 1000).then_some(())
     });
     assert!(flowing.is_some(), "no traffic across: {}", h.status(1));
-    let pid = h.status(1)["supervisor_pid"].as_i64().unwrap() as i32;
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(pid).unwrap(),
-        rustix::process::Signal::KILL,
-    )
-    .unwrap();
+    h.kill_supervisor(1);
     assert!(finish(tx, "the sender").success(), "the sender failed");
     let _ = finish(rx, "the receiver");
     h.down(1);
@@ -1268,12 +1268,7 @@ fn an_rc_peer_whose_host_is_lost_fails_outstanding_work_with_retry_exc_err() {
     let client = h.spawn_role(0, test_fn, "loss_client");
     let talking = wait_for(Duration::from_secs(30), || marker.exists().then_some(()));
     assert!(talking.is_some(), "the pair never talked");
-    let pid = h.status(1)["supervisor_pid"].as_i64().unwrap() as i32;
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(pid).unwrap(),
-        rustix::process::Signal::KILL,
-    )
-    .unwrap();
+    h.kill_supervisor(1);
     let ok = finish(client, "the client").success();
     let _ = server.kill();
     let _ = server.wait();
