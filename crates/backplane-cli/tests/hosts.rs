@@ -762,10 +762,13 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
             let o = exec(k, from, &["ping", "-c", "1", "-W", "2", to]);
             o.status.success().then_some(())
         });
+        // (On failure, both hosts' status too: which endpoints and counters moved.)
         assert!(
             first.is_some(),
-            "no ping {to} from node {from}:\n{}",
-            h.logs()
+            "no ping {to} from node {from}:\n{}\n--- h0: {}\n--- h1: {}",
+            h.logs(),
+            h.status(0),
+            h.status(1)
         );
         let o = exec(k, from, &["ping", "-c", "3", "-i", "0.2", "-W", "5", to]);
         assert!(
