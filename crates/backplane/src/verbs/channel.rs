@@ -104,7 +104,13 @@ impl ChannelShared {
         let Some(a) = g.armed.iter_mut().find(|a| a.cq == more.cq) else {
             return false;
         };
-        a.watch.extend(more.watch);
+        // A word already watched keeps the value it was armed with (a poll loop that extends
+        // again and again adds nothing).
+        for w in more.watch {
+            if !a.watch.iter().any(|x| same_word(x, &w)) {
+                a.watch.push(w);
+            }
+        }
         a.deadline = match (a.deadline, more.deadline) {
             (Some(x), Some(y)) => Some(x.min(y)),
             (x, y) => x.or(y),
@@ -202,6 +208,16 @@ impl ChannelShared {
             wait_any(&words, until);
         }
         self.bell_armed.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Whether two watches look at the same word the same way.
+fn same_word(a: &Watch, b: &Watch) -> bool {
+    match (a, b) {
+        (Watch::Moved { word: x, .. }, Watch::Moved { word: y, .. }) => std::ptr::eq(&**x, &**y),
+        (Watch::Flag(x), Watch::Flag(y))
+        | (Watch::Bell { word: x, .. }, Watch::Bell { word: y, .. }) => std::ptr::eq(&**x, &**y),
+        _ => false,
     }
 }
 
