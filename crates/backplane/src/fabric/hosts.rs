@@ -29,7 +29,7 @@ use toml::Spanned;
 use crate::wire::MAX_NODES;
 
 /// What the supervisors of one fabric speak to each other; bumped on any change.
-pub const HOSTS_PROTOCOL: u32 = 2;
+pub const HOSTS_PROTOCOL: u32 = 3;
 /// How often a host reports its slots to every joined host (the heartbeat).
 pub const REPORT_PERIOD_MS: u64 = 100;
 /// A joined host not heard from for this long is lost: its nodes go DOWN (`host-lost`).
@@ -488,6 +488,21 @@ pub enum HostMsg {
         qp: (u32, u32),
         /// Its peer on the asked host.
         peer: (u32, u32),
+        /// The region.
+        rkey: u32,
+    },
+    /// Asks for region `rkey` of the asked host's node `node` for the DMA engines of a
+    /// process on the asking host's node `from.0`, through the DMA pair `from` (node, a QPN
+    /// with [`crate::wire::verbs::DMA_PAIR_QPN`]): checked as a DMA grant on one host (the
+    /// region allows remote access), mapped by the asked host's bridge. `MrOpened` or
+    /// `MrRefused` answers.
+    GrantDma {
+        /// The asking host's number for the request.
+        tag: u64,
+        /// The DMA pair on the asking host (its node, its number).
+        from: (u32, u32),
+        /// The region's node (the asked host's).
+        node: u32,
         /// The region.
         rkey: u32,
     },

@@ -293,7 +293,7 @@ impl Bridge {
                 }
                 let _ = port_tx.send(Ok(link.listen_port()));
                 let worker = Worker {
-                    link,
+                    link: SeqLink::new(link),
                     me,
                     cmds: rx,
                     notes: note_tx,
@@ -365,8 +365,167 @@ impl Drop for Bridge {
     }
 }
 
-struct Worker {
+/// The data link with its messages in order. UCX does not keep one endpoint's active messages
+/// in order: on TCP under load, the `HELLO` sent right after connecting was seen to arrive
+/// after the datagrams sent a few milliseconds later, which were then dropped as coming from
+/// no known host — the route's first sequence number lost, the route stalled for good (the
+/// flaky IP-across-hosts test). So every message carries its endpoint's sequence number (head
+/// bytes 4..8) and the receiver takes them in that order, holding the early ones.
+struct SeqLink {
     link: Link,
+    next_out: HashMap<EpId, u32>,
+    inbound: HashMap<EpId, Reorder<backplane_ucx::Bytes>>,
+}
+
+/// Bytes of early messages held for one endpoint before its link is given up: more than any
+/// peer keeping its windows has in flight.
+const HELD_MAX: usize = 64 << 20;
+
+impl SeqLink {
+    fn new(link: Link) -> Self {
+        Self {
+            link,
+            next_out: HashMap::new(),
+            inbound: HashMap::new(),
+        }
+    }
+
+    /// Sends `head` (a [`HEAD`]-byte head) with the endpoint's next sequence number, then
+    /// `body`; the number is used only if UCX took the message.
+    fn send2(
+        &mut self,
+        ep: EpId,
+        head: &[u8; HEAD],
+        body: &[u8],
+    ) -> Result<(), backplane_ucx::Error> {
+        let seq = self.next_out.entry(ep).or_insert(0);
+        let mut h = *head;
+        h[4..8].copy_from_slice(&seq.to_le_bytes());
+        self.link.send2(ep, &h, body)?;
+        *seq = seq.wrapping_add(1);
+        Ok(())
+    }
+
+    fn connect(&mut self, addr: SocketAddr) -> Result<EpId, backplane_ucx::Error> {
+        let ep = self.link.connect(addr)?;
+        self.forget(ep);
+        Ok(ep)
+    }
+
+    fn close(&mut self, ep: EpId) {
+        self.link.close(ep);
+        self.forget(ep);
+    }
+
+    /// Endpoint numbers are reused: a new endpoint starts from sequence number 0.
+    fn forget(&mut self, ep: EpId) {
+        self.next_out.remove(&ep);
+        self.inbound.remove(&ep);
+    }
+
+    /// UCX's events, each endpoint's messages in the order they were sent (early ones held).
+    /// An endpoint that holds too much, or sends a message without a head, fails.
+    fn poll(&mut self) -> Vec<Event> {
+        let mut out = Vec::new();
+        for ev in self.link.poll() {
+            match ev {
+                Event::Accepted(ep) => {
+                    self.forget(ep);
+                    out.push(Event::Accepted(ep));
+                }
+                Event::Message(Some(ep), msg) => {
+                    let seq = msg
+                        .get(4..8)
+                        .filter(|_| msg.len() >= HEAD)
+                        .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
+                    let r = self
+                        .inbound
+                        .entry(ep)
+                        .or_insert_with(|| Reorder::new(HELD_MAX));
+                    let len = msg.len();
+                    match seq.map(|seq| r.arrive(seq, msg, len)) {
+                        Some(Ok(ready)) => {
+                            out.extend(ready.into_iter().map(|m| Event::Message(Some(ep), m)))
+                        }
+                        // (UCS_ERR_EXCEEDS_LIMIT: "Exceeds limit" in the log.)
+                        _ => out.push(Event::Failed(
+                            ep,
+                            backplane_ucx::Error {
+                                status: -21,
+                                what: "messages out of order beyond what a peer has in flight"
+                                    .into(),
+                            },
+                        )),
+                    }
+                }
+                ev => out.push(ev),
+            }
+        }
+        out
+    }
+}
+
+impl std::ops::Deref for SeqLink {
+    type Target = Link;
+    fn deref(&self) -> &Link {
+        &self.link
+    }
+}
+
+impl std::ops::DerefMut for SeqLink {
+    fn deref_mut(&mut self) -> &mut Link {
+        &mut self.link
+    }
+}
+
+/// One sender's messages put back in order by their sequence numbers (wrapping u32).
+struct Reorder<T> {
+    next: u32,
+    held: HashMap<u32, (T, usize)>,
+    held_bytes: usize,
+    max_bytes: usize,
+}
+
+impl<T> Reorder<T> {
+    fn new(max_bytes: usize) -> Self {
+        Self {
+            next: 0,
+            held: HashMap::new(),
+            held_bytes: 0,
+            max_bytes,
+        }
+    }
+
+    /// Message `seq` (of `len` bytes) arrived: the messages now deliverable, in order (none if
+    /// it is early; a number already taken is a duplicate and dropped). `Err` if holding it
+    /// would pass the limit.
+    fn arrive(&mut self, seq: u32, msg: T, len: usize) -> Result<Vec<T>, ()> {
+        let ahead = seq.wrapping_sub(self.next);
+        if ahead >= 1 << 31 {
+            return Ok(Vec::new()); // behind: a duplicate
+        }
+        if ahead > 0 {
+            if self.held_bytes + len > self.max_bytes {
+                return Err(());
+            }
+            if self.held.insert(seq, (msg, len)).is_none() {
+                self.held_bytes += len;
+            }
+            return Ok(Vec::new());
+        }
+        let mut out = vec![msg];
+        self.next = self.next.wrapping_add(1);
+        while let Some((msg, len)) = self.held.remove(&self.next) {
+            self.held_bytes -= len;
+            out.push(msg);
+            self.next = self.next.wrapping_add(1);
+        }
+        Ok(out)
+    }
+}
+
+struct Worker {
+    link: SeqLink,
     me: usize,
     cmds: mpsc::Receiver<Cmd>,
     notes: mpsc::Sender<Note>,
@@ -1119,6 +1278,33 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reorder_gives_each_message_once_in_order_across_the_wrap() {
+        let mut r = Reorder::new(100);
+        assert_eq!(r.arrive(0, 'a', 1), Ok(vec!['a']));
+        // Early ones are held until the gap fills; a duplicate is dropped.
+        assert_eq!(r.arrive(3, 'd', 1), Ok(vec![]));
+        assert_eq!(r.arrive(2, 'c', 1), Ok(vec![]));
+        assert_eq!(r.arrive(0, 'x', 1), Ok(vec![]));
+        assert_eq!(r.arrive(1, 'b', 1), Ok(vec!['b', 'c', 'd']));
+        assert_eq!(r.held_bytes, 0);
+        // Across u32's wrap.
+        r.next = u32::MAX - 1;
+        assert_eq!(r.arrive(0, 'g', 1), Ok(vec![]));
+        assert_eq!(r.arrive(u32::MAX, 'f', 1), Ok(vec![]));
+        assert_eq!(r.arrive(u32::MAX - 1, 'e', 1), Ok(vec!['e', 'f', 'g']));
+        assert_eq!(r.next, 1);
+    }
+
+    #[test]
+    fn reorder_refuses_to_hold_more_than_its_limit() {
+        let mut r = Reorder::new(10);
+        assert_eq!(r.arrive(1, 1, 6), Ok(vec![]));
+        assert_eq!(r.arrive(2, 2, 5), Err(()));
+        assert_eq!(r.arrive(2, 2, 4), Ok(vec![]));
+        assert_eq!(r.arrive(0, 0, 100), Ok(vec![0, 1, 2]));
+    }
 
     fn batch(items: &[&[u8]]) -> Vec<u8> {
         let mut m = head(KIND_BATCH, 7, 100).to_vec();
