@@ -984,6 +984,8 @@ fn rdma_role(role: &str) {
             let ctl = pd.alloc_mr(64 * 16, AccessFlags::LOCAL_WRITE).unwrap();
             let mr = pd.alloc_mr(1 << 20, all).unwrap();
             mr.write(0, &pattern(1, 1 << 20)).unwrap();
+            // A second region, deregistered when the client says "drop2".
+            let mut mr2 = Some(pd.alloc_mr(64 << 10, all).unwrap());
             cm::init_qp(&qp, &ConnParam::default()).unwrap();
             for i in 0..16 {
                 qp.post_recv(&[RecvWr {
@@ -1021,6 +1023,11 @@ fn rdma_role(role: &str) {
                         let msg = String::from_utf8_lossy(&msg).to_string();
                         if msg == "ping" {
                             b"pong".to_vec()
+                        } else if msg == "rkey2" {
+                            format!("{}", mr2.as_ref().map_or(0, |m| m.rkey())).into_bytes()
+                        } else if msg == "drop2" {
+                            mr2 = None;
+                            b"dropped".to_vec()
                         } else if msg == "last" {
                             // The client's last check (a bad rkey) follows: stay registered
                             // while it runs, then go.
@@ -1160,6 +1167,16 @@ fn rdma_role(role: &str) {
                 .unwrap();
             assert_eq!(take(&|w| w.wr_id == 6).status, WcStatus::Success);
             assert_eq!(mr.to_vec(8192, 8).unwrap(), 42u64.to_le_bytes(), "swapped");
+            // DMA jobs (no QP) on the server's region, two engines splitting the pieces.
+            let rkey2 = String::from_utf8(say(b"rkey2", &mut take)).unwrap();
+            let rkey2: u32 = rkey2.parse().unwrap();
+            let dma = dma_across_hosts(&ctx, &mr, rkey, rkey2, &pattern);
+            assert_eq!(say(b"check 250000", &mut take), b"check true");
+            // A region deregistered by its owner after the grant: a job's WRITE to it fails
+            // (it completes only once the owner's host answered), and so does a READ.
+            assert_eq!(say(b"drop2", &mut take), b"dropped");
+            dma(10, rkey2, true, backplane::dma::DmaStatus::RegionGone);
+            dma(11, rkey2, false, backplane::dma::DmaStatus::RegionGone);
             // An rkey the server never registered: the owner's host refuses it.
             assert_eq!(say(b"last", &mut take), b"ok");
             qp.post_send(&[SendWr::write(9, &[mr.sge(0, 8)], 0, rkey ^ 0x5a5a).signaled()])
@@ -1169,6 +1186,83 @@ fn rdma_role(role: &str) {
         "loss_server" | "loss_client" => rdma_loss_role(role, &f),
         _ => unreachable!(),
     }
+}
+
+/// The DMA part of the cross-host verbs client: node 2's region `rkey` (1 MiB, pattern 1 from
+/// 300 000 on) read into `mr` by one job, pattern 2 written over its first 250 000 bytes by
+/// a job of two segments (the server checks them after), an unknown rkey refused, a WRITE to
+/// region `rkey2` (64 KiB). Returns a way to run more jobs: (id, rkey, write?) one 8-byte
+/// segment between `mr` and that region of node 2, its status checked.
+fn dma_across_hosts<'a>(
+    ctx: &backplane::verbs::Context,
+    mr: &'a backplane::verbs::Mr,
+    rkey: u32,
+    rkey2: u32,
+    pattern: &dyn Fn(usize, usize) -> Vec<u8>,
+) -> impl Fn(u64, u32, bool, backplane::dma::DmaStatus) + 'a {
+    use backplane::dma::*;
+    let cfg = DmaConfig {
+        engines: 2,
+        ..DmaConfig::default()
+    };
+    let engines = DmaEngines::start(&cfg).unwrap();
+    let q = DmaQueue::new(ctx, &engines, 16);
+    let run = move |id: u64, segs: &[Segment]| -> DmaWc {
+        q.submit(&Job::new(id, segs)).unwrap();
+        assert_eq!(q.wait(1, Some(Duration::from_secs(30))), 1, "job {id}");
+        let mut wc = [DmaWc::default(); 1];
+        assert_eq!(q.poll(&mut wc), 1);
+        wc[0]
+    };
+    let remote = Mem::Remote { node: 2, rkey };
+    let (from, n) = (300_000u64, (1 << 20) - 300_000u64);
+    let read = [Segment {
+        src: remote,
+        src_off: from,
+        dst: Mem::local(mr),
+        dst_off: 0,
+        len: n,
+    }];
+    let wc = run(1, &read);
+    assert!(wc.status.is_ok(), "DMA read: {wc:?}");
+    assert_eq!(wc.bytes, n);
+    let want = pattern(1, 1 << 20);
+    assert!(
+        mr.to_vec(0, n as usize).unwrap() == want[from as usize..],
+        "DMA read data"
+    );
+    mr.write(0, &pattern(2, 250_000)).unwrap();
+    let half = 125_000;
+    let write = [0, half].map(|at| Segment {
+        src: Mem::local(mr),
+        src_off: at,
+        dst: remote,
+        dst_off: at,
+        len: half,
+    });
+    let wc = run(2, &write);
+    assert!(wc.status.is_ok(), "DMA write: {wc:?}");
+    let one = move |id: u64, rkey: u32, write: bool, want: DmaStatus| {
+        let _keep = &engines; // the engines run as long as the queue is used
+        let (local, remote) = (Mem::local(mr), Mem::Remote { node: 2, rkey });
+        let (src, dst) = if write {
+            (local, remote)
+        } else {
+            (remote, local)
+        };
+        let seg = Segment {
+            src,
+            src_off: 0,
+            dst,
+            dst_off: 0,
+            len: 8,
+        };
+        let wc = run(id, &[seg]);
+        assert_eq!(wc.status, want, "{wc:?}");
+    };
+    one(3, rkey ^ 0x5a5a, false, DmaStatus::NoGrant);
+    one(4, rkey2, true, DmaStatus::Success);
+    one
 }
 
 /// The marker file the loss client makes once its QP talks to the other host.

@@ -552,6 +552,36 @@ fn copy_piece(src: &End, dst: &End, off: u64, n: usize, stream: bool) -> Result<
     }
 }
 
+/// How long a piece waits for its puts to a region on another host to land (its host is
+/// seen gone within a second; this bounds a host that stops answering otherwise).
+const SETTLE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// Waits until the puts made so far to `end` landed, if it is a region whose transport
+/// carries puts out later (on another host): `RegionGone` if its owner refused them,
+/// `NodeDown` if no answer came in time.
+fn settle(end: &End) -> Result<(), DmaStatus> {
+    let End::Remote(r, _) = end else {
+        return Ok(());
+    };
+    let Some(ticket) = r.ticket() else {
+        return Ok(());
+    };
+    let deadline = Instant::now() + SETTLE_PATIENCE;
+    let mut polls = 0u32;
+    loop {
+        match r.settled(ticket) {
+            Some(true) => return Ok(()),
+            Some(false) => return Err(DmaStatus::RegionGone),
+            None if Instant::now() >= deadline => return Err(DmaStatus::NodeDown),
+            // The answer crosses two bridges and a network: a round trip of tens of µs at
+            // best, so after a few polls the engine sleeps between looks.
+            None if polls < 64 => std::thread::yield_now(),
+            None => std::thread::sleep(Duration::from_micros(20)),
+        }
+        polls += 1;
+    }
+}
+
 /// A segment after the checks: its source and destination, of `len` bytes each.
 #[derive(Clone)]
 struct Resolved {
@@ -662,10 +692,27 @@ impl JobRun {
             // here means a check disagreed, and the piece fails rather than copy.
             let copied = copy_piece(&s.src, &s.dst, off, len as usize, self.stream);
             if copied.is_err() {
-                self.fail(DmaStatus::OutOfBounds, p.seg);
+                // A region on another host refuses a get when its owner does (deregistered)
+                // or its host went: say which rather than "out of bounds".
+                let across = |e: &End| matches!(e, End::Remote(r, _) if r.ticket().is_some());
+                let s = if across(&s.src) || across(&s.dst) {
+                    self.live().err().unwrap_or(DmaStatus::RegionGone)
+                } else {
+                    DmaStatus::OutOfBounds
+                };
+                self.fail(s, p.seg);
                 return;
             }
             n += len;
+        }
+        // Puts to a region on another host return once queued: the piece is done when they
+        // landed.
+        for s in segs {
+            if let Err(st) = settle(&s.dst) {
+                let st = self.live().err().unwrap_or(st);
+                self.fail(st, p.seg);
+                return;
+            }
         }
         // A node that died while we copied: the bytes went to a dead node's memory.
         if let Err(s) = self.live() {

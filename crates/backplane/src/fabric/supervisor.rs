@@ -523,6 +523,7 @@ impl Sup {
             self.close_endpoint(key);
         }
         self.with_service(|s, h| s.client_gone(h, id));
+        self.dma_client_gone(id);
         self.clients.remove(&id);
     }
 
@@ -589,7 +590,11 @@ impl Sup {
     fn handle_service(&mut self, id: u64, req: serde_json::Value, fds: Vec<OwnedFd>) {
         let hello_done = self.clients.get(&id).is_some_and(|c| c.pid != 0);
         // A QP connecting to a QP on another host is answered once that host agreed.
-        if hello_done && (self.connect_across(id, &req) || self.grant_across(id, &req)) {
+        if hello_done
+            && (self.connect_across(id, &req)
+                || self.grant_across(id, &req)
+                || self.dma_across(id, &req))
+        {
             return;
         }
         self.serve_service(id, req, fds);

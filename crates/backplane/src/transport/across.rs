@@ -306,7 +306,8 @@ impl AcrossRegion {
         }
         p.bell.wake();
         if let Some(id) = last {
-            self.issued.store(id, Ordering::Relaxed);
+            // (Engines of one process may put at once: the ticket never goes back.)
+            self.issued.fetch_max(id, Ordering::Relaxed);
         }
         Ok(())
     }

@@ -151,6 +151,26 @@ fn invalid(m: impl Into<String>) -> Failure {
 }
 
 /// A QP block can be made for this transport and ring size.
+/// A grant for another host's bridge (the region's memfd and what it allows).
+fn remote_grant(granted: (VerbsResponse, Option<OwnedFd>)) -> Result<RemoteGrant, Failure> {
+    match granted {
+        (
+            VerbsResponse::MrGranted {
+                len,
+                access,
+                writable,
+            },
+            Some(fd),
+        ) => Ok(RemoteGrant {
+            len,
+            access,
+            writable,
+            fd,
+        }),
+        _ => Err(invalid("no region")),
+    }
+}
+
 fn check_qp_shape(qp_type: u32, ring_len: u32) -> Result<(), Failure> {
     if qp_type != 2 && qp_type != 3 {
         return Err(invalid(format!("QP type {qp_type} has no QP block")));
@@ -260,6 +280,12 @@ impl Registry {
                 dest_qpn,
             } => {
                 host.ready_slot(slot)?;
+                if dest_qpn & DMA_PAIR_QPN != 0 {
+                    return Err((
+                        ErrorKind::NotFound,
+                        format!("node {dest_slot} has no QP {dest_qpn:#x}"),
+                    ));
+                }
                 // A shadow stands for a QP of another host (mirrored by the bridge).
                 if self
                     .qps
@@ -683,26 +709,47 @@ impl Service for Registry {
                 ))
             })?;
         let owner = self.qps.get(&peer).map(|pq| (pq.client, pq.pd));
-        let (resp, fd) = self.grant_region(rkey, "of the peer's protection domain", |mr| {
-            owner
-                .is_some_and(|(client, pd)| mr.client == client && mr.pd == pd && mr.slot == peer.0)
-        })?;
-        match (resp, fd) {
-            (
-                VerbsResponse::MrGranted {
-                    len,
-                    access,
-                    writable,
-                },
-                Some(fd),
-            ) => Ok(RemoteGrant {
-                len,
-                access,
-                writable,
-                fd,
-            }),
-            _ => Err(invalid("no region")),
-        }
+        remote_grant(
+            self.grant_region(rkey, "of the peer's protection domain", |mr| {
+                owner.is_some_and(|(client, pd)| {
+                    mr.client == client && mr.pd == pd && mr.slot == peer.0
+                })
+            })?,
+        )
+    }
+
+    fn dma_grant_of(&self, client: u64, req: &serde_json::Value) -> Option<(u32, u32, u32)> {
+        let Ok(VerbsRequest::DmaGrant { slot, node, rkey }) = VerbsRequest::deserialize(req) else {
+            return None;
+        };
+        self.ctxs
+            .iter()
+            .any(|c| c.client == client && c.slot == slot)
+            .then_some((slot, node, rkey))
+    }
+
+    fn grant_for_dma(&mut self, node: u32, rkey: u32) -> Result<RemoteGrant, Failure> {
+        remote_grant(self.grant_region(rkey, &format!("on node {node}"), |mr| mr.slot == node)?)
+    }
+
+    fn dma_reply(
+        &self,
+        pair: &QpSide,
+        grant: (u64, u32, bool, u64),
+    ) -> Result<serde_json::Value, Failure> {
+        let (len, access, writable, iova) = grant;
+        let resp = VerbsResponse::MrAcross {
+            len,
+            access,
+            writable,
+            iova,
+            peer_slot: pair.slot,
+            peer_qpn: pair.qpn,
+            rdma_off: pair.rdma_off,
+            ring_len: rdma_ring_len(pair.ring_len),
+            event_off: pair.event_off,
+        };
+        serde_json::to_value(resp).map_err(|e| invalid(e.to_string()))
     }
 
     fn across_reply(

@@ -203,6 +203,10 @@ pub struct QpBlockRepr {
 
 /// Smallest ring a QP block may have: two largest fragments plus headers.
 pub const QP_MIN_RING: u32 = 256 * 1024;
+/// The QPN bit of a *DMA pair* across hosts (a process's DMA engines reaching a region on
+/// another host, with no QP): the one-sided area of a shadow with such a number, which no QP
+/// may connect to (QPNs of queue pairs are 24-bit).
+pub const DMA_PAIR_QPN: u32 = 1 << 31;
 /// Largest ring a QP block may have.
 pub const QP_MAX_RING: u32 = 64 << 20;
 

@@ -409,6 +409,7 @@ impl Sup {
                         | HostMsg::QpRefused { .. }
                         | HostMsg::QpGone { .. }
                         | HostMsg::GrantMr { .. }
+                        | HostMsg::GrantDma { .. }
                         | HostMsg::MrOpened { .. }
                         | HostMsg::MrRefused { .. })
                             if h.peers[i].state == PeerState::Joined =>

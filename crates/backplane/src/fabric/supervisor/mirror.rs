@@ -37,11 +37,11 @@ use crate::sync::Ordering;
 use crate::transport::shm::{ShmReceiver, ShmRegion, ShmRing, ShmSender};
 use crate::transport::{CopyKind, RecvChannel, RemoteRegion, SendChannel};
 use crate::wire::verbs::{
-    rdma_ring_len, EV_ARMED_OFF, EV_BELL_OFF, QP_ACCESS_OFF, QP_ACK_OFF, QP_CREDITS_OFF,
-    QP_NAK_OFF, QP_PEER_ERR_OFF, QP_PEER_RNR_OFF, QP_RING_OFF, QP_TAIL_OFF, RDMA_DONE_OFF,
-    RDMA_FAILED_OFF, RDMA_GONE_OFF, RDMA_OP_CMP_SWAP, RDMA_OP_FETCH_ADD, RDMA_OP_READ,
-    RDMA_OP_WRITE, RDMA_PIECE, RDMA_REQ_HEAD, RDMA_REQ_HEAD_OFF, RDMA_REQ_TAIL_OFF, RDMA_RESP_HEAD,
-    RDMA_RESP_HEAD_OFF, RDMA_RESP_TAIL_OFF, RDMA_RING_OFF,
+    rdma_footprint, rdma_ring_len, QpBlockRepr, EV_ARMED_OFF, EV_BELL_OFF, EV_LEN, QP_ACCESS_OFF,
+    QP_ACK_OFF, QP_CREDITS_OFF, QP_MIN_RING, QP_NAK_OFF, QP_PEER_ERR_OFF, QP_PEER_RNR_OFF,
+    QP_RING_OFF, QP_TAIL_OFF, RDMA_DONE_OFF, RDMA_FAILED_OFF, RDMA_GONE_OFF, RDMA_OP_CMP_SWAP,
+    RDMA_OP_FETCH_ADD, RDMA_OP_READ, RDMA_OP_WRITE, RDMA_PIECE, RDMA_REQ_HEAD, RDMA_REQ_HEAD_OFF,
+    RDMA_REQ_TAIL_OFF, RDMA_RESP_HEAD, RDMA_RESP_HEAD_OFF, RDMA_RESP_TAIL_OFF, RDMA_RING_OFF,
 };
 
 /// `IBV_ACCESS_REMOTE_WRITE`, `_READ`, `_ATOMIC`.
@@ -76,6 +76,31 @@ pub(super) struct QpBlock {
     /// A shadow's one-sided area (ignored for the local QP's block).
     pub(super) rdma_off: u64,
 }
+
+/// A block no QP uses, in memory of the bridge's own, for an end of a *DMA pair* (a
+/// process's DMA engines reaching a region of another host): the requesting end has no QP of
+/// its own, the region's end neither a QP nor requests of its own. A mirror of two such ends
+/// carries only one-sided requests and their answers. `access` is the end's QP access word:
+/// every remote right at the region's end (the region's own flags decide, as for a DMA grant
+/// on one host), none at the other.
+pub(super) fn bare_block(access: u32) -> Result<QpBlock, MemError> {
+    let ring_len = QP_MIN_RING;
+    let rdma_off = QpBlockRepr::footprint(ring_len).next_multiple_of(4096);
+    let event_off = rdma_off + rdma_footprint(ring_len);
+    let len = usize::try_from(event_off + EV_LEN).expect("a few MiB");
+    let win = Arc::new(Region::create("bp-dma-pair", len)?);
+    Word32::at(&win, QP_ACCESS_OFF as u64)?.store(access, Ordering::Release);
+    Ok(QpBlock {
+        win,
+        off: 0,
+        ring_len,
+        event_off,
+        rdma_off,
+    })
+}
+
+/// Every remote right: the access word of a DMA pair's end at the region.
+pub(super) const DMA_TARGET_ACCESS: u32 = REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC;
 
 /// The one-sided area of the shadow: the local QP's requests and their answers.
 struct Rdma {

@@ -11,6 +11,10 @@ use super::bridge::{Cmd, Note};
 use super::mirror::QpBlock;
 use super::*;
 use crate::fabric::hosts::HostMsg;
+use crate::wire::verbs::{DMA_PAIR_QPN, QP_MIN_RING, RDMA_GONE_OFF};
+
+/// `IBV_QPT_RC`: the type a DMA pair's shadow is made as (it has no QP to match).
+const QP_TYPE_RC: u32 = 2;
 
 /// How long a connecting QP waits for the other host to answer.
 const QP_PATIENCE: Duration = Duration::from_secs(5);
@@ -36,6 +40,14 @@ enum AskedFor {
         peer: (u32, u32),
         rkey: u32,
     },
+    /// A region `rkey` of node `node`, for the DMA engines of a process on our node `slot`,
+    /// through the DMA pair numbered `pair`.
+    Dma {
+        slot: u32,
+        node: u32,
+        rkey: u32,
+        pair: u32,
+    },
 }
 
 impl AskedFor {
@@ -47,6 +59,9 @@ impl AskedFor {
             AskedFor::Grant { peer, rkey, .. } => {
                 format!("region {rkey:#x} of QP {:#x} of node {}", peer.1, peer.0)
             }
+            AskedFor::Dma { node, rkey, .. } => {
+                format!("the DMA grant of region {rkey:#x} of node {node}")
+            }
         }
     }
 }
@@ -57,6 +72,28 @@ pub(super) struct QpLinks {
     next: u64,
     /// Local QP → its peer on another host, and that host.
     pairs: HashMap<(u32, u32), ((u32, u32), usize)>,
+    /// DMA pairs of this host's processes, by (client, its node, region's node, rkey).
+    dma: HashMap<(u64, u32, u32, u32), DmaPair>,
+    /// The next DMA pair's number (below [`DMA_PAIR_QPN`], with this host's index above).
+    dma_next: u32,
+    /// The region's ends of other hosts' DMA pairs here: (node, pair) → the requester's host.
+    dma_targets: HashMap<(u32, u32), usize>,
+}
+
+/// A process's way to one region of another host for its DMA engines: a shadow (of no QP)
+/// whose one-sided area its transport writes requests into, mirrored by the bridge to the
+/// region's host. One per region, so that a region that fails (deregistered, say) fails only
+/// its own accesses.
+struct DmaPair {
+    host: usize,
+    /// The shadow here (node = the region's, QPN with [`DMA_PAIR_QPN`]).
+    shadow: QpSide,
+    /// The requester's end (its node, the same number).
+    local: (u32, u32),
+    grant: (u64, u32, bool, u64),
+    /// False once its host or the pair went: a new grant makes a new pair (the old one's
+    /// area stays until its process goes, which may still hold it).
+    alive: bool,
 }
 
 impl QpLinks {
@@ -65,6 +102,9 @@ impl QpLinks {
             asked: HashMap::new(),
             next: 1,
             pairs: HashMap::new(),
+            dma: HashMap::new(),
+            dma_next: 1,
+            dma_targets: HashMap::new(),
         }
     }
 }
@@ -179,6 +219,223 @@ impl Sup {
         true
     }
 
+    /// A DMA grant of a region of another host's node: through a DMA pair to that host (made
+    /// once the host granted the region; true: the client is answered later, or now).
+    pub(super) fn dma_across(&mut self, id: u64, req: &serde_json::Value) -> bool {
+        if self.hosts.is_none() {
+            return false;
+        }
+        let Some((slot, node, rkey)) = self.verbs.dma_grant_of(id, req) else {
+            return false;
+        };
+        let Some(host) = self.remote_host(node) else {
+            return false;
+        };
+        let st = self.life[node as usize - 1].state();
+        if st != NodeState::Ready || self.ready_slot(slot).is_err() {
+            let (kind, message) = self.ready_slot(slot).err().unwrap_or((
+                ErrorKind::NodeDown,
+                format!("node {node} is {st}, not READY"),
+            ));
+            self.reply(id, &Response::Error { kind, message }, &[]);
+            return true;
+        }
+        if let Some(p) = self
+            .qps
+            .dma
+            .get(&(id, slot, node, rkey))
+            .filter(|p| p.alive)
+        {
+            let r = match self.verbs.dma_reply(&p.shadow, p.grant) {
+                Ok(v) => Response::Service(v),
+                Err((kind, message)) => Response::Error { kind, message },
+            };
+            self.reply(id, &r, &[]);
+            return true;
+        }
+        let me = self.hosts.as_ref().map_or(0, |h| h.plan.me) as u32;
+        let pair = DMA_PAIR_QPN | (me & 0x7f) << 24 | (self.qps.dma_next & 0xff_ffff);
+        self.qps.dma_next = self.qps.dma_next.wrapping_add(1);
+        let what = AskedFor::Dma {
+            slot,
+            node,
+            rkey,
+            pair,
+        };
+        self.ask(id, host, what, |tag| HostMsg::GrantDma {
+            tag,
+            from: (slot, pair),
+            node,
+            rkey,
+        });
+        true
+    }
+
+    /// Host `i` asks for region `rkey` of our node `node` for its DMA pair `from`: granted as
+    /// a DMA grant here, the pair's end here made (a bare mirror) unless it exists, the region
+    /// handed to it.
+    fn dma_target(
+        &mut self,
+        i: usize,
+        from: (u32, u32),
+        node: u32,
+        rkey: u32,
+    ) -> Result<(u64, u32, bool, u64), (ErrorKind, String)> {
+        if self.remote_host(from.0) != Some(i)
+            || self.remote_host(node).is_some()
+            || from.1 & DMA_PAIR_QPN == 0
+        {
+            return Err((
+                ErrorKind::Invalid,
+                format!("node {node} is not this host's to grant DMA from"),
+            ));
+        }
+        self.ready_slot(node)?;
+        let g = self.verbs.grant_for_dma(node, rkey)?;
+        let (len, access, writable) = (g.len, g.access, g.writable);
+        let mr = crate::transport::shm::ShmRegion::from_fd(g.fd, len, access, writable)
+            .ok_or_else(|| {
+                (
+                    ErrorKind::Invalid,
+                    format!("region {rkey:#x} cannot be mapped or was deregistered"),
+                )
+            })?;
+        let iova = crate::transport::RemoteRegion::iova(&mr);
+        let ours = (node, from.1);
+        self.qps.dma_targets.insert(ours, i);
+        let bare = |a| {
+            super::mirror::bare_block(a)
+                .map_err(|e| (ErrorKind::Invalid, format!("cannot make a DMA pair: {e}")))
+        };
+        let (local, shadow) = (bare(super::mirror::DMA_TARGET_ACCESS)?, bare(0)?);
+        if let Some(h) = &self.hosts {
+            // (A pair the bridge has already keeps going: only the region is added.)
+            h.bridge.send(Cmd::AddQp {
+                host: i,
+                local_key: ours,
+                remote_key: from,
+                local,
+                shadow,
+            });
+            h.bridge.send(Cmd::AddMr {
+                local_key: ours,
+                remote_key: from,
+                rkey,
+                mr: Arc::new(mr),
+            });
+        }
+        Ok((len, access, writable, iova))
+    }
+
+    /// The region's host granted it: the pair's shadow here, the bridge's mirror of it, the
+    /// client answered where the one-sided area is.
+    fn dma_opened(
+        &mut self,
+        client: u64,
+        host: usize,
+        asked: AskedFor,
+        grant: (u64, u32, bool, u64),
+    ) {
+        let AskedFor::Dma {
+            slot,
+            node,
+            rkey,
+            pair,
+        } = asked
+        else {
+            return;
+        };
+        let local = (slot, pair);
+        let made =
+            self.with_service(|s, h| s.shadow_qp(h, node, pair, QP_TYPE_RC, QP_MIN_RING, local));
+        let shadow = match made {
+            Ok(side) => side,
+            Err((kind, message)) => {
+                self.tell_dma_gone(host, local);
+                return self.reply(client, &Response::Error { kind, message }, &[]);
+            }
+        };
+        let block = match super::mirror::bare_block(0) {
+            Ok(b) => b,
+            Err(e) => {
+                self.tell_dma_gone(host, local);
+                self.with_service(|s, h| s.drop_shadow_qp(h, node, pair));
+                let message = format!("cannot make a DMA pair: {e}");
+                let r = Response::Error {
+                    kind: ErrorKind::Invalid,
+                    message,
+                };
+                return self.reply(client, &r, &[]);
+            }
+        };
+        let cmd = Cmd::AddQp {
+            host,
+            local_key: local,
+            remote_key: (node, pair),
+            local: block,
+            shadow: self.qp_block(&shadow),
+        };
+        if let Some(h) = &self.hosts {
+            h.bridge.send(cmd);
+        }
+        let r = match self.verbs.dma_reply(&shadow, grant) {
+            Ok(v) => Response::Service(v),
+            Err((kind, message)) => Response::Error { kind, message },
+        };
+        let p = DmaPair {
+            host,
+            shadow,
+            local,
+            grant,
+            alive: true,
+        };
+        self.qps.dma.insert((client, slot, node, rkey), p);
+        self.reply(client, &r, &[]);
+    }
+
+    /// The region's host is told the pair `local` is over (it drops its end).
+    fn tell_dma_gone(&mut self, host: usize, local: (u32, u32)) {
+        if let Some(h) = self.hosts.as_mut() {
+            h.send_to(host, &HostMsg::QpGone { qp: local });
+        }
+    }
+
+    /// A client went: its DMA pairs end on both hosts (the bridge says the last words and
+    /// that the pair is gone), their shadows go.
+    pub(super) fn dma_client_gone(&mut self, id: u64) {
+        let mine: Vec<_> = self.qps.dma.keys().filter(|k| k.0 == id).copied().collect();
+        for k in mine {
+            let Some(p) = self.qps.dma.remove(&k) else {
+                continue;
+            };
+            if let Some(h) = &self.hosts {
+                let host = p.alive.then_some(p.host);
+                h.bridge.send(Cmd::DropQp { key: p.local, host });
+            }
+            let (node, pair) = (p.shadow.slot, p.shadow.qpn);
+            self.with_service(|s, h| s.drop_shadow_qp(h, node, pair));
+        }
+        self.qps_destroyed();
+    }
+
+    /// The DMA pair named `key` (our end, or its shadow) ended — its host said so, the pair
+    /// broke, its host went: its accesses fail from now on (a new grant makes a new pair); the
+    /// area stays until its process goes.
+    fn dma_pair_gone(&mut self, key: (u32, u32)) {
+        for p in self.qps.dma.values_mut() {
+            if (p.shadow.slot, p.shadow.qpn) != key && p.local != key {
+                continue;
+            }
+            p.alive = false;
+            let win = &self.windows[p.shadow.slot as usize - 1];
+            let at = p.shadow.rdma_off + RDMA_GONE_OFF as u64;
+            if let Ok(w) = crate::mem::Word32::at(win, at) {
+                // SYNC POINT rdma-gone (release), as the bridge's `Mirror::fail`.
+                w.store(1, Ordering::Release);
+            }
+        }
+    }
+
     /// Host `i` asks for region `rkey` of our QP `peer` for its QP `qp`: granted by the
     /// service, mapped, handed to the bridge; what the reply says of it.
     fn grant_for(
@@ -271,6 +528,26 @@ impl Sup {
                     h.send_to(i, &reply);
                 }
             }
+            HostMsg::GrantDma {
+                tag,
+                from,
+                node,
+                rkey,
+            } => {
+                let reply = match self.dma_target(i, from, node, rkey) {
+                    Ok((len, access, writable, iova)) => HostMsg::MrOpened {
+                        tag,
+                        len,
+                        access,
+                        writable,
+                        iova,
+                    },
+                    Err((kind, message)) => HostMsg::MrRefused { tag, kind, message },
+                };
+                if let Some(h) = self.hosts.as_mut() {
+                    h.send_to(i, &reply);
+                }
+            }
             HostMsg::MrOpened {
                 tag,
                 len,
@@ -279,6 +556,9 @@ impl Sup {
                 iova,
             } => {
                 if let Some(a) = self.qps.asked.remove(&tag).filter(|a| a.host == i) {
+                    if let what @ AskedFor::Dma { .. } = a.what {
+                        return self.dma_opened(a.client, i, what, (len, access, writable, iova));
+                    }
                     if let AskedFor::Grant { qp, .. } = a.what {
                         let r = match self.verbs.across_reply(qp, (len, access, writable, iova)) {
                             Ok(v) => Response::Service(v),
@@ -286,6 +566,22 @@ impl Sup {
                         };
                         self.reply(a.client, &r, &[]);
                     }
+                }
+            }
+            // A DMA pair's end on the other host went: our end goes from the bridge (a
+            // requester's shadow here stays for its process, its accesses failing).
+            HostMsg::QpGone { qp }
+                if qp.1 & DMA_PAIR_QPN != 0 && self.remote_host(qp.0) == Some(i) =>
+            {
+                self.dma_pair_gone(qp);
+                self.qps
+                    .dma_targets
+                    .retain(|k, h| !(k.1 == qp.1 && *h == i));
+                if let Some(h) = &self.hosts {
+                    h.bridge.send(Cmd::DropQp {
+                        key: qp,
+                        host: None,
+                    });
                 }
             }
             HostMsg::QpGone { qp } if self.remote_host(qp.0) == Some(i) => {
@@ -420,10 +716,15 @@ impl Sup {
                 "QP {:#x} of node {}: its peer on another host is cut off ({why})",
                 key.1, key.0
             ));
-            if let Some((_, host)) = self.qps.pairs.remove(&key) {
+            let host = self.qps.pairs.remove(&key).map(|(_, h)| h);
+            let host = host.or_else(|| self.qps.dma_targets.remove(&key));
+            if let Some(host) = host {
                 if let Some(h) = self.hosts.as_mut() {
                     h.send_to(host, &HostMsg::QpGone { qp: key });
                 }
+            }
+            if key.1 & DMA_PAIR_QPN != 0 {
+                self.dma_pair_gone(key);
             }
         }
     }
@@ -456,6 +757,17 @@ impl Sup {
             }
         }
         self.qps.pairs.retain(|_, (_, h)| *h != i);
+        self.qps.dma_targets.retain(|_, h| *h != i);
+        let through: Vec<(u32, u32)> = self
+            .qps
+            .dma
+            .values()
+            .filter(|p| p.host == i)
+            .map(|p| p.local)
+            .collect();
+        for key in through {
+            self.dma_pair_gone(key);
+        }
     }
 
     /// Connects waiting too long are refused; destroyed QPs are told.

@@ -208,6 +208,7 @@ impl Sup {
             | HostMsg::QpRefused { .. }
             | HostMsg::QpGone { .. }
             | HostMsg::GrantMr { .. }
+            | HostMsg::GrantDma { .. }
             | HostMsg::MrOpened { .. }
             | HostMsg::MrRefused { .. }) => self.qp_msg(i, m),
             _ => {}

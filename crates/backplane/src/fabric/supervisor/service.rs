@@ -164,6 +164,32 @@ pub trait Service: Send {
             "this supervisor hosts no verbs registry".into(),
         ))
     }
+    /// If request `req` of client `client` asks for a DMA grant of a region of another node:
+    /// (its node with a context of the client, the region's node, the rkey). The supervisor
+    /// asks the region's host when that node is not here.
+    fn dma_grant_of(&self, _client: u64, _req: &serde_json::Value) -> Option<(u32, u32, u32)> {
+        None
+    }
+    /// Region `rkey` of node `node` (of this host) for the DMA engines of a process on another
+    /// host: granted as a DMA grant here is (the region allows remote access).
+    fn grant_for_dma(&mut self, _node: u32, _rkey: u32) -> Result<RemoteGrant, Failure> {
+        Err((
+            ErrorKind::Invalid,
+            "this supervisor hosts no verbs registry".into(),
+        ))
+    }
+    /// The reply to a DMA grant its region's host granted (`len`, `access`, `writable`,
+    /// `iova`), reached through the one-sided area of `pair` (the DMA pair's shadow here).
+    fn dma_reply(
+        &self,
+        _pair: &QpSide,
+        _grant: (u64, u32, bool, u64),
+    ) -> Result<serde_json::Value, Failure> {
+        Err((
+            ErrorKind::Invalid,
+            "this supervisor hosts no verbs registry".into(),
+        ))
+    }
     /// The queue pairs destroyed since the last call (node, QPN): shadows and this host's.
     fn take_destroyed(&mut self) -> Vec<(u32, u32)> {
         Vec::new()
