@@ -1,6 +1,7 @@
 //! Regions on another host of a fabric across hosts: a QP connected to a QP of another host
 //! reaches its peer's regions through the one-sided area of the peer's shadow here
-//! (`wire::verbs::RDMA_*`). A put becomes WRITE requests in the request ring (the bridge
+//! (`wire::verbs::RDMA_*`); a process's DMA engines reach one through the area of a *DMA
+//! pair*, a shadow of no QP made for that region (`wire::verbs::DMA_PAIR_QPN`). A put becomes WRITE requests in the request ring (the bridge
 //! ships them, the other host's bridge writes them into the region and answers); a get or an
 //! atomic waits for its answer in the response ring. Puts return once queued: the engine
 //! completes an RDMA WRITE when [`RemoteRegion::settled`] says it landed.
