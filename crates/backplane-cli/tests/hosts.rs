@@ -411,6 +411,10 @@ fn two_hosts_join_lose_each_other_and_rejoin_with_new_generations() {
 
 #[test]
 fn a_host_that_does_not_match_or_cannot_join_is_refused_in_one_line_and_leaves_nothing() {
+    if let Some(r) = role() {
+        old_host_role(&r);
+        return;
+    }
     if !root() {
         return;
     }
@@ -428,6 +432,17 @@ fn a_host_that_does_not_match_or_cannot_join_is_refused_in_one_line_and_leaves_n
     );
     assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
     h.up_ok(0, &file);
+    // A host of another backplane version (its join says so): refused, and h0 says why.
+    let test_fn =
+        "a_host_that_does_not_match_or_cannot_join_is_refused_in_one_line_and_leaves_nothing";
+    let old = h.spawn_role(1, test_fn, &format!("old_host {}:13500", h.addr(0)));
+    assert!(finish(old, "the old host").success(), "{}", h.logs());
+    let log = h.logs();
+    assert!(
+        log.contains("refused a host: host 'h1' runs backplane 0.0.1 (host protocol 99)")
+            && log.contains("run the same version on every host"),
+        "{log}"
+    );
     // Another window size, another hosts file: h0 refuses, h1's `up` fails with the reason.
     let o = h.up(1, &file, &["--window-size", "16M"]);
     let e = one_line(&o);
@@ -1263,6 +1278,46 @@ fn dma_across_hosts<'a>(
     one(3, rkey ^ 0x5a5a, false, DmaStatus::NoGrant);
     one(4, rkey2, true, DmaStatus::Success);
     one
+}
+
+/// A host of another version, as far as its join says (`old_host ADDR`): joins the
+/// supervisor at ADDR with protocol 99 and version 0.0.1 and expects a refusal naming them.
+fn old_host_role(role: &str) {
+    use backplane::fabric::hosts::HostMsg;
+    use backplane_ucx::{Event, Link};
+    let addr: std::net::SocketAddr = role.strip_prefix("old_host ").unwrap().parse().unwrap();
+    let join = HostMsg::Join {
+        protocol: 99,
+        version: "0.0.1".into(),
+        fabric: std::env::var("BP_FABRIC").unwrap(),
+        host: "h1".into(),
+        window_size: 8 << 20,
+        net: None,
+        hosts: Vec::new(),
+    };
+    let mut link = Link::open(None).unwrap();
+    let ep = link.connect(addr).unwrap();
+    link.send(ep, &join.encode()).unwrap();
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < end, "no answer to the join");
+        for ev in link.poll() {
+            if let Event::Message(_, m) = ev {
+                match HostMsg::decode(&m) {
+                    Ok(HostMsg::Refuse { reason }) => {
+                        assert!(
+                            reason.contains("runs backplane 0.0.1 (host protocol 99)")
+                                && reason.contains("run the same version on every host"),
+                            "{reason}"
+                        );
+                        return;
+                    }
+                    other => panic!("not a refusal: {other:?}"),
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// The marker file the loss client makes once its QP talks to the other host.
