@@ -346,6 +346,10 @@ impl Sup {
             return;
         };
         let local = (slot, pair);
+        if !self.clients.contains_key(&client) {
+            // Its process went while the host answered: the other end goes too.
+            return self.tell_dma_gone(host, local);
+        }
         let made =
             self.with_service(|s, h| s.shadow_qp(h, node, pair, QP_TYPE_RC, QP_MIN_RING, local));
         let shadow = match made {
@@ -796,6 +800,10 @@ impl Sup {
                     message,
                 };
                 self.reply(a.client, &r, &[]);
+                // A DMA grant it answers after all would leave its end of the pair there.
+                if let AskedFor::Dma { slot, pair, .. } = a.what {
+                    self.tell_dma_gone(a.host, (slot, pair));
+                }
             }
         }
     }
