@@ -90,7 +90,7 @@ struct DmaPair {
     shadow: QpSide,
     /// The requester's end (its node, the same number).
     local: (u32, u32),
-    grant: (u64, u32, bool, u64),
+    grant: Granted,
     /// False once its host or the pair went: a new grant makes a new pair (the old one's
     /// area stays until its process goes, which may still hold it).
     alive: bool,
@@ -107,6 +107,29 @@ impl QpLinks {
             dma_targets: HashMap::new(),
         }
     }
+}
+
+/// What a reply says of a granted region: its size, access flags, whether writable, the
+/// owner's address of its first byte.
+type Granted = (u64, u32, bool, u64);
+
+/// Maps a region granted to another host's QP or DMA pair (for this host's bridge): the
+/// mapping and what the reply says of it (size, access, writable, the owner's address).
+fn map_grant(
+    g: RemoteGrant,
+    rkey: u32,
+) -> Result<(Arc<crate::transport::shm::ShmRegion>, Granted), (ErrorKind, String)> {
+    let (len, access, writable) = (g.len, g.access, g.writable);
+    let mr = crate::transport::shm::ShmRegion::from_fd(g.fd, len, access, writable).ok_or_else(
+        || {
+            (
+                ErrorKind::Invalid,
+                format!("region {rkey:#x} cannot be mapped or was deregistered"),
+            )
+        },
+    )?;
+    let iova = crate::transport::RemoteRegion::iova(&mr);
+    Ok((Arc::new(mr), (len, access, writable, iova)))
 }
 
 impl Sup {
@@ -280,7 +303,7 @@ impl Sup {
         from: (u32, u32),
         node: u32,
         rkey: u32,
-    ) -> Result<(u64, u32, bool, u64), (ErrorKind, String)> {
+    ) -> Result<Granted, (ErrorKind, String)> {
         if self.remote_host(from.0) != Some(i)
             || self.remote_host(node).is_some()
             || from.1 & DMA_PAIR_QPN == 0
@@ -292,15 +315,7 @@ impl Sup {
         }
         self.ready_slot(node)?;
         let g = self.verbs.grant_for_dma(node, rkey)?;
-        let (len, access, writable) = (g.len, g.access, g.writable);
-        let mr = crate::transport::shm::ShmRegion::from_fd(g.fd, len, access, writable)
-            .ok_or_else(|| {
-                (
-                    ErrorKind::Invalid,
-                    format!("region {rkey:#x} cannot be mapped or was deregistered"),
-                )
-            })?;
-        let iova = crate::transport::RemoteRegion::iova(&mr);
+        let (mr, granted) = map_grant(g, rkey)?;
         let ours = (node, from.1);
         self.qps.dma_targets.insert(ours, i);
         let bare = |a| {
@@ -321,21 +336,15 @@ impl Sup {
                 local_key: ours,
                 remote_key: from,
                 rkey,
-                mr: Arc::new(mr),
+                mr,
             });
         }
-        Ok((len, access, writable, iova))
+        Ok(granted)
     }
 
     /// The region's host granted it: the pair's shadow here, the bridge's mirror of it, the
     /// client answered where the one-sided area is.
-    fn dma_opened(
-        &mut self,
-        client: u64,
-        host: usize,
-        asked: AskedFor,
-        grant: (u64, u32, bool, u64),
-    ) {
+    fn dma_opened(&mut self, client: u64, host: usize, asked: AskedFor, grant: Granted) {
         let AskedFor::Dma {
             slot,
             node,
@@ -448,7 +457,7 @@ impl Sup {
         qp: (u32, u32),
         peer: (u32, u32),
         rkey: u32,
-    ) -> Result<(u64, u32, bool, u64), (ErrorKind, String)> {
+    ) -> Result<Granted, (ErrorKind, String)> {
         if self.qps.pairs.get(&peer) != Some(&(qp, i))
             || self.verbs.local_qp(peer.0, peer.1).is_none()
         {
@@ -461,24 +470,33 @@ impl Sup {
             ));
         }
         let g = self.verbs.grant_to_shadow(qp, rkey)?;
-        let (len, access, writable) = (g.len, g.access, g.writable);
-        let mr = crate::transport::shm::ShmRegion::from_fd(g.fd, len, access, writable)
-            .ok_or_else(|| {
-                (
-                    ErrorKind::Invalid,
-                    format!("region {rkey:#x} cannot be mapped or was deregistered"),
-                )
-            })?;
-        let iova = crate::transport::RemoteRegion::iova(&mr);
+        let (mr, granted) = map_grant(g, rkey)?;
         if let Some(h) = &self.hosts {
             h.bridge.send(Cmd::AddMr {
                 local_key: peer,
                 remote_key: qp,
                 rkey,
-                mr: Arc::new(mr),
+                mr,
             });
         }
-        Ok((len, access, writable, iova))
+        Ok(granted)
+    }
+
+    /// Tells host `i` whether its request `tag` for a region was granted.
+    fn answer_grant(&mut self, i: usize, tag: u64, granted: Result<Granted, (ErrorKind, String)>) {
+        let reply = match granted {
+            Ok((len, access, writable, iova)) => HostMsg::MrOpened {
+                tag,
+                len,
+                access,
+                writable,
+                iova,
+            },
+            Err((kind, message)) => HostMsg::MrRefused { tag, kind, message },
+        };
+        if let Some(h) = self.hosts.as_mut() {
+            h.send_to(i, &reply);
+        }
     }
 
     /// A QP message from host `i`.
@@ -518,19 +536,8 @@ impl Sup {
                 peer,
                 rkey,
             } => {
-                let reply = match self.grant_for(i, qp, peer, rkey) {
-                    Ok((len, access, writable, iova)) => HostMsg::MrOpened {
-                        tag,
-                        len,
-                        access,
-                        writable,
-                        iova,
-                    },
-                    Err((kind, message)) => HostMsg::MrRefused { tag, kind, message },
-                };
-                if let Some(h) = self.hosts.as_mut() {
-                    h.send_to(i, &reply);
-                }
+                let granted = self.grant_for(i, qp, peer, rkey);
+                self.answer_grant(i, tag, granted);
             }
             HostMsg::GrantDma {
                 tag,
@@ -538,19 +545,8 @@ impl Sup {
                 node,
                 rkey,
             } => {
-                let reply = match self.dma_target(i, from, node, rkey) {
-                    Ok((len, access, writable, iova)) => HostMsg::MrOpened {
-                        tag,
-                        len,
-                        access,
-                        writable,
-                        iova,
-                    },
-                    Err((kind, message)) => HostMsg::MrRefused { tag, kind, message },
-                };
-                if let Some(h) = self.hosts.as_mut() {
-                    h.send_to(i, &reply);
-                }
+                let granted = self.dma_target(i, from, node, rkey);
+                self.answer_grant(i, tag, granted);
             }
             HostMsg::MrOpened {
                 tag,
