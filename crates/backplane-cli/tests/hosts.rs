@@ -1403,6 +1403,112 @@ fn rdma_loss_role(role: &str, f: &backplane::fabric::Fabric) {
     }
 }
 
+/// DMA jobs from node 1 (h0) into a region of node 2 (h1) until h1 is lost: the first job
+/// that fails says `NodeDown`, within seconds of the loss (`dma_loss_client`); the server
+/// only offers the region (`dma_loss_server`).
+fn dma_loss_role(role: &str, f: &backplane::fabric::Fabric) {
+    use backplane::dma::*;
+    use backplane::verbs::cm::{self, ConnParam};
+    use backplane::verbs::*;
+    let server = role == "dma_loss_server";
+    let ctx = Context::open(&f.node(if server { 2 } else { 1 }).unwrap()).unwrap();
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(8, None).unwrap();
+    let qp = pd
+        .create_qp(&QpInitAttr::new(QpType::Rc, &cq, &cq))
+        .unwrap();
+    let mr = pd
+        .alloc_mr(64 << 10, AccessFlags::from_bits_retain(RDMA_ALL))
+        .unwrap();
+    cm::init_qp(&qp, &ConnParam::default()).unwrap();
+    if server {
+        let offer = ConnParam {
+            rkey: mr.rkey(),
+            len: mr.len() as u64,
+            ..ConnParam::default()
+        };
+        let mut l = cm::Listener::bind(&ctx, RDMA_CM_PORT).unwrap();
+        l.accept(&qp, &offer, Some(Duration::from_secs(30)))
+            .unwrap();
+        std::thread::sleep(Duration::from_secs(60)); // until its host is killed
+        return;
+    }
+    let peer = wait_for(Duration::from_secs(30), || {
+        let mine = ConnParam::default();
+        cm::connect(&ctx, 2, RDMA_CM_PORT, &qp, &mine, Duration::from_secs(2)).ok()
+    })
+    .expect("the server never answered the connect");
+    let engines = DmaEngines::start(&DmaConfig::default()).unwrap();
+    let q = DmaQueue::new(&ctx, &engines, 4);
+    let seg = [Segment {
+        src: Mem::local(&mr),
+        src_off: 0,
+        dst: Mem::Remote {
+            node: 2,
+            rkey: peer.rkey,
+        },
+        dst_off: 0,
+        len: 64 << 10,
+    }];
+    let marker = loss_marker(f.name());
+    let end = Instant::now() + Duration::from_secs(60);
+    let mut since: Option<Instant> = None;
+    for id in 0.. {
+        assert!(Instant::now() < end, "no job failed");
+        q.submit(&Job::new(id, &seg)).unwrap();
+        assert_eq!(
+            q.wait(1, Some(Duration::from_secs(30))),
+            1,
+            "job {id} never completed"
+        );
+        let mut wc = [DmaWc::default(); 1];
+        assert_eq!(q.poll(&mut wc), 1);
+        if !wc[0].status.is_ok() {
+            let took = since.expect("a failure before the host was lost").elapsed();
+            eprintln!(
+                "client: job {id} {} {took:?} after it said it wrote",
+                wc[0].status
+            );
+            assert_eq!(wc[0].status, DmaStatus::NodeDown, "{:?}", wc[0]);
+            assert!(took < Duration::from_secs(5), "{took:?}");
+            return;
+        }
+        if id == 20 {
+            std::fs::write(&marker, b"").unwrap();
+            since = Some(Instant::now());
+        }
+    }
+}
+
+#[test]
+fn a_dma_job_into_a_host_that_is_lost_fails_with_node_down() {
+    if let Some(r) = role() {
+        let f = backplane::fabric::Fabric::attach(&std::env::var("BP_FABRIC").unwrap()).unwrap();
+        dma_loss_role(&r, &f);
+        return;
+    }
+    if !root() {
+        return;
+    }
+    let h = Hosts::odd_even("hosts_dma_loss", 21);
+    let marker = loss_marker(&h.fabric);
+    let _ = std::fs::remove_file(&marker);
+    let test_fn = "a_dma_job_into_a_host_that_is_lost_fails_with_node_down";
+    let mut server = h.spawn_role(1, test_fn, "dma_loss_server");
+    let client = h.spawn_role(0, test_fn, "dma_loss_client");
+    let writing = wait_for(Duration::from_secs(30), || marker.exists().then_some(()));
+    assert!(writing.is_some(), "the client never wrote");
+    h.kill_supervisor(1);
+    let ok = finish(client, "the client").success();
+    let _ = server.kill();
+    let _ = server.wait();
+    let _ = std::fs::remove_file(&marker);
+    assert!(ok, "the client failed");
+    h.down(1);
+    h.down(0);
+    h.assert_nothing_left();
+}
+
 #[test]
 fn an_rc_peer_whose_host_is_lost_fails_outstanding_work_with_retry_exc_err() {
     if let Some(r) = role() {

@@ -493,8 +493,10 @@ impl Mapping {
             MapBytes::Local { state, .. } => state.load(Ordering::Acquire) == MR_STATE_VALID,
             MapBytes::Remote(r) => r.valid(),
         };
+        // A region on another host whose host or link went: its node, as far as we can tell.
+        let cut = matches!(&self.bytes, MapBytes::Remote(r) if r.cut());
         if !registered {
-            return Err(if node_ok() {
+            return Err(if node_ok() && !cut {
                 DmaStatus::RegionGone
             } else {
                 DmaStatus::NodeDown
@@ -571,6 +573,7 @@ fn settle(end: &End) -> Result<(), DmaStatus> {
     loop {
         match r.settled(ticket) {
             Some(true) => return Ok(()),
+            Some(false) if r.cut() => return Err(DmaStatus::NodeDown),
             Some(false) => return Err(DmaStatus::RegionGone),
             None if Instant::now() >= deadline => return Err(DmaStatus::NodeDown),
             // The answer crosses two bridges and a network: a round trip of tens of µs at
@@ -580,6 +583,11 @@ fn settle(end: &End) -> Result<(), DmaStatus> {
         }
         polls += 1;
     }
+}
+
+/// Whether `end` is a region on another host whose host or link went.
+fn cut(end: &End) -> bool {
+    matches!(end, End::Remote(r, _) if r.cut())
 }
 
 /// A segment after the checks: its source and destination, of `len` bytes each.
@@ -666,6 +674,14 @@ impl JobRun {
         self.failed.store(true, Ordering::Release);
     }
 
+    /// `NodeDown` if a node of the job is down now (its supervisor saw it), else `why`.
+    fn node_down_or(&self, why: DmaStatus) -> DmaStatus {
+        match self.live() {
+            Err(DmaStatus::NodeDown) => DmaStatus::NodeDown,
+            _ => why,
+        }
+    }
+
     /// Copies piece `p` (or skips it when the job was cancelled or failed).
     fn run_piece(&self, p: PieceSpec) {
         if self.cancelled.load(Ordering::Acquire) {
@@ -696,7 +712,11 @@ impl JobRun {
                 // or its host went: say which rather than "out of bounds".
                 let across = |e: &End| matches!(e, End::Remote(r, _) if r.ticket().is_some());
                 let s = if across(&s.src) || across(&s.dst) {
-                    self.live().err().unwrap_or(DmaStatus::RegionGone)
+                    self.node_down_or(if cut(&s.src) || cut(&s.dst) {
+                        DmaStatus::NodeDown
+                    } else {
+                        DmaStatus::RegionGone
+                    })
                 } else {
                     DmaStatus::OutOfBounds
                 };
@@ -709,7 +729,7 @@ impl JobRun {
         // landed.
         for s in segs {
             if let Err(st) = settle(&s.dst) {
-                let st = self.live().err().unwrap_or(st);
+                let st = self.node_down_or(st);
                 self.fail(st, p.seg);
                 return;
             }

@@ -343,6 +343,9 @@ impl RemoteRegion for AcrossRegion {
     fn writable(&self) -> bool {
         self.writable
     }
+    fn cut(&self) -> bool {
+        self.pair().gone()
+    }
     fn valid(&self) -> bool {
         !self.broken.load(Ordering::Relaxed) && !self.pair().gone()
     }

@@ -357,6 +357,12 @@ pub trait RemoteRegion: Send + Sync + fmt::Debug {
     /// False once the owner deregistered the region (or its node went DOWN): the next access
     /// must not be made.
     fn valid(&self) -> bool;
+    /// True once the way to the region is gone — a transport that reaches it through another
+    /// host lost that host or its link — as opposed to the owner refusing an access (a
+    /// deregistered region). `valid` is false then too.
+    fn cut(&self) -> bool {
+        false
+    }
     /// A key naming the region's memory (two grants of one region have the same), for
     /// overlap checks between regions.
     fn ident(&self) -> (u64, u64);
