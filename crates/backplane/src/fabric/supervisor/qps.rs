@@ -78,6 +78,8 @@ pub(super) struct QpLinks {
     dma_next: u32,
     /// The region's ends of other hosts' DMA pairs here: (node, pair) → the requester's host.
     dma_targets: HashMap<(u32, u32), usize>,
+    /// DMA pairs that went and were replaced by a new grant, by client (freed when it goes).
+    dma_dead: Vec<(u64, DmaPair)>,
 }
 
 /// A process's way to one region of another host for its DMA engines: a shadow (of no QP)
@@ -105,6 +107,7 @@ impl QpLinks {
             dma: HashMap::new(),
             dma_next: 1,
             dma_targets: HashMap::new(),
+            dma_dead: Vec::new(),
         }
     }
 }
@@ -255,11 +258,15 @@ impl Sup {
             return false;
         };
         let st = self.life[node as usize - 1].state();
-        if st != NodeState::Ready || self.ready_slot(slot).is_err() {
-            let (kind, message) = self.ready_slot(slot).err().unwrap_or((
-                ErrorKind::NodeDown,
-                format!("node {node} is {st}, not READY"),
-            ));
+        let ready = self.ready_slot(slot).and_then(|()| {
+            (st == NodeState::Ready).then_some(()).ok_or_else(|| {
+                (
+                    ErrorKind::NodeDown,
+                    format!("node {node} is {st}, not READY"),
+                )
+            })
+        });
+        if let Err((kind, message)) = ready {
             self.reply(id, &Response::Error { kind, message }, &[]);
             return true;
         }
@@ -402,7 +409,10 @@ impl Sup {
             grant,
             alive: true,
         };
-        self.qps.dma.insert((client, slot, node, rkey), p);
+        if let Some(old) = self.qps.dma.insert((client, slot, node, rkey), p) {
+            // A pair that went: its process may still hold it (its area stays till it goes).
+            self.qps.dma_dead.push((client, old));
+        }
         self.reply(client, &r, &[]);
     }
 
@@ -417,10 +427,13 @@ impl Sup {
     /// that the pair is gone), their shadows go.
     pub(super) fn dma_client_gone(&mut self, id: u64) {
         let mine: Vec<_> = self.qps.dma.keys().filter(|k| k.0 == id).copied().collect();
-        for k in mine {
-            let Some(p) = self.qps.dma.remove(&k) else {
-                continue;
-            };
+        let mut pairs: Vec<DmaPair> = mine.iter().filter_map(|k| self.qps.dma.remove(k)).collect();
+        let (dead, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.qps.dma_dead)
+            .into_iter()
+            .partition(|(c, _)| *c == id);
+        self.qps.dma_dead = rest;
+        pairs.extend(dead.into_iter().map(|(_, p)| p));
+        for p in pairs {
             if let Some(h) = &self.hosts {
                 let host = p.alive.then_some(p.host);
                 h.bridge.send(Cmd::DropQp { key: p.local, host });
