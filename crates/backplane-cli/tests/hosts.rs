@@ -742,6 +742,59 @@ fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
             );
         }
     }
+    // DMA jobs into the perf peer's region on h1, beside ucp_put_bw between the hosts.
+    let o = h.bp(
+        0,
+        &[
+            "perf",
+            "dma-bw",
+            "--name",
+            &h.fabric,
+            "-r",
+            "1",
+            "-n",
+            "200",
+            "-s",
+            "64K",
+            "--json",
+            "--peer-via",
+            via.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        o.status.success(),
+        "perf dma-bw across hosts: {}",
+        stderr(&o)
+    );
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let row = &j["rows"][0];
+    eprintln!("perf dma-bw across hosts: {row}");
+    assert!(j["across_hosts"] == true && row["bytes"] == 65536, "{j}");
+    assert!(row["bw_avg_mbps"].as_f64().unwrap() > 0.0, "{j}");
+    assert!(
+        row["ucx_put_mbps"].as_f64().is_some()
+            || j["ucx_note"].as_str().unwrap_or("").contains("not found"),
+        "{j}"
+    );
+    // Past the peer's region: refused in one line before anything runs.
+    let o = h.bp(
+        0,
+        &[
+            "perf",
+            "dma-bw",
+            "--name",
+            &h.fabric,
+            "-s",
+            "4M",
+            "--peer-via",
+            via.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        one_line(&o).contains("moves at most 1048576 bytes per job"),
+        "{}",
+        stderr(&o)
+    );
     h.down(1);
     h.down(0);
     h.assert_nothing_left();

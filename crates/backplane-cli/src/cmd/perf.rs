@@ -203,8 +203,10 @@ pub struct Args {
     rounds: u32,
     /// Start the far side (the perf peer in node 2, and `ucx_perftest`'s server) through this
     /// command, e.g. `ssh hostb`, when node 2 runs on another host of the fabric (`--name`;
-    /// the datagram and verbs tests). `ucx_perftest` then runs between the two hosts with the
-    /// environment's `UCX_TLS` (set it to what the fabric's hosts use, e.g. `tcp`).
+    /// the datagram, verbs and dma-bw tests — dma-bw then writes into the peer's region, at
+    /// most 1 MiB per job, beside `ucp_put_bw`). `ucx_perftest` then runs between the two
+    /// hosts with the environment's `UCX_TLS` (set it to what the fabric's hosts use, e.g.
+    /// `tcp`).
     #[arg(long, value_name = "CMD", requires = "name")]
     peer_via: Option<String>,
     /// Print a JSON document (version 1) instead of tables.
@@ -325,31 +327,13 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     if a.iters == Some(0) {
         bail!("--iters must be at least 1");
     }
-    let remote = match &a.peer_via {
-        Some(via) => {
-            if a.perftest == UcxMode::Require {
-                bail!(
-                    "--peer-via with --perftest: perftest's programs between hosts are run by \
-                     hand (`backplane exec --verbs` on each host)"
-                );
-            }
-            let via: Vec<String> = via.split_whitespace().map(str::to_owned).collect();
-            if via.is_empty() {
-                bail!("--peer-via needs a command (e.g. `ssh hostb`)");
-            }
-            let name = a.name.as_deref().expect("clap requires --name");
-            let st = Fabric::attach(name)?.status()?;
-            let owner = st.slots.get(1).and_then(|s| s.host.clone());
-            let addr = st
-                .hosts
-                .iter()
-                .find(|h| Some(&h.name) == owner.as_ref())
-                .and_then(|h| h.address.parse::<std::net::SocketAddr>().ok())
-                .map_or("127.0.0.1".to_string(), |a| a.ip().to_string());
-            Some(ucx::Remote { via, addr })
-        }
-        None => None,
-    };
+    if a.peer_via.is_some() && a.perftest == UcxMode::Require {
+        bail!(
+            "--peer-via with --perftest: perftest's programs between hosts are run by \
+             hand (`backplane exec --verbs` on each host)"
+        );
+    }
+    let remote = remote_of(&a)?;
     let ucx_path = match (a.ucx, ucx::which("ucx_perftest")) {
         (UcxMode::Require, None) => {
             bail!("ucx_perftest is not installed (Debian package ucx-utils)")
@@ -549,6 +533,28 @@ fn measure_backplane(
         }
     }
     Ok((name, rows, pt))
+}
+
+/// With `--peer-via`: how to start programs on node 2's host, and its address (where
+/// `ucx_perftest`'s server runs there).
+fn remote_of(a: &Args) -> anyhow::Result<Option<ucx::Remote>> {
+    let Some(via) = &a.peer_via else {
+        return Ok(None);
+    };
+    let via: Vec<String> = via.split_whitespace().map(str::to_owned).collect();
+    if via.is_empty() {
+        bail!("--peer-via needs a command (e.g. `ssh hostb`)");
+    }
+    let name = a.name.as_deref().expect("clap requires --name");
+    let st = Fabric::attach(name)?.status()?;
+    let owner = st.slots.get(1).and_then(|s| s.host.clone());
+    let addr = st
+        .hosts
+        .iter()
+        .find(|h| Some(&h.name) == owner.as_ref())
+        .and_then(|h| h.address.parse::<std::net::SocketAddr>().ok())
+        .map_or("127.0.0.1".to_string(), |a| a.ip().to_string());
+    Ok(Some(ucx::Remote { via, addr }))
 }
 
 /// Starts the far side (`perf-peer`) of `test` on node 2 of fabric `name`; the guard kills

@@ -21,7 +21,8 @@ use backplane::verbs::{AccessFlags, Context};
 use backplane_bench::dma_path::{depth, poll_all};
 use serde::Serialize;
 
-use super::Args;
+use super::{Args, Loop, Test, UcxMode, MAX_SIZE};
+use backplane_bench::ucx;
 
 const MAX: u64 = 64 << 20;
 
@@ -60,6 +61,16 @@ struct DmaRow {
     memcpy_mbps: f64,
     /// Best pass.
     memcpy_best_mbps: f64,
+    /// With `--peer-via` (node 2 on another host): `ucx_perftest ucp_put_bw` between the
+    /// hosts, same size, rounds alternating with DMA's (median).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ucx_put_mbps: Option<f64>,
+    /// Median of the rounds' paired ratios DMA / UCX.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ratio_to_ucx: Option<f64>,
+    /// Every round's UCX bandwidth, in order.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    round_ucx_mbps: Vec<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -67,6 +78,11 @@ struct DmaReport {
     version: u32,
     test: &'static str,
     fabric: String,
+    /// Node 2 runs on another host (`--peer-via`).
+    across_hosts: bool,
+    /// Why UCX was not run beside it (across hosts only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ucx_note: Option<String>,
     rows: Vec<DmaRow>,
 }
 
@@ -86,7 +102,28 @@ fn iters_for(a: &Args, size: u64) -> u64 {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<()> {
-    let sizes = sizes(a)?;
+    let mut sizes = sizes(a)?;
+    let remote = super::remote_of(a)?;
+    if remote.is_some() {
+        sizes.retain(|&s| s <= MAX_SIZE);
+        if sizes.is_empty() {
+            bail!(
+                "dma-bw --peer-via moves at most {MAX_SIZE} bytes per job (the perf peer's region)"
+            );
+        }
+    }
+    let (ucx_path, ucx_note) = match (&remote, a.ucx, ucx::which("ucx_perftest")) {
+        (None, ..) => (None, None),
+        (Some(_), UcxMode::Off, _) => (None, Some("UCX comparison disabled (--ucx off)".into())),
+        (Some(_), UcxMode::Require, None) => {
+            bail!("ucx_perftest is not installed (Debian package ucx-utils)")
+        }
+        (Some(_), UcxMode::Auto, None) => (
+            None,
+            Some("ucx_perftest not found (install Debian package ucx-utils)".into()),
+        ),
+        (Some(_), _, Some(p)) => (Some(p), None),
+    };
     if a.iters == Some(0) {
         bail!("--iters must be at least 1");
     }
@@ -114,20 +151,42 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         ..DmaConfig::default()
     };
     let max = *sizes.iter().max().expect("one size at least");
+    crate::cmd::require_local(&fabric, if remote.is_some() { &[1] } else { &[1, 2] })?;
     let c1 = Context::open(&fabric.node(1)?)?;
-    let c2 = Context::open(&fabric.node(2)?)?;
     let src = c1
         .alloc_pd()
         .alloc_mr(max as usize, AccessFlags::LOCAL_WRITE)?;
     src.fill(0, max, 0x5A)?;
-    let dst = c2.alloc_pd().alloc_mr(
-        max as usize,
-        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
-    )?;
+    // Node 2's region: of a context here, or the perf peer's on node 2's host.
+    let mut far = None;
+    let mut here = None;
+    let dst_rkey = match &remote {
+        Some(r) => {
+            let (child, guard) = super::spawn_peer(&name, Test::DmaBw, Loop::Native, Some(&r.via))?;
+            let region = super::verbs::FarRegion::connect(&fabric, super::PEER_PORT)?;
+            if region.len < max {
+                bail!("the perf peer offers {} bytes, not {max}", region.len);
+            }
+            let rkey = region.rkey;
+            far = Some((region, child, guard));
+            rkey
+        }
+        None => {
+            let c2 = Context::open(&fabric.node(2)?)?;
+            let dst = c2.alloc_pd().alloc_mr(
+                max as usize,
+                AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE,
+            )?;
+            let rkey = dst.rkey();
+            here = Some((c2, dst));
+            rkey
+        }
+    };
     let engines = DmaEngines::start(&cfg)?;
     if !a.json {
         eprintln!(
-            "dma-bw: fabric '{name}', node 1 region -> node 2 region, {} engine(s){}, {} segment(s) per job, inline threshold {} B",
+            "dma-bw: fabric '{name}', node 1 region -> node 2 region{}, {} engine(s){}, {} segment(s) per job, inline threshold {} B",
+            if remote.is_some() { " (on another host)" } else { "" },
             cfg.engines,
             if cfg.pin.is_empty() { String::new() } else { format!(" pinned to {:?}", cfg.pin) },
             a.segments,
@@ -146,7 +205,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
                     src_off: o,
                     dst: Mem::Remote {
                         node: 2,
-                        rkey: dst.rkey(),
+                        rkey: dst_rkey,
                     },
                     dst_off: o,
                     len: e - o,
@@ -161,6 +220,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         let per = (iters / rounds).max(1);
         let passes = ((512u64 << 20) / size / rounds).clamp(4, 4000) as usize;
         let (mut dma_rates, mut mc_rates, mut best) = (Vec::new(), Vec::new(), 0f64);
+        let mut ucx_rates = Vec::new();
         let (mut cpu, mut wall) = (0f64, 0f64);
         for _ in 0..rounds {
             let wall0 = Instant::now();
@@ -173,11 +233,18 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             let m = backplane_bench::memcpy::measure(size as usize, passes);
             mc_rates.push(m.median_mb_per_s);
             best = best.max(m.mb_per_s);
+            if let (Some(p), Some(r)) = (&ucx_path, &remote) {
+                let warm = (per / 10).clamp(10, 10_000);
+                let u = ucx::run_between(p, "ucp_put_bw", size, per, warm, Some(r))?;
+                ucx_rates.push(u.bw_mb_per_s);
+            }
         }
         drop(q);
         let total = (size * per * rounds) as f64;
         let ratios = dma_rates.iter().zip(&mc_rates).map(|(d, m)| d / m);
         let med = |v: &[f64]| backplane_bench::stats::median(v.iter().copied()).unwrap_or(f64::NAN);
+        let has_ucx = !ucx_rates.is_empty();
+        let to_ucx = dma_rates.iter().zip(&ucx_rates).map(|(d, u)| d / u);
         rows.push(DmaRow {
             bytes: size,
             segments: segs,
@@ -192,18 +259,28 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             submitter_cpu_pct: 100.0 * cpu / wall,
             memcpy_mbps: med(&mc_rates),
             memcpy_best_mbps: best,
+            ucx_put_mbps: has_ucx.then(|| med(&ucx_rates)),
+            ratio_to_ucx: backplane_bench::stats::median(to_ucx),
             round_mbps: dma_rates,
             round_memcpy_mbps: mc_rates,
+            round_ucx_mbps: ucx_rates,
         });
     }
     drop(engines);
-    drop((src, dst, c1, c2));
+    if let Some((region, mut child, guard)) = far {
+        region.finish()?;
+        let _ = child.wait();
+        guard.disarm(); // reaped
+    }
+    drop((src, here, c1));
     drop(fabric);
     drop(cleanup);
     let report = DmaReport {
         version: 1,
         test: "dma-bw",
         fabric: name,
+        across_hosts: remote.is_some(),
+        ucx_note,
         rows,
     };
     if a.json {
@@ -242,8 +319,13 @@ fn pump(q: &DmaQueue, job: &[Segment], iters: u64) -> anyhow::Result<()> {
 fn render(r: &DmaReport) -> String {
     let line = "-".repeat(140);
     let rounds = r.rows.first().map_or(0, |x| x.round_mbps.len());
+    let where_ = if r.across_hosts {
+        "node 1 region -> node 2 region on another host, through the hosts' bridges"
+    } else {
+        "node 1 region -> node 2 region"
+    };
     let mut o = format!(
-        "{line}\n dma-bw over raw DMA jobs (node 1 region -> node 2 region)\n \
+        "{line}\n dma-bw over raw DMA jobs ({where_})\n \
          engine threads copy; the submitting thread only submits and waits. BW: median of \
          {rounds} rounds (slowest-fastest);\n memcpy: single thread, same size, rounds \
          alternating with DMA's (median); of memcpy: median of the rounds' paired ratios\n"
@@ -275,6 +357,30 @@ fn render(r: &DmaReport) -> String {
             x.submitter_cpu_s_per_gb,
             x.submitter_cpu_pct
         );
+    }
+    if r.rows.iter().any(|x| x.ucx_put_mbps.is_some()) {
+        o += &format!(
+            "{line}\n same run: UCX ucp_put_bw (ucx_perftest between the hosts, the environment's \
+             UCX_TLS), rounds alternating with DMA's; of UCX: median of the paired ratios (>=1 \
+             is better)\n{:>9} {:>19} {:>17} {:>10}\n",
+            "#bytes", "BW average[MB/sec]", "rounds[MB/sec]", "of UCX"
+        );
+        for x in &r.rows {
+            let (lo, hi) = x
+                .round_ucx_mbps
+                .iter()
+                .fold((f64::INFINITY, 0f64), |(l, h), &v| (l.min(v), h.max(v)));
+            o += &format!(
+                "{:>9} {:>19.2} {:>17} {:>10}\n",
+                x.bytes,
+                x.ucx_put_mbps.unwrap_or(f64::NAN),
+                format!("{lo:.0}-{hi:.0}"),
+                x.ratio_to_ucx.map_or("-".into(), |v| format!("{v:.2}")),
+            );
+        }
+    }
+    if let Some(n) = &r.ucx_note {
+        o += &format!(" note: {n}\n");
     }
     o += &format!("{line}\n");
     o

@@ -770,6 +770,93 @@ fn bw(
 }
 
 /// The far side (node 2, `perf-peer`): listens, then plays its part size after size.
+/// A QP of its own and a small region for it (the connection helper's and the closing
+/// message's), without the bandwidth tests' rings: `dma-bw --peer-via`'s two sides.
+/// (Fields drop in order: the QP and region before their PD and context.)
+struct Small {
+    qp: Qp,
+    ctl: Mr,
+    cq: Cq,
+    pd: Pd,
+    ctx: Context,
+}
+
+fn small(fabric: &Fabric, slot: u32) -> anyhow::Result<Small> {
+    let ctx = Context::open(&fabric.node(slot)?)?;
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(8, None)?;
+    let qp = pd.create_qp(&QpInitAttr::new(QpType::Rc, &cq, &cq))?;
+    let ctl = pd.alloc_mr(64, AccessFlags::LOCAL_WRITE)?;
+    cm::init_qp(&qp, &ConnParam::default())?;
+    Ok(Small {
+        qp,
+        ctl,
+        cq,
+        pd,
+        ctx,
+    })
+}
+
+/// The far side of `dma-bw --peer-via`: a region of [`MAX_SIZE`] bytes with every right,
+/// offered through the connection helper; then it waits asleep (so `ucx_perftest` between
+/// the hosts runs beside an idle peer) for the client's closing message, or its going.
+fn dma_target(fabric: &Fabric, node: u32, port: u32) -> anyhow::Result<()> {
+    let s = small(fabric, node)?;
+    let region = s.pd.alloc_mr(MAX_SIZE as usize, ALL)?;
+    s.qp.post_recv(&[RecvWr {
+        wr_id: 0,
+        sg_list: &[s.ctl.sge(0, 64)],
+    }])?;
+    let offer = ConnParam {
+        rkey: region.rkey(),
+        len: MAX_SIZE,
+        ..ConnParam::default()
+    };
+    let mut l = cm::Listener::bind(&s.ctx, port)?;
+    l.accept(&s.qp, &offer, Some(Duration::from_secs(30)))?;
+    let mut wc = [Wc::default(); 2];
+    while s.cq.poll(&mut wc) == 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
+}
+
+/// The client's end of `dma-bw --peer-via`: connected to the perf peer in node 2 (on another
+/// host), which offers its region (`rkey`, `len` bytes); [`FarRegion::finish`] lets it go.
+pub(super) struct FarRegion {
+    s: Small,
+    pub(super) rkey: u32,
+    pub(super) len: u64,
+}
+
+impl FarRegion {
+    pub(super) fn connect(fabric: &Fabric, port: u32) -> anyhow::Result<Self> {
+        let s = small(fabric, 1)?;
+        let mine = ConnParam::default();
+        let peer = cm::connect(&s.ctx, 2, port, &s.qp, &mine, Duration::from_secs(10))
+            .context("perf peer did not come up")?;
+        Ok(Self {
+            rkey: peer.rkey,
+            len: peer.len,
+            s,
+        })
+    }
+
+    /// Tells the peer the run is over (a SEND), once it has landed.
+    pub(super) fn finish(self) -> anyhow::Result<()> {
+        let s = &self.s;
+        s.qp.post_send(&[SendWr::send_inline(1, b"done").signaled()])?;
+        let mut wc = [Wc::default(); 1];
+        let mut patience = Patience::new();
+        while s.cq.poll(&mut wc) == 0 {
+            if patience.out() {
+                bail!("the perf peer never took the closing message");
+            }
+        }
+        Ok(())
+    }
+}
+
 pub(super) fn peer(
     fabric: &Fabric,
     test: Test,
@@ -777,6 +864,9 @@ pub(super) fn peer(
     node: u32,
     port: u32,
 ) -> anyhow::Result<()> {
+    if test == Test::DmaBw {
+        return dma_target(fabric, node, port);
+    }
     let mut e = open(fabric, node, lp == Loop::Perftest && test == Test::SendLat)?;
     let mut l = cm::Listener::bind(&e._ctx, port)?;
     let client = l.accept(&e.qp, &e.offer(), Some(Duration::from_secs(30)))?;
