@@ -700,31 +700,34 @@ fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
     )
     .unwrap();
     std::fs::set_permissions(&via, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    for test in ["dgram-lat", "dgram-bw"] {
-        let o = h.bp(
-            0,
-            &[
-                "perf",
-                test,
-                "--name",
-                &h.fabric,
-                "-r",
-                "1",
-                "-n",
-                "300",
-                "-s",
-                "4K",
-                "--json",
-                "--peer-via",
-                via.to_str().unwrap(),
-            ],
-        );
+    // `perf TEST --name F -r 1 -n N -s SIZE --json --peer-via on-h1.sh`: its JSON.
+    let perf = |test: &str, n: &str, size: &str| -> serde_json::Value {
+        let via = via.to_str().unwrap();
+        let args = [
+            "perf",
+            test,
+            "--name",
+            &h.fabric,
+            "-r",
+            "1",
+            "-n",
+            n,
+            "-s",
+            size,
+            "--json",
+            "--peer-via",
+            via,
+        ];
+        let o = h.bp(0, &args);
         assert!(
             o.status.success(),
             "perf {test} across hosts: {}",
             stderr(&o)
         );
-        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    for test in ["dgram-lat", "dgram-bw"] {
+        let j = perf(test, "300", "4K");
         assert!(j["backplane"][0]["bytes"] == 4096, "{j}");
         eprintln!(
             "perf {test} across hosts: {} / UCX {}",
@@ -743,30 +746,7 @@ fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
         }
     }
     // DMA jobs into the perf peer's region on h1, beside ucp_put_bw between the hosts.
-    let o = h.bp(
-        0,
-        &[
-            "perf",
-            "dma-bw",
-            "--name",
-            &h.fabric,
-            "-r",
-            "1",
-            "-n",
-            "200",
-            "-s",
-            "64K",
-            "--json",
-            "--peer-via",
-            via.to_str().unwrap(),
-        ],
-    );
-    assert!(
-        o.status.success(),
-        "perf dma-bw across hosts: {}",
-        stderr(&o)
-    );
-    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let j = perf("dma-bw", "200", "64K");
     let row = &j["rows"][0];
     eprintln!("perf dma-bw across hosts: {row}");
     assert!(j["across_hosts"] == true && row["bytes"] == 65536, "{j}");
@@ -777,19 +757,18 @@ fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
         "{j}"
     );
     // Past the peer's region: refused in one line before anything runs.
-    let o = h.bp(
-        0,
-        &[
-            "perf",
-            "dma-bw",
-            "--name",
-            &h.fabric,
-            "-s",
-            "4M",
-            "--peer-via",
-            via.to_str().unwrap(),
-        ],
-    );
+    let via = via.to_str().unwrap();
+    let args = [
+        "perf",
+        "dma-bw",
+        "--name",
+        &h.fabric,
+        "-s",
+        "4M",
+        "--peer-via",
+        via,
+    ];
+    let o = h.bp(0, &args);
     assert!(
         one_line(&o).contains("moves at most 1048576 bytes per job"),
         "{}",
@@ -1543,14 +1522,24 @@ fn a_dma_job_into_a_host_that_is_lost_fails_with_node_down() {
     if !root() {
         return;
     }
-    let h = Hosts::odd_even("hosts_dma_loss", 21);
+    host_lost_under_a_client(
+        ("hosts_dma_loss", 21),
+        "a_dma_job_into_a_host_that_is_lost_fails_with_node_down",
+        "dma_loss",
+    );
+}
+
+/// Two hosts; role `{roles}_server` on h1, `{roles}_client` on h0; once the client made the
+/// loss marker, h1's supervisor is killed: the client must then end well (it checks how its
+/// work failed); nothing is left.
+fn host_lost_under_a_client(fabric: (&str, u8), test_fn: &str, roles: &str) {
+    let h = Hosts::odd_even(fabric.0, fabric.1);
     let marker = loss_marker(&h.fabric);
     let _ = std::fs::remove_file(&marker);
-    let test_fn = "a_dma_job_into_a_host_that_is_lost_fails_with_node_down";
-    let mut server = h.spawn_role(1, test_fn, "dma_loss_server");
-    let client = h.spawn_role(0, test_fn, "dma_loss_client");
-    let writing = wait_for(Duration::from_secs(30), || marker.exists().then_some(()));
-    assert!(writing.is_some(), "the client never wrote");
+    let mut server = h.spawn_role(1, test_fn, &format!("{roles}_server"));
+    let client = h.spawn_role(0, test_fn, &format!("{roles}_client"));
+    let started = wait_for(Duration::from_secs(30), || marker.exists().then_some(()));
+    assert!(started.is_some(), "the client never got going");
     h.kill_supervisor(1);
     let ok = finish(client, "the client").success();
     let _ = server.kill();
@@ -1571,23 +1560,11 @@ fn an_rc_peer_whose_host_is_lost_fails_outstanding_work_with_retry_exc_err() {
     if !root() {
         return;
     }
-    let h = Hosts::odd_even("hosts_rc_loss", 20);
-    let marker = loss_marker(&h.fabric);
-    let _ = std::fs::remove_file(&marker);
-    let test_fn = "an_rc_peer_whose_host_is_lost_fails_outstanding_work_with_retry_exc_err";
-    let mut server = h.spawn_role(1, test_fn, "loss_server");
-    let client = h.spawn_role(0, test_fn, "loss_client");
-    let talking = wait_for(Duration::from_secs(30), || marker.exists().then_some(()));
-    assert!(talking.is_some(), "the pair never talked");
-    h.kill_supervisor(1);
-    let ok = finish(client, "the client").success();
-    let _ = server.kill();
-    let _ = server.wait();
-    let _ = std::fs::remove_file(&marker);
-    assert!(ok, "the client failed");
-    h.down(1);
-    h.down(0);
-    h.assert_nothing_left();
+    host_lost_under_a_client(
+        ("hosts_rc_loss", 20),
+        "an_rc_peer_whose_host_is_lost_fails_outstanding_work_with_retry_exc_err",
+        "loss",
+    );
 }
 
 #[test]
