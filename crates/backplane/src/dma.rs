@@ -558,31 +558,43 @@ fn copy_piece(src: &End, dst: &End, off: u64, n: usize, stream: bool) -> Result<
 /// seen gone within a second; this bounds a host that stops answering otherwise).
 const SETTLE_PATIENCE: Duration = Duration::from_secs(10);
 
-/// Waits until the puts made so far to `end` landed, if it is a region whose transport
-/// carries puts out later (on another host): `RegionGone` if its owner refused them,
-/// `NodeDown` if no answer came in time.
-fn settle(end: &End) -> Result<(), DmaStatus> {
-    let End::Remote(r, _) = end else {
-        return Ok(());
-    };
-    let Some(ticket) = r.ticket() else {
-        return Ok(());
-    };
-    let deadline = Instant::now() + SETTLE_PATIENCE;
-    let mut polls = 0u32;
-    loop {
-        match r.settled(ticket) {
-            Some(true) => return Ok(()),
+/// Puts of a piece still on their way to regions on other hosts: (region, ticket) each.
+type Unsettled = Vec<(Arc<dyn RemoteRegion>, u64)>;
+
+/// Adds the puts made so far to `end` unless they landed (a region whose transport carries
+/// puts out later: on another host).
+fn unsettled(end: &End, out: &mut Unsettled) {
+    if let End::Remote(r, _) = end {
+        if let Some(t) = r.ticket() {
+            if r.settled(t) != Some(true) {
+                out.push((r.clone(), t));
+            }
+        }
+    }
+}
+
+/// Whether every put of `wait` landed (`Ok(false)`: not yet); `RegionGone` if an owner
+/// refused one, `NodeDown` if the way to a region is gone.
+fn settled_all(wait: &Unsettled) -> Result<bool, DmaStatus> {
+    let mut all = true;
+    for (r, t) in wait {
+        match r.settled(*t) {
+            Some(true) => {}
             Some(false) if r.cut() => return Err(DmaStatus::NodeDown),
             Some(false) => return Err(DmaStatus::RegionGone),
-            None if Instant::now() >= deadline => return Err(DmaStatus::NodeDown),
-            // The answer crosses two bridges and a network: a round trip of tens of µs at
-            // best, so after a few polls the engine sleeps between looks.
-            None if polls < 64 => std::thread::yield_now(),
-            None => std::thread::sleep(Duration::from_micros(20)),
+            None => all = false,
         }
-        polls += 1;
     }
+    Ok(all)
+}
+
+/// A piece whose copies are done and whose puts to regions on other hosts are on their way:
+/// it counts as done when they landed (engine threads take other pieces meanwhile).
+struct Awaiting {
+    j: Arc<JobRun>,
+    seg: u32,
+    wait: Unsettled,
+    deadline: Instant,
 }
 
 /// Whether `end` is a region on another host whose host or link went.
@@ -682,18 +694,20 @@ impl JobRun {
         }
     }
 
-    /// Copies piece `p` (or skips it when the job was cancelled or failed).
-    fn run_piece(&self, p: PieceSpec) {
+    /// Copies piece `p` (or skips it when the job was cancelled or failed). Returns the puts
+    /// to regions on other hosts that have not landed yet: the piece is done once they have
+    /// ([`JobRun::settle`], or an engine's [`Awaiting`]).
+    fn run_piece(&self, p: PieceSpec) -> Unsettled {
         if self.cancelled.load(Ordering::Acquire) {
             self.first_skipped.fetch_min(p.seg, Ordering::AcqRel);
-            return;
+            return Vec::new();
         }
         if self.failed.load(Ordering::Acquire) {
-            return;
+            return Vec::new();
         }
         if let Err(s) = self.live() {
             self.fail(s, p.seg);
-            return;
+            return Vec::new();
         }
         let segs = &self.segs[p.seg as usize..(p.seg + p.nseg) as usize];
         let mut n = 0;
@@ -721,25 +735,48 @@ impl JobRun {
                     DmaStatus::OutOfBounds
                 };
                 self.fail(s, p.seg);
-                return;
+                return Vec::new();
             }
             n += len;
-        }
-        // Puts to a region on another host return once queued: the piece is done when they
-        // landed.
-        for s in segs {
-            if let Err(st) = settle(&s.dst) {
-                let st = self.node_down_or(st);
-                self.fail(st, p.seg);
-                return;
-            }
         }
         // A node that died while we copied: the bytes went to a dead node's memory.
         if let Err(s) = self.live() {
             self.fail(s, p.seg);
-            return;
+            return Vec::new();
         }
         self.bytes.fetch_add(n, Ordering::Relaxed);
+        // Puts to a region on another host return once queued.
+        let mut wait = Unsettled::new();
+        for s in segs {
+            unsettled(&s.dst, &mut wait);
+        }
+        wait
+    }
+
+    /// Waits (this thread) until the puts of piece `seg` landed; the job fails if they do
+    /// not. For a piece run by its submitter, and by the tests' step.
+    fn settle(&self, seg: u32, wait: &Unsettled) {
+        let deadline = Instant::now() + SETTLE_PATIENCE;
+        let mut polls = 0u32;
+        loop {
+            let st = match settled_all(wait) {
+                Ok(true) => return,
+                Ok(false) if Instant::now() < deadline => None,
+                Ok(false) => Some(DmaStatus::NodeDown),
+                Err(st) => Some(st),
+            };
+            if let Some(st) = st {
+                self.fail(self.node_down_or(st), seg);
+                return;
+            }
+            // The answer crosses two bridges and a network: tens of µs at best.
+            if polls < 64 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+            polls += 1;
+        }
     }
 
     /// The completion, once every piece has finished.
@@ -905,12 +942,13 @@ impl EngShared {
                 continue;
             }
             if inline && total <= self.inline_threshold {
-                j.run_piece(PieceSpec {
+                let wait = j.run_piece(PieceSpec {
                     seg: 0,
                     nseg: j.segs.len() as u32,
                     off: 0,
                     len: total,
                 });
+                j.settle(0, &wait);
                 self.finish(&j, &mut todo);
                 continue;
             }
@@ -981,12 +1019,28 @@ impl EngShared {
     }
 
     fn engine_loop(self: Arc<Self>) {
+        // Pieces whose puts to regions on other hosts are on their way: the engine takes
+        // other pieces meanwhile (waiting for each round trip would bound it to one piece in
+        // flight), and looks at these between pieces and every few µs when idle.
+        let mut awaiting: Vec<Awaiting> = Vec::new();
         loop {
-            let (j, p) = {
+            self.reap(&mut awaiting);
+            let next = {
                 let mut w = lock(&self.st);
                 loop {
                     if let Some(x) = w.pieces.pop_front() {
-                        break x;
+                        break Some(x);
+                    }
+                    if !awaiting.is_empty() {
+                        w.sleepers += 1;
+                        let nap = Duration::from_micros(20);
+                        w = self
+                            .cv
+                            .wait_timeout(w, nap)
+                            .unwrap_or_else(|p| p.into_inner())
+                            .0;
+                        w.sleepers -= 1;
+                        break w.pieces.pop_front();
                     }
                     if w.shutdown {
                         return;
@@ -996,8 +1050,43 @@ impl EngShared {
                     w.sleepers -= 1;
                 }
             };
-            j.run_piece(p);
-            self.piece_done(&j);
+            if let Some((j, p)) = next {
+                let wait = j.run_piece(p);
+                if wait.is_empty() {
+                    self.piece_done(&j);
+                } else {
+                    let deadline = Instant::now() + SETTLE_PATIENCE;
+                    let seg = p.seg;
+                    awaiting.push(Awaiting {
+                        j,
+                        seg,
+                        wait,
+                        deadline,
+                    });
+                }
+            }
+        }
+    }
+
+    /// The awaited pieces whose puts landed, failed or ran out of patience are done.
+    fn reap(self: &Arc<Self>, awaiting: &mut Vec<Awaiting>) {
+        let mut i = 0;
+        while i < awaiting.len() {
+            let a = &awaiting[i];
+            let st = match settled_all(&a.wait) {
+                Ok(false) if Instant::now() < a.deadline => {
+                    i += 1;
+                    continue;
+                }
+                Ok(true) => None,
+                Ok(false) => Some(DmaStatus::NodeDown),
+                Err(st) => Some(st),
+            };
+            let a = awaiting.swap_remove(i);
+            if let Some(st) = st {
+                a.j.fail(a.j.node_down_or(st), a.seg);
+            }
+            self.piece_done(&a.j);
         }
     }
 }
@@ -1406,7 +1495,8 @@ mod tests {
             let x = lock(&self.st).pieces.pop_front();
             match x {
                 Some((j, p)) => {
-                    j.run_piece(p);
+                    let wait = j.run_piece(p);
+                    j.settle(p.seg, &wait);
                     self.piece_done(&j);
                     true
                 }
