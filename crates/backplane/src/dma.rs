@@ -573,19 +573,24 @@ fn unsettled(end: &End, out: &mut Unsettled) {
     }
 }
 
-/// Whether every put of `wait` landed (`Ok(false)`: not yet); `RegionGone` if an owner
-/// refused one, `NodeDown` if the way to a region is gone.
-fn settled_all(wait: &Unsettled) -> Result<bool, DmaStatus> {
+/// `None` while some put of `wait` is on its way (before `deadline`); else `Ok` if every one
+/// landed, `RegionGone` if an owner refused one, `NodeDown` if the way to a region is gone or
+/// no answer came in time.
+fn settled_all(wait: &Unsettled, deadline: Instant) -> Option<Result<(), DmaStatus>> {
     let mut all = true;
     for (r, t) in wait {
         match r.settled(*t) {
             Some(true) => {}
-            Some(false) if r.cut() => return Err(DmaStatus::NodeDown),
-            Some(false) => return Err(DmaStatus::RegionGone),
+            Some(false) if r.cut() => return Some(Err(DmaStatus::NodeDown)),
+            Some(false) => return Some(Err(DmaStatus::RegionGone)),
             None => all = false,
         }
     }
-    Ok(all)
+    match (all, Instant::now() < deadline) {
+        (true, _) => Some(Ok(())),
+        (false, true) => None,
+        (false, false) => Some(Err(DmaStatus::NodeDown)),
+    }
 }
 
 /// A piece whose copies are done and whose puts to regions on other hosts are on their way:
@@ -759,15 +764,10 @@ impl JobRun {
         let deadline = Instant::now() + SETTLE_PATIENCE;
         let mut polls = 0u32;
         loop {
-            let st = match settled_all(wait) {
-                Ok(true) => return,
-                Ok(false) if Instant::now() < deadline => None,
-                Ok(false) => Some(DmaStatus::NodeDown),
-                Err(st) => Some(st),
-            };
-            if let Some(st) = st {
-                self.fail(self.node_down_or(st), seg);
-                return;
+            match settled_all(wait, deadline) {
+                Some(Ok(())) => return,
+                Some(Err(st)) => return self.fail(self.node_down_or(st), seg),
+                None => {}
             }
             // The answer crosses two bridges and a network: tens of µs at best.
             if polls < 64 {
@@ -1072,18 +1072,12 @@ impl EngShared {
     fn reap(self: &Arc<Self>, awaiting: &mut Vec<Awaiting>) {
         let mut i = 0;
         while i < awaiting.len() {
-            let a = &awaiting[i];
-            let st = match settled_all(&a.wait) {
-                Ok(false) if Instant::now() < a.deadline => {
-                    i += 1;
-                    continue;
-                }
-                Ok(true) => None,
-                Ok(false) => Some(DmaStatus::NodeDown),
-                Err(st) => Some(st),
+            let Some(outcome) = settled_all(&awaiting[i].wait, awaiting[i].deadline) else {
+                i += 1;
+                continue;
             };
             let a = awaiting.swap_remove(i);
-            if let Some(st) = st {
+            if let Err(st) = outcome {
                 a.j.fail(a.j.node_down_or(st), a.seg);
             }
             self.piece_done(&a.j);
