@@ -443,10 +443,9 @@ impl SeqLink {
                         .entry(ep)
                         .or_insert_with(|| Reorder::new(HELD_MAX));
                     let len = msg.len();
-                    match seq.map(|seq| r.arrive(seq, msg, len)) {
-                        Some(Ok(ready)) => {
-                            out.extend(ready.into_iter().map(|m| Event::Message(Some(ep), m)))
-                        }
+                    let deliver = |m| out.push(Event::Message(Some(ep), m));
+                    match seq.map(|seq| r.arrive(seq, msg, len, deliver)) {
+                        Some(Ok(())) => {}
                         // (UCS_ERR_EXCEEDS_LIMIT: "Exceeds limit" in the log.)
                         _ => out.push(Event::Failed(
                             ep,
@@ -496,13 +495,19 @@ impl<T> Reorder<T> {
         }
     }
 
-    /// Message `seq` (of `len` bytes) arrived: the messages now deliverable, in order (none if
-    /// it is early; a number already taken is a duplicate and dropped). `Err` if holding it
-    /// would pass the limit.
-    fn arrive(&mut self, seq: u32, msg: T, len: usize) -> Result<Vec<T>, ()> {
+    /// Message `seq` (of `len` bytes) arrived: hands `deliver` the messages now deliverable,
+    /// in order (none if it is early; a number already taken is a duplicate and dropped).
+    /// `Err` if holding it would pass the limit. (No allocation for one in order.)
+    fn arrive(
+        &mut self,
+        seq: u32,
+        msg: T,
+        len: usize,
+        mut deliver: impl FnMut(T),
+    ) -> Result<(), ()> {
         let ahead = seq.wrapping_sub(self.next);
         if ahead >= 1 << 31 {
-            return Ok(Vec::new()); // behind: a duplicate
+            return Ok(()); // behind: a duplicate
         }
         if ahead > 0 {
             if self.held_bytes + len > self.max_bytes {
@@ -511,16 +516,16 @@ impl<T> Reorder<T> {
             if self.held.insert(seq, (msg, len)).is_none() {
                 self.held_bytes += len;
             }
-            return Ok(Vec::new());
+            return Ok(());
         }
-        let mut out = vec![msg];
+        deliver(msg);
         self.next = self.next.wrapping_add(1);
         while let Some((msg, len)) = self.held.remove(&self.next) {
             self.held_bytes -= len;
-            out.push(msg);
+            deliver(msg);
             self.next = self.next.wrapping_add(1);
         }
-        Ok(out)
+        Ok(())
     }
 }
 
@@ -1279,31 +1284,39 @@ impl Worker {
 mod tests {
     use super::*;
 
+    impl<T> Reorder<T> {
+        /// [`Reorder::arrive`] with what it delivers collected.
+        fn arrive_all(&mut self, seq: u32, msg: T, len: usize) -> Result<Vec<T>, ()> {
+            let mut out = Vec::new();
+            self.arrive(seq, msg, len, |m| out.push(m)).map(|()| out)
+        }
+    }
+
     #[test]
     fn reorder_gives_each_message_once_in_order_across_the_wrap() {
         let mut r = Reorder::new(100);
-        assert_eq!(r.arrive(0, 'a', 1), Ok(vec!['a']));
+        assert_eq!(r.arrive_all(0, 'a', 1), Ok(vec!['a']));
         // Early ones are held until the gap fills; a duplicate is dropped.
-        assert_eq!(r.arrive(3, 'd', 1), Ok(vec![]));
-        assert_eq!(r.arrive(2, 'c', 1), Ok(vec![]));
-        assert_eq!(r.arrive(0, 'x', 1), Ok(vec![]));
-        assert_eq!(r.arrive(1, 'b', 1), Ok(vec!['b', 'c', 'd']));
+        assert_eq!(r.arrive_all(3, 'd', 1), Ok(vec![]));
+        assert_eq!(r.arrive_all(2, 'c', 1), Ok(vec![]));
+        assert_eq!(r.arrive_all(0, 'x', 1), Ok(vec![]));
+        assert_eq!(r.arrive_all(1, 'b', 1), Ok(vec!['b', 'c', 'd']));
         assert_eq!(r.held_bytes, 0);
         // Across u32's wrap.
         r.next = u32::MAX - 1;
-        assert_eq!(r.arrive(0, 'g', 1), Ok(vec![]));
-        assert_eq!(r.arrive(u32::MAX, 'f', 1), Ok(vec![]));
-        assert_eq!(r.arrive(u32::MAX - 1, 'e', 1), Ok(vec!['e', 'f', 'g']));
+        assert_eq!(r.arrive_all(0, 'g', 1), Ok(vec![]));
+        assert_eq!(r.arrive_all(u32::MAX, 'f', 1), Ok(vec![]));
+        assert_eq!(r.arrive_all(u32::MAX - 1, 'e', 1), Ok(vec!['e', 'f', 'g']));
         assert_eq!(r.next, 1);
     }
 
     #[test]
     fn reorder_refuses_to_hold_more_than_its_limit() {
         let mut r = Reorder::new(10);
-        assert_eq!(r.arrive(1, 1, 6), Ok(vec![]));
-        assert_eq!(r.arrive(2, 2, 5), Err(()));
-        assert_eq!(r.arrive(2, 2, 4), Ok(vec![]));
-        assert_eq!(r.arrive(0, 0, 100), Ok(vec![0, 1, 2]));
+        assert_eq!(r.arrive_all(1, 1, 6), Ok(vec![]));
+        assert_eq!(r.arrive_all(2, 2, 5), Err(()));
+        assert_eq!(r.arrive_all(2, 2, 4), Ok(vec![]));
+        assert_eq!(r.arrive_all(0, 0, 100), Ok(vec![0, 1, 2]));
     }
 
     fn batch(items: &[&[u8]]) -> Vec<u8> {
