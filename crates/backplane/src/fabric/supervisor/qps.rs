@@ -112,6 +112,14 @@ impl QpLinks {
     }
 }
 
+/// A service's answer as the client gets it.
+fn served(r: Result<serde_json::Value, (ErrorKind, String)>) -> Response {
+    match r {
+        Ok(v) => Response::Service(v),
+        Err((kind, message)) => Response::Error { kind, message },
+    }
+}
+
 /// What a reply says of a granted region: its size, access flags, whether writable, the
 /// owner's address of its first byte.
 type Granted = (u64, u32, bool, u64);
@@ -276,10 +284,7 @@ impl Sup {
             .get(&(id, slot, node, rkey))
             .filter(|p| p.alive)
         {
-            let r = match self.verbs.dma_reply(&p.shadow, p.grant) {
-                Ok(v) => Response::Service(v),
-                Err((kind, message)) => Response::Error { kind, message },
-            };
+            let r = served(self.verbs.dma_reply(&p.shadow, p.grant));
             self.reply(id, &r, &[]);
             return true;
         }
@@ -398,10 +403,7 @@ impl Sup {
         if let Some(h) = &self.hosts {
             h.bridge.send(cmd);
         }
-        let r = match self.verbs.dma_reply(&shadow, grant) {
-            Ok(v) => Response::Service(v),
-            Err((kind, message)) => Response::Error { kind, message },
-        };
+        let r = served(self.verbs.dma_reply(&shadow, grant));
         let p = DmaPair {
             host,
             shadow,
@@ -573,10 +575,7 @@ impl Sup {
                         return self.dma_opened(a.client, i, what, (len, access, writable, iova));
                     }
                     if let AskedFor::Grant { qp, .. } = a.what {
-                        let r = match self.verbs.across_reply(qp, (len, access, writable, iova)) {
-                            Ok(v) => Response::Service(v),
-                            Err((kind, message)) => Response::Error { kind, message },
-                        };
+                        let r = served(self.verbs.across_reply(qp, (len, access, writable, iova)));
                         self.reply(a.client, &r, &[]);
                     }
                 }
