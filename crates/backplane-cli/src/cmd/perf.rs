@@ -334,17 +334,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         );
     }
     let remote = remote_of(&a)?;
-    let ucx_path = match (a.ucx, ucx::which("ucx_perftest")) {
-        (UcxMode::Require, None) => {
-            bail!("ucx_perftest is not installed (Debian package ucx-utils)")
-        }
-        (UcxMode::Off, _) => Err("UCX comparison disabled (--ucx off)".to_string()),
-        (UcxMode::Auto, None) => Err(
-            "ucx_perftest not found (install Debian package ucx-utils); UCX comparison skipped"
-                .to_string(),
-        ),
-        (_, Some(path)) => Ok(path),
-    };
+    let ucx_path = ucx_perftest(a.ucx)?;
     let mut rounds = Vec::new();
     let mut fabric_name = String::new();
     let mut ucx_note = ucx_path.as_ref().err().cloned();
@@ -533,6 +523,22 @@ fn measure_backplane(
         }
     }
     Ok((name, rows, pt))
+}
+
+/// `ucx_perftest` as `--ucx` wants it: its path, or why it is not run (an error if it is
+/// required and missing).
+fn ucx_perftest(mode: UcxMode) -> anyhow::Result<Result<std::path::PathBuf, String>> {
+    Ok(match (mode, ucx::which("ucx_perftest")) {
+        (UcxMode::Require, None) => {
+            bail!("ucx_perftest is not installed (Debian package ucx-utils)")
+        }
+        (UcxMode::Off, _) => Err("UCX comparison disabled (--ucx off)".to_string()),
+        (UcxMode::Auto, None) => Err(
+            "ucx_perftest not found (install Debian package ucx-utils); UCX comparison skipped"
+                .to_string(),
+        ),
+        (_, Some(path)) => Ok(path),
+    })
 }
 
 /// With `--peer-via`: how to start programs on node 2's host, and its address (where

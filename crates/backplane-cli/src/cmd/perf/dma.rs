@@ -21,7 +21,7 @@ use backplane::verbs::{AccessFlags, Context};
 use backplane_bench::dma_path::{depth, poll_all};
 use serde::Serialize;
 
-use super::{Args, Loop, Test, UcxMode, MAX_SIZE};
+use super::{Args, Loop, Test, MAX_SIZE};
 use backplane_bench::ucx;
 
 const MAX: u64 = 64 << 20;
@@ -112,17 +112,13 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             );
         }
     }
-    let (ucx_path, ucx_note) = match (&remote, a.ucx, ucx::which("ucx_perftest")) {
-        (None, ..) => (None, None),
-        (Some(_), UcxMode::Off, _) => (None, Some("UCX comparison disabled (--ucx off)".into())),
-        (Some(_), UcxMode::Require, None) => {
-            bail!("ucx_perftest is not installed (Debian package ucx-utils)")
-        }
-        (Some(_), UcxMode::Auto, None) => (
-            None,
-            Some("ucx_perftest not found (install Debian package ucx-utils)".into()),
-        ),
-        (Some(_), _, Some(p)) => (Some(p), None),
+    // Across hosts, `ucp_put_bw` between them is the peer (on one host, memcpy is).
+    let (ucx_path, ucx_note) = match &remote {
+        None => (None, None),
+        Some(_) => match super::ucx_perftest(a.ucx)? {
+            Ok(p) => (Some(p), None),
+            Err(note) => (None, Some(note)),
+        },
     };
     if a.iters == Some(0) {
         bail!("--iters must be at least 1");
