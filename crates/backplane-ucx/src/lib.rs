@@ -54,6 +54,14 @@ mod ffi {
             buf: *const c_void,
             blen: usize,
         ) -> c_int;
+        pub fn bpx_send_alloc(
+            l: *mut Link,
+            ep: c_int,
+            len: usize,
+            status: *mut c_int,
+        ) -> *mut c_void;
+        pub fn bpx_send_cancel(payload: *mut c_void);
+        pub fn bpx_send_ready(l: *mut Link, ep: c_int, payload: *mut c_void, len: usize) -> c_int;
         pub fn bpx_progress(l: *mut Link) -> c_int;
         pub fn bpx_arm(l: *mut Link) -> c_int;
         pub fn bpx_next_event(l: *mut Link, ev: *mut Event) -> c_int;
@@ -272,6 +280,46 @@ impl Link {
         check(r, || format!("cannot send to endpoint {}", ep.0))
     }
 
+    /// Sends one message of at most `len` bytes written in place by `fill`, which returns how
+    /// many it wrote (`None`: send nothing). Saves the copy [`Link::send2`] makes of a body
+    /// that is read from elsewhere anyway (a ring in shared memory). `Ok(false)` when `fill`
+    /// declined; `NoResource` (status -2, `fill` not called) when too many sends are in
+    /// flight: try again after [`Link::poll`].
+    pub fn send_with(
+        &mut self,
+        ep: EpId,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<bool, Error> {
+        let mut status = 0;
+        // SAFETY: raw is live; status is a valid out-pointer.
+        let p = unsafe { ffi::bpx_send_alloc(self.raw, ep.0, len, &mut status) };
+        if p.is_null() {
+            return Err(Error {
+                status: status.min(-1),
+                what: format!("cannot send to endpoint {}", ep.0),
+            });
+        }
+        // SAFETY: p is a fresh malloc'ed block of at least len bytes (max(len, 1)) that only
+        // this function refers to until it is handed back to the shim below.
+        let buf = unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) };
+        // (A panic in fill leaks the block: no unwinding through the shim.)
+        match fill(buf).filter(|&n| n <= len) {
+            None => {
+                // SAFETY: p came from bpx_send_alloc and is not used again.
+                unsafe { ffi::bpx_send_cancel(p) };
+                Ok(false)
+            }
+            Some(n) => {
+                // SAFETY: raw is live; p came from bpx_send_alloc, holds n written bytes, and
+                // the shim owns it from here.
+                let r = unsafe { ffi::bpx_send_ready(self.raw, ep.0, p, n) };
+                check(r, || format!("cannot send to endpoint {}", ep.0))?;
+                Ok(true)
+            }
+        }
+    }
+
     /// Makes progress and returns what happened. If it returns nothing and [`Link::arm`]
     /// returns true, it is safe to wait on [`Link::fd`].
     pub fn poll(&mut self) -> Vec<Event> {
@@ -446,6 +494,24 @@ mod tests {
             _ => None,
         });
         assert_eq!(reply, vec![7u8; 3000]);
+        // Written in place: a declined fill sends nothing, a short one only what it wrote,
+        // and a message too large is refused before the fill is asked.
+        assert_eq!(server.send_with(back, 64, |_| None), Ok(false));
+        let filled = server.send_with(back, 4096, |b| {
+            b[..5].copy_from_slice(b"fresh");
+            Some(5)
+        });
+        assert_eq!(filled, Ok(true));
+        let next = until(&mut client, "the message written in place", |e| match e {
+            Event::Message(Some(f), m) if f == ep => Some(m.to_vec()),
+            _ => None,
+        });
+        assert_eq!(
+            next, b"fresh",
+            "the declined fill sent nothing, the short one 5 bytes"
+        );
+        let huge = server.send_with(back, MAX_MSG + 1, |_| panic!("asked to fill"));
+        assert!(huge.unwrap_err().to_string().contains("cannot send"));
         assert!(!client.transports(ep).is_empty());
         let too_big = client.send(ep, &vec![0u8; MAX_MSG + 1]).unwrap_err();
         assert!(too_big.to_string().contains("cannot send"), "{too_big}");

@@ -281,44 +281,77 @@ static void sent(void *request, ucs_status_t status, void *user_data)
     ucp_request_free(request);
 }
 
-/* Sends one message made of head then buf (copied: the caller's buffers are free on return).
- * 0 or a negative status. */
-int bpx_send2(bpx_link *l, int index, const void *head, size_t hlen, const void *buf, size_t blen)
+/* A message of len bytes to fill and pass to bpx_send_ready (or bpx_send_cancel); NULL if it
+ * cannot go now, with *status saying why (UCS_ERR_NO_RESOURCE: too much in flight). */
+void *bpx_send_alloc(bpx_link *l, int index, size_t len, int *status)
 {
-    size_t len = hlen + blen;
+    *status = UCS_OK;
     if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep)
-        return UCS_ERR_INVALID_PARAM;
-    if (len > BPX_MAX_MSG)
-        return UCS_ERR_MESSAGE_TRUNCATED;
-    if (l->inflight >= BPX_MAX_INFLIGHT)
-        return UCS_ERR_NO_RESOURCE;
+        *status = UCS_ERR_INVALID_PARAM;
+    else if (len > BPX_MAX_MSG)
+        *status = UCS_ERR_MESSAGE_TRUNCATED;
+    else if (l->inflight >= BPX_MAX_INFLIGHT)
+        *status = UCS_ERR_NO_RESOURCE;
+    if (*status != UCS_OK)
+        return NULL;
     /* The link pointer, then the payload: the completion callback frees both. */
-    void **copy = malloc(sizeof(void *) + (len ? len : 1));
-    if (!copy)
-        return UCS_ERR_NO_MEMORY;
-    copy[0] = l;
-    if (hlen)
-        memcpy(copy + 1, head, hlen);
-    if (blen)
-        memcpy((char *)(copy + 1) + hlen, buf, blen);
+    void **block = malloc(sizeof(void *) + (len ? len : 1));
+    if (!block) {
+        *status = UCS_ERR_NO_MEMORY;
+        return NULL;
+    }
+    block[0] = l;
+    return block + 1;
+}
+
+/* Frees a message from bpx_send_alloc that is not sent after all. */
+void bpx_send_cancel(void *payload)
+{
+    free((void **)payload - 1);
+}
+
+/* Sends the first len bytes of a message from bpx_send_alloc (which owns it from here, sent
+ * or not). 0 or a negative status. */
+int bpx_send_ready(bpx_link *l, int index, void *payload, size_t len)
+{
+    void **block = (void **)payload - 1;
+    if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep) {
+        free(block);
+        return UCS_ERR_INVALID_PARAM;
+    }
     ucp_request_param_t p;
     memset(&p, 0, sizeof p);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                      UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
     p.cb.send = sent;
-    p.user_data = copy;
-    ucs_status_ptr_t r = ucp_am_send_nbx(l->eps[index].ep, BPX_AM_ID, NULL, 0, copy + 1, len, &p);
+    p.user_data = block;
+    ucs_status_ptr_t r = ucp_am_send_nbx(l->eps[index].ep, BPX_AM_ID, NULL, 0, payload, len, &p);
     if (r == NULL) {
-        free(copy);
+        free(block);
         return 0;
     }
     if (UCS_PTR_IS_ERR(r)) {
-        free(copy);
+        free(block);
         return UCS_PTR_STATUS(r);
     }
     l->inflight++;
     return 0;
+}
+
+/* Sends one message made of head then buf (copied: the caller's buffers are free on return).
+ * 0 or a negative status. */
+int bpx_send2(bpx_link *l, int index, const void *head, size_t hlen, const void *buf, size_t blen)
+{
+    int status;
+    char *payload = bpx_send_alloc(l, index, hlen + blen, &status);
+    if (!payload)
+        return status;
+    if (hlen)
+        memcpy(payload, head, hlen);
+    if (blen)
+        memcpy(payload + hlen, buf, blen);
+    return bpx_send_ready(l, index, payload, hlen + blen);
 }
 
 /* Makes progress; returns how much happened (0: nothing). */

@@ -116,6 +116,24 @@ fn parse(msg: &[u8]) -> Option<(u8, u64, u64, &[u8])> {
     Some((msg[0], route, n, &msg[HEAD..]))
 }
 
+/// Ships mirror `m`'s next message, read from its ring straight into the message UCX sends;
+/// true if one went out.
+fn ship_next(link: &mut SeqLink, ep: EpId, m: &mut Mirror, upto: u64) -> bool {
+    let mut shipment = None;
+    let sent = link.send_with(ep, &head(KIND_QP, 0, 0), mirror::MSG_MAX, |buf| {
+        let (n, s) = m.next_message(buf, upto)?;
+        shipment = Some(s);
+        Some(n)
+    });
+    match (sent, shipment) {
+        (Ok(true), Some(s)) => {
+            m.shipped(s);
+            true
+        }
+        _ => false,
+    }
+}
+
 /// What the supervisor tells the bridge.
 pub(super) enum Cmd {
     /// Connect the data link to host `host`'s bridge (this host dials it).
@@ -404,6 +422,29 @@ impl SeqLink {
         self.link.send2(ep, &h, body)?;
         *seq = seq.wrapping_add(1);
         Ok(())
+    }
+
+    /// [`SeqLink::send2`] with a body of at most `len` bytes written in place by `fill` (see
+    /// [`Link::send_with`]); `Ok(false)` if `fill` declined.
+    fn send_with(
+        &mut self,
+        ep: EpId,
+        head: &[u8; HEAD],
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<bool, backplane_ucx::Error> {
+        let seq = self.next_out.entry(ep).or_insert(0);
+        let mut h = *head;
+        h[4..8].copy_from_slice(&seq.to_le_bytes());
+        let sent = self.link.send_with(ep, HEAD + len, |buf| {
+            let (at, body) = buf.split_at_mut(HEAD);
+            at.copy_from_slice(&h);
+            fill(body).map(|n| HEAD + n)
+        })?;
+        if sent {
+            *seq = seq.wrapping_add(1);
+        }
+        Ok(sent)
     }
 
     fn connect(&mut self, addr: SocketAddr) -> Result<EpId, backplane_ucx::Error> {
@@ -973,16 +1014,7 @@ impl Worker {
     fn last_words(&mut self, mut m: Mirror) {
         let keys = mirror::encode_ready(m.local_key, m.remote_key);
         if let Some(&ep) = self.hosts.get(&m.host).filter(|_| m.ready) {
-            while let Some(s) = m.next_message(&mut self.scratch, u64::MAX) {
-                if self
-                    .link
-                    .send2(ep, &head(KIND_QP, 0, 0), &self.scratch)
-                    .is_err()
-                {
-                    break;
-                }
-                m.shipped(s);
-            }
+            while ship_next(&mut self.link, ep, &mut m, u64::MAX) {}
             if self
                 .link
                 .send2(ep, &head(KIND_QP_GONE, 0, 0), &keys)
@@ -1071,17 +1103,9 @@ impl Worker {
             }
             // A few messages per pair per round, so one busy pair does not starve the rest.
             for _ in 0..8 {
-                let Some(s) = m.next_message(&mut self.scratch, upto) else {
-                    break;
-                };
-                if self
-                    .link
-                    .send2(ep, &head(KIND_QP, 0, 0), &self.scratch)
-                    .is_err()
-                {
-                    break; // too much in flight in UCX: after the next poll
+                if !ship_next(&mut self.link, ep, m, upto) {
+                    break; // nothing more, or too much in flight in UCX: after the next poll
                 }
-                m.shipped(s);
                 any = true;
             }
         }
@@ -1177,14 +1201,13 @@ impl Worker {
                         if o.inflight > 0 && o.inflight + cost > o.window {
                             break;
                         }
-                        let body = &mut self.scratch;
-                        body.resize(rec.len, 0);
-                        if o.rx.data().read(rec.pos, body).is_err() {
-                            break;
-                        }
+                        // Read from the ring straight into the message UCX sends.
                         let h = head(KIND_DATA, route, o.seq);
-                        if self.link.send2(ep, &h, body).is_err() {
-                            break; // too much in flight in UCX: after the next poll
+                        let data = o.rx.data();
+                        let fill =
+                            |body: &mut [u8]| data.read(rec.pos, body).is_ok().then_some(rec.len);
+                        if self.link.send_with(ep, &h, rec.len, fill) != Ok(true) {
+                            break; // too much in flight in UCX (after the next poll), or a bad record
                         }
                         o.seq += 1;
                         o.inflight += cost;

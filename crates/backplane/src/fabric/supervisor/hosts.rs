@@ -86,6 +86,7 @@ impl HostLink {
                 me.name, plan.file
             ))
         })?;
+        super::keep_freed_memory();
         let bridge = super::bridge::Bridge::start(me.address.ip(), plan.me)
             .map_err(|e| StartError::Hosts(format!("host '{}': datagram bridge: {e}", me.name)))?;
         let peers = plan

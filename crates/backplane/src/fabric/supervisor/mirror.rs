@@ -61,6 +61,8 @@ pub(super) const CHUNK: u64 = 256 * 1024;
 /// A mirror message's header (after the bridge's own): two QP keys, the words, where the
 /// ring bytes that follow start.
 pub(super) const MSG_HEAD: usize = 72;
+/// The largest mirror message: its header and a chunk of ring bytes.
+pub(super) const MSG_MAX: usize = MSG_HEAD + CHUNK as usize;
 
 /// A QP block in a window of this host: a real QP's, or a shadow's.
 #[derive(Clone)]
@@ -492,12 +494,12 @@ impl Mirror {
         (&self.shadow.armed, &self.shadow.bell)
     }
 
-    /// The next message to ship, if there is anything new: the header and ring bytes in
-    /// `out`; `None` when there is nothing, or the local QP published an impossible position
-    /// (then the pair is broken).
+    /// The next message to ship, if there is anything new: the header and ring bytes written
+    /// at the start of `out` (at least [`MSG_MAX`] bytes), and how many; `None` when there is
+    /// nothing, or the local QP published an impossible position (then the pair is broken).
     /// Ring bytes go at most up to `upto` (a position read before the requests shipped).
-    pub(super) fn next_message(&mut self, out: &mut Vec<u8>, upto: u64) -> Option<Shipment> {
-        if !self.ready || self.broken.is_some() {
+    pub(super) fn next_message(&mut self, out: &mut [u8], upto: u64) -> Option<(usize, Shipment)> {
+        if !self.ready || self.broken.is_some() || out.len() < MSG_MAX {
             return None;
         }
         let snap = self.snap();
@@ -519,32 +521,33 @@ impl Mirror {
             return None;
         }
         let n = unsent.min(CHUNK);
-        out.clear();
-        out.extend_from_slice(&encode_ready(self.local_key, self.remote_key));
+        let mut head = Vec::with_capacity(MSG_HEAD);
+        head.extend_from_slice(&encode_ready(self.local_key, self.remote_key));
         for v in [self.shipped + n, snap.ack, snap.nak, snap.credits] {
-            out.extend_from_slice(&v.to_le_bytes());
+            head.extend_from_slice(&v.to_le_bytes());
         }
         // The receiver publishes the bytes only up to a position the local QP published (a
         // record boundary): a chunk may end inside a record.
         let whole = u32::from(self.shipped + n == tail);
         for v in [snap.gone, snap.rnr, snap.access, whole] {
-            out.extend_from_slice(&v.to_le_bytes());
+            head.extend_from_slice(&v.to_le_bytes());
         }
-        out.extend_from_slice(&self.shipped.to_le_bytes());
-        debug_assert_eq!(out.len(), MSG_HEAD);
+        head.extend_from_slice(&self.shipped.to_le_bytes());
+        debug_assert_eq!(head.len(), MSG_HEAD);
+        out[..MSG_HEAD].copy_from_slice(&head);
         // The bytes, in at most two pieces (the ring's end, then its start).
         let mut at = self.shipped;
         let end = self.shipped + n;
+        let mut used = MSG_HEAD;
         while at < end {
             let pos = at % len;
-            let piece = (len - pos).min(end - at);
-            let from = out.len();
-            out.resize(from + piece as usize, 0);
-            // In bounds: pos + piece <= len.
-            let _ = self.shadow.ring.read(pos, &mut out[from..]);
-            at += piece;
+            let piece = (len - pos).min(end - at) as usize;
+            // In bounds: pos + piece <= len, and used + n <= MSG_MAX.
+            let _ = self.shadow.ring.read(pos, &mut out[used..used + piece]);
+            used += piece;
+            at += piece as u64;
         }
-        Some(Shipment { end, snap })
+        Some((used, Shipment { end, snap }))
     }
 
     /// The message [`Mirror::next_message`] made went out.
@@ -666,10 +669,18 @@ mod tests {
         (ma, mb, a, b)
     }
 
+    /// The next message into `buf` (resized to it), as the bridge ships it.
+    fn next(m: &mut Mirror, buf: &mut Vec<u8>) -> Option<Shipment> {
+        buf.resize(MSG_MAX, 0);
+        let (n, s) = m.next_message(buf, u64::MAX)?;
+        buf.truncate(n);
+        Some(s)
+    }
+
     fn carry(from: &mut Mirror, to: &mut Mirror) -> usize {
         let mut buf = Vec::new();
         let mut n = 0;
-        while let Some(s) = from.next_message(&mut buf, u64::MAX) {
+        while let Some(s) = next(from, &mut buf) {
             assert_eq!(keys(&buf), Some((from.local_key, from.remote_key)));
             to.apply(&buf);
             assert_eq!(to.broken, None);
@@ -688,7 +699,7 @@ mod tests {
         a.u64_at((16 << 10) + QP_TAIL_OFF as u64)
             .unwrap()
             .store(64, Ordering::Release);
-        assert!(ma.next_message(&mut buf, u64::MAX).is_none());
+        assert!(next(&mut ma, &mut buf).is_none());
         ma.ready = true;
         mb.ready = true;
         // Credits and access go with the bytes.
@@ -772,7 +783,7 @@ mod tests {
         let end = CHUNK + CHUNK / 2;
         shadow_tail.store(end, Ordering::Release);
         let mut buf = Vec::new();
-        let s = ma.next_message(&mut buf, u64::MAX).unwrap();
+        let s = next(&mut ma, &mut buf).unwrap();
         mb.apply(&buf);
         ma.shipped(s);
         let tail = b.u64_at(QP_TAIL_OFF as u64).unwrap();
@@ -802,7 +813,7 @@ mod tests {
         a.u64_at((16 << 10) + QP_TAIL_OFF as u64)
             .unwrap()
             .store(64, Ordering::Release);
-        ma.next_message(&mut buf, u64::MAX).unwrap();
+        next(&mut ma, &mut buf).unwrap();
         let mut skip = buf.clone();
         skip[64..72].copy_from_slice(&64u64.to_le_bytes());
         mb.apply(&skip);
@@ -829,7 +840,7 @@ mod tests {
         a.u64_at((16 << 10) + QP_TAIL_OFF as u64)
             .unwrap()
             .store(u64::from(RING) * 2, Ordering::Release);
-        assert!(ma.next_message(&mut buf, u64::MAX).is_none());
+        assert!(next(&mut ma, &mut buf).is_none());
         assert_eq!(ma.broken, Some(LOCAL_POSITION));
     }
 }
