@@ -450,6 +450,12 @@ fn a_host_that_does_not_match_or_cannot_join_is_refused_in_one_line_and_leaves_n
         e.contains("host 'h0' refused host 'h1'") && e.contains("same --window-size"),
         "{e}"
     );
+    // Another link model (h0 emulates none): refused, naming both.
+    let e = one_line(&h.up(1, &file, &["--link", "eth-1g"]));
+    assert!(
+        e.contains("host 'h1' emulates --link eth-1g cut-through, host 'h0' no link model"),
+        "{e}"
+    );
     let other = h.file("other.toml", &[&[1, 2], &[3, 4]]);
     let e = one_line(&h.up(1, &other, &[]));
     assert!(
@@ -774,6 +780,192 @@ fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
         "{}",
         stderr(&o)
     );
+    h.down(1);
+    h.down(0);
+    h.assert_nothing_left();
+}
+
+const LINK_PORT: u32 = 7100;
+/// Datagrams each sender sends into the shared downlink, and their size.
+const LINK_DGRAMS: u64 = 48;
+const LINK_DGRAM: usize = 65536;
+
+/// Node 3 (on h0) receives from node 1 (h0) and node 2 (h1) at once through one emulated
+/// downlink; the senders start together when the sink has heard both.
+fn link_role(role: &str) {
+    use backplane::fabric::Fabric;
+    use backplane::transport::Addr;
+    let fabric = Fabric::attach(&std::env::var("BP_FABRIC").unwrap()).unwrap();
+    let sink = Addr::new(3, LINK_PORT);
+    match role {
+        "sink" => {
+            let mut ep = fabric.node(3).unwrap().bind(LINK_PORT).unwrap();
+            let mut buf = vec![0u8; LINK_DGRAM];
+            let mut senders = Vec::new();
+            while senders.len() < 2 {
+                let (_, src) = ep
+                    .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                    .unwrap();
+                if !senders.contains(&src) {
+                    senders.push(src);
+                }
+            }
+            let t0 = Instant::now();
+            for &s in &senders {
+                ep.send_to(s, b"go").unwrap();
+            }
+            let mut from = [0u64; 2];
+            while from.iter().sum::<u64>() < 2 * LINK_DGRAMS {
+                let (n, src) = ep
+                    .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                    .unwrap();
+                if n == LINK_DGRAM {
+                    from[senders.iter().position(|&s| s == src).unwrap()] += 1;
+                } // (a late hello otherwise)
+            }
+            let took = t0.elapsed();
+            // Nothing left before the go; all of it then crossed one downlink at the model's
+            // rate (were it modelled once per host, the two streams would pass side by side,
+            // in half the time).
+            let rate = fabric.link().unwrap().bytes_per_s as f64;
+            let floor = (2 * LINK_DGRAMS) as f64 * LINK_DGRAM as f64 / rate;
+            eprintln!("sink: {from:?} in {took:?}, the model's floor {floor:.4} s");
+            assert_eq!(from, [LINK_DGRAMS; 2]);
+            assert!(
+                took.as_secs_f64() >= 0.95 * floor,
+                "{took:?} < the model's {floor} s"
+            );
+            for &s in &senders {
+                ep.send_to(s, b"bye").unwrap();
+            }
+        }
+        "sender_1" | "sender_2" => {
+            let node = if role == "sender_1" { 1 } else { 2 };
+            let mut ep = fabric.node(node).unwrap().bind(0).unwrap();
+            let mut buf = [0u8; 16];
+            let go = wait_for(Duration::from_secs(30), || {
+                match ep.send_to(sink, b"hello") {
+                    Ok(()) | Err(backplane::dgram::DgramError::Unreachable(_)) => {}
+                    Err(e) => panic!("hello: {e}"),
+                }
+                ep.recv_from_timeout(&mut buf, Duration::from_millis(50))
+                    .ok()
+                    .filter(|&(n, _)| &buf[..n] == b"go")
+            });
+            assert!(go.is_some(), "no go from the sink");
+            let data = vec![node as u8; LINK_DGRAM];
+            for _ in 0..LINK_DGRAMS {
+                ep.send_to(sink, &data).unwrap();
+            }
+            let (n, _) = ep
+                .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                .unwrap();
+            assert_eq!(&buf[..n], b"bye");
+        }
+        "fan_sink_1" | "fan_sink_3" => {
+            let node = if role == "fan_sink_1" { 1 } else { 3 };
+            let mut ep = fabric.node(node).unwrap().bind(LINK_PORT + 1).unwrap();
+            let mut buf = vec![0u8; LINK_DGRAM];
+            let (_, src) = ep
+                .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                .unwrap();
+            ep.send_to(src, b"ready").unwrap();
+            let mut got = 0;
+            while got < LINK_DGRAMS {
+                let (n, _) = ep
+                    .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                    .unwrap();
+                got += u64::from(n == LINK_DGRAM); // (later hellos are short)
+            }
+            ep.send_to(src, b"got").unwrap();
+        }
+        "fan_sender" => {
+            // Node 2 (h1) to nodes 1 and 3 (h0) in turn: two downlinks, one uplink.
+            let mut ep = fabric.node(2).unwrap().bind(0).unwrap();
+            let sinks = [Addr::new(1, LINK_PORT + 1), Addr::new(3, LINK_PORT + 1)];
+            let mut ready = Vec::new();
+            let mut buf = [0u8; 16];
+            let all = wait_for(Duration::from_secs(30), || {
+                for s in sinks.iter().filter(|s| !ready.contains(*s)) {
+                    match ep.send_to(*s, b"hello") {
+                        Ok(()) | Err(backplane::dgram::DgramError::Unreachable(_)) => {}
+                        Err(e) => panic!("hello: {e}"),
+                    }
+                }
+                if let Ok((_, src)) = ep.recv_from_timeout(&mut buf, Duration::from_millis(50)) {
+                    if !ready.contains(&src) {
+                        ready.push(src);
+                    }
+                }
+                (ready.len() == 2).then_some(())
+            });
+            assert!(all.is_some(), "the sinks never became ready");
+            let t0 = Instant::now();
+            let data = vec![2u8; LINK_DGRAM];
+            for k in 0..2 * LINK_DGRAMS {
+                ep.send_to(sinks[k as usize % 2], &data).unwrap();
+            }
+            for _ in 0..2 {
+                let (n, _) = ep
+                    .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                    .unwrap();
+                assert_eq!(&buf[..n], b"got");
+            }
+            let took = t0.elapsed();
+            // Every datagram crossed node 2's one uplink in turn (were it not modelled on
+            // the sending host, the two downlinks would take them side by side).
+            let rate = fabric.link().unwrap().bytes_per_s as f64;
+            let floor = (2 * LINK_DGRAMS) as f64 * LINK_DGRAM as f64 / rate;
+            eprintln!("fan sender: {took:?}, the model's floor {floor:.4} s");
+            assert!(
+                took.as_secs_f64() >= 0.95 * floor,
+                "{took:?} < the model's {floor} s"
+            );
+        }
+        _ => unreachable!(),
+    }
+}
+
+#[test]
+fn an_emulated_link_spans_hosts_one_downlink_for_senders_on_both_one_uplink_per_sender() {
+    if let Some(r) = role() {
+        link_role(&r);
+        return;
+    }
+    if !root() {
+        return;
+    }
+    let h = Hosts::new("hosts_link", 22, 2);
+    let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
+    for k in 0..2 {
+        let o = h.up(k, &file, &["--link", "eth-1g"]);
+        assert!(o.status.success(), "up on h{k}: {}", stderr(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("link eth-1g ("),
+            "{}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+    }
+    h.wait_slot(0, 2, "READY", None);
+    h.wait_slot(1, 1, "READY", None);
+    let test_fn =
+        "an_emulated_link_spans_hosts_one_downlink_for_senders_on_both_one_uplink_per_sender";
+    let sink = h.spawn_role(0, test_fn, "sink");
+    let s1 = h.spawn_role(0, test_fn, "sender_1");
+    let s2 = h.spawn_role(1, test_fn, "sender_2");
+    assert!(finish(s1, "sender 1").success(), "sender 1 failed");
+    assert!(finish(s2, "sender 2").success(), "sender 2 failed");
+    assert!(finish(sink, "the sink").success(), "the sink failed");
+    // One sender on h1 to two nodes on h0: its uplink holds them back on its own host.
+    let f1 = h.spawn_role(0, test_fn, "fan_sink_1");
+    let f3 = h.spawn_role(0, test_fn, "fan_sink_3");
+    let fs = h.spawn_role(1, test_fn, "fan_sender");
+    assert!(
+        finish(fs, "the fan sender").success(),
+        "the fan sender failed"
+    );
+    assert!(finish(f1, "sink 1").success(), "sink 1 failed");
+    assert!(finish(f3, "sink 3").success(), "sink 3 failed");
     h.down(1);
     h.down(0);
     h.assert_nothing_left();
@@ -1325,6 +1517,7 @@ fn old_host_role(role: &str) {
         host: "h1".into(),
         window_size: 8 << 20,
         net: None,
+        link: None,
         hosts: Vec::new(),
     };
     let mut link = Link::open(None).unwrap();

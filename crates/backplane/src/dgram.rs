@@ -187,7 +187,7 @@ fn stamp_route(route: &[RouteStep], len: usize) -> u64 {
     let now = crate::sync::now_ns();
     let mut t = now;
     for (k, h) in route.iter().enumerate() {
-        let ser = ((len as u128 * 1_000_000_000) / u128::from(h.bytes_per_s)).max(1) as u64;
+        let ser = serialise_ns(len, h.bytes_per_s);
         let start = claim(&h.clock, t, ser, now);
         t = if k + 1 == route.len() {
             start + ser
@@ -202,8 +202,13 @@ fn stamp_route(route: &[RouteStep], len: usize) -> u64 {
     t
 }
 
+/// How long `len` bytes take on an emulated link of `bytes_per_s` (at least 1 ns).
+pub(crate) fn serialise_ns(len: usize, bytes_per_s: u64) -> u64 {
+    ((len as u128 * 1_000_000_000) / u128::from(bytes_per_s.max(1))).max(1) as u64
+}
+
 /// Claims `ser` ns on a link clock from `earliest` on; returns when the transfer starts.
-fn claim(clock: &AtomicU64, earliest: u64, ser: u64, now: u64) -> u64 {
+pub(crate) fn claim(clock: &AtomicU64, earliest: u64, ser: u64, now: u64) -> u64 {
     let mut start = earliest;
     // SYNC POINT link-clock: a CAS loop; the value is a time, not a publication of data.
     let _ = clock.fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| {
@@ -527,8 +532,7 @@ impl Endpoint {
                     } else if let (Some(l), Some(ing)) = (&self.link, &c.dst_ingress) {
                         // Link emulation: serialise on our uplink, cross the switch, serialise
                         // on the receiver's downlink; the record is delivered when that ends.
-                        let ser = ((used as u128 * 1_000_000_000) / u128::from(l.bytes_per_s))
-                            .max(1) as u64;
+                        let ser = serialise_ns(used, l.bytes_per_s);
                         let now = crate::sync::now_ns();
                         let up = claim(&l.egress, now, ser, now);
                         let down = claim(ing, up + l.hop_ns, ser, now);

@@ -33,7 +33,7 @@ pub struct Args {
     topology: Option<std::path::PathBuf>,
     /// A fabric across hosts: a TOML file of `[[hosts]]` (name, address = "IPv4:PORT", slots),
     /// the same on every host; each host runs `up --hosts FILE --host NAME` for its slots.
-    #[arg(long, value_name = "FILE", requires = "host", conflicts_with_all = ["topology", "link", "nodes"])]
+    #[arg(long, value_name = "FILE", requires = "host", conflicts_with_all = ["topology", "nodes"])]
     hosts: Option<std::path::PathBuf>,
     /// Which host of the hosts file this is.
     #[arg(long, value_name = "NAME", requires = "hosts")]
@@ -142,29 +142,6 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     o.topology = topo_path;
     o.hosts = plain.hosts.clone();
     launch::start(&o)?;
-    if let Some((_, plan)) = &hosts {
-        let me = plan.this();
-        let others: Vec<String> = plan
-            .hosts
-            .iter()
-            .filter(|h| h.name != me.name)
-            .map(|h| format!("{} ({})", h.name, h.address))
-            .collect();
-        println!(
-            "fabric '{}' is up on host '{}': nodes {} of 1..={}, {} windows, no network; other hosts: {}",
-            a.name.name,
-            me.name,
-            me.slots
-                .iter()
-                .map(u32::to_string)
-                .collect::<Vec<_>>()
-                .join(", "),
-            nodes,
-            human_size(a.window_size),
-            others.join(", ")
-        );
-        return Ok(());
-    }
     let net_note = net.map_or(String::from(", no network"), |p| {
         format!(", bp0 {} .. {} (MTU {})", p.cidr(1), p.cidr(nodes), p.mtu)
     });
@@ -188,6 +165,29 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             }
         )
     });
+    if let Some((_, plan)) = &hosts {
+        let me = plan.this();
+        let others: Vec<String> = plan
+            .hosts
+            .iter()
+            .filter(|h| h.name != me.name)
+            .map(|h| format!("{} ({})", h.name, h.address))
+            .collect();
+        println!(
+            "fabric '{}' is up on host '{}': nodes {} of 1..={}, {} windows{net_note}{link_note}; other hosts: {}",
+            a.name.name,
+            me.name,
+            me.slots
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            nodes,
+            human_size(a.window_size),
+            others.join(", ")
+        );
+        return Ok(());
+    }
     println!(
         "fabric '{}' is up: {} nodes, {} windows{net_note}{link_note}",
         a.name.name,

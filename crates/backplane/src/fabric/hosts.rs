@@ -29,7 +29,7 @@ use toml::Spanned;
 use crate::wire::MAX_NODES;
 
 /// What the supervisors of one fabric speak to each other; bumped on any change.
-pub const HOSTS_PROTOCOL: u32 = 3;
+pub const HOSTS_PROTOCOL: u32 = 4;
 /// How often a host reports its slots to every joined host (the heartbeat).
 pub const REPORT_PERIOD_MS: u64 = 100;
 /// A joined host not heard from for this long is lost: its nodes go DOWN (`host-lost`).
@@ -229,7 +229,14 @@ impl HostPlan {
 
     /// What this host says when it joins another (`net`: IP over the fabric's subnet and
     /// MTU, as `up` was given them, or None for `--no-net`).
-    pub fn join(&self, fabric: &str, window_size: u64, net: Option<String>) -> HostMsg {
+    /// `link`: the emulated link model as `up --link` named it (None: memory speed).
+    pub fn join(
+        &self,
+        fabric: &str,
+        window_size: u64,
+        net: Option<String>,
+        link: Option<String>,
+    ) -> HostMsg {
         HostMsg::Join {
             protocol: HOSTS_PROTOCOL,
             version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -237,6 +244,7 @@ impl HostPlan {
             host: self.this().name.clone(),
             window_size,
             net,
+            link,
             hosts: self.hosts.clone(),
         }
     }
@@ -249,6 +257,7 @@ impl HostPlan {
         fabric: &str,
         window_size: u64,
         net: &Option<String>,
+        link: &Option<String>,
     ) -> Result<usize, String> {
         let HostMsg::Join {
             protocol,
@@ -257,6 +266,7 @@ impl HostPlan {
             host,
             window_size: w,
             net: n,
+            link: l,
             hosts,
         } = msg
         else {
@@ -298,6 +308,18 @@ impl HostPlan {
                  --subnet and --mtu (or --no-net) on every host",
                 say(n),
                 say(net)
+            ));
+        }
+        if l != link {
+            let say = |x: &Option<String>| {
+                x.as_ref()
+                    .map_or_else(|| "no link model".into(), |m| format!("--link {m}"))
+            };
+            return Err(format!(
+                "host '{host}' emulates {}, host '{me}' {}: use the same --link and \
+                 --forwarding (or none) on every host",
+                say(l),
+                say(link)
             ));
         }
         if hosts != &self.hosts {
@@ -380,6 +402,10 @@ pub enum HostMsg {
         window_size: u64,
         /// IP over the fabric: subnet and MTU (None: `--no-net`).
         net: Option<String>,
+        /// The emulated link model and forwarding mode (None: memory speed). (Absent in an
+        /// older host's join, which is then refused for its version, not as malformed.)
+        #[serde(default)]
+        link: Option<String>,
         /// The whole hosts table as the dialling host read it.
         hosts: Vec<HostSpec>,
     },
@@ -566,8 +592,8 @@ mod tests {
             !a.dials(1) && b.dials(0),
             "the later host dials the earlier"
         );
-        let join = b.join("f", 1 << 20, None);
-        assert_eq!(a.check_join(&join, "f", 1 << 20, &None), Ok(1));
+        let join = b.join("f", 1 << 20, None, None);
+        assert_eq!(a.check_join(&join, "f", 1 << 20, &None, &None), Ok(1));
         let back = HostMsg::decode(&join.encode()).unwrap();
         assert_eq!(back, join);
     }
@@ -576,15 +602,14 @@ mod tests {
     fn every_mismatch_is_refused_naming_it() {
         let a = HostPlan::parse("h.toml", TWO, "a").unwrap();
         let b = HostPlan::parse("h.toml", TWO, "b").unwrap();
-        let refuse = |m: HostMsg, w: u64| a.check_join(&m, "f", w, &None).unwrap_err();
-        assert!(refuse(b.join("g", 4096, None), 4096).contains("belongs to fabric 'g'"));
-        assert!(refuse(b.join("f", 8192, None), 4096).contains("same --window-size"));
+        let refuse = |m: HostMsg, w: u64| a.check_join(&m, "f", w, &None, &None).unwrap_err();
+        assert!(refuse(b.join("g", 4096, None, None), 4096).contains("belongs to fabric 'g'"));
+        assert!(refuse(b.join("f", 8192, None, None), 4096).contains("same --window-size"));
         let mut other = b.clone();
         other.hosts[1].slots = vec![3, 4, 5];
-        assert!(
-            refuse(other.join("f", 4096, None), 4096).contains("gives host 'b' slots [3, 4, 5]")
-        );
-        let mut old = b.join("f", 4096, None);
+        assert!(refuse(other.join("f", 4096, None, None), 4096)
+            .contains("gives host 'b' slots [3, 4, 5]"));
+        let mut old = b.join("f", 4096, None, None);
         if let HostMsg::Join { version, .. } = &mut old {
             *version = "0.0.1".into();
         }
@@ -593,14 +618,25 @@ mod tests {
             e.contains("runs backplane 0.0.1") && e.contains("same version"),
             "{e}"
         );
-        assert!(refuse(a.join("f", 4096, None), 4096).contains("own name"));
+        assert!(refuse(a.join("f", 4096, None, None), 4096).contains("own name"));
         assert!(HostMsg::decode(b"{\"msg\":\"nope\"}").is_err());
-        let e = refuse(b.join("f", 4096, Some("10.9.0.0/24 mtu 9000".into())), 4096);
+        let e = refuse(
+            b.join("f", 4096, Some("10.9.0.0/24 mtu 9000".into()), None),
+            4096,
+        );
         assert!(
             e.contains("as 10.9.0.0/24 mtu 9000, host 'a' as --no-net"),
             "{e}"
         );
-        assert!(!refuse(b.join("g", 4096, None), 4096).contains('\n'));
+        let e = refuse(
+            b.join("f", 4096, None, Some("eth-1g cut-through".into())),
+            4096,
+        );
+        assert!(
+            e.contains("emulates --link eth-1g cut-through, host 'a' no link model"),
+            "{e}"
+        );
+        assert!(!refuse(b.join("g", 4096, None, None), 4096).contains('\n'));
     }
 
     #[test]

@@ -232,7 +232,10 @@ fn run_inner(
 
     let listener = bind_listener(&lock.dir.join(SOCKET_FILE))?;
     let hosts = match &cfg.hosts {
-        Some(plan) => Some(hosts::HostLink::open(plan.clone(), now)?),
+        Some(plan) => {
+            let bps = cfg.link.as_ref().map(|l| l.bytes_per_s.max(1));
+            Some(hosts::HostLink::open(plan.clone(), bps, now)?)
+        }
         None => None,
     };
     let accel_nodes = crate::fabric::accel::NodeWords::create(&cfg.name, cfg.nodes).ok();

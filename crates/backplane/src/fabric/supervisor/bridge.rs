@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use backplane_ucx::{EpId, Event, Link};
 
-use crate::mem::Word32;
+use crate::mem::{Word32, Word64};
 use crate::ring::RingError;
 use crate::sync::Ordering;
 use crate::transport::shm::{ShmReceiver, ShmSender};
@@ -74,6 +74,9 @@ struct Item {
     msg: std::rc::Rc<backplane_ucx::Bytes>,
     off: usize,
     len: usize,
+    /// When it arrived (CLOCK_MONOTONIC ns): an emulated link's downlink starts then at the
+    /// earliest.
+    arrived_ns: u64,
 }
 
 impl Item {
@@ -166,6 +169,8 @@ pub(super) enum Cmd {
         peer_closed: Word32,
         /// The credit line's doorbell (armed flag, bell) the receiver rings as it makes room.
         credit_bell: (Word32, Word32),
+        /// Link emulation: the destination node's downlink clock (`WIN_LINK_INGRESS_OFF`).
+        ingress: Option<Word64>,
     },
     /// Drop an inbound route (its ring was torn down here).
     RemoveIn { host: usize, route: u64 },
@@ -224,6 +229,8 @@ struct Out {
     inflight: u64,
     seq: u64,
     ended: bool,
+    /// Link emulation: the next datagram is still on its sender's uplink (not due to leave).
+    held: bool,
 }
 
 struct In {
@@ -238,6 +245,8 @@ struct In {
     end_at: Option<u64>,
     unacked: u64,
     window_hint: u64,
+    /// Link emulation: the destination node's downlink clock.
+    ingress: Option<Word64>,
 }
 
 /// How UCX wakes the sleeping bridge: the watcher thread polls the worker's fd while `watch`
@@ -280,7 +289,12 @@ pub(super) struct Bridge {
 
 impl Bridge {
     /// Starts the bridge thread, listening on `ip` (any port) for the other hosts' bridges.
-    pub(super) fn start(ip: std::net::IpAddr, me: usize) -> Result<Self, String> {
+    /// `bytes_per_s`: an emulated link's bandwidth (see [`Worker::pump_out`]).
+    pub(super) fn start(
+        ip: std::net::IpAddr,
+        me: usize,
+        bytes_per_s: Option<u64>,
+    ) -> Result<Self, String> {
         let (tx, rx) = mpsc::channel();
         let (note_tx, notes) = mpsc::channel();
         let (port_tx, port_rx) = mpsc::channel();
@@ -313,6 +327,8 @@ impl Bridge {
                 let worker = Worker {
                     link: SeqLink::new(link),
                     me,
+                    bytes_per_s,
+                    due: None,
                     cmds: rx,
                     notes: note_tx,
                     hosts: HashMap::new(),
@@ -573,6 +589,10 @@ impl<T> Reorder<T> {
 struct Worker {
     link: SeqLink,
     me: usize,
+    /// Link emulation: the model's bandwidth (bytes/s; None: memory speed).
+    bytes_per_s: Option<u64>,
+    /// Link emulation: when the first datagram held on its uplink is due to leave.
+    due: Option<u64>,
     cmds: mpsc::Receiver<Cmd>,
     notes: mpsc::Sender<Note>,
     /// Host index → its bridge's endpoint.
@@ -650,7 +670,7 @@ impl Worker {
         // (An outbound route with its window full waits for the other side's ack: UCX.)
         let pending = self.outs.values().any(|o| {
             !o.ended
-                && ((o.inflight < o.window && !o.rx.is_drained())
+                && ((!o.held && o.inflight < o.window && !o.rx.is_drained())
                     || o.unsent.is_some()
                     || o.sender_closed.load(Ordering::Acquire) != 0)
         }) || self.ins.values_mut().any(|r| {
@@ -679,6 +699,12 @@ impl Worker {
                 NAP
             };
             let nap = redial.map_or(nap, |r| r.min(nap));
+            // Not past the time a datagram held on its emulated uplink may leave.
+            let nap = self.due.map_or(nap, |d| {
+                nap.min(Duration::from_nanos(
+                    d.saturating_sub(crate::sync::now_ns()),
+                ))
+            });
             crate::sync::futex_wait_any(&words, nap);
         }
         for o in self.outs.values() {
@@ -732,6 +758,7 @@ impl Worker {
                             inflight: 0,
                             seq: 0,
                             ended: false,
+                            held: false,
                         },
                     );
                 }
@@ -746,6 +773,7 @@ impl Worker {
                     receiver_bell,
                     peer_closed,
                     credit_bell,
+                    ingress,
                 } => {
                     let window_hint = tx.data().len();
                     self.ins.insert(
@@ -761,6 +789,7 @@ impl Worker {
                             end_at: None,
                             unacked: 0,
                             window_hint,
+                            ingress,
                         },
                     );
                 }
@@ -909,12 +938,21 @@ impl Worker {
                                     > 4 * r.window_hint;
                                 match items {
                                     Some(items) if !over && ahead <= 4 * r.window_hint => {
+                                        let arrived_ns = crate::sync::now_ns();
                                         let msg = std::rc::Rc::new(msg);
                                         for (k, (off, len)) in items.into_iter().enumerate() {
                                             let seq = n + k as u64;
                                             if seq >= r.next {
                                                 let msg = msg.clone();
-                                                r.waiting.insert(seq, Item { msg, off, len });
+                                                r.waiting.insert(
+                                                    seq,
+                                                    Item {
+                                                        msg,
+                                                        off,
+                                                        len,
+                                                        arrived_ns,
+                                                    },
+                                                );
                                             }
                                         }
                                     }
@@ -1128,10 +1166,35 @@ impl Worker {
     }
 
     /// Reads this host's shadow rings and sends what the windows allow.
+    ///
+    /// With an emulated link, a datagram leaves only when its sender's uplink and the switch
+    /// are done with it: its stamp (`not_before_ns`, the delivery time the sender computed on
+    /// this host's clock) less its serialisation on the destination's downlink, which the
+    /// other host's bridge claims on the node's own clock as the datagram arrives (so senders
+    /// on every host share that downlink). The real link's latency adds to the model's.
     fn pump_out(&mut self) -> bool {
         let mut any = false;
         let mut done = Vec::new();
+        let model = self.bytes_per_s;
+        let now = if model.is_some() {
+            crate::sync::now_ns()
+        } else {
+            0
+        };
+        let mut due: Option<u64> = None;
+        // The time a record may leave, if that is still ahead.
+        let mut hold = |rec: &crate::ring::Record| {
+            let bps = model?;
+            let at = rec
+                .not_before_ns
+                .saturating_sub(crate::dgram::serialise_ns(rec.len, bps));
+            (at > now).then(|| {
+                due = Some(due.map_or(at, |d| d.min(at)));
+                at
+            })
+        };
         for (&route, o) in self.outs.iter_mut() {
+            o.held = false;
             if o.ended {
                 continue;
             }
@@ -1153,6 +1216,10 @@ impl Worker {
                     any = true;
                 }
                 match o.rx.peek() {
+                    Ok(Some(rec)) if hold(&rec).is_some() => {
+                        o.held = true;
+                        break;
+                    }
                     Ok(Some(rec)) if rec.len <= BATCH_SMALL => {
                         // Small datagrams go several to a message (read and released into
                         // the batch; kept here if UCX cannot take it now).
@@ -1161,6 +1228,9 @@ impl Worker {
                         batch.extend_from_slice(&[0; 4]);
                         let mut count = 0u64;
                         while let Ok(Some(rec)) = o.rx.peek() {
+                            if hold(&rec).is_some() {
+                                break; // the next round finds it at the head
+                            }
                             let cost = rec.len as u64 + RECORD_COST;
                             let fits = batch.len() + 4 + rec.len <= BATCH_MAX;
                             if rec.len > BATCH_SMALL
@@ -1241,6 +1311,7 @@ impl Worker {
         for route in done {
             let _ = self.notes.send(Note::OutDone { route });
         }
+        self.due = due;
         any
     }
 
@@ -1271,6 +1342,14 @@ impl Worker {
                     }
                 };
                 let item = entry.remove();
+                let mut res = res;
+                if let (Some(bps), Some(clock)) = (self.bytes_per_s, &r.ingress) {
+                    // The destination's downlink, shared with every sender to the node.
+                    let ser = crate::dgram::serialise_ns(payload_len, bps);
+                    let now = crate::sync::now_ns();
+                    let start = crate::dgram::claim(clock, item.arrived_ns, ser, now);
+                    res.not_before_ns = start + ser;
+                }
                 let _ = r.tx.data().write(res.pos, item.bytes());
                 r.tx.commit(res);
                 r.next += 1;

@@ -118,9 +118,10 @@ pub fn check_config(c: &Config) -> Result<(), StartError> {
         return Err(StartError::BadWindowSize(c.window_size));
     }
     if let Some(h) = &c.hosts {
-        if c.link.is_some() || c.topology.is_some() {
+        if c.topology.is_some() {
             return Err(StartError::Hosts(
-                "a fabric across hosts has no emulated links yet: leave out --link and --topology"
+                "a fabric across hosts takes one link model for every node (--link), not a \
+                 topology file: leave out --topology"
                     .into(),
             ));
         }

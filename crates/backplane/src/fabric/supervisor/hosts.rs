@@ -61,7 +61,12 @@ pub(super) struct HostLink {
 }
 
 impl HostLink {
-    pub(super) fn open(plan: HostPlan, now: Instant) -> Result<Self, StartError> {
+    /// `bytes_per_s`: the emulated link's bandwidth (None: memory speed).
+    pub(super) fn open(
+        plan: HostPlan,
+        bytes_per_s: Option<u64>,
+        now: Instant,
+    ) -> Result<Self, StartError> {
         let me = plan.this().clone();
         let link = Link::open(Some(me.address)).map_err(|e| {
             let words = backplane_ucx::status_string(e.status).to_ascii_lowercase();
@@ -87,7 +92,7 @@ impl HostLink {
             ))
         })?;
         super::keep_freed_memory();
-        let bridge = super::bridge::Bridge::start(me.address.ip(), plan.me)
+        let bridge = super::bridge::Bridge::start(me.address.ip(), plan.me, bytes_per_s)
             .map_err(|e| StartError::Hosts(format!("host '{}': datagram bridge: {e}", me.name)))?;
         let peers = plan
             .hosts
@@ -301,6 +306,7 @@ impl Sup {
                             &self.cfg.name,
                             self.cfg.window_size,
                             &net_shape(&self.cfg),
+                            &link_shape(&self.cfg),
                         ) {
                             Ok(i) => {
                                 if let Some(old) = h.peers[i].ep.take() {
@@ -484,9 +490,12 @@ impl Sup {
             let due = p.dialed.is_none_or(|d| now.duration_since(d) >= again);
             if h.plan.dials(i) && p.ep.is_none() && p.state != PeerState::Joined && due {
                 let addr = h.plan.hosts[i].address;
-                let join = h
-                    .plan
-                    .join(&self.cfg.name, self.cfg.window_size, net_shape(&self.cfg));
+                let join = h.plan.join(
+                    &self.cfg.name,
+                    self.cfg.window_size,
+                    net_shape(&self.cfg),
+                    link_shape(&self.cfg),
+                );
                 h.peers[i].dialed = Some(now);
                 match h.link.connect(addr) {
                     Ok(ep) => {
@@ -702,6 +711,18 @@ pub(super) fn remote_refusal(plan: &HostPlan, slot: u32) -> (ErrorKind, String) 
 fn net_shape(cfg: &Config) -> Option<String> {
     cfg.net
         .map(|p| format!("{}/{} mtu {}", p.network, p.prefix, p.mtu))
+}
+
+/// The emulated link as the hosts compare it: the model and how the switch forwards.
+fn link_shape(cfg: &Config) -> Option<String> {
+    cfg.link.as_ref().map(|l| {
+        let mode = if l.store_and_forward {
+            "store-and-forward"
+        } else {
+            "cut-through"
+        };
+        format!("{} {mode}", l.name)
+    })
 }
 
 fn crate_ucx_words(e: &backplane_ucx::Error) -> String {

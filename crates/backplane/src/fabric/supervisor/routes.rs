@@ -9,7 +9,7 @@
 use super::bridge::{Cmd, Note};
 use super::*;
 use crate::fabric::hosts::HostMsg;
-use crate::mem::Word32;
+use crate::mem::{Word32, Word64};
 use crate::transport::shm::{Bell, ShmReceiver, ShmRing, ShmSender};
 
 /// How long a sender waits for the other host to open a route.
@@ -260,6 +260,10 @@ impl Sup {
                     Word32::at(src_w, m.credit_off + CREDIT_ARMED_OFF as u64)?,
                     Word32::at(src_w, m.credit_off + CREDIT_SEQ_OFF as u64)?,
                 ),
+                ingress: match self.cfg.link {
+                    Some(_) => Some(Word64::at(dst_w, crate::wire::WIN_LINK_INGRESS_OFF as u64)?),
+                    None => None,
+                },
             })
         })();
         let (rid, data_len) = (m.rid, self.ring_data());
