@@ -20,7 +20,9 @@ use std::time::Duration;
 use crate::fabric::ctl::{ErrorKind, Request, Response};
 use crate::fabric::{FabricError, Node};
 use crate::mem::{Region, Span, Word32, Word64};
-use crate::sync::{fence, futex_wait, AtomicU64, Deadline, Ordering, SPIN_POLLS};
+use crate::sync::{
+    fence, futex_wait, relax, AtomicU64, Deadline, Ordering, SPIN_POLLS, YIELD_POLLS,
+};
 use crate::transport::shm::ShmTransport;
 pub use crate::transport::Addr;
 use crate::transport::{Channels, RecvChannel, RingError, SendChannel};
@@ -164,6 +166,8 @@ pub struct Endpoint {
     rx_seq_seen: u32,
     rx_next: usize,
     spin_polls: u32,
+    /// Spinning gives the CPU away every this many polls (0: never; see [`relax`]).
+    yield_every: u32,
     link: Option<Link>,
 }
 
@@ -281,6 +285,13 @@ impl Node {
             rx_seq_seen: u32::MAX,
             rx_next: 0,
             spin_polls: SPIN_POLLS,
+            // A host of a fabric across hosts runs the bridge thread its senders' and
+            // receivers' datagrams pass through: a waiter must not keep the CPU from it.
+            yield_every: if self.fabric.spans_hosts() {
+                YIELD_POLLS
+            } else {
+                0
+            },
             link: None,
         };
         let mut ep = ep;
@@ -563,7 +574,7 @@ impl Endpoint {
             }
             spins += 1;
             if spins < self.spin_polls {
-                std::hint::spin_loop();
+                relax(spins, self.yield_every);
                 continue;
             }
             let c = &mut self.tx[i];
@@ -702,7 +713,7 @@ impl Endpoint {
             let hold = due.map(|d| d.saturating_sub(crate::sync::now_ns()));
             // Short holds are spun out: a futex timeout overshoots by the timer slack (50 µs).
             if spins < self.spin_polls || hold.is_some_and(|h| h < HOLD_SPIN_NS) {
-                std::hint::spin_loop();
+                relax(spins, self.yield_every);
                 continue;
             }
             let bell = &self.doorbell;

@@ -160,6 +160,8 @@ mod fabric_field {
     pub const LINK_NAME: usize = 96;
     pub const LINK_NAME_LEN: usize = 24;
     pub const LINK_MODE: usize = 120;
+    /// 1 if the fabric spans hosts (u32).
+    pub const HOSTS: usize = 124;
     pub const EPOCH: usize = 128;
 }
 
@@ -211,6 +213,8 @@ pub struct FabricHeaderRepr {
     pub name: String,
     /// The emulated link every node has to the switch (`None`: memory speed).
     pub link: Option<LinkRepr>,
+    /// The fabric spans hosts: this host runs a datagram bridge thread beside the nodes.
+    pub spans_hosts: bool,
 }
 
 /// The emulated link of a fabric, as stored in its header.
@@ -300,8 +304,19 @@ impl FabricHeaderRepr {
                 store_and_forward: rd_u32(b, fabric_field::LINK_MODE) == 1,
             })
         };
+        let spans_hosts = match rd_u32(b, fabric_field::HOSTS) {
+            0 => false,
+            1 => true,
+            v => {
+                return Err(LayoutError::BadField {
+                    field: "hosts",
+                    value: v.into(),
+                })
+            }
+        };
         Ok(Self {
             link,
+            spans_hosts,
             nodes,
             window_size: rd_u64(b, fabric_field::WINDOW_SIZE),
             created_ms: rd_u64(b, fabric_field::CREATED_MS),
@@ -323,6 +338,7 @@ impl FabricHeaderRepr {
         wr_u64(b, fabric_field::CREATED_MS, self.created_ms);
         wr_u32(b, fabric_field::SUPERVISOR_PID, self.supervisor_pid);
         wr_name(b, fabric_field::NAME, fabric_field::NAME_LEN, &self.name);
+        wr_u32(b, fabric_field::HOSTS, u32::from(self.spans_hosts));
         let (bps, hop, lname) = self
             .link
             .as_ref()
@@ -983,6 +999,8 @@ const _: () = {
     assert!(WIN_FWD_OFF + 16 <= WIN_LINK_CLOCKS_OFF);
     assert!(WIN_LINK_CLOCKS_OFF + 8 * MAX_NODES as usize <= 4096);
     assert!(FABRIC_EPOCH_OFF + 4 <= NODE_TABLE_OFF);
+    assert!(fabric_field::LINK_MODE + 4 <= fabric_field::HOSTS);
+    assert!(fabric_field::HOSTS + 4 <= fabric_field::EPOCH);
     assert!(RING_DATA_OFF.is_multiple_of(RECORD_ALIGN));
     assert!(ENDPOINT_MAX_RINGS >= 256);
 };
@@ -994,6 +1012,7 @@ mod tests {
     #[test]
     fn fabric_header_round_trips() {
         let repr = FabricHeaderRepr {
+            spans_hosts: true,
             nodes: 4,
             window_size: 64 << 20,
             created_ms: 123,
@@ -1016,6 +1035,7 @@ mod tests {
     #[test]
     fn fabric_header_rejects_bad_magic_version_marker_and_node_count() {
         let repr = FabricHeaderRepr {
+            spans_hosts: false,
             nodes: 4,
             window_size: 1,
             created_ms: 0,
@@ -1036,6 +1056,15 @@ mod tests {
         let mut b = good.clone();
         b[FABRIC_INIT_OFF] = 0;
         assert_eq!(parse(&b), Err(LayoutError::NotInitialized));
+        let mut b = good.clone();
+        b[fabric_field::HOSTS] = 2;
+        assert_eq!(
+            parse(&b),
+            Err(LayoutError::BadField {
+                field: "hosts",
+                value: 2
+            })
+        );
         let mut b = good.clone();
         b[16..20].copy_from_slice(&0u32.to_le_bytes());
         assert!(matches!(

@@ -159,6 +159,7 @@ pub(crate) struct FabricInner {
     pub(crate) nodes: u32,
     pub(crate) window_size: u64,
     pub(crate) link: Option<wire::LinkRepr>,
+    pub(crate) spans_hosts: bool,
     sock: Mutex<OwnedFd>,
     control: Region,
     windows: Mutex<HashMap<u32, Arc<Region>>>,
@@ -228,6 +229,7 @@ impl Fabric {
                 nodes,
                 window_size,
                 link: repr.link.clone(),
+                spans_hosts: repr.spans_hosts,
                 sock: Mutex::new(sock),
                 control,
                 windows: Mutex::new(HashMap::new()),
@@ -253,6 +255,12 @@ impl Fabric {
     /// The emulated link of every node (`None`: the fabric runs at memory speed).
     pub fn link(&self) -> Option<&wire::LinkRepr> {
         self.inner.link.as_ref()
+    }
+
+    /// True if the fabric spans hosts: this host's supervisor runs a bridge thread that
+    /// carries datagrams and queue pairs between hosts, and needs a CPU as they move.
+    pub fn spans_hosts(&self) -> bool {
+        self.inner.spans_hosts
     }
 
     pub(crate) fn check_slot(&self, slot: u32) -> Result<(), FabricError> {

@@ -226,6 +226,7 @@ fn run_inner(
         supervisor_pid: std::process::id(),
         name: cfg.name.clone(),
         link: cfg.link.clone(),
+        spans_hosts: cfg.hosts.is_some(),
     }
     .emit(&mut FabricHeader::new_unchecked(&mut hdr[..]));
     publish(&control, 0, &hdr, FABRIC_INIT_OFF);

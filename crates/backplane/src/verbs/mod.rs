@@ -87,6 +87,11 @@ impl Context {
                 links: ShmTransport::new(node.fabric().clone()),
                 win,
                 event_off,
+                yield_every: if node.fabric().spans_hosts() {
+                    crate::sync::YIELD_POLLS
+                } else {
+                    0
+                },
                 eng: RefCell::new(Engine::default()),
             }),
         })

@@ -29,6 +29,9 @@ pub(crate) struct Ctx {
     pub(crate) links: ShmTransport,
     pub(crate) win: Arc<Region>,
     pub(crate) event_off: u64,
+    /// A poll loop that finds nothing gives the CPU away every this many polls (0: never):
+    /// on a fabric across hosts, the bridge thread that carries the completions needs one.
+    pub(crate) yield_every: u32,
     pub(crate) eng: RefCell<Engine>,
 }
 
@@ -39,6 +42,8 @@ pub(crate) struct Engine {
     pub(crate) cqs: Cqs,
     pub(crate) qps: Vec<Option<QpEngine>>,
     pub(super) epoch: u32,
+    /// Polls of this context's CQs that found nothing (see [`Ctx::yield_every`]).
+    pub(super) empty_polls: u32,
 }
 
 impl Ctx {
@@ -188,6 +193,12 @@ impl Ctx {
             };
             sink(n, &wc);
             n += 1;
+        }
+        if n == 0 && self.yield_every != 0 {
+            eng.empty_polls = eng.empty_polls.wrapping_add(1);
+            if eng.empty_polls.is_multiple_of(self.yield_every) {
+                std::thread::yield_now();
+            }
         }
         n
     }
