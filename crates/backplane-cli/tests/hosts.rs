@@ -79,11 +79,18 @@ impl Hosts {
 
     /// [`Hosts::odd_even`] with `UCX_TLS=tls` (None: whatever UCX picks).
     fn odd_even_over(test: &str, net: u8, tls: Option<&'static str>) -> Self {
+        Self::odd_even_with(test, net, tls, &[])
+    }
+
+    /// [`Hosts::odd_even_over`] with more arguments of `up` on both hosts.
+    fn odd_even_with(test: &str, net: u8, tls: Option<&'static str>, extra: &[&str]) -> Self {
         let mut h = Self::new(test, net, 2);
         h.tls = tls;
         let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
-        h.up_ok(0, &file);
-        h.up_ok(1, &file);
+        for k in 0..2 {
+            let o = h.up(k, &file, extra);
+            assert!(o.status.success(), "up on h{k}: {}", stderr(&o));
+        }
         h.wait_slot(0, 2, "READY", None);
         h.wait_slot(1, 1, "READY", None);
         h
@@ -790,6 +797,18 @@ const LINK_PORT: u32 = 7100;
 const LINK_DGRAMS: u64 = 48;
 const LINK_DGRAM: usize = 65536;
 
+/// Checks that 2 × [`LINK_DGRAMS`] datagrams took at least their time on one link of the
+/// fabric's model (a floor, not a speed: the emulation never delivers early).
+fn not_before_the_model(fabric: &backplane::fabric::Fabric, who: &str, took: Duration) {
+    let rate = fabric.link().unwrap().bytes_per_s as f64;
+    let floor = (2 * LINK_DGRAMS) as f64 * LINK_DGRAM as f64 / rate;
+    eprintln!("{who}: {took:?}, the model's floor {floor:.4} s");
+    assert!(
+        took.as_secs_f64() >= 0.95 * floor,
+        "{who}: {took:?} < the model's {floor} s"
+    );
+}
+
 /// Node 3 (on h0) receives from node 1 (h0) and node 2 (h1) at once through one emulated
 /// downlink; the senders start together when the sink has heard both.
 fn link_role(role: &str) {
@@ -825,18 +844,11 @@ fn link_role(role: &str) {
                     from[senders.iter().position(|&s| s == src).unwrap()] += 1;
                 } // (a late hello otherwise)
             }
-            let took = t0.elapsed();
             // Nothing left before the go; all of it then crossed one downlink at the model's
             // rate (were it modelled once per host, the two streams would pass side by side,
             // in half the time).
-            let rate = fabric.link().unwrap().bytes_per_s as f64;
-            let floor = (2 * LINK_DGRAMS) as f64 * LINK_DGRAM as f64 / rate;
-            eprintln!("sink: {from:?} in {took:?}, the model's floor {floor:.4} s");
             assert_eq!(from, [LINK_DGRAMS; 2]);
-            assert!(
-                took.as_secs_f64() >= 0.95 * floor,
-                "{took:?} < the model's {floor} s"
-            );
+            not_before_the_model(&fabric, "the sink", t0.elapsed());
             for &s in &senders {
                 ep.send_to(s, b"bye").unwrap();
             }
@@ -913,16 +925,9 @@ fn link_role(role: &str) {
                     .unwrap();
                 assert_eq!(&buf[..n], b"got");
             }
-            let took = t0.elapsed();
             // Every datagram crossed node 2's one uplink in turn (were it not modelled on
             // the sending host, the two downlinks would take them side by side).
-            let rate = fabric.link().unwrap().bytes_per_s as f64;
-            let floor = (2 * LINK_DGRAMS) as f64 * LINK_DGRAM as f64 / rate;
-            eprintln!("fan sender: {took:?}, the model's floor {floor:.4} s");
-            assert!(
-                took.as_secs_f64() >= 0.95 * floor,
-                "{took:?} < the model's {floor} s"
-            );
+            not_before_the_model(&fabric, "the fan sender", t0.elapsed());
         }
         _ => unreachable!(),
     }
@@ -937,19 +942,11 @@ fn an_emulated_link_spans_hosts_one_downlink_for_senders_on_both_one_uplink_per_
     if !root() {
         return;
     }
-    let h = Hosts::new("hosts_link", 22, 2);
-    let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
+    let h = Hosts::odd_even_with("hosts_link", 22, Some("tcp"), &["--link", "eth-1g"]);
     for k in 0..2 {
-        let o = h.up(k, &file, &["--link", "eth-1g"]);
-        assert!(o.status.success(), "up on h{k}: {}", stderr(&o));
-        assert!(
-            String::from_utf8_lossy(&o.stdout).contains("link eth-1g ("),
-            "{}",
-            String::from_utf8_lossy(&o.stdout)
-        );
+        let link = h.status(k)["link"].clone();
+        assert!(link["model"] == "eth-1g", "h{k}: {link}");
     }
-    h.wait_slot(0, 2, "READY", None);
-    h.wait_slot(1, 1, "READY", None);
     let test_fn =
         "an_emulated_link_spans_hosts_one_downlink_for_senders_on_both_one_uplink_per_sender";
     let sink = h.spawn_role(0, test_fn, "sink");
