@@ -205,22 +205,16 @@ fn check(status: i32, what: impl FnOnce() -> String) -> Result<(), Error> {
 fn set_defaults() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let seg = TCP_SEGMENT.to_string();
-        let defaults = [
-            ("UCX_TCP_CM_REUSEADDR", "y"),
-            ("UCX_RDMA_CM_REUSEADDR", "y"),
-            ("UCX_TCP_TX_SEG_SIZE", seg.as_str()),
-            ("UCX_TCP_RX_SEG_SIZE", seg.as_str()),
-        ];
-        let user_segments = ["UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"]
-            .iter()
-            .any(|v| std::env::var_os(v).is_some());
-        for (var, value) in defaults {
-            if var.contains("_SEG_SIZE") && user_segments {
-                continue; // the user's segment sizes stand as they are, both of them
-            }
+        for var in ["UCX_TCP_CM_REUSEADDR", "UCX_RDMA_CM_REUSEADDR"] {
             if std::env::var_os(var).is_none() {
-                std::env::set_var(var, value);
+                std::env::set_var(var, "y");
+            }
+        }
+        // A user's segment sizes stand as they are, both of them (RX must hold what TX sends).
+        let segments = ["UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"];
+        if segments.iter().all(|v| std::env::var_os(v).is_none()) {
+            for var in segments {
+                std::env::set_var(var, TCP_SEGMENT.to_string());
             }
         }
     });

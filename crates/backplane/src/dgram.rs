@@ -20,9 +20,7 @@ use std::time::Duration;
 use crate::fabric::ctl::{ErrorKind, Request, Response};
 use crate::fabric::{FabricError, Node};
 use crate::mem::{Region, Span, Word32, Word64};
-use crate::sync::{
-    fence, futex_wait, relax, AtomicU64, Deadline, Ordering, SPIN_POLLS, YIELD_POLLS,
-};
+use crate::sync::{fence, futex_wait, relax, AtomicU64, Deadline, Ordering, SPIN_POLLS};
 use crate::transport::shm::ShmTransport;
 pub use crate::transport::Addr;
 use crate::transport::{Channels, RecvChannel, RingError, SendChannel};
@@ -183,7 +181,7 @@ const LINK_CLOCK_SLACK_NS: u64 = 1_000_000_000;
 /// Holds shorter than this are waited out spinning rather than sleeping.
 const HOLD_SPIN_NS: u64 = 200_000;
 /// A delivery time further in the future than this is corrupt.
-const MAX_HOLD_NS: u64 = 2_000_000_000;
+pub(crate) const MAX_HOLD_NS: u64 = 2_000_000_000;
 
 /// Distributed topologies: crosses every link of a route in turn (each forwarding node adds
 /// its hop latency and counts the datagram); returns the delivery time.
@@ -287,11 +285,7 @@ impl Node {
             spin_polls: SPIN_POLLS,
             // A host of a fabric across hosts runs the bridge thread its senders' and
             // receivers' datagrams pass through: a waiter must not keep the CPU from it.
-            yield_every: if self.fabric.spans_hosts() {
-                YIELD_POLLS
-            } else {
-                0
-            },
+            yield_every: self.fabric.yield_every(),
             link: None,
         };
         let mut ep = ep;

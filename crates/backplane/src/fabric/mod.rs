@@ -263,6 +263,17 @@ impl Fabric {
         self.inner.spans_hosts
     }
 
+    /// How often the library's own spinning waits give the CPU away (`sync::relax`): every
+    /// [`crate::sync::YIELD_POLLS`] polls on a fabric across hosts, for the bridge thread;
+    /// never (0) on one host.
+    pub(crate) fn yield_every(&self) -> u32 {
+        if self.inner.spans_hosts {
+            crate::sync::YIELD_POLLS
+        } else {
+            0
+        }
+    }
+
     pub(crate) fn check_slot(&self, slot: u32) -> Result<(), FabricError> {
         if slot == 0 || slot > self.inner.nodes {
             return Err(FabricError::NoSuchNode {

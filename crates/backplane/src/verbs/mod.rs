@@ -87,11 +87,7 @@ impl Context {
                 links: ShmTransport::new(node.fabric().clone()),
                 win,
                 event_off,
-                yield_every: if node.fabric().spans_hosts() {
-                    crate::sync::YIELD_POLLS
-                } else {
-                    0
-                },
+                yield_every: node.fabric().yield_every(),
                 eng: RefCell::new(Engine::default()),
             }),
         })

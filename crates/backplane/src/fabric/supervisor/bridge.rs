@@ -122,6 +122,9 @@ fn parse(msg: &[u8]) -> Option<(u8, u64, u64, &[u8])> {
 /// Ships mirror `m`'s next message, read from its ring straight into the message UCX sends;
 /// true if one went out.
 fn ship_next(link: &mut SeqLink, ep: EpId, m: &mut Mirror, upto: u64) -> bool {
+    if !m.has_news() {
+        return false; // (no message buffer taken for nothing: this runs on every round)
+    }
     let mut shipment = None;
     let sent = link.send_with(ep, &head(KIND_QP, 0, 0), mirror::MSG_MAX, |buf| {
         let (n, s) = m.next_message(buf, upto)?;
@@ -1182,13 +1185,15 @@ impl Worker {
             0
         };
         let mut due: Option<u64> = None;
-        // The time a record may leave, if that is still ahead.
+        // The time a record may leave, if that is still ahead. (A stamp further out than any
+        // the sender could make is its own mistake: shipped at once, the other host's
+        // downlink still paces it.)
         let mut hold = |rec: &crate::ring::Record| {
             let bps = model?;
             let at = rec
                 .not_before_ns
                 .saturating_sub(crate::dgram::serialise_ns(rec.len, bps));
-            (at > now).then(|| {
+            (at > now && at <= now + crate::dgram::MAX_HOLD_NS).then(|| {
                 due = Some(due.map_or(at, |d| d.min(at)));
                 at
             })
@@ -1329,7 +1334,7 @@ impl Worker {
                     break;
                 }
                 let payload_len = entry.get().len;
-                let res = match r.tx.reserve(payload_len) {
+                let mut res = match r.tx.reserve(payload_len) {
                     Ok(res) => res,
                     Err(RingError::Full) => break, // when the receiver makes room
                     Err(_) => {
@@ -1342,7 +1347,6 @@ impl Worker {
                     }
                 };
                 let item = entry.remove();
-                let mut res = res;
                 if let (Some(bps), Some(clock)) = (self.bytes_per_s, &r.ingress) {
                     // The destination's downlink, shared with every sender to the node.
                     let ser = crate::dgram::serialise_ns(payload_len, bps);

@@ -303,13 +303,20 @@ impl Mirror {
 
     /// Whether the local QP wrote anything not shipped yet.
     pub(super) fn pending(&self) -> bool {
+        self.has_news()
+            || (self.ready
+                && self.broken.is_none()
+                && (!self.rdma.req.is_drained() || !self.answers.is_empty()))
+    }
+
+    /// Whether [`Mirror::next_message`] may have a message to make: ring bytes or words not
+    /// shipped yet (checked before a message buffer is taken for it).
+    pub(super) fn has_news(&self) -> bool {
         self.ready
             && self.broken.is_none()
             // SYNC POINT ring-publish (acquire).
             && (self.shadow.tail.load(Ordering::Acquire) != self.shipped
-                || self.last != Some(self.snap())
-                || !self.rdma.req.is_drained()
-                || !self.answers.is_empty())
+                || self.last != Some(self.snap()))
     }
 
     /// The local QP's ring position now: what [`Mirror::next_message`] may ship after the
