@@ -89,7 +89,7 @@ impl Hosts {
         let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
         for k in 0..2 {
             let o = h.up(k, &file, extra);
-            assert!(o.status.success(), "up on h{k}: {}", stderr(&o));
+            assert!(o.status.success(), "up on h{k}: {}{}", stderr(&o), h.logs());
         }
         h.wait_slot(0, 2, "READY", None);
         h.wait_slot(1, 1, "READY", None);
@@ -1028,6 +1028,7 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
+    let mut last = None;
     let got = wait_for(Duration::from_secs(20), || {
         std::thread::sleep(Duration::from_millis(100));
         let o = exec(
@@ -1037,11 +1038,31 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
                 "timeout", "30", "iperf3", "-c", "node2", "-p", "5402", "-t", "2", "-J",
             ],
         );
-        o.status.success().then_some(o)
+        if o.status.success() {
+            return Some(o);
+        }
+        last = Some(o);
+        None
     });
     let _ = server.kill();
     let _ = server.wait();
-    let o = got.expect("iperf3 never connected across hosts");
+    let Some(o) = got else {
+        // (What the last try said, and both hosts' view: a stall or a refusal.)
+        let said = last.map_or(String::new(), |o| {
+            format!(
+                "{:?}: {}{}",
+                o.status,
+                String::from_utf8_lossy(&o.stdout),
+                stderr(&o)
+            )
+        });
+        panic!(
+            "iperf3 never connected across hosts: {said}\n{}\n--- h0: {}\n--- h1: {}",
+            h.logs(),
+            h.status(0),
+            h.status(1)
+        );
+    };
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let bps = j["end"]["sum_received"]["bits_per_second"]
         .as_f64()
