@@ -809,6 +809,28 @@ fn not_before_the_model(fabric: &backplane::fabric::Fabric, who: &str, took: Dur
     );
 }
 
+/// Says hello to each of `peers` (which may not have bound yet) until every one answered
+/// `answer`.
+fn hail(ep: &mut backplane::dgram::Endpoint, peers: &[backplane::transport::Addr], answer: &[u8]) {
+    let mut answered = Vec::new();
+    let mut buf = [0u8; 16];
+    let all = wait_for(Duration::from_secs(30), || {
+        for p in peers.iter().filter(|p| !answered.contains(*p)) {
+            match ep.send_to(*p, b"hello") {
+                Ok(()) | Err(backplane::dgram::DgramError::Unreachable(_)) => {}
+                Err(e) => panic!("hello to {p}: {e}"),
+            }
+        }
+        if let Ok((n, src)) = ep.recv_from_timeout(&mut buf, Duration::from_millis(50)) {
+            if &buf[..n] == answer && !answered.contains(&src) {
+                answered.push(src);
+            }
+        }
+        (answered.len() == peers.len()).then_some(())
+    });
+    assert!(all.is_some(), "{answered:?} of {peers:?} answered");
+}
+
 /// Node 3 (on h0) receives from node 1 (h0) and node 2 (h1) at once through one emulated
 /// downlink; the senders start together when the sink has heard both.
 fn link_role(role: &str) {
@@ -857,16 +879,7 @@ fn link_role(role: &str) {
             let node = if role == "sender_1" { 1 } else { 2 };
             let mut ep = fabric.node(node).unwrap().bind(0).unwrap();
             let mut buf = [0u8; 16];
-            let go = wait_for(Duration::from_secs(30), || {
-                match ep.send_to(sink, b"hello") {
-                    Ok(()) | Err(backplane::dgram::DgramError::Unreachable(_)) => {}
-                    Err(e) => panic!("hello: {e}"),
-                }
-                ep.recv_from_timeout(&mut buf, Duration::from_millis(50))
-                    .ok()
-                    .filter(|&(n, _)| &buf[..n] == b"go")
-            });
-            assert!(go.is_some(), "no go from the sink");
+            hail(&mut ep, &[sink], b"go");
             let data = vec![node as u8; LINK_DGRAM];
             for _ in 0..LINK_DGRAMS {
                 ep.send_to(sink, &data).unwrap();
@@ -897,23 +910,8 @@ fn link_role(role: &str) {
             // Node 2 (h1) to nodes 1 and 3 (h0) in turn: two downlinks, one uplink.
             let mut ep = fabric.node(2).unwrap().bind(0).unwrap();
             let sinks = [Addr::new(1, LINK_PORT + 1), Addr::new(3, LINK_PORT + 1)];
-            let mut ready = Vec::new();
             let mut buf = [0u8; 16];
-            let all = wait_for(Duration::from_secs(30), || {
-                for s in sinks.iter().filter(|s| !ready.contains(*s)) {
-                    match ep.send_to(*s, b"hello") {
-                        Ok(()) | Err(backplane::dgram::DgramError::Unreachable(_)) => {}
-                        Err(e) => panic!("hello: {e}"),
-                    }
-                }
-                if let Ok((_, src)) = ep.recv_from_timeout(&mut buf, Duration::from_millis(50)) {
-                    if !ready.contains(&src) {
-                        ready.push(src);
-                    }
-                }
-                (ready.len() == 2).then_some(())
-            });
-            assert!(all.is_some(), "the sinks never became ready");
+            hail(&mut ep, &sinks, b"ready");
             let t0 = Instant::now();
             let data = vec![2u8; LINK_DGRAM];
             for k in 0..2 * LINK_DGRAMS {
