@@ -63,6 +63,7 @@ mod ffi {
         pub fn bpx_send_cancel(payload: *mut c_void);
         pub fn bpx_send_ready(l: *mut Link, ep: c_int, payload: *mut c_void, len: usize) -> c_int;
         pub fn bpx_progress(l: *mut Link) -> c_int;
+        pub fn bpx_inflight_bytes(l: *mut Link) -> usize;
         pub fn bpx_arm(l: *mut Link) -> c_int;
         pub fn bpx_next_event(l: *mut Link, ev: *mut Event) -> c_int;
         pub fn bpx_free(p: *mut c_void);
@@ -164,10 +165,17 @@ pub enum Event {
     Dropped(Option<EpId>, usize),
 }
 
-/// One UCP context + worker (+ listener). Not `Send`: UCX runs it single-threaded.
+/// One UCP context + worker (+ listener). `Send`, not `Sync`: the worker is made for one
+/// thread at a time (`UCS_THREAD_MODE_SERIALIZED`), and `&mut self` on every call that
+/// touches it keeps two threads from using it at once.
 pub struct Link {
     raw: *mut ffi::Link,
 }
+
+// SAFETY: the shim creates the worker in UCS_THREAD_MODE_SERIALIZED (any thread, one at a
+// time); the link's state is plain memory owned by it; callbacks run only inside calls made
+// with `&mut self` (progress), so moving the link between threads never overlaps two calls.
+unsafe impl Send for Link {}
 
 fn ipv4(addr: IpAddr) -> Result<CString, Error> {
     match addr {
@@ -383,6 +391,13 @@ impl Link {
             }
         }
         out
+    }
+
+    /// Bytes of messages handed to UCX that it has not sent yet (they go out as the link is
+    /// polled): what a sender holds against its peer's pace.
+    pub fn in_flight_bytes(&self) -> usize {
+        // SAFETY: raw is live; the call only reads a counter.
+        unsafe { ffi::bpx_inflight_bytes(self.raw) }
     }
 
     /// Arms the wake-up fd: true if it is safe to sleep on [`Link::fd`] now.

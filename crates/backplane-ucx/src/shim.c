@@ -47,6 +47,7 @@ typedef struct bpx_link {
     bpx_event *q;
     size_t qhead, qlen, qcap;
     size_t inflight;
+    size_t inflight_bytes;
     int efd;
 } bpx_link;
 
@@ -184,7 +185,9 @@ int bpx_open(const char *ip, uint16_t port, bpx_link **out)
     ucp_worker_params_t wp;
     memset(&wp, 0, sizeof wp);
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    /* One thread at a time, not always the same one: a datagram endpoint's link moves with
+     * the endpoint between threads (Rust: Send, not Sync). */
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
     s = ucp_worker_create(l->ctx, &wp, &l->worker);
     if (s != UCS_OK)
         goto fail;
@@ -272,12 +275,19 @@ int bpx_connect(bpx_link *l, const char *ip, uint16_t port)
     return i;
 }
 
+/* A message's block: this header, then the payload. */
+typedef struct bpx_block {
+    bpx_link *link;
+    size_t len;
+} bpx_block;
+
 static void sent(void *request, ucs_status_t status, void *user_data)
 {
-    bpx_link *l = ((void **)user_data)[0];
+    bpx_block *b = user_data;
     (void)status;
-    l->inflight--;
-    free(user_data);
+    b->link->inflight--;
+    b->link->inflight_bytes -= b->len;
+    free(b);
     ucp_request_free(request);
 }
 
@@ -294,27 +304,28 @@ void *bpx_send_alloc(bpx_link *l, int index, size_t len, int *status)
         *status = UCS_ERR_NO_RESOURCE;
     if (*status != UCS_OK)
         return NULL;
-    /* The link pointer, then the payload: the completion callback frees both. */
-    void **block = malloc(sizeof(void *) + (len ? len : 1));
+    /* The header, then the payload: the completion callback frees both. */
+    bpx_block *block = malloc(sizeof(bpx_block) + (len ? len : 1));
     if (!block) {
         *status = UCS_ERR_NO_MEMORY;
         return NULL;
     }
-    block[0] = l;
+    block->link = l;
+    block->len = 0;
     return block + 1;
 }
 
 /* Frees a message from bpx_send_alloc that is not sent after all. */
 void bpx_send_cancel(void *payload)
 {
-    free((void **)payload - 1);
+    free((bpx_block *)payload - 1);
 }
 
 /* Sends the first len bytes of a message from bpx_send_alloc (which owns it from here, sent
  * or not). 0 or a negative status. */
 int bpx_send_ready(bpx_link *l, int index, void *payload, size_t len)
 {
-    void **block = (void **)payload - 1;
+    bpx_block *block = (bpx_block *)payload - 1;
     if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep) {
         free(block);
         return UCS_ERR_INVALID_PARAM;
@@ -335,8 +346,16 @@ int bpx_send_ready(bpx_link *l, int index, void *payload, size_t len)
         free(block);
         return UCS_PTR_STATUS(r);
     }
+    block->len = len;
     l->inflight++;
+    l->inflight_bytes += len;
     return 0;
+}
+
+/* Bytes of messages handed to UCX and not sent yet. */
+size_t bpx_inflight_bytes(bpx_link *l)
+{
+    return l->inflight_bytes;
 }
 
 /* Sends one message made of head then buf (copied: the caller's buffers are free on return).

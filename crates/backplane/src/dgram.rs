@@ -13,7 +13,10 @@
 //! acknowledged stays readable by the receiver even if the sender dies; a peer that writes
 //! garbage gets its ring retired and counted in `dropped`, never a panic.
 
+mod direct;
+
 use std::fmt;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -130,8 +133,12 @@ struct TxConn {
     route: Vec<RouteStep>,
     /// The receiver's downlink clock (link emulation), when the link is emulated.
     dst_ingress: Option<Word64>,
-    /// The channel to the receiver, used only through `SendChannel`.
+    /// The channel to the receiver, used only through `SendChannel`. When the datagrams go
+    /// straight to the receiver's process (`direct`), nothing is written to it: its flags
+    /// still say when the route ends.
     ch: Tx,
+    /// A receiver on another host that takes datagrams straight from us: its listener.
+    direct: Option<SocketAddr>,
 }
 
 struct RxRing {
@@ -163,10 +170,14 @@ pub struct Endpoint {
     rx: Vec<RxRing>,
     rx_seq_seen: u32,
     rx_next: usize,
+    /// The next receive looks at the direct queue before the rings (they take turns).
+    direct_first: bool,
     spin_polls: u32,
     /// Spinning gives the CPU away every this many polls (0: never; see [`relax`]).
     yield_every: u32,
     link: Option<Link>,
+    /// Fabrics across hosts: our own UCX worker, for datagrams to and from other hosts.
+    direct: Option<direct::Direct>,
 }
 
 /// Link emulation state of an endpoint: the fabric's link model and our uplink clock.
@@ -233,13 +244,38 @@ impl fmt::Debug for Endpoint {
     }
 }
 
+/// Setting `BACKPLANE_DIRECT=0` sends every datagram between hosts through the bridges (for
+/// comparison; the default sends them straight between the two processes).
+fn direct_wanted() -> bool {
+    std::env::var_os("BACKPLANE_DIRECT").is_none_or(|v| v != "0")
+}
+
 impl Node {
     /// Binds a datagram endpoint to `port` on this node (0 picks a free port ≥ 49152).
     pub fn bind(&self, port: u32) -> Result<Endpoint, DgramError> {
+        self.bind_as(port, direct_wanted())
+    }
+
+    /// [`Node::bind`] for endpoints whose waits are watched from outside (a UD queue pair's,
+    /// under a completion channel): datagrams from other hosts come through the bridge, which
+    /// rings the endpoint's doorbell as local senders do.
+    pub(crate) fn bind_bridged(&self, port: u32) -> Result<Endpoint, DgramError> {
+        self.bind_as(port, false)
+    }
+
+    fn bind_as(&self, port: u32, direct: bool) -> Result<Endpoint, DgramError> {
         self.check_current()?;
+        // Best effort: without a worker of its own the endpoint still reaches every host
+        // through the bridges, only slower. Made before the bind so that no sender on another
+        // host connects in between and goes through the bridges for good.
+        let direct = match self.fabric.inner.direct_ip.filter(|_| direct) {
+            Some(ip) => direct::Unbound::open(ip, self.fabric.nodes()).ok(),
+            None => None,
+        };
         let (resp, _) = self.fabric.call(&Request::Bind {
             slot: self.slot,
             port,
+            direct: direct.as_ref().map(|d| d.port()),
         })?;
         let Response::Bound {
             port, record_off, ..
@@ -254,6 +290,12 @@ impl Node {
             .map_err(FabricError::from)?;
         let at32 = |o: usize| -> Result<Word32, DgramError> {
             Ok(Word32::at(&w, record_off + o as u64).map_err(FabricError::from)?)
+        };
+        let direct = match direct {
+            Some(d) => d
+                .bound(Addr::new(self.slot, port), at32(EP_DOORBELL_OFF)?)
+                .ok(),
+            None => None,
         };
         let at64 = |o: u64| -> Result<Word64, DgramError> {
             Ok(Word64::at(&w, o).map_err(FabricError::from)?)
@@ -282,13 +324,16 @@ impl Node {
             rx: Vec::new(),
             rx_seq_seen: u32::MAX,
             rx_next: 0,
+            direct_first: false,
             spin_polls: SPIN_POLLS,
             // A host of a fabric across hosts runs the bridge thread its senders' and
             // receivers' datagrams pass through: a waiter must not keep the CPU from it.
             yield_every: self.fabric.yield_every(),
             link: None,
+            direct: None,
         };
         let mut ep = ep;
+        ep.direct = direct;
         if let Some(l) = self.fabric.link() {
             // A slow emulated link stretches round trips: spin long enough to cover a few hops
             // so that a reply does not pay a thread wake-up the modelled link would not.
@@ -426,11 +471,16 @@ impl Endpoint {
         } else {
             None
         };
+        let direct = match (opened.direct, self.direct.as_mut()) {
+            (Some(to), Some(d)) => d.connect(to).is_ok().then_some(to),
+            _ => None,
+        };
         let conn = TxConn {
             dst,
             route,
             dst_ingress,
             ch: opened.ch,
+            direct,
         };
         // The supervisor hands back an existing ring only if this endpoint fed it before and
         // then dropped it (after a corruption): its sequence state is lost, so refuse it.
@@ -457,7 +507,10 @@ impl Endpoint {
     }
 
     fn drop_conn(&mut self, i: usize) {
-        self.tx.swap_remove(i);
+        let c = self.tx.swap_remove(i);
+        if let (Some(to), Some(d)) = (c.direct, self.direct.as_mut()) {
+            d.disconnect(to);
+        }
         self.last_tx = 0;
     }
 
@@ -510,6 +563,8 @@ impl Endpoint {
         let deadline = deadline_of(wait);
         let mut spins = 0u32;
         let mut reconnected = false;
+        // Taken by the send that goes (a direct send that must wait leaves it).
+        let mut fill = Some(fill);
         loop {
             let c = &mut self.tx[i];
             if c.ch.receiver_gone() {
@@ -524,8 +579,48 @@ impl Endpoint {
                 i = self.tx_index(dst)?;
                 continue;
             }
+            if let (Some(to), Some(d)) = (c.direct, self.direct.as_mut()) {
+                let fill = &mut fill;
+                match d.send(to, dst, len, |buf| fill.take().and_then(|f| f(buf))) {
+                    Ok(None) => return Ok(false),
+                    Ok(Some(used)) => {
+                        self.stats.sent += 1;
+                        self.stats.sent_bytes += used as u64;
+                        self.publish_stats();
+                        return Ok(true);
+                    }
+                    // Full: the receiver is behind. Failed: the connection broke; the
+                    // supervisors end the route (flags above) or the node's state changes.
+                    Err(direct::Blocked::Full | direct::Blocked::Failed) => {}
+                }
+                match wait {
+                    Wait::Never => return Err(DgramError::WouldBlock),
+                    _ if deadline.expired() => return Err(DgramError::TimedOut),
+                    _ => {}
+                }
+                spins += 1;
+                if spins < self.spin_polls {
+                    relax(spins, self.yield_every);
+                } else {
+                    d.wait(cap(deadline.remaining()).unwrap_or(Duration::from_millis(100)));
+                    self.check_open()?;
+                    self.node.fabric.check_supervisor()?;
+                    if self
+                        .node
+                        .fabric
+                        .node_info(dst.node)
+                        .is_ok_and(|n| n.state != NodeState::Ready)
+                    {
+                        return Err(self.peer_state(dst));
+                    }
+                }
+                continue;
+            }
             match c.ch.reserve(len) {
                 Ok(mut r) => {
+                    let Some(fill) = fill.take() else {
+                        return Ok(false);
+                    };
                     // SAFETY: the reservation is inside the data area and ours until commit.
                     let used = fill(unsafe { slice_mut(c.ch.data(), r.pos, len) });
                     let Some(used) = used.filter(|&u| u <= len) else {
@@ -640,6 +735,18 @@ impl Endpoint {
         loop {
             self.check_open()?;
             self.refresh_rx()?;
+            if let Some(d) = self.direct.as_mut() {
+                let rejected = d.progress();
+                if rejected != 0 {
+                    self.stats.dropped += rejected;
+                    self.publish_stats();
+                }
+                if self.direct_first || self.rx.is_empty() {
+                    if let Some(out) = self.recv_direct(&mut read) {
+                        return out;
+                    }
+                }
+            }
             let n = self.rx.len();
             let mut retire = None;
             let mut due: Option<u64> = None;
@@ -669,6 +776,7 @@ impl Endpoint {
                         // SYNC POINT credit-arm (receiver): in `wake_sender` (`Bell::wake`).
                         r.ch.wake_sender();
                         self.rx_next = i + 1;
+                        self.direct_first = true;
                         self.stats.received += 1;
                         self.stats.received_bytes += rec.len as u64;
                         self.publish_stats();
@@ -698,6 +806,9 @@ impl Endpoint {
                 self.transport.retire_datagram(self.addr, r.ring_off);
                 continue;
             }
+            if let Some(out) = self.recv_direct(&mut read) {
+                return out;
+            }
             match wait {
                 Wait::Never => return Err(DgramError::WouldBlock),
                 _ if deadline.expired() => return Err(DgramError::TimedOut),
@@ -715,7 +826,13 @@ impl Endpoint {
             self.armed.store(1, Ordering::Relaxed);
             // SYNC POINT doorbell-arm (receiver): armed before we re-check every ring.
             fence(Ordering::SeqCst);
-            let pending = self.rx.iter().any(|r| !r.ch.is_drained())
+            // A direct endpoint's worker is watched by its waker, which rings the doorbell.
+            let direct_busy = self
+                .direct
+                .as_mut()
+                .is_some_and(|d| d.has_queued() || !d.arm());
+            let pending = direct_busy
+                || self.rx.iter().any(|r| !r.ch.is_drained())
                 || self.ring_seq.load(Ordering::Acquire) != self.rx_seq_seen
                 || self.closed.load(Ordering::Acquire) != 0;
             if !pending {
@@ -734,6 +851,25 @@ impl Endpoint {
             self.armed.store(0, Ordering::Relaxed);
             spins = self.spin_polls / 2;
         }
+    }
+
+    /// The oldest datagram that came straight from another host, given to `read` (`None`:
+    /// none waits).
+    fn recv_direct<R>(
+        &mut self,
+        read: &mut impl FnMut(Addr, &[u8]) -> Result<R, DgramError>,
+    ) -> Option<Result<R, DgramError>> {
+        let (len, out) = self
+            .direct
+            .as_mut()?
+            .take(|src, payload| read(src, payload))?;
+        if out.is_ok() {
+            self.direct_first = false;
+            self.stats.received += 1;
+            self.stats.received_bytes += len as u64;
+            self.publish_stats();
+        }
+        Some(out)
     }
 
     /// Receives one datagram into `buf`, waiting as `wait` says; returns its length and sender.
@@ -773,6 +909,8 @@ impl Endpoint {
 
 impl Drop for Endpoint {
     fn drop(&mut self) {
+        // What a direct send acknowledged leaves before the endpoint goes (`Direct`'s drop).
+        self.direct = None;
         let _ = self.node.fabric.call(&Request::Unbind {
             slot: self.addr.node,
             port: self.addr.port,

@@ -53,6 +53,11 @@ pub enum Request {
         slot: u32,
         /// Port (0: any).
         port: u32,
+        /// A fabric across hosts: the endpoint takes datagrams from other hosts straight from
+        /// their senders' processes, at this TCP port of its UCX listener (on the address
+        /// `Welcome` gave). The supervisor tells senders on other hosts when they connect.
+        #[serde(default)]
+        direct: Option<u16>,
     },
     /// Close an endpoint.
     Unbind {
@@ -137,6 +142,11 @@ pub enum Response {
         nodes: u32,
         /// Window size.
         window_size: u64,
+        /// A fabric across hosts: this host's address, where an endpoint may listen for
+        /// datagrams straight from other hosts (`Bind.direct`); none where datagrams between
+        /// hosts go only through the bridges.
+        #[serde(default)]
+        direct_ip: Option<std::net::IpAddr>,
     },
     /// Reply to `Grant`.
     Granted {
@@ -167,6 +177,10 @@ pub enum Response {
         dst_record_off: u64,
         /// Receiver node generation.
         dst_generation: u32,
+        /// A receiver on another host that takes datagrams straight from senders: its
+        /// listener. The ring stays the route's token (its flags say when the route ends).
+        #[serde(default)]
+        direct: Option<std::net::SocketAddr>,
     },
     /// Reply to `Status`.
     Status(StatusReport),

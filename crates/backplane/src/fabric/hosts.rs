@@ -29,7 +29,7 @@ use toml::Spanned;
 use crate::wire::MAX_NODES;
 
 /// What the supervisors of one fabric speak to each other; bumped on any change.
-pub const HOSTS_PROTOCOL: u32 = 4;
+pub const HOSTS_PROTOCOL: u32 = 5;
 /// How often a host reports its slots to every joined host (the heartbeat).
 pub const REPORT_PERIOD_MS: u64 = 100;
 /// A joined host not heard from for this long is lost: its nodes go DOWN (`host-lost`).
@@ -450,6 +450,10 @@ pub enum HostMsg {
         route: u64,
         /// The destination ring's size.
         window: u64,
+        /// The receiver takes datagrams straight from the sender's process: the TCP port of
+        /// its listener, on this host's address.
+        #[serde(default)]
+        direct: Option<u16>,
     },
     /// The route cannot be opened: the fabric's error class (`not_found`, `node_down`,
     /// `no_space`, `invalid`) and why, in one line.

@@ -160,6 +160,8 @@ pub(crate) struct FabricInner {
     pub(crate) window_size: u64,
     pub(crate) link: Option<wire::LinkRepr>,
     pub(crate) spans_hosts: bool,
+    /// Where an endpoint may listen for datagrams straight from other hosts (`Welcome`).
+    pub(crate) direct_ip: Option<std::net::IpAddr>,
     sock: Mutex<OwnedFd>,
     control: Region,
     windows: Mutex<HashMap<u32, Arc<Region>>>,
@@ -198,10 +200,13 @@ impl Fabric {
             agent_slot,
         };
         let (resp, fds) = ctl::call(&sock, &hello, &[]).map_err(|_| not_running())?;
-        let (nodes, window_size) = match resp {
+        let (nodes, window_size, direct_ip) = match resp {
             Response::Welcome {
-                nodes, window_size, ..
-            } => (nodes, window_size),
+                nodes,
+                window_size,
+                direct_ip,
+                ..
+            } => (nodes, window_size, direct_ip),
             Response::Error { kind, message } => {
                 return Err(FabricError::Refused { kind, message })
             }
@@ -230,6 +235,7 @@ impl Fabric {
                 window_size,
                 link: repr.link.clone(),
                 spans_hosts: repr.spans_hosts,
+                direct_ip,
                 sock: Mutex::new(sock),
                 control,
                 windows: Mutex::new(HashMap::new()),

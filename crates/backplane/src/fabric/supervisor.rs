@@ -88,6 +88,8 @@ struct Ep {
     list: Vec<bool>,
     rings_in: Vec<u64>,
     rings_out: Vec<u64>,
+    /// Its direct listener's TCP port (fabrics across hosts, `Request::Direct`).
+    direct: Option<u16>,
 }
 
 struct RingInfo {
@@ -686,6 +688,7 @@ impl Sup {
                         name: self.cfg.name.clone(),
                         nodes: self.cfg.nodes,
                         window_size: self.cfg.window_size,
+                        direct_ip: self.direct_ip(),
                     },
                     Some(control),
                 ))
@@ -729,9 +732,9 @@ impl Sup {
                     Some(self.windows[slot as usize - 1].clone()),
                 ))
             }
-            Request::Bind { slot, port } => {
+            Request::Bind { slot, port, direct } => {
                 self.remote_refusal(slot)?;
-                self.bind(id, slot, port).map(|r| (r, None))
+                self.bind(id, slot, port, direct).map(|r| (r, None))
             }
             Request::Unbind { slot, port } => {
                 if self

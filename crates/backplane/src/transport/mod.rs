@@ -151,6 +151,9 @@ pub struct OpenedDatagram<T> {
     pub ch: T,
     /// The links crossed, in order.
     pub route: Vec<RouteHop>,
+    /// A receiver on another host that takes datagrams straight from the sender's process:
+    /// its listener (the channel then carries no data, only the route's end).
+    pub direct: Option<std::net::SocketAddr>,
 }
 
 /// Setting up message channels: how a path gets the channels it then uses only through

@@ -156,6 +156,7 @@ impl Channels for ShmTransport {
             credit_off,
             dst_record_off,
             route,
+            direct,
             ..
         } = resp
         else {
@@ -188,7 +189,7 @@ impl Channels for ShmTransport {
             ch: ShmSender::new(ring).with_bell(bell),
             life,
         };
-        Ok(OpenedDatagram { ch, route })
+        Ok(OpenedDatagram { ch, route, direct })
     }
 
     fn accept_datagram(&self, dst: Addr, at: u64) -> Result<(Addr, DatagramReceiver), FabricError> {

@@ -66,6 +66,7 @@ impl Sup {
         id: u64,
         slot: u32,
         port: u32,
+        direct: Option<u16>,
     ) -> Result<Response, (ErrorKind, String)> {
         self.ready_slot(slot)?;
         let port = if port == 0 {
@@ -90,11 +91,24 @@ impl Sup {
             ));
         }
         let (rec, generation) = self.create_endpoint(id, slot, port)?;
+        if let Some(e) = self.endpoints.get_mut(&(slot, port)) {
+            e.direct = direct.filter(|&p| p != 0 && self.hosts.is_some());
+        }
         Ok(Response::Bound {
             port,
             record_off: rec,
             generation,
         })
+    }
+
+    /// Where an endpoint may listen for datagrams straight from other hosts: this host's
+    /// address on a fabric across hosts, except where the bridge models the link (`--link`:
+    /// it holds each datagram until its modelled delivery).
+    pub(super) fn direct_ip(&self) -> Option<std::net::IpAddr> {
+        match &self.hosts {
+            Some(h) if self.cfg.link.is_none() => Some(h.plan.this().address.ip()),
+            _ => None,
+        }
     }
 
     /// Makes endpoint (slot, port) of client `id` (0: the datagram bridge, for a shadow
@@ -133,6 +147,7 @@ impl Sup {
                 list: Vec::new(),
                 rings_in: Vec::new(),
                 rings_out: Vec::new(),
+                direct: None,
             },
         );
         if let Some(c) = self.clients.get_mut(&id) {
@@ -189,6 +204,7 @@ impl Sup {
                 credit_off: r.credit_off,
                 dst_record_off: dst_rec,
                 dst_generation: dst_gen,
+                direct: None,
             });
         }
         let dst_w = self.windows[dst.0 as usize - 1].clone();
@@ -283,6 +299,7 @@ impl Sup {
             credit_off,
             dst_record_off: dst_rec,
             dst_generation: dst_gen,
+            direct: None,
         })
     }
 

@@ -171,7 +171,11 @@ impl Sup {
         match m {
             HostMsg::OpenRoute { route, src, dst } => {
                 let reply = match self.accept_route(i, route, src, dst) {
-                    Ok(window) => HostMsg::RouteOpened { route, window },
+                    Ok(window) => HostMsg::RouteOpened {
+                        route,
+                        window,
+                        direct: self.endpoints.get(&dst).and_then(|e| e.direct),
+                    },
                     Err((kind, message)) => HostMsg::RouteRefused {
                         route,
                         kind,
@@ -182,7 +186,11 @@ impl Sup {
                     h.send_to(i, &reply);
                 }
             }
-            HostMsg::RouteOpened { route, window } => self.route_opened(i, route, window),
+            HostMsg::RouteOpened {
+                route,
+                window,
+                direct,
+            } => self.route_opened(i, route, window, direct),
             HostMsg::RouteRefused {
                 route,
                 kind,
@@ -284,7 +292,7 @@ impl Sup {
 
     /// The other host made its ring: make the shadow ring the sender writes, give it to the
     /// bridge, and answer the sender.
-    fn route_opened(&mut self, i: usize, route: u64, window: u64) {
+    fn route_opened(&mut self, i: usize, route: u64, window: u64, direct: Option<u16>) {
         let Some(r) = self
             .routes
             .out
@@ -304,7 +312,15 @@ impl Sup {
         }
         let made = self.shadow_ring(src, dst, route, i, window);
         match made {
-            Ok(resp) => self.reply(client, &resp, &[]),
+            Ok(mut resp) => {
+                // The receiver's listener is on its host's address (the one we reach it at).
+                if let (Response::Connected { direct: d, .. }, Some(p), Some(h)) =
+                    (&mut resp, direct, &self.hosts)
+                {
+                    *d = Some(std::net::SocketAddr::new(h.plan.hosts[i].address.ip(), p));
+                }
+                self.reply(client, &resp, &[]);
+            }
             Err((kind, message)) => {
                 self.routes.out.remove(&route);
                 if let Some(h) = self.hosts.as_mut() {

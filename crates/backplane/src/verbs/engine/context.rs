@@ -70,9 +70,10 @@ impl Ctx {
         } = spec;
         let (qpn, own, ud) = match ty {
             QpType::Ud => {
+                // Watched by a completion channel from outside: through the bridge.
                 let ep = self
                     .node
-                    .bind(0)
+                    .bind_bridged(0)
                     .map_err(|e| VerbsError::inval(e.to_string()))?;
                 (ep.local_addr().port, None, Some(ep))
             }

@@ -1,0 +1,566 @@
+//! Datagrams between hosts straight from the sender's process to the receiver's (fabrics
+//! across hosts).
+//!
+//! Without this, a datagram to a node of another host goes sender → shadow ring → this host's
+//! bridge → UCX → the other host's bridge → ring → receiver: four threads take turns on it,
+//! and where CPUs are few each turn waits for a CPU (`perf dgram-lat` between two hosts on
+//! 2 vCPUs: ~25 µs one way against `ucx_perftest`'s 5). A direct endpoint has a UCX worker of
+//! its own with a listener on its host's address, which its supervisor tells the others
+//! about when they open a route to it (`Request::Direct`, `RouteOpened.direct`); a sender that
+//! learns it connects its own worker there and sends each datagram as one active message. The
+//! supervisors still decide everything else: a route is opened, refused, and torn down
+//! (receiver gone, node or host lost) exactly as before, and its shadow ring's flags are how
+//! the sender learns it ended; only the bytes skip the bridges.
+//!
+//! Order: a sender uses one path per (sender, receiver) pair for the pair's whole life. UCX
+//! may deliver the first messages of a new connection out of order (those sent before its
+//! wire-up completed came after later ones: seen between two workers over TCP), so each
+//! datagram carries its connection's name and number and the receiver queues them in that
+//! order, holding the few that come early. Back-pressure: a receiver takes at most [`QUEUE_MAX`] bytes off
+//! the wire before its program reads them (then TCP's window fills), and a sender lets UCX
+//! hold at most [`WINDOW`] unsent bytes before it waits; nothing is dropped.
+//!
+//! Waking: a receiver sleeps on its endpoint's doorbell (local senders ring it); a thread of
+//! the endpoint watches the worker's wake-up fd while the receiver sleeps and rings the same
+//! doorbell when UCX has something.
+#![forbid(unsafe_code)]
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use backplane_ucx::{Bytes, EpId, Event, Link};
+use rustix::event::{PollFd, PollFlags};
+
+use crate::mem::Word32;
+use crate::transport::Addr;
+
+/// "BPD1": the first word of every direct datagram.
+const MAGIC: u32 = 0x4250_4431;
+/// A direct datagram's header (little-endian): magic, sender node, sender port, receiver
+/// port (u32 each), the sender's connection (u64) and the datagram's number on it (u64).
+pub(super) const HEAD: usize = 32;
+/// Datagrams a receiver holds for one connection while an earlier one is still to come.
+const HELD_MAX: usize = 4096;
+/// Unsent bytes a sender lets UCX hold before it waits for its receiver.
+const WINDOW: usize = 8 << 20;
+/// Bytes a receiver takes off the wire before its program reads them.
+const QUEUE_MAX: usize = 8 << 20;
+/// How long a closing endpoint waits for UCX to send what it holds.
+const FLUSH_PATIENCE: Duration = Duration::from_secs(2);
+
+/// Why a direct send did not go.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Blocked {
+    /// The receiver is behind: wait (or `WouldBlock`).
+    Full,
+    /// The connection failed: the route's end is on its way from the supervisors.
+    Failed,
+}
+
+/// One outgoing connection.
+struct Out {
+    ep: EpId,
+    failed: bool,
+    /// Names the connection to the receiver (its numbering starts again with each).
+    conn: u64,
+    /// The next datagram's number.
+    seq: u64,
+}
+
+/// A receiver's state of one sender's connection.
+#[derive(Default)]
+struct Order {
+    /// The number of the datagram to queue next.
+    next: u64,
+    /// Later ones that came first.
+    held: BTreeMap<u64, Bytes>,
+}
+
+/// A fresh connection name: the clock, the process and a counter.
+fn conn_name() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    crate::sync::now_ns() ^ (u64::from(std::process::id()) << 40) ^ n.rotate_right(16)
+}
+
+/// A direct endpoint's UCX worker and what it received (behind [`Direct`]'s lock).
+struct Worker {
+    link: Link,
+    me: Addr,
+    nodes: u32,
+    queue: VecDeque<(Addr, Bytes)>,
+    queued: usize,
+    out: HashMap<SocketAddr, Out>,
+    /// Each sender connection's numbering.
+    order: HashMap<(Addr, u64), Order>,
+    /// Which sender connection each accepted endpoint carries (to forget it when it fails).
+    senders: HashMap<EpId, (Addr, u64)>,
+    /// Messages that were not ours or were malformed (counted as drops by the endpoint).
+    rejected: u64,
+    sends: u32,
+}
+
+impl Worker {
+    fn open(ip: IpAddr, nodes: u32) -> Result<Self, String> {
+        let link = Link::open(Some(SocketAddr::new(ip, 0))).map_err(|e| e.to_string())?;
+        Ok(Self {
+            link,
+            me: Addr::new(0, 0),
+            nodes,
+            queue: VecDeque::new(),
+            queued: 0,
+            out: HashMap::new(),
+            order: HashMap::new(),
+            senders: HashMap::new(),
+            rejected: 0,
+            sends: 0,
+        })
+    }
+
+    /// Connects to the receiver listening at `to` (once; later calls reuse the connection
+    /// unless it failed).
+    fn connect(&mut self, to: SocketAddr) -> Result<(), String> {
+        if self.out.get(&to).is_some_and(|o| !o.failed) {
+            return Ok(());
+        }
+        if let Some(o) = self.out.remove(&to) {
+            self.link.close(o.ep);
+        }
+        let ep = self.link.connect(to).map_err(|e| e.to_string())?;
+        self.out.insert(
+            to,
+            Out {
+                ep,
+                failed: false,
+                conn: conn_name(),
+                seq: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// Forgets the connection to `to` (its route ended).
+    fn disconnect(&mut self, to: SocketAddr) {
+        if let Some(o) = self.out.remove(&to) {
+            self.link.close(o.ep);
+        }
+    }
+
+    /// Sends a datagram of at most `len` bytes that `fill` writes in place to `dst`, which
+    /// listens at `to`; `Ok(None)` if `fill` declined.
+    fn send(
+        &mut self,
+        to: SocketAddr,
+        dst: Addr,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<Option<usize>, Blocked> {
+        let Some(o) = self.out.get(&to) else {
+            return Err(Blocked::Failed);
+        };
+        if o.failed {
+            return Err(Blocked::Failed);
+        }
+        let (ep, conn, seq) = (o.ep, o.conn, o.seq);
+        if self.link.in_flight_bytes() >= WINDOW {
+            self.progress();
+            if self.link.in_flight_bytes() >= WINDOW {
+                return Err(Blocked::Full);
+            }
+        }
+        let me = self.me;
+        let mut used = None;
+        let r = self.link.send_with(ep, HEAD + len, |buf| {
+            let (h, body) = buf.split_at_mut(HEAD);
+            let n = fill(body).filter(|&n| n <= len)?;
+            for (k, v) in [MAGIC, me.node, me.port, dst.port].into_iter().enumerate() {
+                h[4 * k..4 * k + 4].copy_from_slice(&v.to_le_bytes());
+            }
+            h[16..24].copy_from_slice(&conn.to_le_bytes());
+            h[24..32].copy_from_slice(&seq.to_le_bytes());
+            used = Some(n);
+            Some(HEAD + n)
+        });
+        match r {
+            Ok(sent) => {
+                if sent {
+                    if let Some(o) = self.out.get_mut(&to) {
+                        o.seq += 1;
+                    }
+                }
+            }
+            Err(e) if e.status == -2 => {
+                // UCS_ERR_NO_RESOURCE: too many sends in flight.
+                self.progress();
+                return Err(Blocked::Full);
+            }
+            Err(_) => {
+                if let Some(o) = self.out.get_mut(&to) {
+                    o.failed = true;
+                }
+                return Err(Blocked::Failed);
+            }
+        }
+        // What UCX could not send at once goes out as the worker progresses; a sender that
+        // only sends still looks at its worker now and then (failures, a peer's sends).
+        self.sends = self.sends.wrapping_add(1);
+        if self.link.in_flight_bytes() != 0 || self.sends.is_multiple_of(64) {
+            self.progress();
+        }
+        Ok(used)
+    }
+
+    /// Makes progress: sends go out, received datagrams are queued in their senders' order
+    /// (while fewer than [`QUEUE_MAX`] bytes wait), failures are noted.
+    fn progress(&mut self) {
+        if self.queued >= QUEUE_MAX {
+            return;
+        }
+        for ev in self.link.poll() {
+            match ev {
+                Event::Message(from, msg) => self.take(from, msg),
+                Event::Failed(ep, _) => {
+                    self.link.close(ep);
+                    if let Some(o) = self.out.values_mut().find(|o| o.ep == ep) {
+                        o.failed = true;
+                    }
+                    // A sender gone: forget its numbering once nothing of it waits.
+                    if let Some(key) = self.senders.remove(&ep) {
+                        if self.order.get(&key).is_some_and(|o| o.held.is_empty()) {
+                            self.order.remove(&key);
+                        }
+                    }
+                }
+                Event::Dropped(..) => self.rejected += 1,
+                Event::Accepted(_) => {}
+            }
+        }
+    }
+
+    /// A message from a sender: queued if it is the next of its connection, held if an
+    /// earlier one is still to come, refused if it is malformed, not for us, or a repeat.
+    fn take(&mut self, from: Option<EpId>, msg: Bytes) {
+        let Some((src, conn, seq)) = self.check(&msg) else {
+            self.rejected += 1;
+            return;
+        };
+        if let Some(ep) = from {
+            self.senders.insert(ep, (src, conn));
+        }
+        let o = self.order.entry((src, conn)).or_default();
+        if seq < o.next || o.held.contains_key(&seq) || o.held.len() >= HELD_MAX {
+            self.rejected += 1;
+            return;
+        }
+        self.queued += msg.len();
+        if seq > o.next {
+            o.held.insert(seq, msg);
+            return;
+        }
+        self.queue.push_back((src, msg));
+        o.next += 1;
+        while let Some(m) = o.held.remove(&o.next) {
+            self.queue.push_back((src, m));
+            o.next += 1;
+        }
+    }
+
+    /// The sender, its connection and the datagram's number, if the message is a
+    /// well-formed datagram for us.
+    fn check(&self, msg: &[u8]) -> Option<(Addr, u64, u64)> {
+        let word = |k: usize| {
+            let b = msg.get(4 * k..4 * k + 4)?;
+            Some(u32::from_le_bytes(b.try_into().ok()?))
+        };
+        let long = |k: usize| Some(u64::from(word(k)?) | u64::from(word(k + 1)?) << 32);
+        let (magic, node, port, dst) = (word(0)?, word(1)?, word(2)?, word(3)?);
+        let (conn, seq) = (long(4)?, long(6)?);
+        let ok = magic == MAGIC
+            && dst == self.me.port
+            && (1..=self.nodes).contains(&node)
+            && msg.len() - HEAD <= crate::wire::MAX_DGRAM;
+        ok.then_some((Addr::new(node, port), conn, seq))
+    }
+
+    /// The oldest received datagram: its sender and payload.
+    fn front(&self) -> Option<(Addr, &[u8])> {
+        // (Queued messages passed `check`: at least HEAD bytes.)
+        self.queue.front().map(|(a, m)| (*a, &m[HEAD..]))
+    }
+
+    /// Drops the oldest received datagram (read).
+    fn pop(&mut self) {
+        if let Some((_, m)) = self.queue.pop_front() {
+            self.queued -= m.len();
+        }
+    }
+
+    /// Whether a received datagram waits.
+    fn has_queued(&self) -> bool {
+        !self.queue.is_empty()
+    }
+
+    /// Before the receiver sleeps: false if the worker has something to do first.
+    fn arm(&mut self) -> bool {
+        // At the queue's limit nothing is taken off the wire until the program reads.
+        self.queued >= QUEUE_MAX || self.link.arm()
+    }
+
+    /// A sender waiting for its receiver: sleeps until the worker has news (or `timeout`).
+    fn wait(&mut self, timeout: Duration) {
+        self.progress();
+        if !self.link.arm() {
+            return;
+        }
+        let efd = self.link.fd();
+        let mut fd = [PollFd::new(&efd, PollFlags::IN)];
+        let ts = rustix::time::Timespec {
+            tv_sec: timeout.as_secs() as i64,
+            tv_nsec: i64::from(timeout.subsec_nanos()),
+        };
+        let _ = rustix::event::poll(&mut fd, Some(&ts));
+    }
+
+    /// Before the endpoint closes: lets UCX send what it holds (acknowledged sends), for at
+    /// most [`FLUSH_PATIENCE`] and only while a connection is up.
+    fn flush(&mut self) {
+        let start = Instant::now();
+        while self.link.in_flight_bytes() != 0 && start.elapsed() < FLUSH_PATIENCE {
+            if self.out.values().all(|o| o.failed) {
+                break;
+            }
+            // The receive queue must not stop the worker now: nobody reads it any more.
+            self.queue.clear();
+            self.order.clear();
+            self.queued = 0;
+            self.wait(Duration::from_millis(10));
+        }
+    }
+}
+
+/// What the waker is asked to do (bits of [`Shared::modes`]).
+const ARMED: u32 = 1;
+const DRAIN: u32 = 2;
+/// How often the waker looks at a worker that holds unsent messages.
+const DRAIN_EVERY: Duration = Duration::from_micros(200);
+
+/// What the endpoint and its waker share.
+struct Shared {
+    worker: Mutex<Worker>,
+    /// [`ARMED`]: the receiver sleeps on its doorbell; [`DRAIN`]: UCX holds unsent messages.
+    modes: AtomicU32,
+    /// An eventfd: written when a mode is set, and to stop the waker.
+    ctl: OwnedFd,
+    stop: AtomicBool,
+    /// The endpoint's doorbell.
+    bell: Word32,
+}
+
+/// A direct endpoint: its worker, and the thread that keeps it going while the endpoint's
+/// own thread does not look (see the module's text).
+pub(super) struct Direct {
+    shared: Arc<Shared>,
+    waker: Option<JoinHandle<()>>,
+}
+
+/// A direct endpoint's worker before the endpoint is bound.
+pub(super) struct Unbound {
+    worker: Worker,
+    port: u16,
+}
+
+impl Unbound {
+    /// A worker listening on `ip`, for an endpoint of a fabric of `nodes` nodes about to be
+    /// bound (with this listener's port, then [`Unbound::bound`]).
+    pub(super) fn open(ip: IpAddr, nodes: u32) -> Result<Self, String> {
+        let worker = Worker::open(ip, nodes)?;
+        let port = worker.link.listen_port();
+        Ok(Self { worker, port })
+    }
+
+    /// The listener's TCP port.
+    pub(super) fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The endpoint is bound at `me`, its doorbell is `bell`: starts the waker that rings it.
+    /// An error leaves the endpoint without its worker (it goes through the bridges).
+    pub(super) fn bound(self, me: Addr, bell: Word32) -> Result<Direct, String> {
+        let Self { mut worker, .. } = self;
+        worker.me = me;
+        let efd =
+            rustix::io::fcntl_dupfd_cloexec(worker.link.fd(), 0).map_err(|e| e.to_string())?;
+        let ctl = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
+            .map_err(|e| e.to_string())?;
+        let shared = Arc::new(Shared {
+            worker: Mutex::new(worker),
+            modes: AtomicU32::new(0),
+            ctl,
+            stop: AtomicBool::new(false),
+            bell,
+        });
+        let s = shared.clone();
+        let waker = std::thread::Builder::new()
+            .name("bp-direct".into())
+            .spawn(move || watch(&efd, &s))
+            .map_err(|e| e.to_string())?;
+        Ok(Direct {
+            shared,
+            waker: Some(waker),
+        })
+    }
+}
+
+impl Direct {
+    fn lock(&self) -> MutexGuard<'_, Worker> {
+        // A panic while holding the lock leaves a worker still consistent for UCX (every
+        // call into it returned): carry on.
+        self.shared.worker.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Asks the waker for `mode` (it is told only when the mode was not set already).
+    fn ask(&self, mode: u32) -> bool {
+        if self.shared.modes.fetch_or(mode, Ordering::AcqRel) & mode != 0 {
+            return true;
+        }
+        rustix::io::write(&self.shared.ctl, &1u64.to_ne_bytes()).is_ok()
+    }
+
+    /// Connects to the receiver listening at `to` (once; later calls reuse the connection
+    /// unless it failed).
+    pub(super) fn connect(&mut self, to: SocketAddr) -> Result<(), String> {
+        self.lock().connect(to)
+    }
+
+    /// Forgets the connection to `to` (its route ended).
+    pub(super) fn disconnect(&mut self, to: SocketAddr) {
+        self.lock().disconnect(to);
+    }
+
+    /// Sends a datagram of at most `len` bytes that `fill` writes in place to `dst`, which
+    /// listens at `to`; `Ok(None)` if `fill` declined. What UCX could not send at once the
+    /// waker sends if this thread does not come back soon.
+    pub(super) fn send(
+        &mut self,
+        to: SocketAddr,
+        dst: Addr,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<Option<usize>, Blocked> {
+        let mut w = self.lock();
+        let r = w.send(to, dst, len, fill);
+        let held = w.link.in_flight_bytes() != 0;
+        drop(w);
+        if held {
+            self.ask(DRAIN);
+        }
+        r
+    }
+
+    /// Makes progress (see [`Worker::progress`]); the number of messages refused since the
+    /// last call.
+    pub(super) fn progress(&mut self) -> u64 {
+        let mut w = self.lock();
+        w.progress();
+        std::mem::take(&mut w.rejected)
+    }
+
+    /// Gives the oldest received datagram to `read`; it is taken only if `read` returns `Ok`.
+    /// `None` if none waits.
+    pub(super) fn take<R, E>(
+        &mut self,
+        read: impl FnOnce(Addr, &[u8]) -> Result<R, E>,
+    ) -> Option<(usize, Result<R, E>)> {
+        let mut w = self.lock();
+        let (src, payload) = w.front()?;
+        let len = payload.len();
+        let out = read(src, payload);
+        if out.is_ok() {
+            w.pop();
+        }
+        Some((len, out))
+    }
+
+    /// Whether a received datagram waits.
+    pub(super) fn has_queued(&self) -> bool {
+        self.lock().has_queued()
+    }
+
+    /// Before the receiver sleeps on its doorbell: false if the worker has something to do
+    /// first; true once the waker watches it (the doorbell rings when UCX has news).
+    pub(super) fn arm(&mut self) -> bool {
+        // Without a waker (it could not start) the receiver polls instead of sleeping.
+        self.waker.is_some() && self.lock().arm() && self.ask(ARMED)
+    }
+
+    /// A sender waiting for its receiver: sleeps until the worker has news (or `timeout`).
+    pub(super) fn wait(&mut self, timeout: Duration) {
+        self.lock().wait(timeout);
+    }
+}
+
+impl Drop for Direct {
+    fn drop(&mut self) {
+        // What a send acknowledged leaves before the endpoint goes.
+        self.lock().flush();
+        self.shared.stop.store(true, Ordering::Release);
+        let _ = rustix::io::write(&self.shared.ctl, &1u64.to_ne_bytes());
+        if let Some(t) = self.waker.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The waker: rings the doorbell of a receiver that sleeps when UCX has news for it
+/// ([`ARMED`]), and sends what UCX holds when the endpoint's thread does not ([`DRAIN`]).
+fn watch(efd: &OwnedFd, s: &Shared) {
+    loop {
+        let modes = s.modes.load(Ordering::Acquire);
+        let mut fds = [
+            PollFd::new(&s.ctl, PollFlags::IN),
+            PollFd::new(efd, PollFlags::IN),
+        ];
+        let n = if modes & ARMED != 0 { 2 } else { 1 };
+        let every = rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: DRAIN_EVERY.as_nanos() as i64,
+        };
+        let timeout = (modes & DRAIN != 0).then_some(&every);
+        match rustix::event::poll(&mut fds[..n], timeout) {
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(_) => return,
+        }
+        let (told, news) = (!fds[0].revents().is_empty(), !fds[1].revents().is_empty());
+        if told {
+            let mut b = [0u8; 8];
+            let _ = rustix::io::read(&s.ctl, &mut b);
+            if s.stop.load(Ordering::Acquire) {
+                return;
+            }
+        }
+        if modes & DRAIN != 0 {
+            // Only when the endpoint's thread is not in a call: it makes progress itself.
+            if let Ok(mut w) = s.worker.try_lock() {
+                let had = w.queue.len();
+                w.progress();
+                let (sent, got) = (w.link.in_flight_bytes() == 0, w.queue.len() != had);
+                drop(w);
+                if sent {
+                    s.modes.fetch_and(!DRAIN, Ordering::AcqRel);
+                }
+                if got {
+                    crate::sync::ring(&s.bell);
+                }
+            }
+        }
+        if n == 2 && news {
+            s.modes.fetch_and(!ARMED, Ordering::AcqRel);
+            crate::sync::ring(&s.bell);
+        }
+    }
+}
