@@ -64,10 +64,12 @@ mod ffi {
         pub fn bpx_send_ready(l: *mut Link, ep: c_int, payload: *mut c_void, len: usize) -> c_int;
         pub fn bpx_progress(l: *mut Link) -> c_int;
         pub fn bpx_inflight_bytes(l: *mut Link) -> usize;
+        pub fn bpx_idle(l: *mut Link) -> c_int;
         pub fn bpx_arm(l: *mut Link) -> c_int;
         pub fn bpx_next_event(l: *mut Link, ev: *mut Event) -> c_int;
         pub fn bpx_free(p: *mut c_void);
         pub fn bpx_close(l: *mut Link, ep: c_int);
+        pub fn bpx_close_flush(l: *mut Link, ep: c_int, timeout_us: std::ffi::c_long) -> c_int;
         pub fn bpx_ep_info(l: *mut Link, ep: c_int, buf: *mut c_char, cap: usize) -> usize;
         pub fn bpx_close_all(l: *mut Link);
         pub fn bpx_status_string(status: c_int) -> *const c_char;
@@ -400,6 +402,14 @@ impl Link {
         unsafe { ffi::bpx_inflight_bytes(self.raw) }
     }
 
+    /// Whether everything sent has left the worker. A message counts as sent (and leaves
+    /// [`Link::in_flight_bytes`]) once UCX copied it, possibly into a transport's buffer it has
+    /// not written out yet; only this says that nothing is left to progress.
+    pub fn idle(&mut self) -> bool {
+        // SAFETY: raw is live; the flush request the shim may make is released by UCX.
+        unsafe { ffi::bpx_idle(self.raw) != 0 }
+    }
+
     /// Arms the wake-up fd: true if it is safe to sleep on [`Link::fd`] now.
     pub fn arm(&mut self) -> bool {
         // SAFETY: raw is live.
@@ -410,6 +420,16 @@ impl Link {
     pub fn close(&mut self, ep: EpId) {
         // SAFETY: raw is live; the shim ignores indexes that are not open.
         unsafe { ffi::bpx_close(self.raw, ep.0) }
+    }
+
+    /// Closes an endpoint once what was sent on it has left, telling the peer after the data,
+    /// for at most `timeout`: true if it closed in time. (A forced close, [`Link::close`],
+    /// can reach the peer before the last bytes sent, which it then never reads.)
+    pub fn close_flush(&mut self, ep: EpId, timeout: std::time::Duration) -> bool {
+        let us = timeout.as_micros().min(i64::MAX as u128) as std::ffi::c_long;
+        // SAFETY: raw is live; the shim ignores indexes that are not open; progress runs the
+        // callbacks on this thread.
+        unsafe { ffi::bpx_close_flush(self.raw, ep.0, us) != 0 }
     }
 
     /// The transports UCX chose for an endpoint, as `tl/device` (e.g. `tcp/veth0`,

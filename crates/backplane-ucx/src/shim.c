@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <ucp/api/ucp.h>
 
 #define BPX_MAX_EPS 64
@@ -352,6 +353,19 @@ int bpx_send_ready(bpx_link *l, int index, void *payload, size_t len)
     return 0;
 }
 
+/* 1 if the worker holds nothing unsent (a message completes once UCX copied it, possibly
+ * into a transport's buffer it has not written out yet: only a flush says all left). */
+int bpx_idle(bpx_link *l)
+{
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof p);
+    ucs_status_ptr_t r = ucp_worker_flush_nbx(l->worker, &p);
+    if (r == NULL || UCS_PTR_IS_ERR(r))
+        return 1;
+    ucp_request_free(r); /* released when it completes */
+    return 0;
+}
+
 /* Bytes of messages handed to UCX and not sent yet. */
 size_t bpx_inflight_bytes(bpx_link *l)
 {
@@ -423,6 +437,40 @@ void bpx_close(bpx_link *l, int index)
         if (e->ep == index)
             e->ep = -1;
     }
+}
+
+/* Closes an endpoint once what was sent on it has left, and tells the peer after the data
+ * (a forced close can reach the peer before the last bytes, which it then never reads); at
+ * most timeout_us, then the endpoint is left to the worker's end. 1 if it closed in time. */
+int bpx_close_flush(bpx_link *l, int index, long timeout_us)
+{
+    if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep)
+        return 0;
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof p);
+    ucs_status_ptr_t r = ucp_ep_close_nbx(l->eps[index].ep, &p);
+    l->eps[index].ep = NULL;
+    int ok = !UCS_PTR_IS_ERR(r);
+    if (UCS_PTR_IS_PTR(r)) {
+        struct timespec t0, t;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        ucs_status_t s;
+        while ((s = ucp_request_check_status(r)) == UCS_INPROGRESS) {
+            ucp_worker_progress(l->worker);
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            long us = (t.tv_sec - t0.tv_sec) * 1000000L + (t.tv_nsec - t0.tv_nsec) / 1000;
+            if (us > timeout_us)
+                break;
+        }
+        ok = s == UCS_OK;
+        ucp_request_free(r);
+    }
+    for (size_t i = 0; i < l->qlen; i++) {
+        bpx_event *e = &l->q[(l->qhead + i) % l->qcap];
+        if (e->ep == index)
+            e->ep = -1;
+    }
+    return ok;
 }
 
 /* UCP's own description of an endpoint (its lanes: transport/device per lane), into buf. */

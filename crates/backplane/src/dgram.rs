@@ -472,7 +472,7 @@ impl Endpoint {
             None
         };
         let direct = match (opened.direct, self.direct.as_mut()) {
-            (Some(to), Some(d)) => d.connect(to).is_ok().then_some(to),
+            (Some(to), Some(d)) => d.connect(to, dst).is_ok().then_some(to),
             _ => None,
         };
         let conn = TxConn {

@@ -3,26 +3,38 @@
 //!
 //! Without this, a datagram to a node of another host goes sender → shadow ring → this host's
 //! bridge → UCX → the other host's bridge → ring → receiver: four threads take turns on it,
-//! and where CPUs are few each turn waits for a CPU (`perf dgram-lat` between two hosts on
-//! 2 vCPUs: ~25 µs one way against `ucx_perftest`'s 5). A direct endpoint has a UCX worker of
-//! its own with a listener on its host's address, which its supervisor tells the others
-//! about when they open a route to it (`Request::Direct`, `RouteOpened.direct`); a sender that
-//! learns it connects its own worker there and sends each datagram as one active message. The
-//! supervisors still decide everything else: a route is opened, refused, and torn down
-//! (receiver gone, node or host lost) exactly as before, and its shadow ring's flags are how
-//! the sender learns it ended; only the bytes skip the bridges.
+//! and where CPUs are few each turn waits for one (`perf dgram-lat` between two hosts on
+//! 2 vCPUs: 22–45 µs one way against `ucx_perftest`'s 5). A direct endpoint has a UCX worker
+//! of its own, listening on its host's address (`Welcome.direct_ip`), made before it binds
+//! and named in `Bind.direct`; its supervisor tells a host that opens a route to it
+//! (`HostMsg::RouteOpened.direct`), whose supervisor tells the sender (`Connected.direct`),
+//! and the sender's own worker connects there and sends each datagram as an active message.
+//! The supervisors still decide everything else: a route is opened, refused and torn down
+//! (receiver gone, node or host lost) exactly as before, and the shadow ring's flags are how
+//! the sender learns that its route ended; only the bytes skip the bridges.
 //!
-//! Order: a sender uses one path per (sender, receiver) pair for the pair's whole life. UCX
-//! may deliver the first messages of a new connection out of order (those sent before its
-//! wire-up completed came after later ones: seen between two workers over TCP), so each
-//! datagram carries its connection's name and number and the receiver queues them in that
-//! order, holding the few that come early. Back-pressure: a receiver takes at most [`QUEUE_MAX`] bytes off
-//! the wire before its program reads them (then TCP's window fills), and a sender lets UCX
-//! hold at most [`WINDOW`] unsent bytes before it waits; nothing is dropped.
-//!
-//! Waking: a receiver sleeps on its endpoint's doorbell (local senders ring it); a thread of
-//! the endpoint watches the worker's wake-up fd while the receiver sleeps and rings the same
-//! doorbell when UCX has something.
+//! - *Order.* A sender uses one path per (sender, receiver) pair for the pair's whole life.
+//!   UCX delivered the first messages of a fresh connection after later ones (those sent
+//!   before its wire-up completed; seen between two workers over TCP), so each message
+//!   carries its connection's name and number, and the receiver queues them in that order,
+//!   holding the few that come early.
+//! - *Batches.* Over TCP each message costs a system call on both sides (~5 µs here), so a
+//!   stream of small datagrams (each send within [`STREAM_GAP_NS`] of the last) shares
+//!   messages of up to [`BATCH_MAX`], as the bridges do; a batch waits at most [`LINGER_NS`]
+//!   for more. A lone datagram, or a request and its answer, always goes at once.
+//! - *Back-pressure.* A receiver takes at most [`QUEUE_MAX`] bytes off the wire before its
+//!   program reads them (then TCP's window fills), and a sender lets UCX hold at most
+//!   [`WINDOW`] unsent bytes before it waits; nothing is dropped.
+//! - *The waker.* UCX moves data only when its worker is progressed. A thread per endpoint
+//!   rings the endpoint's doorbell when UCX has news for a receiver asleep on it (local
+//!   senders ring the same doorbell), and, when the endpoint's thread is elsewhere, sends
+//!   what UCX or a batch still holds (a reply sent just before its sender went on to other
+//!   work stayed in UCX otherwise). The worker is behind a mutex the two take turns on.
+//! - *What a send promises.* A send that returned is in the sender's process (a batch, or
+//!   UCX's queue while a connection comes up or the receiver is behind) or on its way: an
+//!   endpoint that closes sends it first (for at most [`FLUSH_PATIENCE`]), but a sender
+//!   killed at that moment loses it — unlike a ring, which lives in shared memory. Set
+//!   `BACKPLANE_DIRECT=0` where that matters more than the latency.
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -39,8 +51,22 @@ use rustix::event::{PollFd, PollFlags};
 use crate::mem::Word32;
 use crate::transport::Addr;
 
-/// "BPD1": the first word of every direct datagram.
+/// "BPD1": the first word of a message that is one datagram.
 const MAGIC: u32 = 0x4250_4431;
+/// "BPDB": the first word of a batch: after the header, each datagram as a u32 LE length and
+/// its bytes.
+const MAGIC_BATCH: u32 = 0x4250_4442;
+/// Datagrams up to this size may share a message (a batch) when they come in a stream.
+const BATCH_SMALL: usize = 16 * 1024;
+/// A batch is sent once it holds this much.
+const BATCH_MAX: usize = 64 * 1024;
+/// A send that starts this soon after the previous one to the same receiver returned is part
+/// of a stream: it joins a batch instead of costing a message (over TCP, a system call on
+/// each side) of its own. A request-answer exchange never comes this fast.
+const STREAM_GAP_NS: u64 = 2_000;
+/// How long a batch waits for more datagrams at most (the waker sends it then, or the
+/// endpoint's thread whenever it next receives, waits or sends).
+const LINGER_NS: u64 = 50_000;
 /// A direct datagram's header (little-endian): magic, sender node, sender port, receiver
 /// port (u32 each), the sender's connection (u64) and the datagram's number on it (u64).
 pub(super) const HEAD: usize = 32;
@@ -65,11 +91,55 @@ pub(super) enum Blocked {
 /// One outgoing connection.
 struct Out {
     ep: EpId,
+    /// The receiver's port.
+    dst_port: u32,
     failed: bool,
     /// Names the connection to the receiver (its numbering starts again with each).
     conn: u64,
-    /// The next datagram's number.
+    /// The next message's number.
     seq: u64,
+    /// When the last send returned (CLOCK_MONOTONIC ns).
+    last_send: u64,
+    /// A batch being filled: header room, then datagrams (empty: none).
+    batch: Vec<u8>,
+    /// When its first datagram came.
+    batch_since: u64,
+}
+
+/// A received message from `src`: one datagram, or a batch of several.
+struct Msg {
+    src: Addr,
+    bytes: Bytes,
+    /// A batch's datagrams (offset, length); empty for a single datagram after the header.
+    items: Vec<(usize, usize)>,
+    /// The next datagram of a batch to read.
+    next: usize,
+}
+
+impl Msg {
+    fn front(&self) -> (usize, usize) {
+        match self.items.get(self.next) {
+            Some(&i) => i,
+            None => (HEAD, self.bytes.len() - HEAD),
+        }
+    }
+}
+
+/// A batch's datagrams (offset, length each), if it is well formed: at least one, each at
+/// most [`crate::wire::MAX_DGRAM`], filling the message exactly.
+fn batch_items(msg: &[u8]) -> Option<Vec<(usize, usize)>> {
+    let mut out = Vec::new();
+    let mut at = HEAD;
+    while at < msg.len() {
+        let n = u32::from_le_bytes(msg.get(at..at + 4)?.try_into().ok()?) as usize;
+        at += 4;
+        if n > crate::wire::MAX_DGRAM || msg.len() - at < n {
+            return None;
+        }
+        out.push((at, n));
+        at += n;
+    }
+    (!out.is_empty()).then_some(out)
 }
 
 /// A receiver's state of one sender's connection.
@@ -78,7 +148,7 @@ struct Order {
     /// The number of the datagram to queue next.
     next: u64,
     /// Later ones that came first.
-    held: BTreeMap<u64, Bytes>,
+    held: BTreeMap<u64, Msg>,
 }
 
 /// A fresh connection name: the clock, the process and a counter.
@@ -88,12 +158,21 @@ fn conn_name() -> u64 {
     crate::sync::now_ns() ^ (u64::from(std::process::id()) << 40) ^ n.rotate_right(16)
 }
 
+/// Writes a message's header into `h` ([`HEAD`] bytes).
+fn head(h: &mut [u8], magic: u32, me: Addr, dst_port: u32, conn: u64, seq: u64) {
+    for (k, v) in [magic, me.node, me.port, dst_port].into_iter().enumerate() {
+        h[4 * k..4 * k + 4].copy_from_slice(&v.to_le_bytes());
+    }
+    h[16..24].copy_from_slice(&conn.to_le_bytes());
+    h[24..32].copy_from_slice(&seq.to_le_bytes());
+}
+
 /// A direct endpoint's UCX worker and what it received (behind [`Direct`]'s lock).
 struct Worker {
     link: Link,
     me: Addr,
     nodes: u32,
-    queue: VecDeque<(Addr, Bytes)>,
+    queue: VecDeque<Msg>,
     queued: usize,
     out: HashMap<SocketAddr, Out>,
     /// Each sender connection's numbering.
@@ -103,6 +182,8 @@ struct Worker {
     /// Messages that were not ours or were malformed (counted as drops by the endpoint).
     rejected: u64,
     sends: u32,
+    /// Some connection has a batch waiting.
+    batching: bool,
 }
 
 impl Worker {
@@ -119,12 +200,13 @@ impl Worker {
             senders: HashMap::new(),
             rejected: 0,
             sends: 0,
+            batching: false,
         })
     }
 
     /// Connects to the receiver listening at `to` (once; later calls reuse the connection
     /// unless it failed).
-    fn connect(&mut self, to: SocketAddr) -> Result<(), String> {
+    fn connect(&mut self, to: SocketAddr, dst: Addr) -> Result<(), String> {
         if self.out.get(&to).is_some_and(|o| !o.failed) {
             return Ok(());
         }
@@ -136,9 +218,13 @@ impl Worker {
             to,
             Out {
                 ep,
+                dst_port: dst.port,
                 failed: false,
                 conn: conn_name(),
                 seq: 0,
+                last_send: 0,
+                batch: Vec::new(),
+                batch_since: 0,
             },
         );
         Ok(())
@@ -152,7 +238,9 @@ impl Worker {
     }
 
     /// Sends a datagram of at most `len` bytes that `fill` writes in place to `dst`, which
-    /// listens at `to`; `Ok(None)` if `fill` declined.
+    /// listens at `to`; `Ok(None)` if `fill` declined. In a stream of small datagrams it
+    /// joins a batch (sent when full, when it lingered [`LINGER_NS`], or at the next
+    /// [`Worker::progress`]).
     fn send(
         &mut self,
         to: SocketAddr,
@@ -160,64 +248,141 @@ impl Worker {
         len: usize,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<Option<usize>, Blocked> {
-        let Some(o) = self.out.get(&to) else {
-            return Err(Blocked::Failed);
-        };
-        if o.failed {
+        if self.out.get(&to).is_none_or(|o| o.failed) {
             return Err(Blocked::Failed);
         }
-        let (ep, conn, seq) = (o.ep, o.conn, o.seq);
         if self.link.in_flight_bytes() >= WINDOW {
             self.progress();
             if self.link.in_flight_bytes() >= WINDOW {
                 return Err(Blocked::Full);
             }
         }
+        let now = crate::sync::now_ns();
+        let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
+        let streaming = now.saturating_sub(o.last_send) < STREAM_GAP_NS;
+        let pending = !o.batch.is_empty();
+        if pending
+            && (len > BATCH_SMALL
+                || o.batch.len() + 4 + len > BATCH_MAX
+                || now.saturating_sub(o.batch_since) > LINGER_NS)
+        {
+            // What came before goes first.
+            self.ship(to)?;
+        }
+        let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
+        if len <= BATCH_SMALL && (pending || streaming) {
+            if o.batch.is_empty() {
+                o.batch.resize(HEAD, 0);
+                o.batch_since = now;
+            }
+            let at = o.batch.len();
+            o.batch.resize(at + 4 + len, 0);
+            let Some(n) = fill(&mut o.batch[at + 4..]).filter(|&n| n <= len) else {
+                o.batch.truncate(if at == HEAD { 0 } else { at });
+                return Ok(None);
+            };
+            o.batch[at..at + 4].copy_from_slice(&(n as u32).to_le_bytes());
+            o.batch.truncate(at + 4 + n);
+            o.last_send = now;
+            self.batching = true;
+            return Ok(Some(n));
+        }
+        let (ep, conn, seq) = (o.ep, o.conn, o.seq);
         let me = self.me;
         let mut used = None;
         let r = self.link.send_with(ep, HEAD + len, |buf| {
             let (h, body) = buf.split_at_mut(HEAD);
             let n = fill(body).filter(|&n| n <= len)?;
-            for (k, v) in [MAGIC, me.node, me.port, dst.port].into_iter().enumerate() {
-                h[4 * k..4 * k + 4].copy_from_slice(&v.to_le_bytes());
-            }
-            h[16..24].copy_from_slice(&conn.to_le_bytes());
-            h[24..32].copy_from_slice(&seq.to_le_bytes());
+            head(h, MAGIC, me, dst.port, conn, seq);
             used = Some(n);
             Some(HEAD + n)
         });
+        self.sent(to, r.map(|sent| sent as u64))?;
+        // What UCX could not send at once goes out as the worker progresses; a sender that
+        // only sends still looks at its worker now and then (failures, a peer's sends).
+        self.sends = self.sends.wrapping_add(1);
+        if self.link.in_flight_bytes() != 0 || self.sends.is_multiple_of(64) {
+            self.poll();
+        }
+        if let Some(o) = self.out.get_mut(&to) {
+            o.last_send = crate::sync::now_ns();
+        }
+        Ok(used)
+    }
+
+    /// Accounts for a message handed to UCX (`Ok(n)`: n messages went, 0 or 1).
+    fn sent(
+        &mut self,
+        to: SocketAddr,
+        r: Result<u64, backplane_ucx::Error>,
+    ) -> Result<(), Blocked> {
         match r {
-            Ok(sent) => {
-                if sent {
-                    if let Some(o) = self.out.get_mut(&to) {
-                        o.seq += 1;
-                    }
+            Ok(n) => {
+                if let Some(o) = self.out.get_mut(&to) {
+                    o.seq += n;
                 }
+                Ok(())
             }
+            // UCS_ERR_NO_RESOURCE: too many sends in flight.
             Err(e) if e.status == -2 => {
-                // UCS_ERR_NO_RESOURCE: too many sends in flight.
-                self.progress();
-                return Err(Blocked::Full);
+                self.poll();
+                Err(Blocked::Full)
             }
             Err(_) => {
                 if let Some(o) = self.out.get_mut(&to) {
                     o.failed = true;
                 }
-                return Err(Blocked::Failed);
+                Err(Blocked::Failed)
             }
         }
-        // What UCX could not send at once goes out as the worker progresses; a sender that
-        // only sends still looks at its worker now and then (failures, a peer's sends).
-        self.sends = self.sends.wrapping_add(1);
-        if self.link.in_flight_bytes() != 0 || self.sends.is_multiple_of(64) {
-            self.progress();
+    }
+
+    /// Sends the batch waiting for `to`, if any.
+    fn ship(&mut self, to: SocketAddr) -> Result<(), Blocked> {
+        let me = self.me;
+        let Some(o) = self.out.get_mut(&to).filter(|o| !o.batch.is_empty()) else {
+            return Ok(());
+        };
+        head(
+            &mut o.batch[..HEAD],
+            MAGIC_BATCH,
+            me,
+            o.dst_port,
+            o.conn,
+            o.seq,
+        );
+        let r = self.link.send(o.ep, &o.batch);
+        if r.is_ok() {
+            o.batch.clear();
         }
-        Ok(used)
+        self.sent(to, r.map(|()| 1))
+    }
+
+    /// Sends every batch waiting (those that cannot go now stay).
+    fn ship_all(&mut self) {
+        let waiting: Vec<SocketAddr> = self
+            .out
+            .iter()
+            .filter(|(_, o)| !o.batch.is_empty() && !o.failed)
+            .map(|(&to, _)| to)
+            .collect();
+        for to in waiting {
+            let _ = self.ship(to);
+        }
+        self.batching = self.out.values().any(|o| !o.batch.is_empty() && !o.failed);
     }
 
     /// Makes progress: sends go out, received datagrams are queued in their senders' order
     /// (while fewer than [`QUEUE_MAX`] bytes wait), failures are noted.
     fn progress(&mut self) {
+        if self.batching {
+            self.ship_all();
+        }
+        self.poll();
+    }
+
+    /// [`Worker::progress`] without sending the batches.
+    fn poll(&mut self) {
         if self.queued >= QUEUE_MAX {
             return;
         }
@@ -245,7 +410,7 @@ impl Worker {
     /// A message from a sender: queued if it is the next of its connection, held if an
     /// earlier one is still to come, refused if it is malformed, not for us, or a repeat.
     fn take(&mut self, from: Option<EpId>, msg: Bytes) {
-        let Some((src, conn, seq)) = self.check(&msg) else {
+        let Some((src, conn, seq, items)) = self.check(&msg) else {
             self.rejected += 1;
             return;
         };
@@ -258,21 +423,27 @@ impl Worker {
             return;
         }
         self.queued += msg.len();
+        let msg = Msg {
+            src,
+            bytes: msg,
+            items,
+            next: 0,
+        };
         if seq > o.next {
             o.held.insert(seq, msg);
             return;
         }
-        self.queue.push_back((src, msg));
+        self.queue.push_back(msg);
         o.next += 1;
         while let Some(m) = o.held.remove(&o.next) {
-            self.queue.push_back((src, m));
+            self.queue.push_back(m);
             o.next += 1;
         }
     }
 
-    /// The sender, its connection and the datagram's number, if the message is a
-    /// well-formed datagram for us.
-    fn check(&self, msg: &[u8]) -> Option<(Addr, u64, u64)> {
+    /// The sender, its connection, the message's number and a batch's datagrams, if the
+    /// message is a well-formed datagram or batch for us.
+    fn check(&self, msg: &[u8]) -> Option<(Addr, u64, u64, Vec<(usize, usize)>)> {
         let word = |k: usize| {
             let b = msg.get(4 * k..4 * k + 4)?;
             Some(u32::from_le_bytes(b.try_into().ok()?))
@@ -280,23 +451,33 @@ impl Worker {
         let long = |k: usize| Some(u64::from(word(k)?) | u64::from(word(k + 1)?) << 32);
         let (magic, node, port, dst) = (word(0)?, word(1)?, word(2)?, word(3)?);
         let (conn, seq) = (long(4)?, long(6)?);
-        let ok = magic == MAGIC
-            && dst == self.me.port
-            && (1..=self.nodes).contains(&node)
-            && msg.len() - HEAD <= crate::wire::MAX_DGRAM;
-        ok.then_some((Addr::new(node, port), conn, seq))
+        if dst != self.me.port || !(1..=self.nodes).contains(&node) {
+            return None;
+        }
+        let items = match magic {
+            MAGIC if msg.len() - HEAD <= crate::wire::MAX_DGRAM => Vec::new(),
+            MAGIC_BATCH => batch_items(msg)?,
+            _ => return None,
+        };
+        Some((Addr::new(node, port), conn, seq, items))
     }
 
     /// The oldest received datagram: its sender and payload.
     fn front(&self) -> Option<(Addr, &[u8])> {
-        // (Queued messages passed `check`: at least HEAD bytes.)
-        self.queue.front().map(|(a, m)| (*a, &m[HEAD..]))
+        let m = self.queue.front()?;
+        let (off, len) = m.front();
+        Some((m.src, &m.bytes[off..off + len]))
     }
 
     /// Drops the oldest received datagram (read).
     fn pop(&mut self) {
-        if let Some((_, m)) = self.queue.pop_front() {
-            self.queued -= m.len();
+        let Some(m) = self.queue.front_mut() else {
+            return;
+        };
+        m.next += 1;
+        if m.next >= m.items.len() {
+            self.queued -= m.bytes.len();
+            self.queue.pop_front();
         }
     }
 
@@ -330,15 +511,27 @@ impl Worker {
     /// most [`FLUSH_PATIENCE`] and only while a connection is up.
     fn flush(&mut self) {
         let start = Instant::now();
-        while self.link.in_flight_bytes() != 0 && start.elapsed() < FLUSH_PATIENCE {
-            if self.out.values().all(|o| o.failed) {
-                break;
-            }
-            // The receive queue must not stop the worker now: nobody reads it any more.
-            self.queue.clear();
-            self.order.clear();
-            self.queued = 0;
+        // The receive queue must not stop the worker now: nobody reads it any more.
+        self.queue.clear();
+        self.order.clear();
+        self.queued = 0;
+        self.ship_all();
+        while (self.batching || self.link.in_flight_bytes() != 0)
+            && start.elapsed() < FLUSH_PATIENCE
+            && self.out.values().any(|o| !o.failed)
+        {
             self.wait(Duration::from_millis(10));
+            self.ship_all();
+        }
+        // A forced close can reach the receiver before the last bytes, which it then never
+        // reads (seen: an endpoint's last datagram, sent just before it closed, lost).
+        for (_, o) in self.out.drain() {
+            let left = FLUSH_PATIENCE.saturating_sub(start.elapsed());
+            if o.failed || left.is_zero() {
+                self.link.close(o.ep);
+            } else {
+                self.link.close_flush(o.ep, left);
+            }
         }
     }
 }
@@ -346,8 +539,8 @@ impl Worker {
 /// What the waker is asked to do (bits of [`Shared::modes`]).
 const ARMED: u32 = 1;
 const DRAIN: u32 = 2;
-/// How often the waker looks at a worker that holds unsent messages.
-const DRAIN_EVERY: Duration = Duration::from_micros(200);
+/// How often the waker looks at a worker that holds unsent messages or a batch.
+const DRAIN_EVERY: Duration = Duration::from_nanos(LINGER_NS);
 
 /// What the endpoint and its waker share.
 struct Shared {
@@ -433,8 +626,8 @@ impl Direct {
 
     /// Connects to the receiver listening at `to` (once; later calls reuse the connection
     /// unless it failed).
-    pub(super) fn connect(&mut self, to: SocketAddr) -> Result<(), String> {
-        self.lock().connect(to)
+    pub(super) fn connect(&mut self, to: SocketAddr, dst: Addr) -> Result<(), String> {
+        self.lock().connect(to, dst)
     }
 
     /// Forgets the connection to `to` (its route ended).
@@ -454,7 +647,9 @@ impl Direct {
     ) -> Result<Option<usize>, Blocked> {
         let mut w = self.lock();
         let r = w.send(to, dst, len, fill);
-        let held = w.link.in_flight_bytes() != 0;
+        // Whatever UCX still holds (a batch, a queued message, bytes in a transport's buffer)
+        // leaves even if this thread goes elsewhere now: the waker sees to it.
+        let held = w.batching || w.link.in_flight_bytes() != 0 || !w.link.idle();
         drop(w);
         if held {
             self.ask(DRAIN);
@@ -548,7 +743,8 @@ fn watch(efd: &OwnedFd, s: &Shared) {
             if let Ok(mut w) = s.worker.try_lock() {
                 let had = w.queue.len();
                 w.progress();
-                let (sent, got) = (w.link.in_flight_bytes() == 0, w.queue.len() != had);
+                let sent = !w.batching && w.link.in_flight_bytes() == 0 && w.link.idle();
+                let got = w.queue.len() != had;
                 drop(w);
                 if sent {
                     s.modes.fetch_and(!DRAIN, Ordering::AcqRel);
