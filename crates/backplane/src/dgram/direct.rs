@@ -106,6 +106,15 @@ struct Out {
     batch_since: u64,
 }
 
+/// What a received message's header says (checked).
+struct Header {
+    src: Addr,
+    conn: u64,
+    seq: u64,
+    /// A batch's datagrams (offset, length); empty for a single datagram.
+    items: Vec<(usize, usize)>,
+}
+
 /// A received message from `src`: one datagram, or a batch of several.
 struct Msg {
     src: Addr,
@@ -410,7 +419,13 @@ impl Worker {
     /// A message from a sender: queued if it is the next of its connection, held if an
     /// earlier one is still to come, refused if it is malformed, not for us, or a repeat.
     fn take(&mut self, from: Option<EpId>, msg: Bytes) {
-        let Some((src, conn, seq, items)) = self.check(&msg) else {
+        let Some(Header {
+            src,
+            conn,
+            seq,
+            items,
+        }) = self.check(&msg)
+        else {
             self.rejected += 1;
             return;
         };
@@ -443,7 +458,7 @@ impl Worker {
 
     /// The sender, its connection, the message's number and a batch's datagrams, if the
     /// message is a well-formed datagram or batch for us.
-    fn check(&self, msg: &[u8]) -> Option<(Addr, u64, u64, Vec<(usize, usize)>)> {
+    fn check(&self, msg: &[u8]) -> Option<Header> {
         let word = |k: usize| {
             let b = msg.get(4 * k..4 * k + 4)?;
             Some(u32::from_le_bytes(b.try_into().ok()?))
@@ -459,7 +474,12 @@ impl Worker {
             MAGIC_BATCH => batch_items(msg)?,
             _ => return None,
         };
-        Some((Addr::new(node, port), conn, seq, items))
+        Some(Header {
+            src: Addr::new(node, port),
+            conn,
+            seq,
+            items,
+        })
     }
 
     /// The oldest received datagram: its sender and payload.
