@@ -159,7 +159,19 @@ impl Hosts {
 
     /// This test binary, re-run on host k as `role` of test `test_fn`.
     fn spawn_role(&self, k: usize, test_fn: &str, role: &str) -> std::process::Child {
+        self.spawn_role_with(k, test_fn, role, &[])
+    }
+
+    /// [`Hosts::spawn_role`] with `env` (`NAME=value` each) set for the role.
+    fn spawn_role_with(
+        &self,
+        k: usize,
+        test_fn: &str,
+        role: &str,
+        env: &[&str],
+    ) -> std::process::Child {
         self.in_host(k)
+            .args(env)
             .arg(format!("BACKPLANE_RUN_DIR={}", self.run_dir(k).display()))
             .arg(format!("BP_ROLE={role}"))
             .arg(format!("BP_FABRIC={}", self.fabric))
@@ -572,6 +584,12 @@ fn dgram_of(seq: u64) -> Vec<u8> {
 const CROSS_PORT: u32 = 7000;
 const CROSS_COUNT: u64 = 3000;
 
+/// Whether this role's endpoints should take datagrams between hosts straight (the default)
+/// or through the bridges (`BACKPLANE_DIRECT=0`).
+fn direct_wanted() -> bool {
+    std::env::var("BACKPLANE_DIRECT").map_or(true, |v| v != "0")
+}
+
 fn cross_host_role(role: &str) {
     use backplane::fabric::Fabric;
     use backplane::transport::Addr;
@@ -579,6 +597,7 @@ fn cross_host_role(role: &str) {
     match role {
         "receiver" => {
             let mut ep = fabric.node(2).unwrap().bind(CROSS_PORT).unwrap();
+            assert_eq!(ep.is_direct(), direct_wanted(), "the receiver's path");
             let mut buf = vec![0u8; 65536];
             let mut from = None;
             for seq in 0..CROSS_COUNT {
@@ -606,6 +625,7 @@ fn cross_host_role(role: &str) {
         }
         "sender" => {
             let mut ep = fabric.node(1).unwrap().bind(0).unwrap();
+            assert_eq!(ep.is_direct(), direct_wanted(), "the sender's path");
             let to = Addr::new(2, CROSS_PORT);
             // The receiver binds when its process is up: until then nothing listens there.
             let first = dgram_of(0);
@@ -678,10 +698,19 @@ fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
     }
     let h = Hosts::odd_even("hosts_dgram", 14);
     let test_fn = "datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers";
-    let rx = h.spawn_role(1, test_fn, "receiver");
-    let tx = h.spawn_role(0, test_fn, "sender");
-    assert!(finish(tx, "the sender").success(), "the sender failed");
-    assert!(finish(rx, "the receiver").success(), "the receiver failed");
+    // Straight between the two processes (the default), then through the bridges.
+    for env in [&[][..], &["BACKPLANE_DIRECT=0"][..]] {
+        let rx = h.spawn_role_with(1, test_fn, "receiver", env);
+        let tx = h.spawn_role_with(0, test_fn, "sender", env);
+        assert!(
+            finish(tx, "the sender").success(),
+            "the sender failed ({env:?})"
+        );
+        assert!(
+            finish(rx, "the receiver").success(),
+            "the receiver failed ({env:?})"
+        );
+    }
     // Both hosts count the traffic on their own node's side.
     let s0 = h.status(0);
     assert!(

@@ -356,6 +356,14 @@ impl Endpoint {
         self.addr
     }
 
+    /// Whether datagrams between this endpoint and other hosts' go straight between the two
+    /// processes (a fabric across hosts, `BACKPLANE_DIRECT` not `0`, no `--link` model, and a
+    /// UCX worker of its own could start), not through the supervisors' bridges. Same API
+    /// either way; see `dgram/direct.rs`.
+    pub fn is_direct(&self) -> bool {
+        self.direct.is_some()
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> EndpointStats {
         self.stats

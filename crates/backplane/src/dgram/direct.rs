@@ -780,3 +780,107 @@ fn watch(efd: &OwnedFd, s: &Shared) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A message as a sender writes it: header, then `body` (a batch's body as given).
+    fn message(magic: u32, src: Addr, dst_port: u32, conn: u64, seq: u64, body: &[u8]) -> Vec<u8> {
+        let mut m = vec![0u8; HEAD];
+        head(&mut m, magic, src, dst_port, conn, seq);
+        m.extend_from_slice(body);
+        m
+    }
+
+    /// A batch's body: each datagram as a u32 length and its bytes.
+    fn batch(items: &[&[u8]]) -> Vec<u8> {
+        let mut b = Vec::new();
+        for i in items {
+            b.extend_from_slice(&(i.len() as u32).to_le_bytes());
+            b.extend_from_slice(i);
+        }
+        b
+    }
+
+    #[test]
+    fn a_batch_is_taken_only_when_every_length_fits_the_message() {
+        let src = Addr::new(1, 9);
+        let ok = message(MAGIC_BATCH, src, 7, 1, 0, &batch(&[b"ab", b"", b"cde"]));
+        assert_eq!(
+            batch_items(&ok),
+            Some(vec![(HEAD + 4, 2), (HEAD + 10, 0), (HEAD + 14, 3)])
+        );
+        // A length past the end, a trailing partial length, nothing at all, one too large.
+        let mut past = ok.clone();
+        past[HEAD..HEAD + 4].copy_from_slice(&1000u32.to_le_bytes());
+        assert_eq!(batch_items(&past), None);
+        let mut partial = ok.clone();
+        partial.extend_from_slice(&[1, 0]);
+        assert_eq!(batch_items(&partial), None);
+        assert_eq!(batch_items(&message(MAGIC_BATCH, src, 7, 1, 0, &[])), None);
+        let huge = vec![0u8; crate::wire::MAX_DGRAM + 1];
+        let big = message(MAGIC_BATCH, src, 7, 1, 0, &batch(&[&huge]));
+        assert_eq!(batch_items(&big), None);
+    }
+
+    /// A receiver takes each sender connection's messages in their numbers' order whatever
+    /// order they come in, splits batches, and refuses (counting) repeats, messages for
+    /// another port or from no node, unknown kinds and malformed batches. The messages are
+    /// written by hand on a bare UCX link, as a buggy or hostile peer could.
+    #[test]
+    fn a_receiver_queues_each_connection_in_order_and_refuses_what_is_not_its() {
+        let mut w = Worker::open("127.0.0.1".parse().unwrap(), 4).unwrap();
+        w.me = Addr::new(2, 7);
+        let to = SocketAddr::from(([127, 0, 0, 1], w.link.listen_port()));
+        let mut raw = Link::open(None).unwrap();
+        let ep = raw.connect(to).unwrap();
+        let (a, b) = (Addr::new(1, 9), Addr::new(3, 5));
+        let sends = [
+            message(MAGIC, a, 7, 11, 2, b"a2"),
+            message(MAGIC, b, 7, 22, 0, b"b0"),
+            message(MAGIC, a, 7, 11, 0, b"a0"),
+            message(MAGIC_BATCH, a, 7, 11, 3, &batch(&[b"a3x", b"a3y"])),
+            message(MAGIC, a, 7, 11, 1, b"a1"),
+            message(MAGIC, a, 7, 11, 1, b"a1"), // a repeat
+            message(MAGIC, a, 8, 11, 4, b"other port"),
+            message(MAGIC, Addr::new(0, 1), 7, 11, 4, b"no node"),
+            message(MAGIC, Addr::new(5, 1), 7, 11, 4, b"past the last node"),
+            message(0x1234_5678, a, 7, 11, 4, b"unknown kind"),
+            message(MAGIC_BATCH, a, 7, 11, 4, &[9, 9]), // malformed
+            message(MAGIC, b, 7, 22, 1, b"b1"),
+        ];
+        for m in &sends {
+            raw.send(ep, m).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut got: Vec<(Addr, Vec<u8>)> = Vec::new();
+        while got.len() < 7 || w.rejected < 6 {
+            assert!(
+                Instant::now() < deadline,
+                "got {got:?}, {} refused",
+                w.rejected
+            );
+            let _ = raw.poll();
+            w.progress();
+            while let Some((src, p)) = w.front() {
+                got.push((src, p.to_vec()));
+                w.pop();
+            }
+        }
+        let of = |who: Addr| -> Vec<Vec<u8>> {
+            got.iter()
+                .filter(|(s, _)| *s == who)
+                .map(|(_, p)| p.clone())
+                .collect()
+        };
+        let want_a: Vec<Vec<u8>> = [&b"a0"[..], b"a1", b"a2", b"a3x", b"a3y"]
+            .iter()
+            .map(|s| s.to_vec())
+            .collect();
+        assert_eq!(of(a), want_a);
+        assert_eq!(of(b), vec![b"b0".to_vec(), b"b1".to_vec()]);
+        assert_eq!(w.rejected, 6);
+        assert_eq!(w.queued, 0, "every byte taken is accounted for");
+    }
+}
