@@ -65,6 +65,7 @@ mod ffi {
         pub fn bpx_progress(l: *mut Link) -> c_int;
         pub fn bpx_inflight_bytes(l: *mut Link) -> usize;
         pub fn bpx_idle(l: *mut Link) -> c_int;
+        pub fn bpx_queued(l: *mut Link) -> usize;
         pub fn bpx_arm(l: *mut Link) -> c_int;
         pub fn bpx_next_event(l: *mut Link, ev: *mut Event) -> c_int;
         pub fn bpx_free(p: *mut c_void);
@@ -358,6 +359,26 @@ impl Link {
                 break;
             }
         }
+        self.events()
+    }
+
+    /// [`Link::poll`] for a latency-bound caller: stops progressing as soon as something
+    /// happened (over TCP each progress is a system call: the one that would find nothing
+    /// more costs a round trip its time).
+    pub fn poll_some(&mut self) -> Vec<Event> {
+        for _ in 0..64 {
+            // SAFETY: raw is live; progress runs the callbacks on this thread.
+            let n = unsafe { ffi::bpx_progress(self.raw) };
+            // SAFETY: raw is live; the call only reads a counter.
+            if n == 0 || unsafe { ffi::bpx_queued(self.raw) } != 0 {
+                break;
+            }
+        }
+        self.events()
+    }
+
+    /// The events queued so far.
+    fn events(&mut self) -> Vec<Event> {
         let mut out = Vec::new();
         loop {
             let mut ev = ffi::Event {

@@ -393,6 +393,12 @@ int bpx_progress(bpx_link *l)
     return (int)ucp_worker_progress(l->worker);
 }
 
+/* Events waiting to be taken with bpx_next_event. */
+size_t bpx_queued(bpx_link *l)
+{
+    return l->qlen;
+}
+
 /* Arms the wake-up fd: 1 if it is safe to sleep on it, 0 if there is more to progress first. */
 int bpx_arm(bpx_link *l)
 {

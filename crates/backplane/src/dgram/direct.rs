@@ -395,7 +395,7 @@ impl Worker {
         if self.queued >= QUEUE_MAX {
             return;
         }
-        for ev in self.link.poll() {
+        for ev in self.link.poll_some() {
             match ev {
                 Event::Message(from, msg) => self.take(from, msg),
                 Event::Failed(ep, _) => {
