@@ -561,6 +561,8 @@ const ARMED: u32 = 1;
 const DRAIN: u32 = 2;
 /// How often the waker looks at a worker that holds unsent messages or a batch.
 const DRAIN_EVERY: Duration = Duration::from_nanos(LINGER_NS);
+/// ... and how seldom, at most, while nothing leaves (its receiver does not read).
+const DRAIN_MAX: Duration = Duration::from_millis(10);
 
 /// What the endpoint and its waker share.
 struct Shared {
@@ -734,6 +736,8 @@ impl Drop for Direct {
 /// The waker: rings the doorbell of a receiver that sleeps when UCX has news for it
 /// ([`ARMED`]), and sends what UCX holds when the endpoint's thread does not ([`DRAIN`]).
 fn watch(efd: &OwnedFd, s: &Shared) {
+    // Backs off while nothing leaves (a receiver that does not read), from DRAIN_EVERY.
+    let mut every = DRAIN_EVERY;
     loop {
         let modes = s.modes.load(Ordering::Acquire);
         let mut fds = [
@@ -741,11 +745,11 @@ fn watch(efd: &OwnedFd, s: &Shared) {
             PollFd::new(efd, PollFlags::IN),
         ];
         let n = if modes & ARMED != 0 { 2 } else { 1 };
-        let every = rustix::time::Timespec {
+        let tick = rustix::time::Timespec {
             tv_sec: 0,
-            tv_nsec: DRAIN_EVERY.as_nanos() as i64,
+            tv_nsec: every.as_nanos() as i64,
         };
-        let timeout = (modes & DRAIN != 0).then_some(&every);
+        let timeout = (modes & DRAIN != 0).then_some(&tick);
         match rustix::event::poll(&mut fds[..n], timeout) {
             Ok(_) | Err(rustix::io::Errno::INTR) => {}
             Err(_) => return,
@@ -757,18 +761,26 @@ fn watch(efd: &OwnedFd, s: &Shared) {
             if s.stop.load(Ordering::Acquire) {
                 return;
             }
+            every = DRAIN_EVERY;
         }
         if modes & DRAIN != 0 {
             // Only when the endpoint's thread is not in a call: it makes progress itself.
             if let Ok(mut w) = s.worker.try_lock() {
-                let had = w.queue.len();
+                let (had, unsent) = (w.queue.len(), w.link.in_flight_bytes());
                 w.progress();
-                let sent = !w.batching && w.link.in_flight_bytes() == 0 && w.link.idle();
-                let got = w.queue.len() != had;
-                drop(w);
+                let left = w.link.in_flight_bytes();
+                let sent = !w.batching && left == 0 && w.link.idle();
                 if sent {
+                    // Under the lock: a send after it asks again (and is seen then).
                     s.modes.fetch_and(!DRAIN, Ordering::AcqRel);
                 }
+                let got = w.queue.len() != had;
+                drop(w);
+                every = if sent || left < unsent {
+                    DRAIN_EVERY
+                } else {
+                    (every * 2).min(DRAIN_MAX)
+                };
                 if got {
                     crate::sync::ring(&s.bell);
                 }
