@@ -601,16 +601,10 @@ impl Endpoint {
                     // supervisors end the route (flags above) or the node's state changes.
                     Err(direct::Blocked::Full | direct::Blocked::Failed) => {}
                 }
-                match wait {
-                    Wait::Never => return Err(DgramError::WouldBlock),
-                    _ if deadline.expired() => return Err(DgramError::TimedOut),
-                    _ => {}
-                }
-                spins += 1;
-                if spins < self.spin_polls {
-                    relax(spins, self.yield_every);
-                } else {
-                    d.wait(cap(deadline.remaining()).unwrap_or(Duration::from_millis(100)));
+                if !self.spin_once(wait, &deadline, &mut spins)? {
+                    if let Some(d) = self.direct.as_mut() {
+                        d.wait(cap(deadline.remaining()).unwrap_or(Duration::from_millis(100)));
+                    }
                     self.check_open()?;
                     self.node.fabric.check_supervisor()?;
                     if self
@@ -664,14 +658,7 @@ impl Endpoint {
                 }
             }
             // Ring full: spin a little, then sleep on the credit doorbell.
-            match wait {
-                Wait::Never => return Err(DgramError::WouldBlock),
-                _ if deadline.expired() => return Err(DgramError::TimedOut),
-                _ => {}
-            }
-            spins += 1;
-            if spins < self.spin_polls {
-                relax(spins, self.yield_every);
+            if self.spin_once(wait, &deadline, &mut spins)? {
                 continue;
             }
             let c = &mut self.tx[i];
@@ -683,6 +670,28 @@ impl Endpoint {
                 self.node.fabric.check_supervisor()?; // slept without credit: still there?
             }
         }
+    }
+
+    /// One more round of a blocked send: an error when it must stop waiting (`WouldBlock`,
+    /// `TimedOut`), true after a spin, false when it is time to sleep.
+    #[inline]
+    fn spin_once(
+        &self,
+        wait: Wait,
+        deadline: &Deadline,
+        spins: &mut u32,
+    ) -> Result<bool, DgramError> {
+        match wait {
+            Wait::Never => return Err(DgramError::WouldBlock),
+            _ if deadline.expired() => return Err(DgramError::TimedOut),
+            _ => {}
+        }
+        *spins += 1;
+        if *spins < self.spin_polls {
+            relax(*spins, self.yield_every);
+            return Ok(true);
+        }
+        Ok(false)
     }
 
     fn refresh_rx(&mut self) -> Result<(), DgramError> {
