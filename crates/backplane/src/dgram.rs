@@ -291,12 +291,6 @@ impl Node {
         let at32 = |o: usize| -> Result<Word32, DgramError> {
             Ok(Word32::at(&w, record_off + o as u64).map_err(FabricError::from)?)
         };
-        let direct = match direct {
-            Some(d) => d
-                .bound(Addr::new(self.slot, port), at32(EP_DOORBELL_OFF)?)
-                .ok(),
-            None => None,
-        };
         let at64 = |o: u64| -> Result<Word64, DgramError> {
             Ok(Word64::at(&w, o).map_err(FabricError::from)?)
         };
@@ -333,7 +327,14 @@ impl Node {
             direct: None,
         };
         let mut ep = ep;
-        ep.direct = direct;
+        if let Some(d) = direct {
+            // The supervisor names this listener to senders on other hosts from now on: an
+            // endpoint whose worker cannot run must not stay bound (dropping `ep` unbinds).
+            let started = d.bound(ep.addr, ep.doorbell.clone()).map_err(|e| {
+                FabricError::Protocol(format!("cannot start the endpoint's UCX waker: {e}"))
+            })?;
+            ep.direct = Some(started);
+        }
         if let Some(l) = self.fabric.link() {
             // A slow emulated link stretches round trips: spin long enough to cover a few hops
             // so that a reply does not pay a thread wake-up the modelled link would not.

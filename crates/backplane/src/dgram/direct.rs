@@ -219,9 +219,9 @@ impl Worker {
         if self.out.get(&to).is_some_and(|o| !o.failed) {
             return Ok(());
         }
-        if let Some(o) = self.out.remove(&to) {
-            self.link.close(o.ep);
-        }
+        // A failed connection's endpoint was closed when it failed (and its index may be
+        // another's now): nothing to close.
+        self.out.remove(&to);
         let ep = self.link.connect(to).map_err(|e| e.to_string())?;
         self.out.insert(
             to,
@@ -241,7 +241,7 @@ impl Worker {
 
     /// Forgets the connection to `to` (its route ended).
     fn disconnect(&mut self, to: SocketAddr) {
-        if let Some(o) = self.out.remove(&to) {
+        if let Some(o) = self.out.remove(&to).filter(|o| !o.failed) {
             self.link.close(o.ep);
         }
     }
@@ -279,7 +279,9 @@ impl Worker {
             self.ship(to)?;
         }
         let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
-        if len <= BATCH_SMALL && (pending || streaming) {
+        // (A batch shipped above for lingering too long ended its stream unless this send
+        // still is one.)
+        if len <= BATCH_SMALL && (!o.batch.is_empty() || streaming) {
             if o.batch.is_empty() {
                 o.batch.resize(HEAD, 0);
                 o.batch_since = now;
@@ -400,7 +402,8 @@ impl Worker {
                 Event::Message(from, msg) => self.take(from, msg),
                 Event::Failed(ep, _) => {
                     self.link.close(ep);
-                    if let Some(o) = self.out.values_mut().find(|o| o.ep == ep) {
+                    // (A failed one keeps its index, which a later connect may reuse.)
+                    if let Some(o) = self.out.values_mut().find(|o| o.ep == ep && !o.failed) {
                         o.failed = true;
                     }
                     // A sender gone: forget its numbering once nothing of it waits.
@@ -547,7 +550,9 @@ impl Worker {
         // reads (seen: an endpoint's last datagram, sent just before it closed, lost).
         for (_, o) in self.out.drain() {
             let left = FLUSH_PATIENCE.saturating_sub(start.elapsed());
-            if o.failed || left.is_zero() {
+            if o.failed {
+                // Closed when it failed.
+            } else if left.is_zero() {
                 self.link.close(o.ep);
             } else {
                 self.link.close_flush(o.ep, left);
@@ -604,7 +609,7 @@ impl Unbound {
     }
 
     /// The endpoint is bound at `me`, its doorbell is `bell`: starts the waker that rings it.
-    /// An error leaves the endpoint without its worker (it goes through the bridges).
+    /// (On an error the bind fails: senders on other hosts were already told of the port.)
     pub(super) fn bound(self, me: Addr, bell: Word32) -> Result<Direct, String> {
         let Self { mut worker, .. } = self;
         worker.me = me;
