@@ -648,6 +648,20 @@ fn cross_host_role(role: &str) {
             assert_eq!(src, to);
             assert_eq!(&buf[..n], format!("done:{CROSS_COUNT}").as_bytes());
             ep.send_to(to, b"bye").unwrap();
+            // The receiver leaves after "bye": a sender still sending hears it, whichever path
+            // its datagrams take (the route ends; a direct connection fails first).
+            let gone = wait_for(Duration::from_secs(10), || match ep.send_to(to, b"late") {
+                Err(backplane::dgram::DgramError::Unreachable(_)) => Some(()),
+                Ok(()) => {
+                    std::thread::sleep(Duration::from_millis(5));
+                    None
+                }
+                Err(e) => panic!("a send after the receiver left: {e}"),
+            });
+            assert!(
+                gone.is_some(),
+                "the receiver left 10 s ago; sends still succeed"
+            );
         }
         "stream_receiver" => {
             let mut ep = fabric.node(2).unwrap().bind(CROSS_PORT).unwrap();
