@@ -602,6 +602,10 @@ impl Endpoint {
                     // supervisors end the route (flags above) or the node's state changes.
                     Err(direct::Blocked::Full | direct::Blocked::Failed) => {}
                 }
+                if fill.is_none() {
+                    // Written, then refused by UCX (the connection broke under it): gone.
+                    return Err(self.peer_state(dst));
+                }
                 if !self.spin_once(wait, &deadline, &mut spins)? {
                     if let Some(d) = self.direct.as_mut() {
                         d.wait(cap(deadline.remaining()).unwrap_or(Duration::from_millis(100)));
@@ -621,8 +625,10 @@ impl Endpoint {
             }
             match c.ch.reserve(len) {
                 Ok(mut r) => {
+                    // (Still there: only a direct send takes it, and one that failed after
+                    // taking it returned above.)
                     let Some(fill) = fill.take() else {
-                        return Ok(false);
+                        return Err(self.peer_state(dst));
                     };
                     // SAFETY: the reservation is inside the data area and ours until commit.
                     let used = fill(unsafe { slice_mut(c.ch.data(), r.pos, len) });
