@@ -88,7 +88,7 @@ struct Ep {
     list: Vec<bool>,
     rings_in: Vec<u64>,
     rings_out: Vec<u64>,
-    /// Its direct listener's TCP port (fabrics across hosts, `Request::Direct`).
+    /// Its direct listener's TCP port (fabrics across hosts, `Bind.direct`).
     direct: Option<u16>,
 }
 
