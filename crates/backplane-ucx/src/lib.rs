@@ -74,6 +74,7 @@ mod ffi {
         pub fn bpx_ep_info(l: *mut Link, ep: c_int, buf: *mut c_char, cap: usize) -> usize;
         pub fn bpx_close_all(l: *mut Link);
         pub fn bpx_status_string(status: c_int) -> *const c_char;
+        pub fn bpx_log_to_stderr();
     }
 }
 
@@ -205,6 +206,8 @@ fn check(status: i32, what: impl FnOnce() -> String) -> Result<(), Error> {
 /// the environment only: `ucp_config_modify` of `TCP_CM_REUSEADDR` is accepted and ignored —
 /// tried), each unless the environment already says otherwise:
 ///
+/// - UCX's log goes to stderr (it writes to stdout by default, which is the program's: `perf
+///   --json` across hosts printed a UCX warning into its JSON), unless `UCX_LOG_FILE` is set.
 /// - `UCX_TCP_CM_REUSEADDR`, `UCX_RDMA_CM_REUSEADDR` = `y`: a supervisor restarted on the same
 ///   address must listen again at once, while its old connections sit in TIME_WAIT.
 /// - `UCX_TCP_TX_SEG_SIZE`, `UCX_TCP_RX_SEG_SIZE` = [`TCP_SEGMENT`]: over TCP, UCX sends an
@@ -216,6 +219,9 @@ fn check(status: i32, what: impl FnOnce() -> String) -> Result<(), Error> {
 fn set_defaults() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
+        // SAFETY: called once, before any context of ours, from inside the Once; the shim
+        // only pushes a log handler (UCX's own list) unless UCX_LOG_FILE is set.
+        unsafe { ffi::bpx_log_to_stderr() };
         for var in ["UCX_TCP_CM_REUSEADDR", "UCX_RDMA_CM_REUSEADDR"] {
             if std::env::var_os(var).is_none() {
                 std::env::set_var(var, "y");

@@ -15,7 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <stdarg.h>
 #include <ucp/api/ucp.h>
+#include <ucs/debug/log_def.h>
 
 #define BPX_MAX_EPS 64
 #define BPX_AM_ID 7
@@ -148,6 +150,35 @@ static ucs_status_t on_message(void *arg, const void *header, size_t header_leng
     bpx_event ev = {BPX_EV_MESSAGE, from, 0, length, copy};
     push(l, ev);
     return UCS_OK;
+}
+
+/* UCX logs to stdout unless UCX_LOG_FILE says otherwise, and a program's stdout is its own
+ * (`perf --json` printed a UCX warning into its JSON): UCX's messages go to stderr instead. */
+static ucs_log_func_rc_t log_to_stderr(const char *file, unsigned line, const char *function,
+                                       ucs_log_level_t level,
+                                       const ucs_log_component_config_t *comp_conf,
+                                       const char *message, va_list ap)
+{
+    (void)function;
+    if (!ucs_log_component_is_enabled(level, comp_conf) && level != UCS_LOG_LEVEL_PRINT)
+        return UCS_LOG_FUNC_RC_CONTINUE;
+    char text[1024];
+    va_list aq;
+    va_copy(aq, ap);
+    vsnprintf(text, sizeof text, message, aq);
+    va_end(aq);
+    const char *base = strrchr(file, '/');
+    fprintf(stderr, "UCX %s %s:%u %s\n", ucs_log_level_names[level], base ? base + 1 : file,
+            line, text);
+    return UCS_LOG_FUNC_RC_STOP;
+}
+
+/* Sends UCX's log to stderr unless the user chose where it goes (UCX_LOG_FILE). Call once,
+ * before the first context. */
+void bpx_log_to_stderr(void)
+{
+    if (!getenv("UCX_LOG_FILE"))
+        ucs_log_push_handler(log_to_stderr);
 }
 
 const char *bpx_status_string(int status)
