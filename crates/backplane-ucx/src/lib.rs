@@ -42,7 +42,7 @@ mod ffi {
     pub const EV_DROPPED: c_int = 4;
 
     extern "C" {
-        pub fn bpx_open(ip: *const c_char, port: u16, out: *mut *mut Link) -> c_int;
+        pub fn bpx_open(ip: *const c_char, port: u16, no_shm: c_int, out: *mut *mut Link) -> c_int;
         pub fn bpx_listen_port(l: *mut Link) -> c_int;
         pub fn bpx_efd(l: *mut Link) -> c_int;
         pub fn bpx_connect(l: *mut Link, ip: *const c_char, port: u16) -> c_int;
@@ -73,6 +73,7 @@ mod ffi {
         pub fn bpx_close_flush(l: *mut Link, ep: c_int, timeout_us: std::ffi::c_long) -> c_int;
         pub fn bpx_ep_info(l: *mut Link, ep: c_int, buf: *mut c_char, cap: usize) -> usize;
         pub fn bpx_close_all(l: *mut Link);
+        pub fn bpx_reset(l: *mut Link);
         pub fn bpx_status_string(status: c_int) -> *const c_char;
         pub fn bpx_log_to_stderr();
     }
@@ -247,6 +248,15 @@ impl Link {
     /// they are set (see [`set_defaults`]): make it before starting threads that read the
     /// environment from C.
     pub fn open(listen: Option<SocketAddr>) -> Result<Self, Error> {
+        Self::open_with(listen, true)
+    }
+
+    /// [`Link::open`], offering UCX its shared-memory transports or not (`UCX_TLS`, when set,
+    /// decides either way). A program's own link to other hosts goes without them: between
+    /// hosts there is no shared memory, and between two namespaces of one machine (the
+    /// tests' hosts) UCX 1.13 aborted destroying such a worker under load (an assertion on
+    /// an endpoint's reference count in `ucp_worker_destroy`, 4 runs in 7 with two CPU hogs).
+    pub fn open_with(listen: Option<SocketAddr>, shared_memory: bool) -> Result<Self, Error> {
         set_defaults();
         let ip = listen.map(|a| ipv4(a.ip())).transpose()?;
         let mut raw = std::ptr::null_mut();
@@ -256,6 +266,7 @@ impl Link {
             ffi::bpx_open(
                 ip.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
                 listen.map_or(0, |a| a.port()),
+                std::ffi::c_int::from(!shared_memory),
                 &mut raw,
             )
         };
@@ -451,12 +462,22 @@ impl Link {
 
     /// Closes an endpoint once what was sent on it has left, telling the peer after the data,
     /// for at most `timeout`: true if it closed in time. (A forced close, [`Link::close`],
-    /// can reach the peer before the last bytes sent, which it then never reads.)
+    /// can reach the peer before the last bytes sent, which it then never reads.) One that
+    /// did not close in time leaves the link's UCX worker allocated until the process ends:
+    /// UCX 1.13 aborts destroying a worker under a half-closed endpoint.
     pub fn close_flush(&mut self, ep: EpId, timeout: std::time::Duration) -> bool {
         let us = timeout.as_micros().min(i64::MAX as u128) as std::ffi::c_long;
         // SAFETY: raw is live; the shim ignores indexes that are not open; progress runs the
         // callbacks on this thread.
         unsafe { ffi::bpx_close_flush(self.raw, ep.0, us) != 0 }
+    }
+
+    /// Closes every endpoint at once and forgets every event not taken: the link as freshly
+    /// opened (its listener stays), for another user.
+    pub fn reset(&mut self) {
+        // SAFETY: raw is live; the shim closes only open endpoints and frees the events' data
+        // it still owns.
+        unsafe { ffi::bpx_reset(self.raw) }
     }
 
     /// The transports UCX chose for an endpoint, as `tl/device` (e.g. `tcp/veth0`,

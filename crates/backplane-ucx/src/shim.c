@@ -51,6 +51,7 @@ typedef struct bpx_link {
     size_t qhead, qlen, qcap;
     size_t inflight;
     size_t inflight_bytes;
+    int half_closed;
     int efd;
 } bpx_link;
 
@@ -196,8 +197,9 @@ static int parse_addr(const char *ip, uint16_t port, struct sockaddr_in *sa)
 
 void bpx_close_all(bpx_link *l);
 
-/* Opens a link; listens on ip:port when ip is not NULL (port 0: any). */
-int bpx_open(const char *ip, uint16_t port, bpx_link **out)
+/* Opens a link; listens on ip:port when ip is not NULL (port 0: any). With no_shm, and
+ * UCX_TLS unset, UCX is not offered its shared-memory transports. */
+int bpx_open(const char *ip, uint16_t port, int no_shm, bpx_link **out)
 {
     bpx_link *l = calloc(1, sizeof *l);
     if (!l)
@@ -211,7 +213,21 @@ int bpx_open(const char *ip, uint16_t port, bpx_link **out)
     memset(&p, 0, sizeof p);
     p.field_mask = UCP_PARAM_FIELD_FEATURES;
     p.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
-    ucs_status_t s = ucp_init(&p, NULL, &l->ctx);
+    ucp_config_t *cfg = NULL;
+    ucs_status_t s;
+    if (no_shm && !getenv("UCX_TLS")) {
+        s = ucp_config_read(NULL, NULL, &cfg);
+        if (s != UCS_OK)
+            goto fail;
+        s = ucp_config_modify(cfg, "TLS", "^sm");
+        if (s != UCS_OK) {
+            ucp_config_release(cfg);
+            goto fail;
+        }
+    }
+    s = ucp_init(&p, cfg, &l->ctx);
+    if (cfg)
+        ucp_config_release(cfg);
     if (s != UCS_OK)
         goto fail;
     ucp_worker_params_t wp;
@@ -476,9 +492,11 @@ void bpx_close(bpx_link *l, int index)
     }
 }
 
-/* Closes an endpoint once what was sent on it has left, and tells the peer after the data
- * (a forced close can reach the peer before the last bytes, which it then never reads); at
- * most timeout_us, then the endpoint is left to the worker's end. 1 if it closed in time. */
+/* Closes an endpoint once what was sent on it has left, telling the peer after the data (a
+ * forced close can reach the peer before the last bytes, which it then never reads); at most
+ * timeout_us. 1 if it closed in time. One that did not stays half closed inside UCX, and
+ * ucp_worker_destroy aborts on an assertion over such an endpoint (UCX 1.13, seen under
+ * load): the link is marked so that its worker is then left to the process's end. */
 int bpx_close_flush(bpx_link *l, int index, long timeout_us)
 {
     if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep)
@@ -499,8 +517,13 @@ int bpx_close_flush(bpx_link *l, int index, long timeout_us)
             if (us > timeout_us)
                 break;
         }
-        ok = s == UCS_OK;
-        ucp_request_free(r);
+        if (s == UCS_INPROGRESS) {
+            l->half_closed = 1; /* the request stays UCX's */
+            ok = 0;
+        } else {
+            ok = s == UCS_OK;
+            ucp_request_free(r);
+        }
     }
     for (size_t i = 0; i < l->qlen; i++) {
         bpx_event *e = &l->q[(l->qhead + i) % l->qcap];
@@ -529,15 +552,30 @@ size_t bpx_ep_info(bpx_link *l, int index, char *buf, size_t cap)
     return n;
 }
 
+/* Closes every endpoint (at once) and drops every queued event: the link as freshly opened,
+ * listener and all, for another user. */
+void bpx_reset(bpx_link *l)
+{
+    for (int i = 0; i < BPX_MAX_EPS; i++)
+        bpx_close(l, i);
+    while (ucp_worker_progress(l->worker))
+        ;
+    for (size_t i = 0; i < l->qlen; i++)
+        free(l->q[(l->qhead + i) % l->qcap].data);
+    l->qhead = 0;
+    l->qlen = 0;
+}
+
 void bpx_close_all(bpx_link *l)
 {
     for (int i = 0; i < BPX_MAX_EPS; i++)
         bpx_close(l, i);
     if (l->listener)
         ucp_listener_destroy(l->listener);
-    if (l->worker)
+    /* (A half-closed endpoint makes ucp_worker_destroy abort: see bpx_close_flush.) */
+    if (l->worker && !l->half_closed)
         ucp_worker_destroy(l->worker);
-    if (l->ctx)
+    if (l->ctx && !l->half_closed)
         ucp_cleanup(l->ctx);
     for (size_t i = 0; i < l->qlen; i++)
         free(l->q[(l->qhead + i) % l->qcap].data);

@@ -179,6 +179,8 @@ fn head(h: &mut [u8], magic: u32, me: Addr, dst_port: u32, conn: u64, seq: u64) 
 /// A direct endpoint's UCX worker and what it received (behind [`Direct`]'s lock).
 struct Worker {
     link: Link,
+    /// The address its listener listens on.
+    ip: IpAddr,
     me: Addr,
     nodes: u32,
     queue: VecDeque<Msg>,
@@ -196,10 +198,29 @@ struct Worker {
 }
 
 impl Worker {
+    /// A worker listening on `ip`: one an earlier endpoint of this process left (see
+    /// [`IDLE`]), else a new one.
     fn open(ip: IpAddr, nodes: u32) -> Result<Self, String> {
-        let link = Link::open(Some(SocketAddr::new(ip, 0))).map_err(|e| e.to_string())?;
-        Ok(Self {
+        let kept = {
+            let mut idle = IDLE.lock().unwrap_or_else(|e| e.into_inner());
+            idle.iter()
+                .position(|w| w.ip == ip)
+                .map(|i| idle.swap_remove(i))
+        };
+        if let Some(w) = kept {
+            return Ok(Self::with_link(w.link, ip, nodes));
+        }
+        // No shared memory between hosts (see `Link::open_with`).
+        let link =
+            Link::open_with(Some(SocketAddr::new(ip, 0)), false).map_err(|e| e.to_string())?;
+        Ok(Self::with_link(link, ip, nodes))
+    }
+
+    /// A worker of `link` (open, nothing connected), as new.
+    fn with_link(link: Link, ip: IpAddr, nodes: u32) -> Self {
+        Self {
             link,
+            ip,
             me: Addr::new(0, 0),
             nodes,
             queue: VecDeque::new(),
@@ -210,7 +231,7 @@ impl Worker {
             rejected: 0,
             sends: 0,
             batching: false,
-        })
+        }
     }
 
     /// Connects to the receiver listening at `to` (once; later calls reuse the connection
@@ -584,7 +605,8 @@ struct Shared {
 /// A direct endpoint: its worker, and the thread that keeps it going while the endpoint's
 /// own thread does not look (see the module's text).
 pub(super) struct Direct {
-    shared: Arc<Shared>,
+    /// (`None` only once dropped.)
+    shared: Option<Arc<Shared>>,
     waker: Option<JoinHandle<()>>,
 }
 
@@ -630,25 +652,32 @@ impl Unbound {
             .spawn(move || watch(&efd, &s))
             .map_err(|e| e.to_string())?;
         Ok(Direct {
-            shared,
+            shared: Some(shared),
             waker: Some(waker),
         })
     }
 }
 
 impl Direct {
+    fn shared(&self) -> &Shared {
+        self.shared.as_ref().expect("taken only by drop")
+    }
+
     fn lock(&self) -> MutexGuard<'_, Worker> {
         // A panic while holding the lock leaves a worker still consistent for UCX (every
         // call into it returned): carry on.
-        self.shared.worker.lock().unwrap_or_else(|e| e.into_inner())
+        self.shared()
+            .worker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Asks the waker for `mode` (it is told only when the mode was not set already).
     fn ask(&self, mode: u32) -> bool {
-        if self.shared.modes.fetch_or(mode, Ordering::AcqRel) & mode != 0 {
+        if self.shared().modes.fetch_or(mode, Ordering::AcqRel) & mode != 0 {
             return true;
         }
-        rustix::io::write(&self.shared.ctl, &1u64.to_ne_bytes()).is_ok()
+        rustix::io::write(&self.shared().ctl, &1u64.to_ne_bytes()).is_ok()
     }
 
     /// Connects to the receiver listening at `to` (once; later calls reuse the connection
@@ -730,13 +759,35 @@ impl Drop for Direct {
     fn drop(&mut self) {
         // What a send acknowledged leaves before the endpoint goes.
         self.lock().flush();
-        self.shared.stop.store(true, Ordering::Release);
-        let _ = rustix::io::write(&self.shared.ctl, &1u64.to_ne_bytes());
+        self.shared().stop.store(true, Ordering::Release);
+        let _ = rustix::io::write(&self.shared().ctl, &1u64.to_ne_bytes());
         if let Some(t) = self.waker.take() {
             let _ = t.join();
         }
+        // The worker is kept for the next endpoint this process binds (see [`IDLE`]).
+        let Some(Ok(shared)) = self.shared.take().map(Arc::try_unwrap) else {
+            return;
+        };
+        let mut w = shared
+            .worker
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner());
+        w.link.reset();
+        let fresh = Worker::with_link(w.link, w.ip, w.nodes);
+        let mut idle = IDLE.lock().unwrap_or_else(|e| e.into_inner());
+        if idle.len() < IDLE_MAX {
+            idle.push(fresh);
+        }
     }
 }
+
+/// Workers of endpoints that closed, kept for the next bind in this process (same address):
+/// UCX 1.13 aborted in `ucp_worker_destroy` (an assertion on an endpoint's reference count)
+/// now and then under load — 1 hosts-suite run in 7 with two CPU hogs — so a direct worker
+/// is never destroyed while the process runs; the process's end frees it.
+static IDLE: Mutex<Vec<Worker>> = Mutex::new(Vec::new());
+/// Idle workers kept at most (more are destroyed after all).
+const IDLE_MAX: usize = 64;
 
 /// The waker: rings the doorbell of a receiver that sleeps when UCX has news for it
 /// ([`ARMED`]), and sends what UCX holds when the endpoint's thread does not ([`DRAIN`]).
