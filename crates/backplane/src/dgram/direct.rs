@@ -30,6 +30,9 @@
 //!   senders ring the same doorbell), and, when the endpoint's thread is elsewhere, sends
 //!   what UCX or a batch still holds (a reply sent just before its sender went on to other
 //!   work stayed in UCX otherwise). The worker is behind a mutex the two take turns on.
+//! - *Workers outlive endpoints.* UCX 1.13 now and then aborted in `ucp_worker_destroy`
+//!   when an endpoint closed under load, so a closed endpoint's worker is reset and kept for
+//!   the process's next bind ([`IDLE`]); none is destroyed while the process runs.
 //! - *What a send promises.* A send that returned is in the sender's process (a batch, or
 //!   UCX's queue while a connection comes up or the receiver is behind) or on its way: an
 //!   endpoint that closes sends it first (for at most [`FLUSH_PATIENCE`]), but a sender
