@@ -72,7 +72,7 @@ const STREAM_GAP_NS: u64 = 2_000;
 const LINGER_NS: u64 = 50_000;
 /// A direct datagram's header (little-endian): magic, sender node, sender port, receiver
 /// port (u32 each), the sender's connection (u64) and the datagram's number on it (u64).
-pub(super) const HEAD: usize = 32;
+const HEAD: usize = 32;
 /// Datagrams a receiver holds for one connection while an earlier one is still to come.
 const HELD_MAX: usize = 4096;
 /// Unsent bytes a sender lets UCX hold before it waits for its receiver.
