@@ -1832,10 +1832,19 @@ fn rdma_write_read_and_atomics_reach_a_region_on_another_host_in_order_with_send
     }
     let h = Hosts::odd_even("hosts_rdma", 19);
     let test_fn = "rdma_write_read_and_atomics_reach_a_region_on_another_host_in_order_with_sends";
-    let server = h.spawn_role(1, test_fn, "rdma_server");
-    let client = h.spawn_role(0, test_fn, "rdma_client");
-    assert!(finish(client, "the client").success(), "the client failed");
-    assert!(finish(server, "the server").success(), "the server failed");
+    // Carried by the two processes themselves (the default for RC), then by the bridges.
+    for env in [&[][..], &["BACKPLANE_DIRECT=0"][..]] {
+        let server = h.spawn_role_with(1, test_fn, "rdma_server", env);
+        let client = h.spawn_role_with(0, test_fn, "rdma_client", env);
+        assert!(
+            finish(client, "the client").success(),
+            "the client failed {env:?}"
+        );
+        assert!(
+            finish(server, "the server").success(),
+            "the server failed {env:?}"
+        );
+    }
     h.down(1);
     h.down(0);
     h.assert_nothing_left();

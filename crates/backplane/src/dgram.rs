@@ -845,21 +845,9 @@ impl Endpoint {
                 relax(spins, self.yield_every);
                 continue;
             }
-            let bell = &self.doorbell;
-            let s = bell.load(Ordering::Acquire);
-            self.armed.store(1, Ordering::Relaxed);
-            // SYNC POINT doorbell-arm (receiver): armed before we re-check every ring.
-            fence(Ordering::SeqCst);
-            // A direct endpoint's worker is watched by its waker, which rings the doorbell.
-            let direct_busy = self
-                .direct
-                .as_mut()
-                .is_some_and(|d| d.has_queued() || !d.arm());
-            let pending = direct_busy
-                || self.rx.iter().any(|r| !r.ch.is_drained())
-                || self.ring_seq.load(Ordering::Acquire) != self.rx_seq_seen
-                || self.closed.load(Ordering::Acquire) != 0;
-            if !pending {
+            let s = self.doorbell.load(Ordering::Acquire);
+            if !self.arm_and_look() {
+                let bell = &self.doorbell;
                 // Wake a little early for a long hold and spin the rest.
                 let hold = hold.map(|h| h - HOLD_SPIN_NS / 2);
                 let until = match (deadline.remaining(), hold) {
@@ -872,9 +860,43 @@ impl Endpoint {
                     self.node.fabric.check_supervisor()?; // slept without a ring: still there?
                 }
             }
-            self.armed.store(0, Ordering::Relaxed);
+            self.disarm();
             spins = self.spin_polls / 2;
         }
+    }
+
+    /// Arms the doorbell, then looks at everything that may bring a datagram: true if one
+    /// may be there (the caller disarms either way).
+    fn arm_and_look(&mut self) -> bool {
+        self.armed.store(1, Ordering::Relaxed);
+        // SYNC POINT doorbell-arm (receiver): armed before we re-check every ring.
+        fence(Ordering::SeqCst);
+        // A direct endpoint's worker is watched by its waker, which rings the doorbell.
+        let direct_busy = self
+            .direct
+            .as_mut()
+            .is_some_and(|d| d.has_queued() || !d.arm());
+        direct_busy
+            || self.rx.iter().any(|r| !r.ch.is_drained())
+            || self.ring_seq.load(Ordering::Acquire) != self.rx_seq_seen
+            || self.closed.load(Ordering::Acquire) != 0
+    }
+
+    /// For a thread that waits on this endpoint and other words at once: arms the endpoint
+    /// and returns its doorbell and the value to wait on, or `None` (not armed) when a
+    /// datagram may already be there. [`Endpoint::disarm`] after the wait.
+    pub(crate) fn arm_outside(&mut self) -> Option<(Word32, u32)> {
+        let s = self.doorbell.load(Ordering::Acquire);
+        if self.arm_and_look() {
+            self.disarm();
+            return None;
+        }
+        Some((self.doorbell.clone(), s))
+    }
+
+    /// Ends a wait that [`Endpoint::arm_outside`] armed.
+    pub(crate) fn disarm(&mut self) {
+        self.armed.store(0, Ordering::Relaxed);
     }
 
     /// The oldest datagram that came straight from another host, given to `read` (`None`:

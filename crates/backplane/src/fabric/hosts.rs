@@ -29,7 +29,7 @@ use toml::Spanned;
 use crate::wire::MAX_NODES;
 
 /// What the supervisors of one fabric speak to each other; bumped on any change.
-pub const HOSTS_PROTOCOL: u32 = 5;
+pub const HOSTS_PROTOCOL: u32 = 6;
 /// How often a host reports its slots to every joined host (the heartbeat).
 pub const REPORT_PERIOD_MS: u64 = 100;
 /// A joined host not heard from for this long is lost: its nodes go DOWN (`host-lost`).
@@ -491,6 +491,9 @@ pub enum HostMsg {
         ring_len: u32,
         /// The asked host's QP (node, QPN).
         to: (u32, u32),
+        /// The datagram port of the asking QP's process, if it carries its pairs itself.
+        #[serde(default)]
+        direct: Option<u32>,
     },
     /// The asked QP exists: its inbound ring's size (the shadow the asking host makes).
     QpOpened {
@@ -498,6 +501,10 @@ pub enum HostMsg {
         tag: u64,
         /// The asked QP's inbound ring size.
         ring_len: u32,
+        /// The datagram port of the asked QP's process, if it carries its pairs itself (the
+        /// pair is direct when both ports are named).
+        #[serde(default)]
+        direct: Option<u32>,
     },
     /// The asked QP does not exist or does not match: the error class and why, in one line.
     QpRefused {

@@ -39,7 +39,7 @@ mod bridge;
 mod config;
 mod hosts;
 mod lock;
-mod mirror;
+pub(crate) mod mirror;
 mod nodes;
 mod qps;
 mod rings;

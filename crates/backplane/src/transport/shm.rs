@@ -359,6 +359,13 @@ impl ShmRegion {
     ) -> Option<Self> {
         let region = Arc::new(Region::map(fd, writable).ok()?);
         region.populate(writable);
+        Self::from_region(region, len, access)
+    }
+
+    /// A region already mapped here (a process's own, for the requests of a peer on another
+    /// host that its process carries itself, `verbs::direct`), with the checks of
+    /// [`ShmRegion::from_fd`].
+    pub fn from_region(region: Arc<Region>, len: u64, access: u32) -> Option<Self> {
         let mut h = [0u8; 64];
         region.read(0, &mut h).ok()?;
         let repr = MrRepr::parse(&MrHeader::new_unchecked(&h[..]), region.len() as u64).ok()?;
@@ -712,6 +719,11 @@ pub struct ShmQpHome {
     tail: Word64,
     /// The inbound ring's data area.
     data: Span,
+    /// The owner context's event block.
+    event_off: u64,
+    /// The endpoint through which this process carries the QP's pair with a QP of another
+    /// host itself, if it does (`verbs::direct`).
+    direct: Option<crate::verbs::direct::Home>,
 }
 
 impl QpHome for ShmQpHome {
@@ -785,6 +797,9 @@ pub struct ShmQpLink {
     /// (alternating A/Bs), and acks and credits ring it without a message too.
     ev_bell: Word32,
     ev_armed: Word32,
+    /// A peer on another host whose pair this process carries itself (`verbs::direct`):
+    /// what is written into its shadow is shipped as soon as the bell would ring.
+    direct: Option<crate::verbs::direct::DirectQp>,
 }
 
 impl QpLink for ShmQpLink {
@@ -814,11 +829,17 @@ impl QpLink for ShmQpLink {
     fn wake_peer(&self) {
         // SYNC POINT qp-bell (sender): ring/ack stores are visible before we read `armed`.
         crate::sync::fence(Ordering::SeqCst);
+        if let Some(d) = &self.direct {
+            d.kick();
+        }
         if self.ev_armed.load(Ordering::Relaxed) != 0 {
             crate::sync::ring(&self.ev_bell);
         }
     }
     fn ring_peer(&self) {
+        if let Some(d) = &self.direct {
+            d.kick();
+        }
         crate::sync::ring(&self.ev_bell);
     }
 }
@@ -837,6 +858,14 @@ impl QpChannels for ShmTransport {
         ring_len: u32,
         event_off: u64,
     ) -> Result<(u32, ShmQpHome), FabricError> {
+        // RC and UC QPs on a fabric across hosts carry their pairs with other hosts' QPs
+        // themselves when they can.
+        let direct = (self.fabric.inner.direct_ip.is_some()
+            && qp_type == 2
+            && crate::verbs::direct::wanted())
+        .then(|| self.fabric.node(slot).ok())
+        .flatten()
+        .and_then(|n| crate::verbs::direct::Home::open(&n, pd));
         let (resp, _) = self.fabric.call_service::<VerbsResponse>(
             &VerbsRequest::CreateQp {
                 slot,
@@ -844,6 +873,7 @@ impl QpChannels for ShmTransport {
                 qp_type,
                 ring_len,
                 event_off,
+                direct: direct.as_ref().map(|d| d.port()),
             },
             &[],
         )?;
@@ -867,6 +897,8 @@ impl QpChannels for ShmTransport {
                 d
             },
             win: w,
+            event_off,
+            direct,
         };
         Ok((qpn, home))
     }
@@ -893,6 +925,7 @@ impl QpChannels for ShmTransport {
         let VerbsResponse::QpConnected {
             block_off,
             generation,
+            direct,
         } = resp
         else {
             return Err(FabricError::Protocol(format!("{resp:?}")));
@@ -907,6 +940,36 @@ impl QpChannels for ShmTransport {
         pw.check(block_off, QpBlockRepr::footprint(r.ring_len), 64)?;
         let at32 = |o: usize| Word32::at(&pw, block_off + o as u64);
         let at64 = |o: usize| Word64::at(&pw, block_off + o as u64);
+        // The pair is direct: this process runs its mirror (the shadow's one-sided area
+        // follows its block, page-aligned, as the registry lays it out).
+        let direct = match (direct, &home.direct) {
+            (Some(port), Some(h)) => {
+                use crate::fabric::supervisor::mirror::QpBlock;
+                let local = QpBlock {
+                    win: home.win.clone(),
+                    off: home.off,
+                    ring_len: home.data.len() as u32,
+                    event_off: home.event_off,
+                    rdma_off: 0,
+                };
+                let shadow = QpBlock {
+                    win: pw.clone(),
+                    off: block_off,
+                    ring_len: r.ring_len,
+                    event_off: r.event_off,
+                    rdma_off: block_off + QpBlockRepr::footprint(r.ring_len).next_multiple_of(4096),
+                };
+                let peer = Addr {
+                    node: dest_slot,
+                    port,
+                };
+                let keys = ((slot, qpn), (dest_slot, dest_qpn));
+                Some(crate::verbs::direct::DirectQp::start(
+                    h, keys.0, keys.1, &local, &shadow, peer,
+                )?)
+            }
+            _ => None,
+        };
         Ok(QpConnection {
             slot: dest_slot,
             qpn: dest_qpn,
@@ -919,6 +982,7 @@ impl QpChannels for ShmTransport {
                 access: at32(QP_ACCESS_OFF)?,
                 ev_bell: Word32::at(&pw, r.event_off + EV_BELL_OFF as u64)?,
                 ev_armed: Word32::at(&pw, r.event_off + EV_ARMED_OFF as u64)?,
+                direct,
             },
             outbound: ShmSender::new(ShmRing::new(at64(QP_TAIL_OFF)?, home.ack.clone(), {
                 let d = Span::new(&pw, block_off + QP_RING_OFF, r.ring_len.into())?;

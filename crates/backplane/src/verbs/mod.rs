@@ -38,6 +38,7 @@
 
 pub mod channel;
 pub mod cm;
+pub(crate) mod direct;
 pub(crate) mod engine;
 pub mod fsm;
 pub mod registry;
@@ -314,6 +315,10 @@ impl Pd {
         };
         let data = Span::new(&region, MR_DATA_OFF + u64::from(skew), len as u64)?;
         data.populate(true);
+        if node.fabric().inner.direct_ip.is_some() {
+            // Peers on other hosts whose pairs this process carries reach it here.
+            direct::region_registered(key, self.id, region.clone(), len as u64, access.bits());
+        }
         self.ctx.eng.borrow_mut().mrs.insert(
             key,
             LocalMr {
@@ -570,6 +575,7 @@ impl Drop for Mr {
             // SYNC POINT mr-state (release): peers that see the change stop using the region.
             s.store(MR_STATE_DEREGISTERED, Ordering::Release);
         }
+        direct::region_gone(self.key);
         self.ctx.eng.borrow_mut().mrs.remove(self.key);
         let _ = self
             .ctx

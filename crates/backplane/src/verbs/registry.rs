@@ -87,6 +87,8 @@ struct QpEntry {
     ring_len: u32,
     /// A shadow's one-sided area (inside its block; 0 for a QP of this host).
     rdma_off: u64,
+    /// `QpSide::direct`.
+    direct: Option<u32>,
 }
 
 struct CtxEntry {
@@ -266,7 +268,11 @@ impl Registry {
                 qp_type,
                 ring_len,
                 event_off,
-            } => self.create_qp(host, id, slot, pd, qp_type, ring_len, event_off),
+                direct,
+            } => {
+                let shape = (qp_type, ring_len, event_off, direct);
+                self.create_qp(host, id, slot, pd, shape)
+            }
             VerbsRequest::DestroyQp { slot, qpn } => {
                 if self.qps.get(&(slot, qpn)).is_some_and(|q| q.client == id) {
                     self.destroy_qp(host, (slot, qpn));
@@ -315,7 +321,9 @@ impl Registry {
                         "QP {dest_qpn:#x} on node {dest_slot} is of another transport"
                     )));
                 }
-                let block_off = dest.block_off;
+                let (block_off, direct) = (dest.block_off, dest.direct);
+                // (A shadow names a port only for a pair both hosts agreed is direct.)
+                let direct = direct.filter(|_| dest.client == SHADOW);
                 if let Some(q) = self.qps.get_mut(&(slot, qpn)) {
                     q.peer = Some((dest_slot, dest_qpn));
                 }
@@ -323,6 +331,7 @@ impl Registry {
                     VerbsResponse::QpConnected {
                         block_off,
                         generation: host.generation(dest_slot),
+                        direct,
                     },
                     None,
                 ))
@@ -428,9 +437,7 @@ impl Registry {
         id: u64,
         slot: u32,
         pd: u32,
-        qp_type: u32,
-        ring_len: u32,
-        event_off: u64,
+        (qp_type, ring_len, event_off, direct): (u32, u32, u64, Option<u32>),
     ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
         host.ready_slot(slot)?;
         check_qp_shape(qp_type, ring_len)?;
@@ -466,6 +473,7 @@ impl Registry {
                 shadow_ev: None,
                 ring_len,
                 rdma_off: 0,
+                direct,
             },
         );
         Ok((
@@ -604,6 +612,7 @@ impl Service for Registry {
             block_off: q.block_off,
             event_off: q.event_off,
             rdma_off: 0,
+            direct: q.direct,
         })
     }
 
@@ -615,6 +624,7 @@ impl Service for Registry {
         qp_type: u32,
         ring_len: u32,
         peer: (u32, u32),
+        direct: Option<u32>,
     ) -> Result<QpSide, Failure> {
         if let Some(q) = self.qps.get_mut(&(slot, qpn)) {
             if q.client != SHADOW || q.qp_type != qp_type || q.ring_len != ring_len {
@@ -623,6 +633,7 @@ impl Service for Registry {
                 )));
             }
             q.peer = Some(peer);
+            q.direct = direct;
             return Ok(QpSide {
                 slot,
                 qpn,
@@ -631,6 +642,7 @@ impl Service for Registry {
                 block_off: q.block_off,
                 event_off: q.event_off,
                 rdma_off: q.rdma_off,
+                direct,
             });
         }
         check_qp_shape(qp_type, ring_len)?;
@@ -669,6 +681,7 @@ impl Service for Registry {
                 shadow_ev: Some(ev),
                 ring_len,
                 rdma_off: off + rdma_at,
+                direct,
             },
         );
         Ok(QpSide {
@@ -679,6 +692,7 @@ impl Service for Registry {
             block_off: off,
             event_off: ev,
             rdma_off: off + rdma_at,
+            direct,
         })
     }
 

@@ -75,6 +75,10 @@ pub enum VerbsRequest {
         ring_len: u32,
         /// The owner context's event block.
         event_off: u64,
+        /// The datagram port on `slot` through which the owner process carries the QP's
+        /// traffic with a peer on another host itself (`verbs::direct`), if it does.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        direct: Option<u32>,
     },
     /// Destroy a QP block; its peer is told.
     DestroyQp {
@@ -155,6 +159,10 @@ pub enum VerbsResponse {
         block_off: u64,
         /// The remote node's generation.
         generation: u32,
+        /// The remote QP is on another host and both processes carry the pair themselves:
+        /// the datagram port of the remote QP's process there.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        direct: Option<u32>,
     },
 }
 

@@ -185,6 +185,9 @@ pub(super) enum Cmd {
         remote_key: (u32, u32),
         local: QpBlock,
         shadow: QpBlock,
+        /// The two processes carry the pair themselves (`verbs::direct`): the mirror only
+        /// ends it (the peer gone, its host lost), it never ships or applies.
+        direct: bool,
     },
     /// Drop the mirrors of QP `key` (local or remote): it was destroyed. A local QP that was
     /// paired with a QP of host `host` has its last words and its end sent there.
@@ -816,12 +819,14 @@ impl Worker {
                     remote_key,
                     local,
                     shadow,
+                    direct,
                 } => match Mirror::new(host, local_key, remote_key, &local, &shadow) {
                     Ok(mut m) => {
+                        m.direct = direct;
                         let early = (host, remote_key, local_key);
                         if let Some(i) = self.early_ready.iter().position(|e| *e == early) {
                             self.early_ready.swap_remove(i);
-                            m.ready = true;
+                            m.ready = !direct;
                         }
                         self.mirrors.insert(local_key, (m, false));
                     }
@@ -1016,7 +1021,7 @@ impl Worker {
             .get_mut(&ours)
             .filter(|(m, _)| m.host == host && m.remote_key == theirs);
         match (kind, m) {
-            (KIND_QP_READY, Some((m, _))) => m.ready = true,
+            (KIND_QP_READY, Some((m, _))) => m.ready = !m.direct,
             (KIND_QP_READY, None) => {
                 if self.early_ready.len() >= EARLY_READY_MAX {
                     self.early_ready.remove(0);
@@ -1092,7 +1097,7 @@ impl Worker {
     fn pump_qps(&mut self) -> bool {
         let mut any = false;
         for (&key, (m, said)) in self.mirrors.iter_mut() {
-            let Some(&ep) = self.hosts.get(&m.host) else {
+            let Some(&ep) = self.hosts.get(&m.host).filter(|_| !m.direct) else {
                 continue;
             };
             if !*said {

@@ -53,30 +53,30 @@ const REM_ACCESS_ERR: u32 = 10;
 /// `IBV_WC_REM_INV_REQ_ERR`: a malformed request.
 const REM_INV_REQ_ERR: u32 = 9;
 /// An answer's header after the two QP keys: id, status, op, value.
-pub(super) const ANSWER_HEAD: usize = 16 + 24;
+pub(crate) const ANSWER_HEAD: usize = 16 + 24;
 use crate::wire::RECORD_ALIGN;
 
 /// At most this many ring bytes go in one message.
-pub(super) const CHUNK: u64 = 256 * 1024;
+pub(crate) const CHUNK: u64 = 256 * 1024;
 /// A mirror message's header (after the bridge's own): two QP keys, the words, where the
 /// ring bytes that follow start.
-pub(super) const MSG_HEAD: usize = 72;
+pub(crate) const MSG_HEAD: usize = 72;
 /// The largest mirror message: its header and a chunk of ring bytes.
-pub(super) const MSG_MAX: usize = MSG_HEAD + CHUNK as usize;
+pub(crate) const MSG_MAX: usize = MSG_HEAD + CHUNK as usize;
 
 /// A QP block in a window of this host: a real QP's, or a shadow's.
 #[derive(Clone)]
-pub(super) struct QpBlock {
+pub(crate) struct QpBlock {
     /// The window (a node's, or a shadow window).
-    pub(super) win: Arc<Region>,
+    pub(crate) win: Arc<Region>,
     /// The block's offset.
-    pub(super) off: u64,
+    pub(crate) off: u64,
     /// Its inbound ring's size.
-    pub(super) ring_len: u32,
+    pub(crate) ring_len: u32,
     /// The event block its peers ring.
-    pub(super) event_off: u64,
+    pub(crate) event_off: u64,
     /// A shadow's one-sided area (ignored for the local QP's block).
-    pub(super) rdma_off: u64,
+    pub(crate) rdma_off: u64,
 }
 
 /// A block no QP uses, in memory of the bridge's own, for an end of a *DMA pair* (a
@@ -85,7 +85,7 @@ pub(super) struct QpBlock {
 /// carries only one-sided requests and their answers. `access` is the end's QP access word:
 /// every remote right at the region's end (the region's own flags decide, as for a DMA grant
 /// on one host), none at the other.
-pub(super) fn bare_block(access: u32) -> Result<QpBlock, MemError> {
+pub(crate) fn bare_block(access: u32) -> Result<QpBlock, MemError> {
     let ring_len = QP_MIN_RING;
     let rdma_off = QpBlockRepr::footprint(ring_len).next_multiple_of(4096);
     let event_off = rdma_off + rdma_footprint(ring_len);
@@ -102,7 +102,7 @@ pub(super) fn bare_block(access: u32) -> Result<QpBlock, MemError> {
 }
 
 /// Every remote right: the access word of a DMA pair's end at the region.
-pub(super) const DMA_TARGET_ACCESS: u32 = REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC;
+pub(crate) const DMA_TARGET_ACCESS: u32 = REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC;
 
 /// The one-sided area of the shadow: the local QP's requests and their answers.
 struct Rdma {
@@ -182,7 +182,7 @@ impl Words {
 
 /// What the local QP told its peer (read from the shadow, and its own access word).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(super) struct Snap {
+pub(crate) struct Snap {
     ack: u64,
     nak: u64,
     credits: u64,
@@ -191,27 +191,36 @@ pub(super) struct Snap {
     access: u32,
 }
 
+/// Finds the local QP's region of an rkey (checked against the QP's protection domain).
+pub(crate) type RegionLookup = Box<dyn Fn(u32) -> Option<Arc<ShmRegion>> + Send>;
+
 /// One local QP and the shadow of its peer on another host.
-pub(super) struct Mirror {
+pub(crate) struct Mirror {
     /// The other host.
-    pub(super) host: usize,
+    pub(crate) host: usize,
     /// The local QP (node, QPN).
-    pub(super) local_key: (u32, u32),
+    pub(crate) local_key: (u32, u32),
     /// The peer QP on the other host (node, QPN).
-    pub(super) remote_key: (u32, u32),
+    pub(crate) remote_key: (u32, u32),
     local: Words,
     shadow: Words,
     rdma: Rdma,
     /// The local QP's regions granted to the other host's QP, by rkey.
     regions: HashMap<u32, Arc<ShmRegion>>,
     /// Answers to the other host's requests that UCX could not take yet.
-    pub(super) answers: VecDeque<Vec<u8>>,
+    pub(crate) answers: VecDeque<Vec<u8>>,
     /// The id of the last request of the local QP shipped (answers must stay at or below it).
     asked_id: u64,
     /// The other bridge has this pair too: shipping may start.
-    pub(super) ready: bool,
+    pub(crate) ready: bool,
     /// The pair is broken (a bad value from either side), and why: nothing more is carried.
-    pub(super) broken: Option<&'static str>,
+    pub(crate) broken: Option<&'static str>,
+    /// The two processes carry this pair themselves (`verbs::direct`): a bridge's mirror of
+    /// it never becomes ready, it only ends the pair.
+    pub(crate) direct: bool,
+    /// Where regions not granted through [`Mirror::add_region`] are looked up (a process's
+    /// own regions, for a direct pair).
+    pub(crate) lookup: Option<RegionLookup>,
     /// Shadow ring position shipped so far.
     shipped: u64,
     /// The words last shipped (None: nothing yet).
@@ -234,7 +243,7 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 }
 
 /// The two QP keys a mirror message or ready note names: (sender's QP, receiver's QP).
-pub(super) fn keys(body: &[u8]) -> Option<((u32, u32), (u32, u32))> {
+pub(crate) fn keys(body: &[u8]) -> Option<((u32, u32), (u32, u32))> {
     if body.len() < 16 {
         return None;
     }
@@ -245,7 +254,7 @@ pub(super) fn keys(body: &[u8]) -> Option<((u32, u32), (u32, u32))> {
 }
 
 /// The note that this bridge has the pair (local QP `from`, remote QP `to`).
-pub(super) fn encode_ready(from: (u32, u32), to: (u32, u32)) -> [u8; 16] {
+pub(crate) fn encode_ready(from: (u32, u32), to: (u32, u32)) -> [u8; 16] {
     let mut b = [0u8; 16];
     b[0..4].copy_from_slice(&from.0.to_le_bytes());
     b[4..8].copy_from_slice(&from.1.to_le_bytes());
@@ -255,7 +264,7 @@ pub(super) fn encode_ready(from: (u32, u32), to: (u32, u32)) -> [u8; 16] {
 }
 
 impl Mirror {
-    pub(super) fn new(
+    pub(crate) fn new(
         host: usize,
         local_key: (u32, u32),
         remote_key: (u32, u32),
@@ -278,6 +287,8 @@ impl Mirror {
             asked_id: 0,
             ready: false,
             broken: None,
+            direct: false,
+            lookup: None,
             shipped: 0,
             last: None,
             applied: 0,
@@ -302,7 +313,7 @@ impl Mirror {
     }
 
     /// Whether the local QP wrote anything not shipped yet.
-    pub(super) fn pending(&self) -> bool {
+    pub(crate) fn pending(&self) -> bool {
         self.has_news()
             || (self.ready
                 && self.broken.is_none()
@@ -311,7 +322,7 @@ impl Mirror {
 
     /// Whether [`Mirror::next_message`] may have a message to make: ring bytes or words not
     /// shipped yet (checked before a message buffer is taken for it).
-    pub(super) fn has_news(&self) -> bool {
+    pub(crate) fn has_news(&self) -> bool {
         self.ready
             && self.broken.is_none()
             // SYNC POINT ring-publish (acquire).
@@ -319,16 +330,35 @@ impl Mirror {
                 || self.last != Some(self.snap()))
     }
 
+    /// Whether what [`Mirror::has_news`] found may not wait: ring bytes, or a word that ends
+    /// or rewinds the peer's sending (gone, NAK, RNR). Acks and credits alone may wait to go
+    /// with the next message.
+    pub(crate) fn has_urgent_news(&self) -> bool {
+        if !self.has_news() {
+            return false;
+        }
+        // SYNC POINT ring-publish (acquire).
+        if self.shadow.tail.load(Ordering::Acquire) != self.shipped {
+            return true;
+        }
+        let (now, last) = (self.snap(), self.last.unwrap_or_default());
+        self.last.is_none()
+            || now.gone != last.gone
+            || now.nak != last.nak
+            || now.rnr != last.rnr
+            || now.access != last.access
+    }
+
     /// The local QP's ring position now: what [`Mirror::next_message`] may ship after the
     /// requests in the request ring at this moment (read before them).
-    pub(super) fn published(&self) -> u64 {
+    pub(crate) fn published(&self) -> u64 {
         // SYNC POINT ring-publish (acquire).
         self.shadow.tail.load(Ordering::Acquire)
     }
 
     /// The next one-sided request of the local QP, its record bytes in `out` (to ship with
     /// the two QP keys before it); `release` it once UCX took it.
-    pub(super) fn next_request(&mut self, out: &mut Vec<u8>) -> Option<crate::ring::Record> {
+    pub(crate) fn next_request(&mut self, out: &mut Vec<u8>) -> Option<crate::ring::Record> {
         if !self.ready || self.broken.is_some() {
             return None;
         }
@@ -350,7 +380,7 @@ impl Mirror {
     }
 
     /// The request `next_request` gave (its bytes still in `out`) went out.
-    pub(super) fn release_request(&mut self, rec: crate::ring::Record, out: &[u8]) {
+    pub(crate) fn release_request(&mut self, rec: crate::ring::Record, out: &[u8]) {
         if let Some(id) = out.get(24..32) {
             self.asked_id = self
                 .asked_id
@@ -360,14 +390,14 @@ impl Mirror {
     }
 
     /// A region of the local QP granted to the other host's QP.
-    pub(super) fn add_region(&mut self, rkey: u32, mr: Arc<ShmRegion>) {
+    pub(crate) fn add_region(&mut self, rkey: u32, mr: Arc<ShmRegion>) {
         self.regions.insert(rkey, mr);
     }
 
     /// Carries out a request of the other host's QP (`req`: its record, after the keys) on
     /// the local QP's regions, with the checks of one host; the answer (keys, id, status, op,
     /// value, READ data) in `out`.
-    pub(super) fn execute(&mut self, req: &[u8], out: &mut Vec<u8>) {
+    pub(crate) fn execute(&mut self, req: &[u8], out: &mut Vec<u8>) {
         out.clear();
         out.extend_from_slice(&encode_ready(self.local_key, self.remote_key));
         if req.len() < RDMA_REQ_HEAD {
@@ -396,6 +426,12 @@ impl Mirror {
         };
         // SYNC POINT qp-access (relaxed read of a word that only gates).
         let qp_access = self.local.access.load(Ordering::Relaxed);
+        // (A region cached here that went may have been followed by a new one of that rkey.)
+        if self.regions.get(&rkey).is_none_or(|r| !r.valid()) {
+            if let Some(r) = self.lookup.as_ref().and_then(|f| f(rkey)) {
+                self.regions.insert(rkey, r);
+            }
+        }
         let region = self.regions.get(&rkey).filter(|r| r.valid());
         let ok = need != 0
             && len <= RDMA_PIECE
@@ -447,7 +483,7 @@ impl Mirror {
 
     /// An answer from the other host to one of the local QP's requests (after the keys):
     /// READ data and atomic values go into the response ring, then `done` moves past it.
-    pub(super) fn answer(&mut self, body: &[u8]) {
+    pub(crate) fn answer(&mut self, body: &[u8]) {
         if body.len() < ANSWER_HEAD - 16 {
             return self.fail(MALFORMED);
         }
@@ -497,18 +533,20 @@ impl Mirror {
     }
 
     /// The shadow's event block (armed flag, bell): the local QP rings it as it writes.
-    pub(super) fn bell(&self) -> (&Word32, &Word32) {
+    pub(crate) fn bell(&self) -> (&Word32, &Word32) {
         (&self.shadow.armed, &self.shadow.bell)
     }
 
     /// The next message to ship, if there is anything new: the header and ring bytes written
-    /// at the start of `out` (at least [`MSG_MAX`] bytes), and how many; `None` when there is
-    /// nothing, or the local QP published an impossible position (then the pair is broken).
+    /// at the start of `out` (more than [`MSG_HEAD`] bytes; ring bytes up to [`CHUNK`] or
+    /// what `out` has room for), and how many; `None` when there is nothing, or the local QP
+    /// published an impossible position (then the pair is broken).
     /// Ring bytes go at most up to `upto` (a position read before the requests shipped).
-    pub(super) fn next_message(&mut self, out: &mut [u8], upto: u64) -> Option<(usize, Shipment)> {
-        if !self.ready || self.broken.is_some() || out.len() < MSG_MAX {
+    pub(crate) fn next_message(&mut self, out: &mut [u8], upto: u64) -> Option<(usize, Shipment)> {
+        if !self.ready || self.broken.is_some() || out.len() <= MSG_HEAD {
             return None;
         }
+        let room = (out.len() - MSG_HEAD) as u64;
         let snap = self.snap();
         // SYNC POINT ring-publish (acquire): the ring bytes before the index are readable.
         let tail = self
@@ -527,7 +565,7 @@ impl Mirror {
         if unsent == 0 && self.last == Some(snap) {
             return None;
         }
-        let n = unsent.min(CHUNK);
+        let n = unsent.min(CHUNK).min(room);
         let mut head = Vec::with_capacity(MSG_HEAD);
         head.extend_from_slice(&encode_ready(self.local_key, self.remote_key));
         for v in [self.shipped + n, snap.ack, snap.nak, snap.credits] {
@@ -549,7 +587,7 @@ impl Mirror {
         while at < end {
             let pos = at % len;
             let piece = (len - pos).min(end - at) as usize;
-            // In bounds: pos + piece <= len, and used + n <= MSG_MAX.
+            // In bounds: pos + piece <= len, and used + n <= out.len().
             let _ = self.shadow.ring.read(pos, &mut out[used..used + piece]);
             used += piece;
             at += piece as u64;
@@ -558,7 +596,7 @@ impl Mirror {
     }
 
     /// The message [`Mirror::next_message`] made went out.
-    pub(super) fn shipped(&mut self, s: Shipment) {
+    pub(crate) fn shipped(&mut self, s: Shipment) {
         self.shipped = s.end;
         self.last = Some(s.snap);
     }
@@ -566,7 +604,7 @@ impl Mirror {
     /// Writes a message from the other host's bridge into the local QP's block: ring bytes at
     /// their positions, then the words (NAK before the consumer index, gone last), then rings
     /// the QP's bell. A bad message breaks the pair.
-    pub(super) fn apply(&mut self, body: &[u8]) {
+    pub(crate) fn apply(&mut self, body: &[u8]) {
         if self.broken.is_some() {
             return;
         }
@@ -621,7 +659,7 @@ impl Mirror {
 
     /// Breaks the pair here: the local QP sees its peer gone, its one-sided requests waiting
     /// for answers that will not come.
-    pub(super) fn fail(&mut self, why: &'static str) {
+    pub(crate) fn fail(&mut self, why: &'static str) {
         self.broken.get_or_insert(why);
         // SYNC POINT qp-peer-gone (release).
         self.local.peer_err.store(1, Ordering::Release);
@@ -631,7 +669,7 @@ impl Mirror {
 }
 
 /// A message made by [`Mirror::next_message`], to confirm once UCX took it.
-pub(super) struct Shipment {
+pub(crate) struct Shipment {
     end: u64,
     snap: Snap,
 }

@@ -187,6 +187,7 @@ impl Sup {
             qp_type: from.qp_type,
             ring_len: from.ring_len,
             to,
+            direct: from.direct,
         });
         true
     }
@@ -341,6 +342,7 @@ impl Sup {
                 host: i,
                 local_key: ours,
                 remote_key: from,
+                direct: false,
                 local,
                 shadow,
             });
@@ -371,8 +373,8 @@ impl Sup {
             // Its process went while the host answered: the other end goes too.
             return self.tell_dma_gone(host, local);
         }
-        let made =
-            self.with_service(|s, h| s.shadow_qp(h, node, pair, QP_TYPE_RC, QP_MIN_RING, local));
+        let made = self
+            .with_service(|s, h| s.shadow_qp(h, node, pair, QP_TYPE_RC, QP_MIN_RING, local, None));
         let shadow = match made {
             Ok(side) => side,
             Err((kind, message)) => {
@@ -395,6 +397,7 @@ impl Sup {
         };
         let cmd = Cmd::AddQp {
             host,
+            direct: false,
             local_key: local,
             remote_key: (node, pair),
             local: block,
@@ -523,19 +526,28 @@ impl Sup {
                 qp_type,
                 ring_len,
                 to,
+                direct,
             } => {
-                let reply = match self.accept_qp(i, from, qp_type, ring_len, to) {
-                    Ok(ring_len) => HostMsg::QpOpened { tag, ring_len },
+                let reply = match self.accept_qp(i, from, (qp_type, ring_len, direct), to) {
+                    Ok((ring_len, direct)) => HostMsg::QpOpened {
+                        tag,
+                        ring_len,
+                        direct,
+                    },
                     Err((kind, message)) => HostMsg::QpRefused { tag, kind, message },
                 };
                 if let Some(h) = self.hosts.as_mut() {
                     h.send_to(i, &reply);
                 }
             }
-            HostMsg::QpOpened { tag, ring_len } => {
+            HostMsg::QpOpened {
+                tag,
+                ring_len,
+                direct,
+            } => {
                 if let Some(a) = self.qps.asked.remove(&tag).filter(|a| a.host == i) {
                     if let AskedFor::Connect { req, from, to } = a.what {
-                        self.qp_opened(a.client, a.host, req, from, to, ring_len);
+                        self.qp_opened(a.client, a.host, req, from, to, (ring_len, direct));
                     }
                 }
             }
@@ -604,16 +616,17 @@ impl Sup {
         }
     }
 
-    /// Host `i` asks to connect its QP `from` to our QP `to`: checked, the shadow of `from`
-    /// made, the pair handed to the bridge; our QP's ring size for the reply.
+    /// Host `i` asks to connect its QP `from` (of type `qp_type`, inbound ring `ring_len`,
+    /// its process's direct port) to our QP `to`: checked, the shadow of `from` made, the pair
+    /// handed to the bridge; our QP's ring size and direct port for the reply. The pair is
+    /// direct (the two processes carry it, `verbs::direct`) when both name a port.
     fn accept_qp(
         &mut self,
         i: usize,
         from: (u32, u32),
-        qp_type: u32,
-        ring_len: u32,
+        (qp_type, ring_len, direct): (u32, u32, Option<u32>),
         to: (u32, u32),
-    ) -> Result<u32, (ErrorKind, String)> {
+    ) -> Result<(u32, Option<u32>), (ErrorKind, String)> {
         if self.remote_host(from.0) != Some(i) || self.remote_host(to.0).is_some() {
             return Err((
                 ErrorKind::Invalid,
@@ -636,10 +649,11 @@ impl Sup {
                 format!("QP {:#x} on node {} is of another transport", to.1, to.0),
             ));
         }
-        let shadow =
-            self.with_service(|s, h| s.shadow_qp(h, from.0, from.1, qp_type, ring_len, to))?;
+        let direct = direct.filter(|_| side.direct.is_some());
+        let shadow = self
+            .with_service(|s, h| s.shadow_qp(h, from.0, from.1, qp_type, ring_len, to, direct))?;
         self.pair_up(i, &side, &shadow);
-        Ok(side.ring_len)
+        Ok((side.ring_len, side.direct))
     }
 
     /// Local QP `local` and the shadow of its peer on host `i`: recorded, mirrored.
@@ -652,6 +666,7 @@ impl Sup {
             remote_key: rk,
             local: self.qp_block(local),
             shadow: self.qp_block(shadow),
+            direct: shadow.direct.is_some(),
         };
         if let Some(h) = &self.hosts {
             h.bridge.send(cmd);
@@ -666,11 +681,12 @@ impl Sup {
         req: serde_json::Value,
         from: QpSide,
         to: (u32, u32),
-        ring_len: u32,
+        (ring_len, direct): (u32, Option<u32>),
     ) {
         let me = (from.slot, from.qpn);
-        let shadow =
-            self.with_service(|s, h| s.shadow_qp(h, to.0, to.1, from.qp_type, ring_len, me));
+        let direct = direct.filter(|_| from.direct.is_some());
+        let shadow = self
+            .with_service(|s, h| s.shadow_qp(h, to.0, to.1, from.qp_type, ring_len, me, direct));
         let shadow = match shadow {
             Ok(s) => s,
             Err((kind, message)) => {

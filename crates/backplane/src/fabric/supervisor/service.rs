@@ -60,6 +60,10 @@ pub struct QpSide {
     pub event_off: u64,
     /// A shadow's one-sided area (`wire::verbs::RDMA_*`; 0 for a QP of this host).
     pub rdma_off: u64,
+    /// A QP of this host: the datagram port its process carries pairs with other hosts
+    /// through itself (`verbs::direct`), if it does. A shadow: the remote process's port when
+    /// the pair is direct.
+    pub direct: Option<u32>,
 }
 
 /// A request for a region through a QP whose peer is on another host.
@@ -121,7 +125,9 @@ pub trait Service: Send {
     /// The shadow of queue pair `qpn` of node `slot` (on another host, of type `qp_type`,
     /// inbound ring `ring_len`), made in that node's shadow window unless it exists: QPs here
     /// connect to it as to a local one, and the bridge mirrors it.
-    /// `peer` is the QP of this host it pairs with (whose regions it may be granted).
+    /// `peer` is the QP of this host it pairs with (whose regions it may be granted);
+    /// `direct` the remote process's port when the pair is direct (`QpSide::direct`).
+    #[allow(clippy::too_many_arguments)]
     fn shadow_qp(
         &mut self,
         _host: &mut dyn Host,
@@ -130,6 +136,7 @@ pub trait Service: Send {
         _qp_type: u32,
         _ring_len: u32,
         _peer: (u32, u32),
+        _direct: Option<u32>,
     ) -> Result<QpSide, Failure> {
         Err((
             ErrorKind::Invalid,

@@ -172,6 +172,10 @@ impl Ctx {
             .get(cq)
             .and_then(|c| c.as_ref())
             .map_or(0, |c| c.entries.len());
+        if need == 0 {
+            // Pairs with other hosts that this process carries: what came, what to ship.
+            crate::verbs::direct::progress_all();
+        }
         if need == 0 && !self.all_quiet(eng, cq) {
             self.progress_cq(eng, cq);
             // A channel armed before this progress may not watch what its QPs wait for now.

@@ -1,0 +1,471 @@
+//! Queue pairs between hosts carried by their own two processes.
+//!
+//! Across hosts a QP connects to a *shadow* of its peer (`fabric::supervisor::mirror`): it
+//! writes its ring bytes, reliability words and one-sided requests there as it would into a
+//! local peer's block, and a mirror carries them to the other host, where they are written
+//! into the real block. The supervisors' bridges used to run every mirror: sender, two bridge
+//! threads and receiver each need a core for every message, which on a machine of few cores is
+//! most of the latency. Here each process runs the mirror of its own QP: a QP created on a
+//! fabric across hosts binds a datagram endpoint of its own (a direct one: its own UCX
+//! worker, `dgram::direct`) and names its port in `CreateQp`; when both QPs of a pair have
+//! one, the supervisors agree the pair is direct (`OpenQp`/`QpOpened`), their bridges' mirrors
+//! of it only end it (peer gone, host lost), and each process ships what its QP wrote into the
+//! shadow as datagrams to the other process's endpoint, which applies them to its QP's block.
+//! One-sided requests are carried out by the process that owns the region, on its own mapping
+//! of it, with the checks the bridge makes ([`Mirror::execute`]): the region must be of the
+//! QP's protection domain and allow the access, and a deregistered one is refused.
+//!
+//! Who pumps: the thread that posts (the engine rings the shadow's bell: [`DirectQp::kick`]),
+//! the thread that polls a completion queue and finds it empty ([`progress_all`]), and a
+//! thread per pair that sleeps on the shadow's bell and the endpoint's doorbell for the rest
+//! (a program blocked in a completion channel, acks to send back while nobody polls). The
+//! datagram path keeps the messages in order and lossless, and tells a sender when the other
+//! endpoint went (the pair breaks: the QP sees its peer gone).
+#![forbid(unsafe_code)]
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use crate::dgram::{DgramError, Endpoint, Wait};
+use crate::fabric::supervisor::mirror::{self, Mirror, QpBlock};
+use crate::mem::Region;
+use crate::sync::Ordering;
+use crate::transport::shm::ShmRegion;
+use crate::transport::Addr;
+use crate::wire::MAX_DGRAM;
+
+/// A mirror message (ring bytes and words).
+const KIND_QP: u8 = 1;
+/// A one-sided request of the sender's QP.
+const KIND_RDMA: u8 = 2;
+/// The answer to one.
+const KIND_ANSWER: u8 = 3;
+/// How long the pair's thread sleeps at most between looks.
+const NAP: Duration = Duration::from_millis(10);
+/// How long after a program thread last pumped a pair its own thread takes over.
+const APP_ACTIVE_NS: u64 = 200_000;
+/// How long acks and credits alone wait for a message to go with.
+const WORDS_LINGER_NS: u64 = 30_000;
+
+/// Whether QPs of this process carry their pairs across hosts themselves
+/// (`BACKPLANE_DIRECT=0` keeps them on the supervisors' bridges, as datagram endpoints).
+pub(crate) fn wanted() -> bool {
+    std::env::var_os("BACKPLANE_DIRECT").is_none_or(|v| v != "0")
+}
+
+/// The regions of this process that allow remote access, by rkey: what a direct pair's
+/// requests are carried out on.
+struct OwnMr {
+    pd: u32,
+    region: Arc<Region>,
+    len: u64,
+    access: u32,
+}
+
+static OWN_MRS: Mutex<Vec<(u32, OwnMr)>> = Mutex::new(Vec::new());
+
+fn own_mrs() -> MutexGuard<'static, Vec<(u32, OwnMr)>> {
+    OWN_MRS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Region `rkey` (of protection domain `pd`, `len` bytes) was registered here.
+pub(crate) fn region_registered(rkey: u32, pd: u32, region: Arc<Region>, len: u64, access: u32) {
+    let mut m = own_mrs();
+    m.retain(|(k, _)| *k != rkey);
+    m.push((
+        rkey,
+        OwnMr {
+            pd,
+            region,
+            len,
+            access,
+        },
+    ));
+}
+
+/// Region `rkey` was deregistered.
+pub(crate) fn region_gone(rkey: u32) {
+    own_mrs().retain(|(k, _)| *k != rkey);
+}
+
+/// Region `rkey` if it is this process's and of protection domain `pd`.
+fn own_region(rkey: u32, pd: u32) -> Option<Arc<ShmRegion>> {
+    let m = own_mrs();
+    let (_, r) = m.iter().find(|(k, r)| *k == rkey && r.pd == pd)?;
+    ShmRegion::from_region(r.region.clone(), r.len, r.access).map(Arc::new)
+}
+
+/// A QP's endpoint, bound when the QP is made (so that a peer's first messages wait there
+/// for the pair, whichever side connects first).
+pub(crate) struct Home {
+    ep: Arc<Mutex<Endpoint>>,
+    port: u32,
+    pd: u32,
+}
+
+impl std::fmt::Debug for Home {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Home").field("port", &self.port).finish()
+    }
+}
+
+impl Home {
+    /// An endpoint for a QP of protection domain `pd` on `node`, if the node's fabric spans
+    /// hosts and the endpoint got a worker of its own (otherwise the bridges carry the QP).
+    pub(crate) fn open(node: &crate::fabric::Node, pd: u32) -> Option<Self> {
+        let ep = node.bind(0).ok().filter(|e| e.is_direct())?;
+        let port = ep.local_addr().port;
+        Some(Self {
+            ep: Arc::new(Mutex::new(ep)),
+            port,
+            pd,
+        })
+    }
+
+    /// The endpoint's port, named in `CreateQp`.
+    pub(crate) fn port(&self) -> u32 {
+        self.port
+    }
+}
+
+struct Inner {
+    m: Mirror,
+    ep: Arc<Mutex<Endpoint>>,
+    peer: Addr,
+    rx: Vec<u8>,
+    scratch: Vec<u8>,
+    /// When acks or credits alone were first seen waiting (monotonic ns).
+    words_since: Option<u64>,
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    stop: AtomicBool,
+    /// When a program thread last pumped the pair (monotonic ns): while programs poll, the
+    /// pair's own thread stays out of their way.
+    app_ns: AtomicU64,
+}
+
+/// One direct pair: the mirror of a local QP and its peer's shadow, run by this process.
+pub(crate) struct DirectQp {
+    shared: Arc<Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for DirectQp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectQp").finish_non_exhaustive()
+    }
+}
+
+/// Every live pair of this process, for [`progress_all`].
+static LIVE: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
+static LIVE_COUNT: AtomicUsize = AtomicUsize::new(0);
+
+impl DirectQp {
+    /// Starts the pair of local QP `local_key` (block `local`) with the shadow `shadow` of its
+    /// peer `remote_key`, whose process listens at `peer`.
+    pub(crate) fn start(
+        home: &Home,
+        local_key: (u32, u32),
+        remote_key: (u32, u32),
+        local: &QpBlock,
+        shadow: &QpBlock,
+        peer: Addr,
+    ) -> Result<Self, crate::mem::MemError> {
+        let mut m = Mirror::new(0, local_key, remote_key, local, shadow)?;
+        // The peer's endpoint exists since its QP was made: what goes now waits there.
+        m.ready = true;
+        let pd = home.pd;
+        m.lookup = Some(Box::new(move |rkey| own_region(rkey, pd)));
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                m,
+                ep: home.ep.clone(),
+                peer,
+                rx: vec![0; MAX_DGRAM],
+                scratch: Vec::new(),
+                words_since: None,
+            }),
+            stop: AtomicBool::new(false),
+            app_ns: AtomicU64::new(0),
+        });
+        {
+            let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+            live.retain(|w| w.strong_count() > 0);
+            live.push(Arc::downgrade(&shared));
+            LIVE_COUNT.store(live.len(), Ordering::Relaxed);
+        }
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("bp-qp-direct".into())
+            .spawn(move || watch(&s))
+            .ok();
+        Ok(Self { shared, thread })
+    }
+
+    /// The local QP wrote into the shadow: ship it now unless another thread is at it.
+    #[inline]
+    pub(crate) fn kick(&self) {
+        self.shared.pumped_by_app();
+    }
+}
+
+impl Drop for DirectQp {
+    fn drop(&mut self) {
+        // The QP's last words (its final acks, gone) go before the pair ends.
+        self.shared.lock().pump();
+        self.shared.stop.store(true, Ordering::Release);
+        {
+            let g = self.shared.lock();
+            crate::sync::ring(g.m.bell().1);
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        live.retain(|w| w.strong_count() > 0 && !Weak::ptr_eq(w, &Arc::downgrade(&self.shared)));
+        LIVE_COUNT.store(live.len(), Ordering::Relaxed);
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A program thread pumps (unless another thread is at it).
+    #[inline]
+    fn pumped_by_app(&self) {
+        self.app_ns.store(crate::sync::now_ns(), Ordering::Relaxed);
+        if let Ok(mut g) = self.inner.try_lock() {
+            g.pump();
+        }
+    }
+}
+
+/// Moves every direct pair of this process along (a completion queue was found empty).
+#[inline]
+pub(crate) fn progress_all() {
+    if LIVE_COUNT.load(Ordering::Relaxed) == 0 {
+        return;
+    }
+    let pairs: Vec<Arc<Shared>> = match LIVE.try_lock() {
+        Ok(l) => l.iter().filter_map(Weak::upgrade).collect(),
+        Err(_) => return,
+    };
+    for s in pairs {
+        s.pumped_by_app();
+    }
+}
+
+/// The pair's own thread: pumps whenever the local QP rings the shadow's bell or a datagram
+/// comes, and every [`NAP`] regardless.
+fn watch(s: &Shared) {
+    while !s.stop.load(Ordering::Acquire) {
+        // A program thread pumped a moment ago: it will again (waking here for every
+        // message would take its core); look again when it may have stopped.
+        let quiet = crate::sync::now_ns().saturating_sub(s.app_ns.load(Ordering::Relaxed));
+        if quiet < APP_ACTIVE_NS {
+            std::thread::sleep(Duration::from_nanos(APP_ACTIVE_NS - quiet));
+            continue;
+        }
+        let mut g = s.lock();
+        g.pump();
+        let inner = &mut *g;
+        let (armed, bell) = inner.m.bell();
+        let (armed, bell) = (armed.clone(), bell.clone());
+        let seen = bell.load(Ordering::Acquire);
+        armed.store(1, Ordering::Relaxed);
+        // SYNC POINT qp-bell (receiver): armed before the last look at the shadow.
+        crate::sync::fence(Ordering::SeqCst);
+        let ep_wait = inner
+            .ep
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .arm_outside();
+        // Acks and credits waiting to go: look again when they may.
+        let nap = if inner.words_since.is_some() {
+            Duration::from_nanos(WORDS_LINGER_NS)
+        } else {
+            NAP
+        };
+        let idle = ep_wait.is_some() && (inner.words_since.is_some() || !inner.m.pending());
+        drop(g);
+        if idle && !s.stop.load(Ordering::Acquire) {
+            let (door, door_seen) = ep_wait.clone().expect("idle means armed");
+            crate::sync::futex_wait_any(&[(&*bell, seen), (&*door, door_seen)], nap);
+        }
+        armed.store(0, Ordering::Relaxed);
+        if ep_wait.is_some() {
+            let g = s.lock();
+            g.ep.lock().unwrap_or_else(|e| e.into_inner()).disarm();
+        }
+    }
+}
+
+impl Inner {
+    /// Ships what the local QP wrote and takes what came, until neither has anything.
+    fn pump(&mut self) {
+        let ep = self.ep.clone();
+        for _ in 0..64 {
+            let mut ep = ep.lock().unwrap_or_else(|e| e.into_inner());
+            let shipped = self.ship(&mut ep);
+            let took = self.take(&mut ep);
+            if !(shipped || took) || self.m.broken.is_some() {
+                break;
+            }
+        }
+    }
+
+    /// Sends one datagram of kind `kind` made by `fill` (its length, or `None`): true if it
+    /// went; the pair breaks if the peer's endpoint is gone.
+    fn send(
+        m: &mut Mirror,
+        ep: &mut Endpoint,
+        peer: Addr,
+        kind: u8,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> bool {
+        let r = ep.send_with_max(peer, MAX_DGRAM, Wait::Never, |buf| {
+            buf[0] = kind;
+            fill(&mut buf[1..]).map(|n| n + 1)
+        });
+        match r {
+            Ok(sent) => sent,
+            Err(DgramError::WouldBlock) => false,
+            Err(_) => {
+                m.fail("the peer QP's process on the other host is gone");
+                false
+            }
+        }
+    }
+
+    fn ship(&mut self, ep: &mut Endpoint) -> bool {
+        let Inner {
+            m,
+            peer,
+            scratch,
+            words_since,
+            ..
+        } = self;
+        let peer = *peer;
+        let mut any = false;
+        // Answers the other side waits for, in order.
+        while let Some(a) = m.answers.pop_front() {
+            if !Self::send(m, ep, peer, KIND_ANSWER, |b| {
+                b[..a.len()].copy_from_slice(&a);
+                Some(a.len())
+            }) {
+                m.answers.push_front(a);
+                return any;
+            }
+            any = true;
+        }
+        // One-sided requests before the ring bytes published after them (the position is
+        // read first): a WRITE lands before a later SEND is seen.
+        let upto = m.published();
+        while let Some(rec) = m.next_request(scratch) {
+            let body = std::mem::take(scratch);
+            let sent = Self::send(m, ep, peer, KIND_RDMA, |b| {
+                b[..body.len()].copy_from_slice(&body);
+                Some(body.len())
+            });
+            *scratch = body;
+            if !sent {
+                return any;
+            }
+            m.release_request(rec, scratch);
+            any = true;
+        }
+        // Acks and credits alone wait a little for a message to go with (a reply carries its
+        // request's ack): every message is a system call on each side over TCP.
+        let urgent = m.has_urgent_news();
+        if !urgent && m.has_news() {
+            let now = crate::sync::now_ns();
+            let since = *words_since.get_or_insert(now);
+            if now.saturating_sub(since) < WORDS_LINGER_NS {
+                return any;
+            }
+        }
+        *words_since = None;
+        while m.has_news() {
+            let mut shipment = None;
+            let sent = Self::send_mirror(m, ep, peer, upto, &mut shipment);
+            match (sent, shipment) {
+                (true, Some(s)) => {
+                    m.shipped(s);
+                    any = true;
+                }
+                _ => break,
+            }
+        }
+        any
+    }
+
+    fn send_mirror(
+        m: &mut Mirror,
+        ep: &mut Endpoint,
+        peer: Addr,
+        upto: u64,
+        shipment: &mut Option<mirror::Shipment>,
+    ) -> bool {
+        let r = ep.send_with_max(peer, MAX_DGRAM, Wait::Never, |buf| {
+            buf[0] = KIND_QP;
+            let (n, s) = m.next_message(&mut buf[1..], upto)?;
+            *shipment = Some(s);
+            Some(n + 1)
+        });
+        match r {
+            Ok(sent) => sent,
+            Err(DgramError::WouldBlock) => false,
+            Err(_) => {
+                m.fail("the peer QP's process on the other host is gone");
+                false
+            }
+        }
+    }
+
+    /// Applies what came from the peer's process; true if anything did.
+    fn take(&mut self, ep: &mut Endpoint) -> bool {
+        let mut any = false;
+        loop {
+            let (n, src) = match ep.try_recv_from(&mut self.rx) {
+                Ok(x) => x,
+                Err(DgramError::WouldBlock) => return any,
+                Err(_) => {
+                    self.m.fail("the QP's endpoint closed (its node went down)");
+                    return any;
+                }
+            };
+            any = true;
+            if src != self.peer || n < 1 {
+                continue; // not the peer's: no one else may write to the pair
+            }
+            let (kind, body) = (self.rx[0], &self.rx[1..n]);
+            let Some((theirs, ours)) = mirror::keys(body) else {
+                self.m
+                    .fail("a malformed message from the peer QP's process");
+                continue;
+            };
+            if theirs != self.m.remote_key || ours != self.m.local_key {
+                self.m
+                    .fail("a message for another QP from the peer's process");
+                continue;
+            }
+            match kind {
+                KIND_QP => self.m.apply(body),
+                KIND_RDMA => {
+                    let mut out = Vec::new();
+                    self.m.execute(&body[16..], &mut out);
+                    self.m.answers.push_back(out);
+                }
+                KIND_ANSWER => self.m.answer(&body[16..]),
+                _ => self
+                    .m
+                    .fail("a message of unknown kind from the peer's process"),
+            }
+        }
+    }
+}
