@@ -1357,9 +1357,14 @@ fn rdma_role(role: &str) {
             let ctx = Context::open(&f.node(1).unwrap()).unwrap();
             let pd = ctx.alloc_pd();
             let cq = ctx.create_cq(64, None).unwrap();
+            let eps = || f.status().unwrap().slots[0].endpoints;
+            let before = eps();
             let qp = pd
                 .create_qp(&QpInitAttr::new(QpType::Rc, &cq, &cq))
                 .unwrap();
+            // A QP whose process carries its pair itself binds an endpoint of its own.
+            let direct = std::env::var("BACKPLANE_DIRECT_QP").is_ok_and(|v| v == "1");
+            assert_eq!(eps(), before + u32::from(direct), "direct: {direct}");
             let mr = pd.alloc_mr(1 << 20, all).unwrap();
             cm::init_qp(&qp, &ConnParam::default()).unwrap();
             for i in 0..8 {
@@ -1656,8 +1661,10 @@ fn rdma_loss_role(role: &str, f: &backplane::fabric::Fabric) {
                 assert_eq!(role, "loss_client", "server: {w:?}");
                 let took = since.expect("a failure before the host was lost").elapsed();
                 eprintln!(
-                    "client: {:?} {took:?} after it said it talked (the server's host was cut then)",
-                    w.status
+                    "client: {:?} {took:?} after it said it talked (the server's host was cut \
+                     then; the QP: {:?})",
+                    w.status,
+                    qp.fatal_error()
                 );
                 assert_eq!(w.status, WcStatus::RetryExcErr, "{w:?}");
                 assert!(took < Duration::from_secs(5), "{took:?}");
@@ -1832,8 +1839,9 @@ fn rdma_write_read_and_atomics_reach_a_region_on_another_host_in_order_with_send
     }
     let h = Hosts::odd_even("hosts_rdma", 19);
     let test_fn = "rdma_write_read_and_atomics_reach_a_region_on_another_host_in_order_with_sends";
-    // Carried by the two processes themselves (the default for RC), then by the bridges.
-    for env in [&[][..], &["BACKPLANE_DIRECT=0"][..]] {
+    // Carried by the bridges (the default), then by the two processes themselves
+    // (`BACKPLANE_DIRECT_QP=1`).
+    for env in [&[][..], &["BACKPLANE_DIRECT_QP=1"][..]] {
         let server = h.spawn_role_with(1, test_fn, "rdma_server", env);
         let client = h.spawn_role_with(0, test_fn, "rdma_client", env);
         assert!(

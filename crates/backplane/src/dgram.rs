@@ -882,20 +882,19 @@ impl Endpoint {
             || self.closed.load(Ordering::Acquire) != 0
     }
 
-    /// For a thread that waits on this endpoint and other words at once: arms the endpoint
-    /// and returns its doorbell and the value to wait on, or `None` (not armed) when a
-    /// datagram may already be there. [`Endpoint::disarm`] after the wait.
-    pub(crate) fn arm_outside(&mut self) -> Option<(Word32, u32)> {
-        let s = self.doorbell.load(Ordering::Acquire);
-        if self.arm_and_look() {
-            self.disarm();
+    /// For a thread that serves this endpoint alone (a direct QP pair's): arms the
+    /// endpoint's own UCX worker and returns a descriptor that becomes readable when it has
+    /// news — one wake-up, not the waker's and then the doorbell's. `None` when a datagram may
+    /// already be there, or the endpoint has no worker of its own.
+    pub(crate) fn arm_fd(&mut self) -> Option<std::os::fd::OwnedFd> {
+        if self.rx.iter().any(|r| !r.ch.is_drained()) {
             return None;
         }
-        Some((self.doorbell.clone(), s))
+        self.direct.as_mut()?.arm_fd()
     }
 
-    /// Ends a wait that [`Endpoint::arm_outside`] armed.
-    pub(crate) fn disarm(&mut self) {
+    /// Ends a wait that armed the doorbell.
+    fn disarm(&mut self) {
         self.armed.store(0, Ordering::Relaxed);
     }
 

@@ -756,6 +756,18 @@ impl Direct {
     pub(super) fn wait(&mut self, timeout: Duration) {
         self.lock().wait(timeout);
     }
+
+    /// For a thread that sleeps on this worker alone (without the waker): moves it along,
+    /// arms it, and returns its wake-up fd to wait on with the worker unlocked; `None` when a
+    /// datagram waits or UCX has more to do first.
+    pub(super) fn arm_fd(&mut self) -> Option<OwnedFd> {
+        let mut w = self.lock();
+        w.progress();
+        if w.has_queued() || !w.arm() {
+            return None;
+        }
+        w.link.fd().try_clone_to_owned().ok()
+    }
 }
 
 impl Drop for Direct {

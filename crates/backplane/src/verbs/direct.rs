@@ -41,17 +41,23 @@ const KIND_QP: u8 = 1;
 const KIND_RDMA: u8 = 2;
 /// The answer to one.
 const KIND_ANSWER: u8 = 3;
-/// How long the pair's thread sleeps at most between looks.
-const NAP: Duration = Duration::from_millis(10);
+/// How long the pair's thread sleeps at most between looks. (The endpoint's waker may take
+/// an arrival off the wire while it sends what UCX held, and the fd then says nothing of it:
+/// that arrival waits for this.)
+const NAP: Duration = Duration::from_millis(1);
 /// How long after a program thread last pumped a pair its own thread takes over.
 const APP_ACTIVE_NS: u64 = 200_000;
+/// How long the pair's thread pauses when UCX is busy but nothing came or went.
+const BUSY_NAP: Duration = Duration::from_micros(20);
 /// How long acks and credits alone wait for a message to go with.
 const WORDS_LINGER_NS: u64 = 30_000;
 
-/// Whether QPs of this process carry their pairs across hosts themselves
-/// (`BACKPLANE_DIRECT=0` keeps them on the supervisors' bridges, as datagram endpoints).
+/// Whether RC QPs of this process carry their pairs across hosts themselves: asked for with
+/// `BACKPLANE_DIRECT_QP=1` (not yet the default: see the README on what is left), never with
+/// `BACKPLANE_DIRECT=0`.
 pub(crate) fn wanted() -> bool {
-    std::env::var_os("BACKPLANE_DIRECT").is_none_or(|v| v != "0")
+    std::env::var_os("BACKPLANE_DIRECT_QP").is_some_and(|v| v == "1")
+        && std::env::var_os("BACKPLANE_DIRECT").is_none_or(|v| v != "0")
 }
 
 /// The regions of this process that allow remote access, by rkey: what a direct pair's
@@ -137,6 +143,10 @@ struct Inner {
     scratch: Vec<u8>,
     /// When acks or credits alone were first seen waiting (monotonic ns).
     words_since: Option<u64>,
+    /// What the datagram path said when the pair broke, for the one line on stderr.
+    detail: Option<String>,
+    /// That line was written.
+    said: bool,
 }
 
 struct Shared {
@@ -187,6 +197,8 @@ impl DirectQp {
                 rx: vec![0; MAX_DGRAM],
                 scratch: Vec::new(),
                 words_since: None,
+                detail: None,
+                said: false,
             }),
             stop: AtomicBool::new(false),
             app_ns: AtomicU64::new(0),
@@ -208,19 +220,28 @@ impl DirectQp {
     /// The local QP wrote into the shadow: ship it now unless another thread is at it.
     #[inline]
     pub(crate) fn kick(&self) {
-        self.shared.pumped_by_app();
+        // Waits for a pump in progress elsewhere (it may be past its shipping), so nothing
+        // posted waits for a later look. (Posting says nothing of whether the program will
+        // poll: one that waits on memory for a peer's RDMA WRITE needs the pair's thread to
+        // take what comes, so this does not count as the program pumping.)
+        let mut g = self.shared.lock();
+        let ep = g.ep.clone();
+        let mut ep = ep.lock().unwrap_or_else(|e| e.into_inner());
+        g.ship(&mut ep);
     }
 }
 
 impl Drop for DirectQp {
     fn drop(&mut self) {
-        // The QP's last words (its final acks, gone) go before the pair ends.
-        self.shared.lock().pump();
-        self.shared.stop.store(true, Ordering::Release);
+        // The QP's last words (its final acks, gone) go before the pair ends; the peer may be
+        // gone already, which is no news worth a line now.
         {
-            let g = self.shared.lock();
-            crate::sync::ring(g.m.bell().1);
+            let mut g = self.shared.lock();
+            g.said = true;
+            g.pump();
         }
+        // (The thread looks at `stop` at least every NAP.)
+        self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -235,7 +256,8 @@ impl Shared {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A program thread pumps (unless another thread is at it).
+    /// A program thread polling a completion queue pumps (unless another thread is at it);
+    /// it will again, so the pair's thread stays out of its way for a while.
     #[inline]
     fn pumped_by_app(&self) {
         self.app_ns.store(crate::sync::now_ns(), Ordering::Relaxed);
@@ -260,11 +282,13 @@ pub(crate) fn progress_all() {
     }
 }
 
-/// The pair's own thread: pumps whenever the local QP rings the shadow's bell or a datagram
-/// comes, and every [`NAP`] regardless.
+/// The pair's own thread: pumps whenever UCX has news for the pair's endpoint (it sleeps on
+/// the endpoint's worker itself: one wake-up per arrival), while acks or credits wait to
+/// go, and every [`NAP`] regardless; what the local QP posts is shipped by the posting
+/// thread ([`DirectQp::kick`]).
 fn watch(s: &Shared) {
     while !s.stop.load(Ordering::Acquire) {
-        // A program thread pumped a moment ago: it will again (waking here for every
+        // A program thread polled a moment ago: it will again (waking here for every
         // message would take its core); look again when it may have stopped.
         let quiet = crate::sync::now_ns().saturating_sub(s.app_ns.load(Ordering::Relaxed));
         if quiet < APP_ACTIVE_NS {
@@ -272,71 +296,97 @@ fn watch(s: &Shared) {
             continue;
         }
         let mut g = s.lock();
-        g.pump();
-        let inner = &mut *g;
-        let (armed, bell) = inner.m.bell();
-        let (armed, bell) = (armed.clone(), bell.clone());
-        let seen = bell.load(Ordering::Acquire);
-        armed.store(1, Ordering::Relaxed);
-        // SYNC POINT qp-bell (receiver): armed before the last look at the shadow.
-        crate::sync::fence(Ordering::SeqCst);
-        let ep_wait = inner
-            .ep
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .arm_outside();
-        // Acks and credits waiting to go: look again when they may.
-        let nap = if inner.words_since.is_some() {
-            Duration::from_nanos(WORDS_LINGER_NS)
-        } else {
-            NAP
-        };
-        let idle = ep_wait.is_some() && (inner.words_since.is_some() || !inner.m.pending());
+        let worked = g.pump();
+        let lingering = g.words_since.is_some();
+        let fd = g.ep.lock().unwrap_or_else(|e| e.into_inner()).arm_fd();
+        // News the worker could not take yet (UCX busy): not worth a sleep on its fd.
+        let stuck = !lingering && g.m.pending();
         drop(g);
-        if idle && !s.stop.load(Ordering::Acquire) {
-            let (door, door_seen) = ep_wait.clone().expect("idle means armed");
-            crate::sync::futex_wait_any(&[(&*bell, seen), (&*door, door_seen)], nap);
-        }
-        armed.store(0, Ordering::Relaxed);
-        if ep_wait.is_some() {
-            let g = s.lock();
-            g.ep.lock().unwrap_or_else(|e| e.into_inner()).disarm();
+        match fd {
+            Some(fd) if !stuck && !s.stop.load(Ordering::Acquire) => {
+                let nap = if lingering {
+                    Duration::from_nanos(WORDS_LINGER_NS)
+                } else {
+                    NAP
+                };
+                let ts = rustix::time::Timespec {
+                    tv_sec: nap.as_secs() as i64,
+                    tv_nsec: i64::from(nap.subsec_nanos()),
+                };
+                let mut fds = [rustix::event::PollFd::new(
+                    &fd,
+                    rustix::event::PollFlags::IN,
+                )];
+                let _ = rustix::event::poll(&mut fds, Some(&ts));
+            }
+            _ if !worked => {
+                // UCX not ready to sleep on (sends still on their way) and nothing came or
+                // went: not a spin that takes a core from the programs and the nodes' agents.
+                std::thread::sleep(BUSY_NAP);
+            }
+            _ => {}
         }
     }
 }
 
 impl Inner {
-    /// Ships what the local QP wrote and takes what came, until neither has anything.
-    fn pump(&mut self) {
+    /// Ships what the local QP wrote and takes what came, until neither has anything; true if
+    /// anything went or came.
+    fn pump(&mut self) -> bool {
         let ep = self.ep.clone();
+        let mut worked = false;
         for _ in 0..64 {
             let mut ep = ep.lock().unwrap_or_else(|e| e.into_inner());
             let shipped = self.ship(&mut ep);
             let took = self.take(&mut ep);
+            worked |= shipped || took;
             if !(shipped || took) || self.m.broken.is_some() {
                 break;
             }
         }
+        if self.m.broken.is_none() && !self.said && self.m.peer_gone() {
+            // The peer ended the pair itself (its QP destroyed): nothing to say when the
+            // datagram path refuses what follows.
+            self.said = true;
+        }
+        if let (Some(why), false) = (self.m.broken, self.said) {
+            self.said = true;
+            let (me, peer) = (self.m.local_key, self.m.remote_key);
+            eprintln!(
+                "backplane: QP {:#x} of node {}: the pair with QP {:#x} of node {} on another \
+                 host ended: {why}{}",
+                me.1,
+                me.0,
+                peer.1,
+                peer.0,
+                self.detail
+                    .take()
+                    .map_or(String::new(), |d| format!(" ({d})"))
+            );
+        }
+        worked
     }
 
     /// Sends one datagram of kind `kind` made by `fill` (its length, or `None`): true if it
-    /// went; the pair breaks if the peer's endpoint is gone.
+    /// went; the pair breaks if the datagram path refuses it (the peer's endpoint, its node or
+    /// its host gone).
     fn send(
         m: &mut Mirror,
+        detail: &mut Option<String>,
         ep: &mut Endpoint,
-        peer: Addr,
-        kind: u8,
-        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+        (peer, kind): (Addr, u8),
+        fill: impl FnOnce(&mut Mirror, &mut [u8]) -> Option<usize>,
     ) -> bool {
         let r = ep.send_with_max(peer, MAX_DGRAM, Wait::Never, |buf| {
             buf[0] = kind;
-            fill(&mut buf[1..]).map(|n| n + 1)
+            fill(m, &mut buf[1..]).map(|n| n + 1)
         });
         match r {
             Ok(sent) => sent,
             Err(DgramError::WouldBlock) => false,
-            Err(_) => {
-                m.fail("the peer QP's process on the other host is gone");
+            Err(e) => {
+                *detail = Some(e.to_string());
+                m.fail("the peer QP's process cannot be reached");
                 false
             }
         }
@@ -348,16 +398,18 @@ impl Inner {
             peer,
             scratch,
             words_since,
+            detail,
             ..
         } = self;
         let peer = *peer;
         let mut any = false;
         // Answers the other side waits for, in order.
         while let Some(a) = m.answers.pop_front() {
-            if !Self::send(m, ep, peer, KIND_ANSWER, |b| {
+            let put = |_: &mut Mirror, b: &mut [u8]| {
                 b[..a.len()].copy_from_slice(&a);
                 Some(a.len())
-            }) {
+            };
+            if !Self::send(m, detail, ep, (peer, KIND_ANSWER), put) {
                 m.answers.push_front(a);
                 return any;
             }
@@ -367,13 +419,12 @@ impl Inner {
         // read first): a WRITE lands before a later SEND is seen.
         let upto = m.published();
         while let Some(rec) = m.next_request(scratch) {
-            let body = std::mem::take(scratch);
-            let sent = Self::send(m, ep, peer, KIND_RDMA, |b| {
-                b[..body.len()].copy_from_slice(&body);
+            let body = &scratch[..];
+            let put = |_: &mut Mirror, b: &mut [u8]| {
+                b[..body.len()].copy_from_slice(body);
                 Some(body.len())
-            });
-            *scratch = body;
-            if !sent {
+            };
+            if !Self::send(m, detail, ep, (peer, KIND_RDMA), put) {
                 return any;
             }
             m.release_request(rec, scratch);
@@ -381,8 +432,7 @@ impl Inner {
         }
         // Acks and credits alone wait a little for a message to go with (a reply carries its
         // request's ack): every message is a system call on each side over TCP.
-        let urgent = m.has_urgent_news();
-        if !urgent && m.has_news() {
+        if !m.has_urgent_news() && m.has_news() {
             let now = crate::sync::now_ns();
             let since = *words_since.get_or_insert(now);
             if now.saturating_sub(since) < WORDS_LINGER_NS {
@@ -392,39 +442,21 @@ impl Inner {
         *words_since = None;
         while m.has_news() {
             let mut shipment = None;
-            let sent = Self::send_mirror(m, ep, peer, upto, &mut shipment);
-            match (sent, shipment) {
-                (true, Some(s)) => {
-                    m.shipped(s);
-                    any = true;
-                }
-                _ => break,
+            let made = |m: &mut Mirror, b: &mut [u8]| {
+                let (n, s) = m.next_message(b, upto)?;
+                shipment = Some(s);
+                Some(n)
+            };
+            if !Self::send(m, detail, ep, (peer, KIND_QP), made) {
+                break;
             }
+            match shipment {
+                Some(s) => m.shipped(s),
+                None => break,
+            }
+            any = true;
         }
         any
-    }
-
-    fn send_mirror(
-        m: &mut Mirror,
-        ep: &mut Endpoint,
-        peer: Addr,
-        upto: u64,
-        shipment: &mut Option<mirror::Shipment>,
-    ) -> bool {
-        let r = ep.send_with_max(peer, MAX_DGRAM, Wait::Never, |buf| {
-            buf[0] = KIND_QP;
-            let (n, s) = m.next_message(&mut buf[1..], upto)?;
-            *shipment = Some(s);
-            Some(n + 1)
-        });
-        match r {
-            Ok(sent) => sent,
-            Err(DgramError::WouldBlock) => false,
-            Err(_) => {
-                m.fail("the peer QP's process on the other host is gone");
-                false
-            }
-        }
     }
 
     /// Applies what came from the peer's process; true if anything did.
@@ -434,8 +466,9 @@ impl Inner {
             let (n, src) = match ep.try_recv_from(&mut self.rx) {
                 Ok(x) => x,
                 Err(DgramError::WouldBlock) => return any,
-                Err(_) => {
-                    self.m.fail("the QP's endpoint closed (its node went down)");
+                Err(e) => {
+                    self.detail = Some(e.to_string());
+                    self.m.fail("the QP's endpoint closed");
                     return any;
                 }
             };

@@ -828,7 +828,8 @@ impl Worker {
                             self.early_ready.swap_remove(i);
                             m.ready = !direct;
                         }
-                        self.mirrors.insert(local_key, (m, false));
+                        // (A direct pair says nothing to the other bridge: it is never ready.)
+                        self.mirrors.insert(local_key, (m, direct));
                     }
                     Err(e) => {
                         let why = format!("its blocks cannot be mapped: {e}");

@@ -349,6 +349,12 @@ impl Mirror {
             || now.access != last.access
     }
 
+    /// Whether the local QP already sees its peer gone (the peer said so, or the pair broke).
+    pub(crate) fn peer_gone(&self) -> bool {
+        // SYNC POINT qp-peer-gone (acquire).
+        self.local.peer_err.load(Ordering::Acquire) != 0
+    }
+
     /// The local QP's ring position now: what [`Mirror::next_message`] may ship after the
     /// requests in the request ring at this moment (read before them).
     pub(crate) fn published(&self) -> u64 {
