@@ -47,6 +47,8 @@ const KIND_ANSWER: u8 = 3;
 const NAP: Duration = Duration::from_millis(1);
 /// How long after a program thread last pumped a pair its own thread takes over.
 const APP_ACTIVE_NS: u64 = 200_000;
+/// How often the pair's thread looks whether the program still polls.
+const APP_CHECK: Duration = Duration::from_millis(5);
 /// How long the pair's thread pauses when UCX is busy but nothing came or went.
 const BUSY_NAP: Duration = Duration::from_micros(20);
 /// How long acks and credits alone wait for a message to go with.
@@ -292,7 +294,10 @@ fn watch(s: &Shared) {
         // message would take its core); look again when it may have stopped.
         let quiet = crate::sync::now_ns().saturating_sub(s.app_ns.load(Ordering::Relaxed));
         if quiet < APP_ACTIVE_NS {
-            std::thread::sleep(Duration::from_nanos(APP_ACTIVE_NS - quiet));
+            // (Not a short timer in a loop: thousands of wake-ups a second from these
+            // starved the machine's timer and softirq work — the nodes' agents overslept a
+            // 100 ms sleep by a second and were declared hung.)
+            std::thread::sleep(APP_CHECK);
             continue;
         }
         let mut g = s.lock();
