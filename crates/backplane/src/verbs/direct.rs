@@ -173,7 +173,11 @@ impl std::fmt::Debug for DirectQp {
 
 /// Every live pair of this process, for [`progress_all`].
 static LIVE: Mutex<Vec<Weak<Shared>>> = Mutex::new(Vec::new());
-static LIVE_COUNT: AtomicUsize = AtomicUsize::new(0);
+/// How many pairs [`LIVE`] holds: read on every empty CQ poll of every program, so on a
+/// cache line of its own (nothing written near it may pull the line away).
+#[repr(align(128))]
+struct Count(AtomicUsize);
+static LIVE_COUNT: Count = Count(AtomicUsize::new(0));
 
 impl DirectQp {
     /// Starts the pair of local QP `local_key` (block `local`) with the shadow `shadow` of its
@@ -209,7 +213,7 @@ impl DirectQp {
             let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
             live.retain(|w| w.strong_count() > 0);
             live.push(Arc::downgrade(&shared));
-            LIVE_COUNT.store(live.len(), Ordering::Relaxed);
+            LIVE_COUNT.0.store(live.len(), Ordering::Relaxed);
         }
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -249,7 +253,7 @@ impl Drop for DirectQp {
         }
         let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
         live.retain(|w| w.strong_count() > 0 && !Weak::ptr_eq(w, &Arc::downgrade(&self.shared)));
-        LIVE_COUNT.store(live.len(), Ordering::Relaxed);
+        LIVE_COUNT.0.store(live.len(), Ordering::Relaxed);
     }
 }
 
@@ -270,11 +274,16 @@ impl Shared {
 }
 
 /// Moves every direct pair of this process along (a completion queue was found empty).
-#[inline]
+#[inline(always)]
 pub(crate) fn progress_all() {
-    if LIVE_COUNT.load(Ordering::Relaxed) == 0 {
-        return;
+    if LIVE_COUNT.0.load(Ordering::Relaxed) != 0 {
+        progress_live();
     }
+}
+
+#[cold]
+#[inline(never)]
+fn progress_live() {
     let pairs: Vec<Arc<Shared>> = match LIVE.try_lock() {
         Ok(l) => l.iter().filter_map(Weak::upgrade).collect(),
         Err(_) => return,
