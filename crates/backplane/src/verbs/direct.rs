@@ -223,7 +223,8 @@ impl DirectQp {
         Ok(Self { shared, thread })
     }
 
-    /// The local QP wrote into the shadow: ship it now unless another thread is at it.
+    /// The local QP wrote into the shadow: ship it now (after a pump another thread has in
+    /// progress).
     #[inline]
     pub(crate) fn kick(&self) {
         // Waits for a pump in progress elsewhere (it may be past its shipping), so nothing
@@ -251,8 +252,9 @@ impl Drop for DirectQp {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        let me = Arc::downgrade(&self.shared);
         let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
-        live.retain(|w| w.strong_count() > 0 && !Weak::ptr_eq(w, &Arc::downgrade(&self.shared)));
+        live.retain(|w| w.strong_count() > 0 && !Weak::ptr_eq(w, &me));
         LIVE_COUNT.0.store(live.len(), Ordering::Relaxed);
     }
 }
