@@ -858,8 +858,9 @@ impl QpChannels for ShmTransport {
         ring_len: u32,
         event_off: u64,
     ) -> Result<(u32, ShmQpHome), FabricError> {
-        // RC and UC QPs on a fabric across hosts carry their pairs with other hosts' QPs
-        // themselves when they can.
+        // RC QPs on a fabric across hosts carry their pairs with other hosts' QPs themselves
+        // when the program asks (`BACKPLANE_DIRECT_QP=1`) and they can; UC stays on the
+        // bridges (`ibv_uc_pingpong` hung direct).
         let direct = (self.fabric.inner.direct_ip.is_some()
             && qp_type == 2
             && crate::verbs::direct::wanted())
@@ -957,7 +958,7 @@ impl QpChannels for ShmTransport {
                     off: block_off,
                     ring_len: r.ring_len,
                     event_off: r.event_off,
-                    rdma_off: block_off + QpBlockRepr::footprint(r.ring_len).next_multiple_of(4096),
+                    rdma_off: block_off + crate::wire::verbs::rdma_area_at(r.ring_len),
                 };
                 let peer = Addr {
                     node: dest_slot,

@@ -650,7 +650,7 @@ impl Service for Registry {
             .alloc(slot, EV_LEN, 64)
             .ok_or_else(|| host.full(slot))?;
         // The QP block, then (page-aligned) the one-sided area.
-        let rdma_at = QpBlockRepr::footprint(ring_len).next_multiple_of(4096);
+        let rdma_at = crate::wire::verbs::rdma_area_at(ring_len);
         let len = rdma_at + rdma_footprint(ring_len);
         let Some(off) = host.alloc(slot, len, 4096) else {
             host.free(slot, ev, EV_LEN);

@@ -327,6 +327,13 @@ pub const fn rdma_ring_len(ring_len: u32) -> u32 {
     }
 }
 
+/// Where a shadow's one-sided area starts, from the start of its QP block: after the block,
+/// page-aligned (the registry lays shadows out so, and a process carrying a pair itself
+/// finds the area there).
+pub fn rdma_area_at(ring_len: u32) -> u64 {
+    QpBlockRepr::footprint(ring_len).next_multiple_of(4096)
+}
+
 /// Bytes a shadow's one-sided area occupies (after its QP block, page-aligned).
 pub const fn rdma_footprint(ring_len: u32) -> u64 {
     RDMA_RING_OFF + 2 * rdma_ring_len(ring_len) as u64

@@ -37,7 +37,7 @@ use crate::sync::Ordering;
 use crate::transport::shm::{ShmReceiver, ShmRegion, ShmRing, ShmSender};
 use crate::transport::{CopyKind, RecvChannel, RemoteRegion, SendChannel};
 use crate::wire::verbs::{
-    rdma_footprint, rdma_ring_len, QpBlockRepr, EV_ARMED_OFF, EV_BELL_OFF, EV_LEN, QP_ACCESS_OFF,
+    rdma_area_at, rdma_footprint, rdma_ring_len, EV_ARMED_OFF, EV_BELL_OFF, EV_LEN, QP_ACCESS_OFF,
     QP_ACK_OFF, QP_CREDITS_OFF, QP_MIN_RING, QP_NAK_OFF, QP_PEER_ERR_OFF, QP_PEER_RNR_OFF,
     QP_RING_OFF, QP_TAIL_OFF, RDMA_DONE_OFF, RDMA_FAILED_OFF, RDMA_GONE_OFF, RDMA_OP_CMP_SWAP,
     RDMA_OP_FETCH_ADD, RDMA_OP_READ, RDMA_OP_WRITE, RDMA_PIECE, RDMA_REQ_HEAD, RDMA_REQ_HEAD_OFF,
@@ -87,7 +87,7 @@ pub(crate) struct QpBlock {
 /// on one host), none at the other.
 pub(crate) fn bare_block(access: u32) -> Result<QpBlock, MemError> {
     let ring_len = QP_MIN_RING;
-    let rdma_off = QpBlockRepr::footprint(ring_len).next_multiple_of(4096);
+    let rdma_off = rdma_area_at(ring_len);
     let event_off = rdma_off + rdma_footprint(ring_len);
     let len = usize::try_from(event_off + EV_LEN).expect("a few MiB");
     let win = Arc::new(Region::create("bp-dma-pair", len)?);
