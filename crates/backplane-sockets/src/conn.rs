@@ -82,6 +82,10 @@ const FLUSH_BYTES: u64 = 64 << 20;
 /// next) instead of one side waiting for the other's whole copy.
 const PIECE: usize = 64 << 10;
 
+/// The longest a reader waits for a wake-up byte a live producer announced (POKED) but has
+/// not sent yet, see [`Conn::clear_token`].
+const TOKEN_WAIT_NS: u64 = 5_000_000_000;
+
 fn add_bytes(unflushed: &mut u64, n: usize, idx: usize) {
     *unflushed += n as u64;
     if *unflushed >= FLUSH_BYTES {
@@ -111,6 +115,10 @@ pub struct Conn {
     pub helper_busy: AtomicBool,
     /// Threads looking at the rings without a lock (`ready`); `end` waits for them.
     peekers: AtomicU32,
+    /// Threads of this process asleep on `A` in `recv`/`send`: `end` wakes them — and only
+    /// then, since `A` and `B` are shared with a fork's other side, where a byte it did not
+    /// ask for would make the descriptor readable with nothing to read.
+    sleepers: AtomicU32,
     rx_shut: AtomicBool,
     tx_shut: AtomicBool,
     /// The TCP connection reached end-of-file: every peer process closed or died.
@@ -250,6 +258,7 @@ impl Conn {
             ended: AtomicBool::new(false),
             helper_busy: AtomicBool::new(false),
             peekers: AtomicU32::new(0),
+            sleepers: AtomicU32::new(0),
             rx_shut: AtomicBool::new(false),
             tx_shut: AtomicBool::new(p.tx_shut),
             peer_eof: AtomicBool::new(false),
@@ -344,11 +353,21 @@ impl Conn {
         }
     }
 
-    fn wake_reader(&self, d: &Dir<'_>) {
-        if d.take_rx_wait() {
-            if let Some(w) = self.peer_wake() {
-                sys::poke(w);
-            }
+    /// Sends the reader of direction `d` its wake-up byte if it asked for one. `data`: the
+    /// wake is for bytes just published — if the reader took them meanwhile (it read them
+    /// while looking at the ring itself, then asked for a byte for the next ones: its state
+    /// says nothing about ours), the claim is undone instead, since a byte with nothing to
+    /// read behind it would make its descriptor readable with nothing to read (the pingpoll
+    /// test saw it in 1 run of 4).
+    fn wake_reader(&self, d: &Dir<'_>, data: bool) {
+        if d.prefix_unread() || !d.take_rx_wait() {
+            return;
+        }
+        if data && d.pending() == 0 && d.untake_rx_wait() {
+            return;
+        }
+        if let Some(w) = self.peer_wake() {
+            sys::poke(w);
         }
     }
 
@@ -610,13 +629,13 @@ impl Conn {
                 token = Some(d.set_rx_state(RX_ACTIVE) == RX_POKED);
                 continue;
             }
-            let r = sys::recv1(self.a, 0);
+            let r = self.asleep(|| sys::recv1(self.a, 0));
             // We took the byte whoever woke us sent; another may or may not be queued.
             d.set_rx_state(RX_ACTIVE);
             token = None;
-            if self.ended() {
+            let Some(r) = r.filter(|_| !self.ended()) else {
                 break Err(libc::EBADF);
-            }
+            };
             if let Err(e) = r {
                 break if got > 0 { Ok(got) } else { Err(e) };
             }
@@ -672,13 +691,13 @@ impl Conn {
             || self.reset.load(Ordering::Acquire)
             || self.peer_eof.load(Ordering::Acquire)
             || self.corrupt.load(Ordering::Acquire)
-            || d.fin()
         {
             return true;
         }
+        // (The producer's end on the ring counts once the prefix before it is read.)
         match self.source(d, st) {
             Err(Corrupt) => true,
-            Ok(Src::Ring(l)) => d.readable(st.head).map_or(true, |a| a.min(l) > 0),
+            Ok(Src::Ring(l)) => d.fin() || d.readable(st.head).map_or(true, |a| a.min(l) > 0),
             Ok(_) => self.tcp_has_bytes(),
         }
     }
@@ -687,8 +706,11 @@ impl Conn {
     /// producer sets POKED before it sends, so after we saw POKED its byte may not have
     /// arrived yet, and draining too early would leave it to arrive later, making the
     /// descriptor readable with nothing to read (a program that trusts `select` would then
-    /// block in `read`). So that byte is waited for (briefly: only a producer that died
-    /// between the two steps never sends it).
+    /// block in `read`). So that byte is waited for as long as a producer may still send it:
+    /// a producer descheduled between the two steps on a loaded machine can take more than
+    /// 100 ms (a clean-clone CI run saw the byte come after that old bound), so the wait ends
+    /// only when the byte comes, when every peer process is gone (its TCP end closed), or
+    /// after [`TOKEN_WAIT_NS`] (a producer stopped in that window of a microsecond).
     fn clear_token(&self, token: Option<bool>) {
         match token {
             Some(false) => {}
@@ -703,10 +725,10 @@ impl Conn {
                     events: libc::POLLIN,
                     revents: 0,
                 };
-                let deadline = now_ns() + 100_000_000;
-                while now_ns() < deadline {
+                let deadline = now_ns() + TOKEN_WAIT_NS;
+                loop {
                     let _ = sys::poll(&mut p, 1, 10);
-                    if take() {
+                    if take() || self.tcp_eof() || now_ns() >= deadline {
                         return;
                     }
                 }
@@ -734,7 +756,8 @@ impl Conn {
     }
 
     /// Without a lock or a system call: would a read (`read`) or a write (`write`) not block
-    /// now? Only the rings are looked at (false while a direction is still on TCP), for
+    /// now? Only the rings are looked at (false while a direction is still on TCP, or while
+    /// a prefix on TCP is still to be read before the ring's bytes), for
     /// `poll`/`select`/`epoll_wait` to spin on before they sleep in the kernel.
     pub fn ready(&self, read: bool, write: bool) -> bool {
         self.peekers.fetch_add(1, Ordering::SeqCst);
@@ -743,13 +766,18 @@ impl Conn {
         } else {
             let rx = self.seg_fast.dir(self.role, false);
             let tx = self.seg_fast.dir(self.role, true);
-            (read
-                && rx.on_ring()
-                && (rx.pending() > 0 || rx.fin() || self.peer_eof.load(Ordering::Relaxed)))
+            (read && self.rx_ring_has(&rx, self.peer_eof.load(Ordering::Relaxed)))
                 || (write && tx.on_ring() && tx.pending() < self.seg_fast.ring() as u64)
         };
         self.peekers.fetch_sub(1, Ordering::SeqCst);
         r
+    }
+
+    /// Would a read of the receiving direction `rx` find something without TCP: bytes or the
+    /// producer's end on the ring — once the prefix before them is read — or (`eof`) the
+    /// TCP connection's end while the direction is on the ring.
+    fn rx_ring_has(&self, rx: &Dir<'_>, eof: bool) -> bool {
+        (rx.on_ring_for_good() && (rx.pending() > 0 || rx.fin())) || (eof && rx.on_ring())
     }
 
     /// Sends the wake-up byte a reader of ours owes (see [`RX_OWED`]), if it owes one: before
@@ -806,10 +834,8 @@ impl Conn {
             if self.ready(true, false) {
                 d.end_rx_spin(RX_OWED);
             } else if d.end_rx_spin(RX_ARMED) {
-                let any = d.pending() > 0
-                    || d.fin()
-                    || self.peer_eof.load(Ordering::Acquire)
-                    || self.reset.load(Ordering::Acquire)
+                let any = self.reset.load(Ordering::Acquire)
+                    || self.rx_ring_has(&d, self.peer_eof.load(Ordering::Acquire))
                     || (!d.on_ring_for_good() && self.tcp_has_bytes());
                 if any && d.take_rx_wait() {
                     sys::poke(self.b);
@@ -929,7 +955,7 @@ impl Conn {
                     });
                     st.tail += n as u64;
                     d.publish(st.tail);
-                    self.wake_reader(&d);
+                    self.wake_reader(&d, true);
                     sent += n;
                     if sent == want {
                         break Ok(sent);
@@ -958,21 +984,20 @@ impl Conn {
                 };
             }
             let tok = 0u8;
-            match sys::sendto(
-                self.a,
-                &tok as *const u8 as *const libc::c_void,
-                1,
-                libc::MSG_NOSIGNAL,
-                std::ptr::null(),
-                0,
-            ) {
-                Ok(_) => {
-                    armed = false;
-                    if self.ended() {
-                        break Err(libc::EBADF);
-                    }
-                }
-                Err(e) => break if sent > 0 { Ok(sent) } else { Err(e) },
+            let r = self.asleep(|| {
+                sys::sendto(
+                    self.a,
+                    &tok as *const u8 as *const libc::c_void,
+                    1,
+                    libc::MSG_NOSIGNAL,
+                    std::ptr::null(),
+                    0,
+                )
+            });
+            match r {
+                Some(Ok(_)) if !self.ended() => armed = false,
+                None | Some(Ok(_)) => break Err(libc::EBADF),
+                Some(Err(e)) => break if sent > 0 { Ok(sent) } else { Err(e) },
             }
         };
         if armed && d.free(st.tail).is_ok_and(|f| f > 0) && d.take_tx_wait() {
@@ -1080,7 +1105,7 @@ impl Conn {
         sys::drain(self.b);
         config::log(format_args!("{}: {what}", self.label));
         // A reader of the peer's waiting on the ring looks again (and turns to TCP).
-        self.wake_reader(d);
+        self.wake_reader(d, false);
     }
 
     /// Takes the urgent byte the peer sent with its request to go back, if it asked and the
@@ -1261,8 +1286,11 @@ impl Conn {
             }
             if st.switched {
                 d.set_fin();
-                if let Some(w) = self.peer_wake() {
-                    sys::poke(w);
+                // (A reader still to read our prefix sees the end after it.)
+                if !d.prefix_unread() {
+                    if let Some(w) = self.peer_wake() {
+                        sys::poke(w);
+                    }
                 }
             } else {
                 // Still on the kernel's TCP: its own FIN says it (and the flag tells the peer
@@ -1282,6 +1310,16 @@ impl Conn {
         }
     }
 
+    /// Runs `sleep` (a blocking call on `A`) counted among the [`Conn::sleepers`]; None,
+    /// without sleeping, once the connection has ended (`end` either sees us counted and
+    /// wakes us, or we see `ended`).
+    fn asleep<T>(&self, sleep: impl FnOnce() -> T) -> Option<T> {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        let r = (!self.ended.load(Ordering::SeqCst)).then(sleep);
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        r
+    }
+
     /// The process exits: remove an unclaimed offer, without waiting for any lock.
     pub fn at_exit(&self) {
         if let Ok(mut p) = self.offer_path.try_lock() {
@@ -1295,12 +1333,15 @@ impl Conn {
     /// everything. No fin is written: the peer learns that every process of ours closed from
     /// the TCP connection's end-of-file (a fork's copies keep it open), as the kernel's TCP.
     pub fn end(&self) {
-        if self.ended.swap(true, Ordering::AcqRel) {
+        if self.ended.swap(true, Ordering::SeqCst) {
             return;
         }
-        // Wake our own threads sleeping in recv/send on A; they see `ended` and leave.
-        sys::poke(self.b);
-        sys::drain(self.b);
+        // Wake our own threads sleeping in recv/send on A; they see `ended` and leave. (None
+        // asleep: no byte, which would stay on A for a fork's other side, see `sleepers`.)
+        if self.sleepers.load(Ordering::SeqCst) > 0 {
+            sys::poke(self.b);
+            sys::drain(self.b);
+        }
         let mut rx = self.rx.lock().unwrap_or_else(|e| e.into_inner());
         let mut tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
         while self.helper_busy.load(Ordering::SeqCst) || self.peekers.load(Ordering::SeqCst) != 0 {

@@ -555,9 +555,20 @@ impl Dir<'_> {
             self.w64(D_RX_TCP).load(Ordering::Acquire),
         )
     }
-    /// Consumer: bytes of the prefix read so far.
+    /// Consumer: bytes of the prefix read so far (sequentially consistent: a producer that
+    /// published bytes and then sees the prefix unread leaves the wake-up to the prefix, see
+    /// [`Dir::prefix_unread`]).
     pub fn set_rx_tcp(&self, n: u64) {
-        self.w64(D_RX_TCP).store(n, Ordering::Release);
+        self.w64(D_RX_TCP).store(n, Ordering::SeqCst);
+    }
+    /// Producer: the consumer has not read all of our prefix from TCP yet, so it cannot read
+    /// the ring's bytes behind it. A wake-up byte now would make its descriptor readable with
+    /// nothing a read can take (the prefix can lag on a loaded machine: qperf's server got
+    /// EAGAIN after `select`). Its wake-up comes with the prefix (the helper thread sees TCP
+    /// readable), and the read that takes the prefix goes on to the ring.
+    pub fn prefix_unread(&self) -> bool {
+        self.switched()
+            .is_some_and(|p| self.w64(D_RX_TCP).load(Ordering::SeqCst) != p)
     }
     /// The direction is on the ring: the producer switched, and nobody is going back.
     pub fn on_ring(&self) -> bool {
@@ -811,8 +822,14 @@ mod tests {
         d.arm_tx();
         assert!(d.take_tx_wait());
         assert_eq!(d.switched(), None);
+        assert!(!d.prefix_unread(), "no prefix before a switch");
         d.switch(37);
         assert_eq!(d.switched(), Some(37));
+        assert!(d.prefix_unread(), "37 bytes on TCP still to read");
+        d.set_rx_tcp(36);
+        assert!(d.prefix_unread());
+        d.set_rx_tcp(37);
+        assert!(!d.prefix_unread(), "the reader reached the ring");
         assert!(!d.fin());
         d.set_fin();
         assert!(d.fin());
