@@ -995,8 +995,17 @@ impl Conn {
                 )
             });
             match r {
-                Some(Ok(_)) if !self.ended() => armed = false,
-                None | Some(Ok(_)) => break Err(libc::EBADF),
+                Some(Ok(_)) => {
+                    armed = false;
+                    if self.ended() {
+                        break Err(libc::EBADF);
+                    }
+                }
+                // Ended before we slept: nothing of the segment to look at any more.
+                None => {
+                    armed = false;
+                    break Err(libc::EBADF);
+                }
                 Some(Err(e)) => break if sent > 0 { Ok(sent) } else { Err(e) },
             }
         };
