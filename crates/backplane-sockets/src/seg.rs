@@ -578,10 +578,7 @@ impl Dir<'_> {
     /// end has read the producer's whole prefix from TCP. Bytes on TCP then mean nothing to a
     /// reader (its end is seen by the helper thread).
     pub fn on_ring_for_good(&self) -> bool {
-        self.on_ring()
-            && self
-                .switched()
-                .is_some_and(|p| self.w64(D_RX_TCP).load(Ordering::Acquire) == p)
+        self.on_ring() && !self.prefix_unread()
     }
     /// Producer: see [`Dir::rx_owner`].
     pub fn tx_owner(&self) -> u32 {
