@@ -111,6 +111,7 @@ pub(crate) fn fabric_errno(e: &FabricError) -> c_int {
             ErrorKind::NodeDown => libc::ENETDOWN,
             ErrorKind::NoSpace => libc::ENOSPC,
             ErrorKind::Invalid => libc::EINVAL,
+            ErrorKind::NoRoute => libc::EHOSTUNREACH,
         },
         FabricError::Mem(_) => libc::ENOMEM,
         FabricError::Layout(_) => libc::EPROTO,

@@ -1011,6 +1011,166 @@ fn an_emulated_link_spans_hosts_one_downlink_for_senders_on_both_one_uplink_per_
     h.assert_nothing_left();
 }
 
+/// Port of the topology test's sinks.
+const TOPO_PORT: u32 = 7200;
+
+/// The roles of [`a_distributed_topology_spans_hosts_forwarding_nodes_on_either_host`].
+fn topo_role(role: &str) {
+    use backplane::dgram::DgramError;
+    use backplane::fabric::Fabric;
+    use backplane::transport::Addr;
+    let fabric = Fabric::attach(&std::env::var("BP_FABRIC").unwrap()).unwrap();
+    let sink = Addr::new(4, TOPO_PORT);
+    match role {
+        "sink_4" => {
+            let mut ep = fabric.node(4).unwrap().bind(TOPO_PORT).unwrap();
+            let mut buf = vec![0u8; LINK_DGRAM];
+            let (_, src) = ep
+                .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                .unwrap();
+            ep.send_to(src, b"go").unwrap();
+            let t0 = Instant::now();
+            let mut got = 0;
+            while got < 2 * LINK_DGRAMS {
+                let (n, from) = ep
+                    .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                    .unwrap();
+                if n == LINK_DGRAM {
+                    assert_eq!(from, src);
+                    assert!(
+                        buf.iter().all(|&b| b == (got % 251) as u8),
+                        "datagram {got}"
+                    );
+                    got += 1;
+                }
+            }
+            // Three links of the model, one after another, each at its rate: never sooner
+            // than one link's time for all of it.
+            let rate = backplane::fabric::launch::resolve_link(
+                "eth-1g",
+                backplane::model::Forwarding::CutThrough,
+            )
+            .unwrap()
+            .bytes_per_s as f64;
+            let floor = (2 * LINK_DGRAMS) as f64 * LINK_DGRAM as f64 / rate;
+            let took = t0.elapsed();
+            eprintln!("the sink: {took:?}, the model's floor {floor:.4} s");
+            assert!(took.as_secs_f64() >= 0.95 * floor, "{took:?} < {floor} s");
+            ep.send_to(src, b"bye").unwrap();
+        }
+        "sender_1" => {
+            let mut ep = fabric.node(1).unwrap().bind(0).unwrap();
+            let mut buf = [0u8; 16];
+            hail(&mut ep, &[sink], b"go");
+            for k in 0..2 * LINK_DGRAMS {
+                ep.send_to(sink, &vec![(k % 251) as u8; LINK_DGRAM])
+                    .unwrap();
+            }
+            let (n, _) = ep
+                .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                .unwrap();
+            assert_eq!(&buf[..n], b"bye");
+        }
+        "no_route" => {
+            // Node 1 to node 3, both here: the one path runs through node 2, whose host left.
+            let _sink = fabric.node(3).unwrap().bind(TOPO_PORT).unwrap();
+            let mut ep = fabric.node(1).unwrap().bind(0).unwrap();
+            match ep.send_to(Addr::new(3, TOPO_PORT), b"x") {
+                Err(DgramError::NoRoute(m)) => {
+                    assert!(m.contains("no route from node 1 to node 3"), "{m}");
+                    assert!(m.contains("DOWN (2, 4)"), "{m}");
+                }
+                other => panic!("node 1 to node 3 without node 2: {other:?}"),
+            }
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+#[test]
+fn a_distributed_topology_spans_hosts_forwarding_nodes_on_either_host() {
+    if let Some(r) = role() {
+        topo_role(&r);
+        return;
+    }
+    if !root() {
+        return;
+    }
+    let h = Hosts::new("hosts_topo", 24, 2);
+    let _ = std::fs::create_dir_all(&h.dir);
+    // A chain 1-2-3-4 with nodes 1 and 3 on h0, 2 and 4 on h1: from 1 to 4 a datagram
+    // crosses the hosts three times, forwarded by node 2 (h1) and node 3 (h0).
+    let topo = h.dir.join("chain.toml");
+    std::fs::write(
+        &topo,
+        "kind = \"distributed\"\nlink = \"eth-1g\"\n\n[[links]]\na = 1\nb = 2\n\n\
+         [[links]]\na = 2\nb = 3\n\n[[links]]\na = 3\nb = 4\n",
+    )
+    .unwrap();
+    let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
+    // A topology that does not cover the hosts' slots is refused before anything starts.
+    let short = h.dir.join("short.toml");
+    std::fs::write(
+        &short,
+        "kind = \"distributed\"\nlink = \"eth-1g\"\n\n[[links]]\na = 1\nb = 2\n",
+    )
+    .unwrap();
+    let o = h.up(0, &file, &["--topology", short.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("the topology file has 2 nodes but the hosts file 4"),
+        "{}",
+        stderr(&o)
+    );
+    // A host without the topology is refused by one with it, naming both.
+    let o = h.up(0, &file, &["--topology", topo.to_str().unwrap()]);
+    assert!(o.status.success(), "up on h0: {}{}", stderr(&o), h.logs());
+    let o = h.up(1, &file, &[]);
+    assert!(!o.status.success(), "h1 without the topology joined");
+    assert!(
+        stderr(&o).contains("a topology: links 1-2 eth-1g"),
+        "{}",
+        stderr(&o)
+    );
+    let o = h.up(1, &file, &["--topology", topo.to_str().unwrap()]);
+    assert!(o.status.success(), "up on h1: {}{}", stderr(&o), h.logs());
+    h.wait_slot(0, 2, "READY", None);
+    h.wait_slot(1, 1, "READY", None);
+    for k in 0..2 {
+        let t = h.status(k)["topology"].clone();
+        assert!(t["kind"] == "distributed", "h{k}: {t}");
+    }
+    let test_fn = "a_distributed_topology_spans_hosts_forwarding_nodes_on_either_host";
+    let sink = h.spawn_role(1, test_fn, "sink_4");
+    let sender = h.spawn_role(0, test_fn, "sender_1");
+    assert!(finish(sender, "the sender").success(), "the sender failed");
+    assert!(finish(sink, "the sink").success(), "the sink failed");
+    // Both forwarding nodes counted every datagram, whichever host's sender it was, and
+    // either host's status says so (each adds what the other reported).
+    let counted = wait_for(Duration::from_secs(10), || {
+        let all = (0..2).all(|k| {
+            let s = h.status(k);
+            [2, 3].iter().all(|&slot| {
+                s["slots"][slot - 1]["fwd_msgs"].as_u64().unwrap_or(0) >= 2 * LINK_DGRAMS
+            })
+        });
+        all.then_some(())
+    });
+    assert!(
+        counted.is_some(),
+        "forwarding counts:\n--- h0: {}\n--- h1: {}",
+        h.status(0),
+        h.status(1)
+    );
+    // h1 leaves: nodes 2 and 4 go DOWN, and node 1 no longer reaches node 3.
+    h.down(1);
+    h.wait_slot(0, 2, "DOWN", None);
+    let r = h.spawn_role(0, test_fn, "no_route");
+    assert!(finish(r, "no route").success(), "no_route failed");
+    h.down(0);
+    h.assert_nothing_left();
+}
+
 #[test]
 fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
     if !root() {

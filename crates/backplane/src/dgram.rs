@@ -424,10 +424,11 @@ impl Endpoint {
         let fabric = self.node.fabric.clone();
         let opened = match self.transport.open_datagram(self.addr, dst) {
             Ok(o) => o,
-            Err(FabricError::Refused { kind, .. }) => {
+            Err(FabricError::Refused { kind, message }) => {
                 self.stats.dropped += 1;
                 self.publish_stats();
                 return Err(match kind {
+                    ErrorKind::NoRoute => DgramError::NoRoute(message),
                     ErrorKind::NodeDown => {
                         if !fabric
                             .node_info(self.addr.node)

@@ -33,7 +33,7 @@ pub struct Args {
     topology: Option<std::path::PathBuf>,
     /// A fabric across hosts: a TOML file of `[[hosts]]` (name, address = "IPv4:PORT", slots),
     /// the same on every host; each host runs `up --hosts FILE --host NAME` for its slots.
-    #[arg(long, value_name = "FILE", requires = "host", conflicts_with_all = ["topology", "nodes"])]
+    #[arg(long, value_name = "FILE", requires = "host", conflicts_with_all = ["nodes"])]
     hosts: Option<std::path::PathBuf>,
     /// Which host of the hosts file this is.
     #[arg(long, value_name = "NAME", requires = "hosts")]
@@ -103,17 +103,24 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let nodes = match (a.nodes, &topo) {
-        _ if hosts.is_some() => hosts.as_ref().map_or(0, |(_, p)| p.nodes()),
-        (Some(n), Some(t)) if n != t.nodes => {
+    let nodes = match (a.nodes, &topo, &hosts) {
+        (_, Some(t), Some((_, p))) if t.nodes != p.nodes() => {
+            anyhow::bail!(
+                "the topology file has {} nodes but the hosts file {}: a topology across hosts names every slot of every host",
+                t.nodes,
+                p.nodes()
+            )
+        }
+        (_, _, Some((_, p))) => p.nodes(),
+        (Some(n), Some(t), None) if n != t.nodes => {
             anyhow::bail!(
                 "--nodes {n} disagrees with the topology file, which has {} nodes",
                 t.nodes
             )
         }
-        (Some(n), _) => n,
-        (None, Some(t)) => t.nodes,
-        (None, None) => 4,
+        (Some(n), _, None) => n,
+        (None, Some(t), None) => t.nodes,
+        (None, None, None) => 4,
     };
     // Judge the node count and window before the subnet they must fit in.
     let mut plain = options(&a.name.name, nodes, a.window_size, a.restart_delay_ms, None)?;

@@ -126,6 +126,8 @@ pub enum ErrorKind {
     NoSpace,
     /// A malformed or unexpected request.
     Invalid,
+    /// A distributed topology has no path between the nodes through READY nodes.
+    NoRoute,
 }
 
 /// The supervisor's reply.

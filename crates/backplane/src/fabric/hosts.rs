@@ -311,13 +311,14 @@ impl HostPlan {
             ));
         }
         if l != link {
-            let say = |x: &Option<String>| {
-                x.as_ref()
-                    .map_or_else(|| "no link model".into(), |m| format!("--link {m}"))
+            let say = |x: &Option<String>| match x {
+                None => "no link model".into(),
+                Some(m) if m.starts_with("topology:") => format!("a {m}"),
+                Some(m) => format!("--link {m}"),
             };
             return Err(format!(
                 "host '{host}' emulates {}, host '{me}' {}: use the same --link and \
-                 --forwarding (or none) on every host",
+                 --forwarding, or the same --topology file, (or none) on every host",
                 say(l),
                 say(link)
             ));
@@ -428,6 +429,11 @@ pub enum HostMsg {
         host: String,
         /// Its slots.
         slots: Vec<SlotReport>,
+        /// A distributed topology: the datagrams and bytes its senders had forwarded through
+        /// each node (of any host; its copy of the node's counters), where not zero: `status`
+        /// adds every host's.
+        #[serde(default)]
+        forwarded: Vec<(u32, u64, u64)>,
     },
     /// The sender is shutting down (`down`): its nodes go DOWN at once, not after a timeout.
     Bye {

@@ -138,6 +138,12 @@ impl Options {
             c.hosts = Some(plan);
         }
         if let Some(t) = topology {
+            if c.hosts.is_some() && t.nodes != c.nodes {
+                return Err(StartError::Hosts(format!(
+                    "the topology file has {} nodes but the hosts file {}: a topology across hosts names every slot of every host",
+                    t.nodes, c.nodes
+                )));
+            }
             c.nodes = t.nodes;
             if t.kind == super::topology::Kind::Star {
                 c.link = Some(t.link.clone());

@@ -236,8 +236,12 @@ fn run_inner(
     let listener = bind_listener(&lock.dir.join(SOCKET_FILE))?;
     let hosts = match &cfg.hosts {
         Some(plan) => {
-            let bps = cfg.link.as_ref().map(|l| l.bytes_per_s.max(1));
-            Some(hosts::HostLink::open(plan.clone(), bps, now)?)
+            let pace = match (&cfg.link, &cfg.topology) {
+                (_, Some(_)) => bridge::Pace::Route,
+                (Some(l), None) => bridge::Pace::Link(l.bytes_per_s.max(1)),
+                (None, None) => bridge::Pace::Memory,
+            };
+            Some(hosts::HostLink::open(plan.clone(), pace, now)?)
         }
         None => None,
     };

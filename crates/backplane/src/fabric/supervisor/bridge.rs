@@ -293,14 +293,33 @@ pub(super) struct Bridge {
     wake: std::sync::Arc<Wake>,
 }
 
+/// How the bridge paces the datagrams it ships to other hosts (see [`Worker::pump_out`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pace {
+    /// At memory speed: a datagram leaves at once.
+    Memory,
+    /// `--link` (or a star topology): the model's bandwidth in bytes/s; a datagram leaves when
+    /// its sender's uplink and the switch are done, the other host claims the downlink.
+    Link(u64),
+    /// A distributed topology: the sender stamped the whole route (every link on it); a
+    /// datagram leaves at its stamp and is delivered as it arrives.
+    Route,
+}
+
+impl Pace {
+    /// The model's bandwidth where the receiving host claims a downlink.
+    fn downlink(self) -> Option<u64> {
+        match self {
+            Pace::Link(bps) => Some(bps),
+            _ => None,
+        }
+    }
+}
+
 impl Bridge {
     /// Starts the bridge thread, listening on `ip` (any port) for the other hosts' bridges.
-    /// `bytes_per_s`: an emulated link's bandwidth (see [`Worker::pump_out`]).
-    pub(super) fn start(
-        ip: std::net::IpAddr,
-        me: usize,
-        bytes_per_s: Option<u64>,
-    ) -> Result<Self, String> {
+    /// `pace`: how datagrams to other hosts are held back (link emulation).
+    pub(super) fn start(ip: std::net::IpAddr, me: usize, pace: Pace) -> Result<Self, String> {
         let (tx, rx) = mpsc::channel();
         let (note_tx, notes) = mpsc::channel();
         let (port_tx, port_rx) = mpsc::channel();
@@ -333,7 +352,7 @@ impl Bridge {
                 let worker = Worker {
                     link: SeqLink::new(link),
                     me,
-                    bytes_per_s,
+                    pace,
                     due: None,
                     cmds: rx,
                     notes: note_tx,
@@ -595,8 +614,8 @@ impl<T> Reorder<T> {
 struct Worker {
     link: SeqLink,
     me: usize,
-    /// Link emulation: the model's bandwidth (bytes/s; None: memory speed).
-    bytes_per_s: Option<u64>,
+    /// Link emulation: how datagrams to other hosts are held back.
+    pace: Pace,
     /// Link emulation: when the first datagram held on its uplink is due to leave.
     due: Option<u64>,
     cmds: mpsc::Receiver<Cmd>,
@@ -1184,21 +1203,24 @@ impl Worker {
     fn pump_out(&mut self) -> bool {
         let mut any = false;
         let mut done = Vec::new();
-        let model = self.bytes_per_s;
-        let now = if model.is_some() {
-            crate::sync::now_ns()
-        } else {
+        let pace = self.pace;
+        let now = if pace == Pace::Memory {
             0
+        } else {
+            crate::sync::now_ns()
         };
         let mut due: Option<u64> = None;
         // The time a record may leave, if that is still ahead. (A stamp further out than any
         // the sender could make is its own mistake: shipped at once, the other host's
         // downlink still paces it.)
         let mut hold = |rec: &crate::ring::Record| {
-            let bps = model?;
-            let at = rec
-                .not_before_ns
-                .saturating_sub(crate::dgram::serialise_ns(rec.len, bps));
+            let at = match pace {
+                Pace::Memory => return None,
+                Pace::Link(bps) => rec
+                    .not_before_ns
+                    .saturating_sub(crate::dgram::serialise_ns(rec.len, bps)),
+                Pace::Route => rec.not_before_ns,
+            };
             (at > now && at <= now + crate::dgram::MAX_HOLD_NS).then(|| {
                 due = Some(due.map_or(at, |d| d.min(at)));
                 at
@@ -1353,7 +1375,7 @@ impl Worker {
                     }
                 };
                 let item = entry.remove();
-                if let (Some(bps), Some(clock)) = (self.bytes_per_s, &r.ingress) {
+                if let (Some(bps), Some(clock)) = (self.pace.downlink(), &r.ingress) {
                     // The destination's downlink, shared with every sender to the node.
                     let ser = crate::dgram::serialise_ns(payload_len, bps);
                     let now = crate::sync::now_ns();

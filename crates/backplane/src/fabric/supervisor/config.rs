@@ -118,13 +118,6 @@ pub fn check_config(c: &Config) -> Result<(), StartError> {
         return Err(StartError::BadWindowSize(c.window_size));
     }
     if let Some(h) = &c.hosts {
-        if c.topology.is_some() {
-            return Err(StartError::Hosts(
-                "a fabric across hosts takes one link model for every node (--link), not a \
-                 topology file: leave out --topology"
-                    .into(),
-            ));
-        }
         if h.nodes() != c.nodes {
             return Err(StartError::Hosts(format!(
                 "--nodes {} disagrees with the hosts file, whose slots run 1..={}",

@@ -44,6 +44,8 @@ struct Peer {
     transports: Vec<String>,
     /// Its slots as it last reported them.
     remote: HashMap<u32, SlotReport>,
+    /// What its senders had forwarded through each node (datagrams, bytes), as it last said.
+    forwarded: HashMap<u32, (u64, u64)>,
 }
 
 pub(super) struct HostLink {
@@ -61,10 +63,10 @@ pub(super) struct HostLink {
 }
 
 impl HostLink {
-    /// `bytes_per_s`: the emulated link's bandwidth (None: memory speed).
+    /// `pace`: how the bridge holds back datagrams to other hosts (link emulation).
     pub(super) fn open(
         plan: HostPlan,
-        bytes_per_s: Option<u64>,
+        pace: super::bridge::Pace,
         now: Instant,
     ) -> Result<Self, StartError> {
         let me = plan.this().clone();
@@ -92,7 +94,7 @@ impl HostLink {
             ))
         })?;
         super::keep_freed_memory();
-        let bridge = super::bridge::Bridge::start(me.address.ip(), plan.me, bytes_per_s)
+        let bridge = super::bridge::Bridge::start(me.address.ip(), plan.me, pace)
             .map_err(|e| StartError::Hosts(format!("host '{}': datagram bridge: {e}", me.name)))?;
         let peers = plan
             .hosts
@@ -105,6 +107,7 @@ impl HostLink {
                 error: None,
                 transports: Vec::new(),
                 remote: HashMap::new(),
+                forwarded: HashMap::new(),
             })
             .collect();
         Ok(Self {
@@ -238,6 +241,18 @@ impl HostLink {
         self.remote(slot).map_or(0, |r| r.pid)
     }
 
+    /// What the other hosts' senders forwarded through `slot` (datagrams, bytes), as they
+    /// last reported it.
+    pub(super) fn forwarded_elsewhere(&self, slot: u32) -> (u64, u64) {
+        self.peers
+            .iter()
+            .filter(|p| p.state == PeerState::Joined)
+            .filter_map(|p| p.forwarded.get(&slot))
+            .fold((0, 0), |(m, b), &(pm, pb)| {
+                (m.saturating_add(pm), b.saturating_add(pb))
+            })
+    }
+
     /// The counters and open endpoints a remote slot's host reported.
     pub(super) fn remote_counters(&self, slot: u32) -> ([u64; 5], u32) {
         self.remote(slot)
@@ -369,8 +384,16 @@ impl Sup {
                                 h.link.close(ep);
                             }
                         }
-                        HostMsg::Slots { slots, .. } if h.peers[i].state == PeerState::Joined => {
+                        HostMsg::Slots {
+                            slots, forwarded, ..
+                        } if h.peers[i].state == PeerState::Joined => {
                             h.peers[i].heard = now;
+                            // Counters only: any slot of the fabric, the latest word.
+                            h.peers[i].forwarded = forwarded
+                                .into_iter()
+                                .filter(|&(slot, ..)| (1..=self.cfg.nodes).contains(&slot))
+                                .map(|(slot, m, b)| (slot, (m, b)))
+                                .collect();
                             for r in slots {
                                 // Only the slots the file gives that host; anything else
                                 // from the wire is ignored.
@@ -543,9 +566,20 @@ impl Sup {
                     }
                 })
                 .collect();
+            let forwarded = match &self.cfg.topology {
+                Some(_) => (1..=self.cfg.nodes)
+                    .map(|slot| {
+                        let (m, b) = self.own_forwarded(slot);
+                        (slot, m, b)
+                    })
+                    .filter(|&(_, m, _)| m != 0)
+                    .collect(),
+                None => Vec::new(),
+            };
             let msg = HostMsg::Slots {
                 host: h.plan.this().name.clone(),
                 slots,
+                forwarded,
             };
             for i in 0..h.peers.len() {
                 if h.peers[i].state != PeerState::Joined {
@@ -713,8 +747,24 @@ fn net_shape(cfg: &Config) -> Option<String> {
         .map(|p| format!("{}/{} mtu {}", p.network, p.prefix, p.mtu))
 }
 
-/// The emulated link as the hosts compare it: the model and how the switch forwards.
+/// The emulated link as the hosts compare it: the model and how the switch forwards, or a
+/// distributed topology's links and their models (a star file is a `--link`).
 fn link_shape(cfg: &Config) -> Option<String> {
+    if let Some(t) = &cfg.topology {
+        let links: Vec<String> = t
+            .links
+            .iter()
+            .map(|l| {
+                let mode = if l.model.store_and_forward {
+                    "store-and-forward"
+                } else {
+                    "cut-through"
+                };
+                format!("{}-{} {} {mode}", l.a, l.b, l.model.name)
+            })
+            .collect();
+        return Some(format!("topology: links {}", links.join(", ")));
+    }
     cfg.link.as_ref().map(|l| {
         let mode = if l.store_and_forward {
             "store-and-forward"

@@ -102,11 +102,13 @@ impl Sup {
     }
 
     /// Where an endpoint may listen for datagrams straight from other hosts: this host's
-    /// address on a fabric across hosts, except where the bridge models the link (`--link`:
-    /// it holds each datagram until its modelled delivery).
+    /// address on a fabric across hosts, except where the bridge models the links (`--link`,
+    /// a topology: it holds each datagram until its modelled delivery).
     pub(super) fn direct_ip(&self) -> Option<std::net::IpAddr> {
         match &self.hosts {
-            Some(h) if self.cfg.link.is_none() => Some(h.plan.this().address.ip()),
+            Some(h) if self.cfg.link.is_none() && self.cfg.topology.is_none() => {
+                Some(h.plan.this().address.ip())
+            }
             _ => None,
         }
     }
@@ -322,7 +324,7 @@ impl Sup {
                 .map(|n| n.to_string())
                 .collect();
             (
-                ErrorKind::NodeDown,
+                ErrorKind::NoRoute,
                 format!(
                     "no route from node {src} to node {dst}: the nodes that would forward between them are DOWN ({})",
                     down.join(", ")

@@ -20,12 +20,17 @@ impl Sup {
                     _ => self.slot_counters(slot),
                 };
                 let entry_reason = self.read_reason(slot);
-                let fwd = |k: usize| {
-                    self.win(slot)
-                        .u64_at((WIN_FWD_OFF + 8 * k) as u64)
-                        .map(|a| a.load(Ordering::Relaxed))
-                        .unwrap_or(0)
+                // Forwarded through the node: by this host's senders (its window here, or
+                // the shadow of a node of another host) and by every other host's.
+                let fwd = {
+                    let (m, b) = self.own_forwarded(slot);
+                    let (om, ob) = self
+                        .hosts
+                        .as_ref()
+                        .map_or((0, 0), |h| h.forwarded_elsewhere(slot));
+                    [m.saturating_add(om), b.saturating_add(ob)]
                 };
+                let fwd = |k: usize| fwd[k];
                 let ifstats = self.cfg.net.map(|_| {
                     let mut v = [0u64; 6];
                     for (k, x) in v.iter_mut().enumerate() {
@@ -140,5 +145,19 @@ impl Sup {
         NodeEntryRepr::parse(&NodeEntry::new_unchecked(&b[..]))
             .map(|e| e.reason)
             .unwrap_or(DownReason::None)
+    }
+}
+
+impl Sup {
+    /// What this host's senders forwarded through `slot` (datagrams, bytes): the counters in
+    /// the node's window here (a shadow for a node of another host).
+    pub(super) fn own_forwarded(&self, slot: u32) -> (u64, u64) {
+        let word = |k: usize| {
+            self.win(slot)
+                .u64_at((WIN_FWD_OFF + 8 * k) as u64)
+                .map(|a| a.load(Ordering::Relaxed))
+                .unwrap_or(0)
+        };
+        (word(0), word(1))
     }
 }

@@ -53,6 +53,7 @@ impl QpEngine {
             // A datagram to nowhere is lost silently, as on a real UD QP.
             Err(DgramError::Unreachable(_))
             | Err(DgramError::NodeDown(_))
+            | Err(DgramError::NoRoute(_))
             | Err(DgramError::Corrupt { .. }) => Exec::Done(WcStatus::Success),
             Err(_) => Exec::Fatal(WcStatus::LocQpOpErr),
         }
