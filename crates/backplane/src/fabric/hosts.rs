@@ -318,7 +318,7 @@ impl HostPlan {
             };
             return Err(format!(
                 "host '{host}' emulates {}, host '{me}' {}: use the same --link and \
-                 --forwarding, or the same --topology file, (or none) on every host",
+                 --forwarding or the same --topology file (or none) on every host",
                 say(l),
                 say(link)
             ));

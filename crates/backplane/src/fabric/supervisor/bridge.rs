@@ -1211,8 +1211,8 @@ impl Worker {
         };
         let mut due: Option<u64> = None;
         // The time a record may leave, if that is still ahead. (A stamp further out than any
-        // the sender could make is its own mistake: shipped at once, the other host's
-        // downlink still paces it.)
+        // the sender could make is its own mistake: shipped at once — with `--link` the other
+        // host's downlink still paces it.)
         let mut hold = |rec: &crate::ring::Record| {
             let at = match pace {
                 Pace::Memory => return None,
