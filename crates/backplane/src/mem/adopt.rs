@@ -381,11 +381,11 @@ mod tests {
 
     #[test]
     fn pages_the_program_unmapped_are_left_alone_at_drop() {
+        use rustix::mm::{mmap_anonymous, MapFlags, ProtFlags};
         let p = anon(PAGE);
         let r = Arc::new(Region::create("bp-test-adopt", 2 * PAGE).unwrap());
         // SAFETY: the test's own page.
         let a = unsafe { Adopted::new(&r, PAGE as u64, p, PAGE) }.unwrap();
-        use rustix::mm::{mmap_anonymous, MapFlags, ProtFlags};
         // SAFETY: the program frees its buffer before deregistering.
         unsafe { rustix::mm::munmap(p.cast(), PAGE).unwrap() };
         assert!(!a.still_ours());

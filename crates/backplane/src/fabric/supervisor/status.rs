@@ -30,7 +30,6 @@ impl Sup {
                         .map_or((0, 0), |h| h.forwarded_elsewhere(slot));
                     [m.saturating_add(om), b.saturating_add(ob)]
                 };
-                let fwd = |k: usize| fwd[k];
                 let ifstats = self.cfg.net.map(|_| {
                     let mut v = [0u64; 6];
                     for (k, x) in v.iter_mut().enumerate() {
@@ -71,8 +70,8 @@ impl Sup {
                     rx_msgs: c[2],
                     rx_bytes: c[3],
                     drops: c[4],
-                    fwd_msgs: fwd(0),
-                    fwd_bytes: fwd(1),
+                    fwd_msgs: fwd[0],
+                    fwd_bytes: fwd[1],
                     address: self.cfg.net.map(|p| p.cidr(slot)),
                     mac: self.cfg.net.map(|_| net::Mac::of_slot(slot).to_string()),
                     interface: ifstats,
@@ -146,9 +145,7 @@ impl Sup {
             .map(|e| e.reason)
             .unwrap_or(DownReason::None)
     }
-}
 
-impl Sup {
     /// What this host's senders forwarded through `slot` (datagrams, bytes): the counters in
     /// the node's window here (a shadow for a node of another host).
     pub(super) fn own_forwarded(&self, slot: u32) -> (u64, u64) {
