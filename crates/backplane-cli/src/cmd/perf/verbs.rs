@@ -296,6 +296,26 @@ impl End {
         }
     }
 
+    /// Polls the byte at `off` of the region until it reads `v`, as `ucx_perftest`'s
+    /// `ucp_put_lat` waits: taking this side's completions now and then meanwhile, as it
+    /// progresses its worker (one empty poll per 64 loads: nothing on one host; a QP that
+    /// this process carries to another host moves along in this thread instead of waking
+    /// another for every message — `--loop perftest` is `ib_write_lat`'s loop, which never
+    /// calls the library while it waits).
+    #[inline]
+    fn await_byte(&self, off: u64, v: u8) -> anyhow::Result<()> {
+        let mut spins = 0u32;
+        while self.peek(off) != v {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) {
+                self.reap()?;
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        Ok(())
+    }
+
     fn send_ctl(&mut self, a: u64, b: u64) -> anyhow::Result<()> {
         let mut m = [0u8; 16];
         m[..8].copy_from_slice(&a.to_le_bytes());
@@ -454,17 +474,13 @@ fn write_pingpong(
     for i in 0..count {
         let s = stamp(i);
         if !first {
-            while e.peek(size - 1) != s {
-                std::hint::spin_loop();
-            }
+            e.await_byte(size - 1, s)?;
         }
         e.stamp_src(size, s);
         let sig = (i + 1).is_multiple_of(CQ_MOD);
         e.qp.post_send(if sig { &signaled } else { &plain })?;
         if first {
-            while e.peek(size - 1) != s {
-                std::hint::spin_loop();
-            }
+            e.await_byte(size - 1, s)?;
             let now = Clock::raw();
             rtt.push(now - last);
             last = now;
