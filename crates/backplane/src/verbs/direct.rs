@@ -141,8 +141,6 @@ struct Inner {
     m: Mirror,
     ep: Arc<Mutex<Endpoint>>,
     peer: Addr,
-    rx: Vec<u8>,
-    scratch: Vec<u8>,
     /// When acks or credits alone were first seen waiting (monotonic ns).
     words_since: Option<u64>,
     /// What the datagram path said when the pair broke, for the one line on stderr.
@@ -200,8 +198,6 @@ impl DirectQp {
                 m,
                 ep: home.ep.clone(),
                 peer,
-                rx: vec![0; MAX_DGRAM],
-                scratch: Vec::new(),
                 words_since: None,
                 detail: None,
                 said: false,
@@ -412,7 +408,6 @@ impl Inner {
         let Inner {
             m,
             peer,
-            scratch,
             words_since,
             detail,
             ..
@@ -433,17 +428,26 @@ impl Inner {
         }
         // One-sided requests before the ring bytes published after them (the position is
         // read first): a WRITE lands before a later SEND is seen.
+        // Each goes from the request ring straight into the message (a WRITE's data too).
         let upto = m.published();
-        while let Some(rec) = m.next_request(scratch) {
-            let body = &scratch[..];
-            let put = |_: &mut Mirror, b: &mut [u8]| {
-                b[..body.len()].copy_from_slice(body);
-                Some(body.len())
+        while m.request_waits() {
+            let (mut asked, mut taken) = (false, None);
+            let put = |m: &mut Mirror, b: &mut [u8]| {
+                asked = true;
+                let (rec, n) = m.next_request_into(b)?;
+                let id = b.get(24..32).and_then(|id| id.try_into().ok());
+                taken = Some((rec, id.map(u64::from_le_bytes)));
+                Some(n)
             };
-            if !Self::send(m, detail, ep, (peer, KIND_RDMA), put) {
-                return any;
+            let sent = Self::send(m, detail, ep, (peer, KIND_RDMA), put);
+            match taken {
+                Some((rec, id)) if sent => m.release_request_id(rec, id),
+                // No request waits.
+                None if asked => break,
+                // No room (the ring bytes after it wait too), or written into a message that
+                // UCX then refused (the pair broke).
+                _ => return any,
             }
-            m.release_request(rec, scratch);
             any = true;
         }
         // Acks and credits alone wait a little for a message to go with (a reply carries its
@@ -479,42 +483,45 @@ impl Inner {
     fn take(&mut self, ep: &mut Endpoint) -> bool {
         let mut any = false;
         loop {
-            let (n, src) = match ep.try_recv_from(&mut self.rx) {
-                Ok(x) => x,
+            // Read in place (a WRITE's data goes from the endpoint's message into the region).
+            let (m, peer) = (&mut self.m, self.peer);
+            match ep.recv_with(Wait::Never, |src, msg| {
+                Self::apply(m, peer, src, msg);
+                Ok(())
+            }) {
+                Ok(()) => any = true,
                 Err(DgramError::WouldBlock) => return any,
                 Err(e) => {
                     self.detail = Some(e.to_string());
                     self.m.fail("the QP's endpoint closed");
                     return any;
                 }
-            };
-            any = true;
-            if src != self.peer || n < 1 {
-                continue; // not the peer's: no one else may write to the pair
             }
-            let (kind, body) = (self.rx[0], &self.rx[1..n]);
-            let Some((theirs, ours)) = mirror::keys(body) else {
-                self.m
-                    .fail("a malformed message from the peer QP's process");
-                continue;
-            };
-            if theirs != self.m.remote_key || ours != self.m.local_key {
-                self.m
-                    .fail("a message for another QP from the peer's process");
-                continue;
+        }
+    }
+
+    /// Applies one message `msg` from `src`, which must be the peer's process.
+    fn apply(m: &mut Mirror, peer: Addr, src: Addr, msg: &[u8]) {
+        let Some((&kind, body)) = msg.split_first().filter(|_| src == peer) else {
+            return; // not the peer's: no one else may write to the pair
+        };
+        let Some((theirs, ours)) = mirror::keys(body) else {
+            m.fail("a malformed message from the peer QP's process");
+            return;
+        };
+        if theirs != m.remote_key || ours != m.local_key {
+            m.fail("a message for another QP from the peer's process");
+            return;
+        }
+        match kind {
+            KIND_QP => m.apply(body),
+            KIND_RDMA => {
+                let mut out = Vec::new();
+                m.execute(&body[16..], &mut out);
+                m.answers.push_back(out);
             }
-            match kind {
-                KIND_QP => self.m.apply(body),
-                KIND_RDMA => {
-                    let mut out = Vec::new();
-                    self.m.execute(&body[16..], &mut out);
-                    self.m.answers.push_back(out);
-                }
-                KIND_ANSWER => self.m.answer(&body[16..]),
-                _ => self
-                    .m
-                    .fail("a message of unknown kind from the peer's process"),
-            }
+            KIND_ANSWER => m.answer(&body[16..]),
+            _ => m.fail("a message of unknown kind from the peer's process"),
         }
     }
 }

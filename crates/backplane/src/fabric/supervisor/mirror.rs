@@ -385,12 +385,51 @@ impl Mirror {
         Some(rec)
     }
 
+    /// Whether [`Mirror::next_request_into`] has something to do (a request, or a ring to
+    /// fail on).
+    pub(crate) fn request_waits(&mut self) -> bool {
+        self.ready && self.broken.is_none() && !matches!(self.rdma.req.peek(), Ok(None))
+    }
+
+    /// As [`Mirror::next_request`], straight into `out` (a message being sent): the record
+    /// and the number of bytes written, `None` if no request waits or it does not fit.
+    pub(crate) fn next_request_into(
+        &mut self,
+        out: &mut [u8],
+    ) -> Option<(crate::ring::Record, usize)> {
+        if !self.ready || self.broken.is_some() {
+            return None;
+        }
+        let rec = match self.rdma.req.peek() {
+            Ok(Some(r)) => r,
+            Ok(None) => return None,
+            Err(_) => {
+                self.fail(LOCAL_POSITION);
+                return None;
+            }
+        };
+        let keys = encode_ready(self.local_key, self.remote_key);
+        let n = keys.len() + rec.len;
+        let Some(out) = out.get_mut(..n) else {
+            self.fail(LOCAL_POSITION);
+            return None;
+        };
+        out[..keys.len()].copy_from_slice(&keys);
+        // Inside the data area (validated by the consumer).
+        let _ = self.rdma.req.data().read(rec.pos, &mut out[keys.len()..]);
+        Some((rec, n))
+    }
+
     /// The request `next_request` gave (its bytes still in `out`) went out.
     pub(crate) fn release_request(&mut self, rec: crate::ring::Record, out: &[u8]) {
-        if let Some(id) = out.get(24..32) {
-            self.asked_id = self
-                .asked_id
-                .max(u64::from_le_bytes(id.try_into().expect("8 bytes")));
+        self.release_request_id(rec, out.get(24..32).map(|b| u64_at(b, 0)));
+    }
+
+    /// The request `next_request_into` gave went out; `id` is its id (the 8 bytes at 24 of
+    /// what it wrote).
+    pub(crate) fn release_request_id(&mut self, rec: crate::ring::Record, id: Option<u64>) {
+        if let Some(id) = id {
+            self.asked_id = self.asked_id.max(id);
         }
         self.rdma.req.release(rec);
     }
