@@ -350,6 +350,10 @@ impl RemoteRegion for AcrossRegion {
     fn cut(&self) -> bool {
         self.pair().gone()
     }
+    fn owner_checks_qp_access(&self) -> bool {
+        // `Mirror::execute` on the owner's side checks its QP's access word.
+        true
+    }
     fn valid(&self) -> bool {
         !self.broken.load(Ordering::Relaxed) && !self.pair().gone()
     }

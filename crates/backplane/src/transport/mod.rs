@@ -366,6 +366,12 @@ pub trait RemoteRegion: Send + Sync + fmt::Debug {
     fn cut(&self) -> bool {
         false
     }
+    /// True when the region's owner checks every access against its QP's access flags as it
+    /// carries it out (a region on another host: that host's side does), so the requester's
+    /// copy of those flags — which may lag behind the owner's `ibv_modify_qp` — gates nothing.
+    fn owner_checks_qp_access(&self) -> bool {
+        false
+    }
     /// A key naming the region's memory (two grants of one region have the same), for
     /// overlap checks between regions.
     fn ident(&self) -> (u64, u64);

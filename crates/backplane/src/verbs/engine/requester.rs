@@ -381,6 +381,13 @@ impl QpEngine {
             .map(|p| AccessFlags::from_bits_retain(p.link.peer_access()))
             .ok_or(WcStatus::LocQpOpErr)?;
         let m = self.remote_mr(rkey, env).ok_or(WcStatus::RemAccessErr)?;
+        // A peer on another host checks its own flags (the copy here may not have caught up
+        // with its modify_qp yet: perftest's first WRITE follows the connection at once).
+        let peer_access = if m.mem.owner_checks_qp_access() {
+            peer_access | need
+        } else {
+            peer_access
+        };
         // The owner's address of a byte → its offset in the region; below the region wraps
         // past its end, which the bounds check refuses.
         let off = addr.wrapping_sub(m.iova);
