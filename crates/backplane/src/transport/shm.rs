@@ -859,8 +859,8 @@ impl QpChannels for ShmTransport {
         event_off: u64,
     ) -> Result<(u32, ShmQpHome), FabricError> {
         // RC QPs on a fabric across hosts carry their pairs with other hosts' QPs themselves
-        // when the program asks (`BACKPLANE_DIRECT_QP=1`) and they can; UC stays on the
-        // bridges (`ibv_uc_pingpong` hung direct).
+        // when they can (unless `BACKPLANE_DIRECT_QP=0`); UC stays on the bridges
+        // (`ibv_uc_pingpong` hung direct).
         let direct = (self.fabric.inner.direct_ip.is_some()
             && qp_type == 2
             && crate::verbs::direct::wanted())

@@ -23,6 +23,7 @@
 //! endpoint went (the pair breaks: the QP sees its peer gone).
 #![forbid(unsafe_code)]
 
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
@@ -54,11 +55,11 @@ const BUSY_NAP: Duration = Duration::from_micros(20);
 /// How long acks and credits alone wait for a message to go with.
 const WORDS_LINGER_NS: u64 = 30_000;
 
-/// Whether RC QPs of this process carry their pairs across hosts themselves: asked for with
-/// `BACKPLANE_DIRECT_QP=1` (not yet the default: see the README on what is left), never with
-/// `BACKPLANE_DIRECT=0`.
+/// Whether RC QPs of this process carry their pairs across hosts themselves: the default
+/// (session 21); `BACKPLANE_DIRECT_QP=0` leaves them to the bridges, as `BACKPLANE_DIRECT=0`
+/// leaves everything.
 pub(crate) fn wanted() -> bool {
-    std::env::var_os("BACKPLANE_DIRECT_QP").is_some_and(|v| v == "1")
+    std::env::var_os("BACKPLANE_DIRECT_QP").is_none_or(|v| v != "0")
         && std::env::var_os("BACKPLANE_DIRECT").is_none_or(|v| v != "0")
 }
 
@@ -155,6 +156,10 @@ struct Shared {
     /// When a program thread last pumped the pair (monotonic ns): while programs poll, the
     /// pair's own thread stays out of their way.
     app_ns: AtomicU64,
+    /// The pair's thread rests because programs poll (on `rest_bell`, written when a poll
+    /// took completions: the program may now wait elsewhere, e.g. on memory).
+    resting: AtomicBool,
+    rest_bell: Option<OwnedFd>,
 }
 
 /// One direct pair: the mirror of a local QP and its peer's shadow, run by this process.
@@ -204,6 +209,12 @@ impl DirectQp {
             }),
             stop: AtomicBool::new(false),
             app_ns: AtomicU64::new(0),
+            resting: AtomicBool::new(false),
+            rest_bell: rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+            )
+            .ok(),
         });
         {
             let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
@@ -279,6 +290,33 @@ pub(crate) fn progress_all() {
     }
 }
 
+/// A program thread's poll took completions: it may wait elsewhere now (a program that
+/// polls memory for a peer's RDMA WRITE after its own WRITE completed, as `ib_write_lat`
+/// does), so the pairs' threads look after the pairs again until it polls an empty queue.
+#[inline(always)]
+pub(crate) fn app_took_completions() {
+    if LIVE_COUNT.0.load(Ordering::Relaxed) != 0 {
+        app_went_elsewhere();
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn app_went_elsewhere() {
+    let Ok(live) = LIVE.try_lock() else {
+        return;
+    };
+    for s in live.iter().filter_map(Weak::upgrade) {
+        // SYNC POINT pair-rest (app side): the stamp is cleared before `resting` is read.
+        s.app_ns.store(0, Ordering::SeqCst);
+        if s.resting.swap(false, Ordering::SeqCst) {
+            if let Some(fd) = &s.rest_bell {
+                let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+            }
+        }
+    }
+}
+
 #[cold]
 #[inline(never)]
 fn progress_live() {
@@ -303,8 +341,27 @@ fn watch(s: &Shared) {
         if quiet < APP_ACTIVE_NS {
             // (Not a short timer in a loop: thousands of wake-ups a second from these
             // starved the machine's timer and softirq work — the nodes' agents overslept a
-            // 100 ms sleep by a second and were declared hung.)
-            std::thread::sleep(APP_CHECK);
+            // 100 ms sleep by a second and were declared hung.) A poll that takes
+            // completions ends the rest early.
+            // SYNC POINT pair-rest (pair side): `resting` is set before the stamp is read
+            // again, so a program's `app_went_elsewhere` either sees it or is seen here.
+            s.resting.store(true, Ordering::SeqCst);
+            let stamp = s.app_ns.load(Ordering::SeqCst);
+            match &s.rest_bell {
+                Some(fd) if crate::sync::now_ns().saturating_sub(stamp) < APP_ACTIVE_NS => {
+                    let ts = rustix::time::Timespec {
+                        tv_sec: 0,
+                        tv_nsec: APP_CHECK.as_nanos() as i64,
+                    };
+                    let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+                    let _ = rustix::event::poll(&mut fds, Some(&ts));
+                    let mut b = [0u8; 8];
+                    let _ = rustix::io::read(fd, &mut b);
+                }
+                Some(_) => {}
+                None => std::thread::sleep(APP_CHECK),
+            }
+            s.resting.store(false, Ordering::SeqCst);
             continue;
         }
         let mut g = s.lock();
