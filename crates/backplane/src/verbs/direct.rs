@@ -280,27 +280,30 @@ impl Shared {
     /// A program thread polling a completion queue pumps (unless another thread is at it);
     /// it will again, so the pair's thread stays out of its way for a while.
     #[inline]
-    fn pumped_by_app(&self) {
-        self.app_ns.store(crate::sync::now_ns(), Ordering::Relaxed);
+    fn pumped_by_app(&self, polling: bool) {
+        if polling {
+            self.app_ns.store(crate::sync::now_ns(), Ordering::Relaxed);
+        }
         if let Ok(mut g) = self.inner.try_lock() {
             g.pump();
         }
     }
 }
 
-/// Moves every direct pair of this process along (a completion queue was found empty).
+/// Moves every direct pair of this process along (a completion queue was found empty);
+/// `polling`: the program polls in a loop (the pairs' threads stay out of its way).
 #[inline(always)]
-pub(crate) fn progress_all() {
+pub(crate) fn progress_all(polling: bool) {
     if LIVE_COUNT.0.load(Ordering::Relaxed) != 0 {
-        progress_live();
+        progress_live(polling);
     }
 }
 
-/// A program thread's poll took completions: it may wait elsewhere now (a program that
-/// polls memory for a peer's RDMA WRITE after its own WRITE completed, as `ib_write_lat`
-/// does), so the pairs' threads look after the pairs again until it polls an empty queue.
+/// A program thread may wait elsewhere now — on memory for a peer's RDMA WRITE after its own
+/// WRITE completed (as `ib_write_lat` does), or on a completion channel it just armed — so
+/// the pairs' threads look after the pairs again until it polls an empty queue.
 #[inline(always)]
-pub(crate) fn app_took_completions() {
+pub(crate) fn app_may_wait_elsewhere() {
     if LIVE_COUNT.0.load(Ordering::Relaxed) != 0 {
         app_went_elsewhere();
     }
@@ -325,13 +328,13 @@ fn app_went_elsewhere() {
 
 #[cold]
 #[inline(never)]
-fn progress_live() {
+fn progress_live(polling: bool) {
     let pairs: Vec<Arc<Shared>> = match LIVE.try_lock() {
         Ok(l) => l.iter().filter_map(Weak::upgrade).collect(),
         Err(_) => return,
     };
     for s in pairs {
-        s.pumped_by_app();
+        s.pumped_by_app(polling);
     }
 }
 

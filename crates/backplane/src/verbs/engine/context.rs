@@ -175,8 +175,15 @@ impl Ctx {
             .and_then(|c| c.as_ref())
             .map_or(0, |c| c.entries.len());
         if need == 0 {
-            // Pairs with other hosts that this process carries: what came, what to ship.
-            crate::verbs::direct::progress_all();
+            // Pairs with other hosts that this process carries: what came, what to ship. (A
+            // queue with a completion channel is polled by a program that sleeps on the
+            // channel between polls: its polls do not keep the pairs' threads resting.)
+            let sleeps_between = eng
+                .cqs
+                .get(cq)
+                .and_then(|c| c.as_ref())
+                .is_some_and(|c| c.channel.is_some());
+            crate::verbs::direct::progress_all(!sleeps_between);
         }
         if need == 0 && !self.all_quiet(eng, cq) {
             self.progress_cq(eng, cq);
@@ -210,7 +217,7 @@ impl Ctx {
             // the peer's (`ib_write_lat`). (Not after READs and atomics, whose results the
             // program takes from memory it already has: each such wake-up of the pairs'
             // threads cost atomic-lat ~15 %.)
-            crate::verbs::direct::app_took_completions();
+            crate::verbs::direct::app_may_wait_elsewhere();
         }
         if n == 0 && self.yield_every != 0 {
             eng.empty_polls = eng.empty_polls.wrapping_add(1);
@@ -225,6 +232,8 @@ impl Ctx {
     pub(crate) fn arm_cq(&self, eng: &mut Engine, cq: usize) -> Result<(), VerbsError> {
         let (ch, armed) = self.watch_of(eng, cq)?;
         ch.arm(armed);
+        // The program is about to sleep on the channel: the pairs' threads take over now.
+        crate::verbs::direct::app_may_wait_elsewhere();
         Ok(())
     }
 
