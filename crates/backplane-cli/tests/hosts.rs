@@ -1430,19 +1430,7 @@ fn perftest_runs_every_rdma_operation_between_nodes_of_two_hosts() {
     }
     lib_built("libibverbs.so", "backplane-ibverbs");
     let h = Hosts::odd_even("hosts_perftest", 25);
-    for (i, prog) in [
-        "ib_write_bw",
-        "ib_write_lat",
-        "ib_read_bw",
-        "ib_read_lat",
-        "ib_send_bw",
-        "ib_send_lat",
-        "ib_atomic_bw",
-        "ib_atomic_lat",
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (i, prog) in PERFTEST.into_iter().enumerate() {
         let port = (18830 + i).to_string();
         let (c, s) = verbs_pair(&h, prog, &port, &["-n", "200"]);
         for (who, o) in [("client", &c), ("server", &s)] {

@@ -191,19 +191,7 @@ fn perftest_runs_every_rdma_operation_between_two_nodes() {
     }
     lib_built();
     let fab = Fab::up("ibv_perftest", 2, &[]);
-    for (i, prog) in [
-        "ib_write_bw",
-        "ib_write_lat",
-        "ib_read_bw",
-        "ib_read_lat",
-        "ib_send_bw",
-        "ib_send_lat",
-        "ib_atomic_bw",
-        "ib_atomic_lat",
-    ]
-    .into_iter()
-    .enumerate()
-    {
+    for (i, prog) in PERFTEST.into_iter().enumerate() {
         let r = pair(&fab, prog, 18720 + i as u16, &["-n", "200"]);
         both_succeed(prog, &r);
         let out = String::from_utf8_lossy(&r.1.stdout).into_owned();

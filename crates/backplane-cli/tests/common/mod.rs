@@ -10,6 +10,18 @@ pub use shared::*;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_backplane");
 
+/// perftest's eight programs, every RDMA operation's bandwidth and latency.
+pub const PERFTEST: [&str; 8] = [
+    "ib_write_bw",
+    "ib_write_lat",
+    "ib_read_bw",
+    "ib_read_lat",
+    "ib_send_bw",
+    "ib_send_lat",
+    "ib_atomic_bw",
+    "ib_atomic_lat",
+];
+
 /// Runs `backplane ARGS...`.
 pub fn bp(args: &[&str]) -> Output {
     Command::new(BIN)

@@ -365,17 +365,7 @@ impl Mirror {
     /// The next one-sided request of the local QP, its record bytes in `out` (to ship with
     /// the two QP keys before it); `release` it once UCX took it.
     pub(crate) fn next_request(&mut self, out: &mut Vec<u8>) -> Option<crate::ring::Record> {
-        if !self.ready || self.broken.is_some() {
-            return None;
-        }
-        let rec = match self.rdma.req.peek() {
-            Ok(Some(r)) => r,
-            Ok(None) => return None,
-            Err(_) => {
-                self.fail(LOCAL_POSITION);
-                return None;
-            }
-        };
+        let rec = self.peek_request()?;
         out.clear();
         out.extend_from_slice(&encode_ready(self.local_key, self.remote_key));
         let at = out.len();
@@ -383,6 +373,21 @@ impl Mirror {
         // Inside the data area (validated by the consumer).
         let _ = self.rdma.req.data().read(rec.pos, &mut out[at..]);
         Some(rec)
+    }
+
+    /// The oldest request in the local QP's request ring, if the pair runs (a ring that
+    /// says an impossible position breaks it).
+    fn peek_request(&mut self) -> Option<crate::ring::Record> {
+        if !self.ready || self.broken.is_some() {
+            return None;
+        }
+        match self.rdma.req.peek() {
+            Ok(r) => r,
+            Err(_) => {
+                self.fail(LOCAL_POSITION);
+                None
+            }
+        }
     }
 
     /// Whether [`Mirror::next_request_into`] has something to do (a request, or a ring to
@@ -397,17 +402,7 @@ impl Mirror {
         &mut self,
         out: &mut [u8],
     ) -> Option<(crate::ring::Record, usize)> {
-        if !self.ready || self.broken.is_some() {
-            return None;
-        }
-        let rec = match self.rdma.req.peek() {
-            Ok(Some(r)) => r,
-            Ok(None) => return None,
-            Err(_) => {
-                self.fail(LOCAL_POSITION);
-                return None;
-            }
-        };
+        let rec = self.peek_request()?;
         let keys = encode_ready(self.local_key, self.remote_key);
         let n = keys.len() + rec.len;
         let Some(out) = out.get_mut(..n) else {
