@@ -15,12 +15,16 @@
 //! of it, with the checks the bridge makes ([`Mirror::execute`]): the region must be of the
 //! QP's protection domain and allow the access, and a deregistered one is refused.
 //!
-//! Who pumps: the thread that posts (the engine rings the shadow's bell: [`DirectQp::kick`]),
-//! the thread that polls a completion queue and finds it empty ([`progress_all`]), and a
-//! thread per pair that sleeps on the shadow's bell and the endpoint's doorbell for the rest
-//! (a program blocked in a completion channel, acks to send back while nobody polls). The
-//! datagram path keeps the messages in order and lossless, and tells a sender when the other
-//! endpoint went (the pair breaks: the QP sees its peer gone).
+//! Who pumps (waking another thread costs more than the rest of a message on a machine of
+//! few cores, so program threads do it whenever they are in the library): the thread that
+//! posts (the engine rings the shadow's bell: [`DirectQp::kick`]), the thread that polls a
+//! completion queue and finds it empty ([`progress_all`]), a thread that waits for a READ's
+//! or an atomic's answer (`transport::across`), and a thread per pair for the rest ([`watch`]:
+//! a program that waits on memory or on a completion channel, a peer whose program never
+//! polls, acks to send back while nobody polls). That thread rests while program threads
+//! poll, and is called back ([`app_may_wait_elsewhere`]) when one may stop. The datagram
+//! path keeps the messages in order and lossless, and tells a sender when the other endpoint
+//! went (the pair breaks: the QP sees its peer gone).
 #![forbid(unsafe_code)]
 
 use std::os::fd::OwnedFd;
@@ -162,8 +166,8 @@ struct Shared {
     /// When a program thread last pumped the pair (monotonic ns): while programs poll, the
     /// pair's own thread stays out of their way.
     app_ns: AtomicU64,
-    /// The pair's thread rests because programs poll (on `rest_bell`, written when a poll
-    /// took completions: the program may now wait elsewhere, e.g. on memory).
+    /// The pair's thread rests because programs poll (on `rest_bell`, written by
+    /// [`app_may_wait_elsewhere`]: a program may now wait on memory or a channel).
     resting: AtomicBool,
     rest_bell: Option<OwnedFd>,
 }

@@ -390,10 +390,9 @@ impl Mirror {
         }
     }
 
-    /// Whether [`Mirror::next_request_into`] has something to do (a request, or a ring to
-    /// fail on).
+    /// Whether a request waits (for [`Mirror::next_request_into`]).
     pub(crate) fn request_waits(&mut self) -> bool {
-        self.ready && self.broken.is_none() && !matches!(self.rdma.req.peek(), Ok(None))
+        self.peek_request().is_some()
     }
 
     /// As [`Mirror::next_request`], straight into `out` (a message being sent): the record

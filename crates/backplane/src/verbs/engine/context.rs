@@ -169,20 +169,15 @@ impl Ctx {
     ) -> usize {
         let mut eng = self.eng.borrow_mut();
         let eng = &mut *eng;
-        let need = eng
+        let (need, sleeps_between) = eng
             .cqs
             .get(cq)
             .and_then(|c| c.as_ref())
-            .map_or(0, |c| c.entries.len());
+            .map_or((0, false), |c| (c.entries.len(), c.channel.is_some()));
         if need == 0 {
             // Pairs with other hosts that this process carries: what came, what to ship. (A
             // queue with a completion channel is polled by a program that sleeps on the
             // channel between polls: its polls do not keep the pairs' threads resting.)
-            let sleeps_between = eng
-                .cqs
-                .get(cq)
-                .and_then(|c| c.as_ref())
-                .is_some_and(|c| c.channel.is_some());
             crate::verbs::direct::progress_all(!sleeps_between);
         }
         if need == 0 && !self.all_quiet(eng, cq) {
@@ -214,9 +209,9 @@ impl Ctx {
         let waited = std::mem::replace(&mut eng.waited, n == 0) || need == 0;
         if n != 0 && waited && wrote {
             // The program waited for its RDMA WRITE to land: it may poll memory next for
-            // the peer's (`ib_write_lat`). (Not after READs and atomics, whose results the
-            // program takes from memory it already has: each such wake-up of the pairs'
-            // threads cost atomic-lat ~15 %.)
+            // the peer's (`ib_write_lat`). (Not after READs and atomics: a program waiting
+            // for those goes on posting and polling, and ringing for them cost atomic-lat
+            // ~15 %.)
             crate::verbs::direct::app_may_wait_elsewhere();
         }
         if n == 0 && self.yield_every != 0 {
