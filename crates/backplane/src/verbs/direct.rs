@@ -294,6 +294,12 @@ impl Shared {
     }
 }
 
+/// Whether this process carries any pair (one load; false on a fabric on one host).
+#[inline(always)]
+pub(crate) fn carries_pairs() -> bool {
+    LIVE_COUNT.0.load(Ordering::Relaxed) != 0
+}
+
 /// Moves every direct pair of this process along (a completion queue was found empty);
 /// `polling`: the program polls in a loop (the pairs' threads stay out of its way).
 #[inline(always)]

@@ -169,15 +169,23 @@ impl Ctx {
     ) -> usize {
         let mut eng = self.eng.borrow_mut();
         let eng = &mut *eng;
-        let (need, sleeps_between) = eng
+        let need = eng
             .cqs
             .get(cq)
             .and_then(|c| c.as_ref())
-            .map_or((0, false), |c| (c.entries.len(), c.channel.is_some()));
-        if need == 0 {
-            // Pairs with other hosts that this process carries: what came, what to ship. (A
-            // queue with a completion channel is polled by a program that sleeps on the
-            // channel between polls: its polls do not keep the pairs' threads resting.)
+            .map_or(0, |c| c.entries.len());
+        // Pairs with other hosts that this process carries (none on one host: this path
+        // stays two loads longer than before them).
+        let carries = crate::verbs::direct::carries_pairs();
+        if need == 0 && carries {
+            // What came, what to ship. (A queue with a completion channel is polled by a
+            // program that sleeps on the channel between polls: its polls do not keep the
+            // pairs' threads resting.)
+            let sleeps_between = eng
+                .cqs
+                .get(cq)
+                .and_then(|c| c.as_ref())
+                .is_some_and(|c| c.channel.is_some());
             crate::verbs::direct::progress_all(!sleeps_between);
         }
         if need == 0 && !self.all_quiet(eng, cq) {
@@ -205,14 +213,16 @@ impl Ctx {
             sink(n, &wc);
             n += 1;
         }
-        // (This poll or the last found the queue empty: the program waited for these.)
-        let waited = std::mem::replace(&mut eng.waited, n == 0) || need == 0;
-        if n != 0 && waited && wrote {
-            // The program waited for its RDMA WRITE to land: it may poll memory next for
-            // the peer's (`ib_write_lat`). (Not after READs and atomics: a program waiting
-            // for those goes on posting and polling, and ringing for them cost atomic-lat
-            // ~15 %.)
-            crate::verbs::direct::app_may_wait_elsewhere();
+        if carries {
+            // (This poll or the last found the queue empty: the program waited for these.)
+            let waited = std::mem::replace(&mut eng.waited, n == 0) || need == 0;
+            if n != 0 && waited && wrote {
+                // The program waited for its RDMA WRITE to land: it may poll memory next for
+                // the peer's (`ib_write_lat`). (Not after READs and atomics: a program
+                // waiting for those goes on posting and polling, and ringing for them cost
+                // atomic-lat ~15 %.)
+                crate::verbs::direct::app_may_wait_elsewhere();
+            }
         }
         if n == 0 && self.yield_every != 0 {
             eng.empty_polls = eng.empty_polls.wrapping_add(1);

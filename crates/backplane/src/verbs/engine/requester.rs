@@ -383,7 +383,7 @@ impl QpEngine {
         let m = self.remote_mr(rkey, env).ok_or(WcStatus::RemAccessErr)?;
         // A peer on another host checks its own flags (the copy here may not have caught up
         // with its modify_qp yet: perftest's first WRITE follows the connection at once).
-        let peer_access = if m.mem.owner_checks_qp_access() {
+        let peer_access = if !peer_access.contains(need) && m.mem.owner_checks_qp_access() {
             peer_access | need
         } else {
             peer_access
