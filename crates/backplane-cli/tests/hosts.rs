@@ -1343,16 +1343,11 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
         verbs_pair(&h, prog, port, &a)
     };
     let (c, s) = pair("ibv_ud_pingpong", "18791", &["-n", "300", "-c"]);
-    for (who, o) in [("client", &c), ("server", &s)] {
-        assert!(
-            o.status.success(),
-            "ibv_ud_pingpong {who}: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            stderr(o)
-        );
+    both_ended_well("ibv_ud_pingpong", &c, &s);
+    for o in [&c, &s] {
         assert!(String::from_utf8_lossy(&o.stdout).contains("300 iters in"));
     }
-    // RC and UC: the QPs connect through both supervisors, the bridges mirror them; the
+    // RC (direct: each process carries its pair) and UC (the bridges mirror it): the
     // programs check every byte (`-c`), with completion events (`-e`) and large messages.
     for (prog, port, extra) in [
         ("ibv_rc_pingpong", "18792", &["-n", "500", "-c"][..]),
@@ -1366,13 +1361,8 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
     ] {
         let (c, s) = pair(prog, port, extra);
         let iters = extra[1];
+        both_ended_well(&format!("{prog} {extra:?}"), &c, &s);
         for (who, o) in [("client", &c), ("server", &s)] {
-            assert!(
-                o.status.success(),
-                "{prog} {extra:?} {who}: {}{}",
-                String::from_utf8_lossy(&o.stdout),
-                stderr(o)
-            );
             let out = String::from_utf8_lossy(&o.stdout);
             assert!(out.contains(&format!("{iters} iters in")), "{out}");
             eprintln!("{prog} {extra:?} {who}: {}", out.trim());
@@ -1389,10 +1379,14 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
 fn verbs_pair(h: &Hosts, prog: &str, port: &str, args: &[&str]) -> (Output, Output) {
     // The programs exchange their addresses over TCP between the hosts' own addresses, then
     // talk through the fabric.
-    let mut a = vec![
-        "exec", "--name", &h.fabric, "--verbs", "2", "--", "timeout", "60", prog, "-p", port,
-    ];
-    a.extend_from_slice(args);
+    let on = |node: &'static str| {
+        let mut a = vec![
+            "exec", "--name", &h.fabric, "--verbs", node, "--", "timeout", "60", prog, "-p", port,
+        ];
+        a.extend_from_slice(args);
+        a
+    };
+    let a = on("2");
     let server = h
         .in_host(1)
         .arg(format!("BACKPLANE_RUN_DIR={}", h.run_dir(1).display()))
@@ -1403,13 +1397,12 @@ fn verbs_pair(h: &Hosts, prog: &str, port: &str, args: &[&str]) -> (Output, Outp
         .spawn()
         .unwrap();
     let addr = h.addr(1);
-    let mut c = a.clone();
-    c[4] = "1";
+    let mut c = on("1");
     c.push(&addr);
     let client = wait_for(Duration::from_secs(20), || {
         let o = h.bp(0, &c);
-        // Until the server listens: the client's "Couldn't connect" (pingpongs) or
-        // "Couldn't connect" / "Unable to open file descriptor" (perftest).
+        // Until the server listens: the client's "Couldn't connect" (both kinds) or
+        // "Unable to open file descriptor" (perftest).
         let e = stderr(&o);
         let early = e.contains("Couldn't connect") || e.contains("Unable to open file descriptor");
         (o.status.success() || !early).then_some(o)
@@ -1417,6 +1410,18 @@ fn verbs_pair(h: &Hosts, prog: &str, port: &str, args: &[&str]) -> (Output, Outp
     .expect("the client never reached the server");
     let server = server.wait_with_output().unwrap();
     (client, server)
+}
+
+/// Both ends of a [`verbs_pair`] exited 0 (else their output in the failure).
+fn both_ended_well(what: &str, client: &Output, server: &Output) {
+    for (who, o) in [("client", client), ("server", server)] {
+        assert!(
+            o.status.success(),
+            "{what} {who}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            stderr(o)
+        );
+    }
 }
 
 /// perftest's eight programs between a node of each host (their pairs carried by the two
@@ -1433,14 +1438,7 @@ fn perftest_runs_every_rdma_operation_between_nodes_of_two_hosts() {
     for (i, prog) in PERFTEST.into_iter().enumerate() {
         let port = (18830 + i).to_string();
         let (c, s) = verbs_pair(&h, prog, &port, &["-n", "200"]);
-        for (who, o) in [("client", &c), ("server", &s)] {
-            assert!(
-                o.status.success(),
-                "{prog} {who}: {}{}",
-                String::from_utf8_lossy(&o.stdout),
-                stderr(o)
-            );
-        }
+        both_ended_well(prog, &c, &s);
         let out = String::from_utf8_lossy(&c.stdout);
         assert!(
             out.contains(" 200 "),
