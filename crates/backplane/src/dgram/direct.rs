@@ -963,7 +963,7 @@ mod tests {
         let (a_own, b_own) = (a.out[&to_b].ep, b.out[&to_a].ep);
         let deadline = Instant::now() + Duration::from_secs(10);
         let (mut at_a, mut at_b) = (Vec::new(), Vec::new());
-        let mut drain = |w: &mut Worker, into: &mut Vec<u8>| {
+        let drain = |w: &mut Worker, into: &mut Vec<u8>| {
             w.progress();
             while let Some((_, p)) = w.front() {
                 into.push(p[0]);
