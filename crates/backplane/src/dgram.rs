@@ -365,6 +365,22 @@ impl Endpoint {
         self.direct.is_some()
     }
 
+    /// Until [`Endpoint::uncork`], small datagrams to a receiver on another host share
+    /// messages, whatever their pace (nothing changes between nodes of one host): for a
+    /// sender with several datagrams ready at once.
+    pub fn cork(&mut self) {
+        if let Some(d) = self.direct.as_mut() {
+            d.cork();
+        }
+    }
+
+    /// Sends what waited since [`Endpoint::cork`].
+    pub fn uncork(&mut self) {
+        if let Some(d) = self.direct.as_mut() {
+            d.uncork();
+        }
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> EndpointStats {
         self.stats

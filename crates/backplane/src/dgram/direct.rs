@@ -204,6 +204,10 @@ struct Worker {
     sends: u32,
     /// Some connection has a batch waiting.
     batching: bool,
+    /// Small datagrams join a batch whatever their pace, until [`Direct::uncork`].
+    corked: bool,
+    /// A datagram was sent since [`Direct::cork`].
+    sent_corked: bool,
 }
 
 impl Worker {
@@ -240,6 +244,8 @@ impl Worker {
             rejected: 0,
             sends: 0,
             batching: false,
+            corked: false,
+            sent_corked: false,
         }
     }
 
@@ -329,7 +335,7 @@ impl Worker {
         let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
         // (A batch shipped above for lingering too long ended its stream unless this send
         // still is one.)
-        if len <= BATCH_SMALL && (!o.batch.is_empty() || streaming) {
+        if len <= BATCH_SMALL && (!o.batch.is_empty() || streaming || self.corked) {
             if o.batch.is_empty() {
                 o.batch.resize(HEAD, 0);
                 o.batch_since = now;
@@ -746,14 +752,48 @@ impl Direct {
     ) -> Result<Option<usize>, Blocked> {
         let mut w = self.lock();
         let r = w.send(to, dst, len, fill);
-        // Whatever UCX still holds (a batch, a queued message, bytes in a transport's buffer)
-        // leaves even if this thread goes elsewhere now: the waker sees to it.
-        let held = w.batching || w.link.in_flight_bytes() != 0 || !w.link.idle();
+        // (Corked: the batch leaves at `uncork`, which looks then.)
+        let corked = w.corked;
+        w.sent_corked |= corked;
         drop(w);
+        if !corked {
+            self.drain_later();
+        }
+        r
+    }
+
+    /// Whatever UCX still holds (a batch, a queued message, bytes in a transport's buffer)
+    /// leaves even if this thread goes elsewhere now: the waker sees to it.
+    fn drain_later(&self) {
+        let held = {
+            let mut w = self.lock();
+            w.batching || w.link.in_flight_bytes() != 0 || !w.link.idle()
+        };
         if held {
             self.ask(DRAIN);
         }
-        r
+    }
+
+    /// From here to [`Direct::uncork`], small datagrams to one receiver share messages: a
+    /// sender that has several to send at once (a queue pair's answer, request and acks)
+    /// sends them as one (over TCP, one system call and one segment each way).
+    pub(super) fn cork(&mut self) {
+        self.lock().corked = true;
+    }
+
+    /// Sends what waited since [`Direct::cork`].
+    pub(super) fn uncork(&mut self) {
+        {
+            let mut w = self.lock();
+            w.corked = false;
+            if !std::mem::take(&mut w.sent_corked) {
+                return;
+            }
+            if w.batching {
+                w.ship_all();
+            }
+        }
+        self.drain_later();
     }
 
     /// Makes progress (see [`Worker::progress`]); the number of messages refused since the

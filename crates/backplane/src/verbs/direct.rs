@@ -64,6 +64,10 @@ const BUSY_NAP: Duration = Duration::from_micros(20);
 const PAIR_LINGER_NS: u64 = 30_000;
 /// How long acks and credits alone wait for a message to go with.
 const WORDS_LINGER_NS: u64 = 30_000;
+/// How long the answers to RDMA WRITEs (acks, as in RC) wait for a message to go with while
+/// a program thread pumps: a peer that answers a WRITE with its own (`ib_write_lat`) sends
+/// both in one message (over TCP one system call and one segment each way, not two).
+const ANSWER_LINGER_NS: u64 = 10_000;
 
 /// Whether RC QPs of this process carry their pairs across hosts themselves: the default
 /// (session 21); `BACKPLANE_DIRECT_QP=0` leaves them to the bridges, as `BACKPLANE_DIRECT=0`
@@ -154,6 +158,10 @@ struct Inner {
     peer: Addr,
     /// When acks or credits alone were first seen waiting (monotonic ns).
     words_since: Option<u64>,
+    /// When answers that may wait were first held back (monotonic ns).
+    answers_since: Option<u64>,
+    /// The pump under way is a program thread's, which polls and may post soon.
+    by_app: bool,
     /// What the datagram path said when the pair broke, for the one line on stderr.
     detail: Option<String>,
     /// That line was written.
@@ -214,6 +222,8 @@ impl DirectQp {
                 ep: home.ep.clone(),
                 peer,
                 words_since: None,
+                answers_since: None,
+                by_app: false,
                 detail: None,
                 said: false,
             }),
@@ -289,7 +299,9 @@ impl Shared {
             self.app_ns.store(crate::sync::now_ns(), Ordering::Relaxed);
         }
         if let Ok(mut g) = self.inner.try_lock() {
+            g.by_app = polling;
             g.pump();
+            g.by_app = false;
         }
     }
 }
@@ -410,7 +422,7 @@ fn watch(s: &Shared) {
             }
             g = s.lock();
         }
-        let lingering = g.words_since.is_some();
+        let lingering = g.words_since.is_some() || g.answers_since.is_some();
         let fd = g.ep.lock().unwrap_or_else(|e| e.into_inner()).arm_fd();
         // News the worker could not take yet (UCX busy): not worth a sleep on its fd.
         let stuck = !lingering && g.m.pending();
@@ -480,17 +492,19 @@ impl Inner {
         worked
     }
 
-    /// Sends one datagram of kind `kind` made by `fill` (its length, or `None`): true if it
-    /// went; the pair breaks if the datagram path refuses it (the peer's endpoint, its node or
-    /// its host gone).
+    /// Sends one datagram of kind `kind` and at most `max` bytes made by `fill` (its length,
+    /// or `None`): true if it went; the pair breaks if the datagram path refuses it (the
+    /// peer's endpoint, its node or its host gone). (A tight `max` lets a small one share a
+    /// message with others: see [`Inner::ship`].)
     fn send(
         m: &mut Mirror,
         detail: &mut Option<String>,
         ep: &mut Endpoint,
-        (peer, kind): (Addr, u8),
+        (peer, kind, max): (Addr, u8, usize),
         fill: impl FnOnce(&mut Mirror, &mut [u8]) -> Option<usize>,
     ) -> bool {
-        let r = ep.send_with_max(peer, MAX_DGRAM, Wait::Never, |buf| {
+        let max = max.saturating_add(1).min(MAX_DGRAM);
+        let r = ep.send_with_max(peer, max, Wait::Never, |buf| {
             buf[0] = kind;
             fill(m, &mut buf[1..]).map(|n| n + 1)
         });
@@ -505,23 +519,48 @@ impl Inner {
         }
     }
 
+    /// Sends what the local QP has for the peer: answers, requests, ring bytes and words,
+    /// in one message where they fit (one system call and segment each way over TCP:
+    /// `write-lat` 3 segments each way a round trip before).
     fn ship(&mut self, ep: &mut Endpoint) -> bool {
+        ep.cork();
+        let any = self.ship_corked(ep);
+        ep.uncork();
+        any
+    }
+
+    fn ship_corked(&mut self, ep: &mut Endpoint) -> bool {
         let Inner {
             m,
             peer,
             words_since,
+            answers_since,
+            by_app,
             detail,
             ..
         } = self;
         let peer = *peer;
         let mut any = false;
-        // Answers the other side waits for, in order.
-        while let Some(a) = m.answers.pop_front() {
+        // Answers the other side waits for, in order. Those that are acks (WRITEs that
+        // landed) wait for a message to go with while a program pumps, which may post one.
+        let hold = *by_app
+            && !m.answers.is_empty()
+            && !m.request_waits()
+            && !m.has_urgent_news()
+            && m.answers.iter().all(|a| mirror::answer_is_write_ack(a))
+            && {
+                let now = crate::sync::now_ns();
+                now.saturating_sub(*answers_since.get_or_insert(now)) < ANSWER_LINGER_NS
+            };
+        if !hold {
+            *answers_since = None;
+        }
+        while let Some(a) = (!hold).then(|| m.answers.pop_front()).flatten() {
             let put = |_: &mut Mirror, b: &mut [u8]| {
                 b[..a.len()].copy_from_slice(&a);
                 Some(a.len())
             };
-            if !Self::send(m, detail, ep, (peer, KIND_ANSWER), put) {
+            if !Self::send(m, detail, ep, (peer, KIND_ANSWER, a.len()), put) {
                 m.answers.push_front(a);
                 return any;
             }
@@ -540,7 +579,8 @@ impl Inner {
                 taken = Some((rec, id.map(u64::from_le_bytes)));
                 Some(n)
             };
-            let sent = Self::send(m, detail, ep, (peer, KIND_RDMA), put);
+            let max = m.request_len().unwrap_or(MAX_DGRAM);
+            let sent = Self::send(m, detail, ep, (peer, KIND_RDMA, max), put);
             match taken {
                 Some((rec, id)) if sent => m.release_request_id(rec, id),
                 // No request waits.
@@ -568,7 +608,8 @@ impl Inner {
                 shipment = Some(s);
                 Some(n)
             };
-            if !Self::send(m, detail, ep, (peer, KIND_QP), made) {
+            let max = m.message_len(upto);
+            if !Self::send(m, detail, ep, (peer, KIND_QP, max), made) {
                 break;
             }
             match shipment {

@@ -390,6 +390,26 @@ impl Mirror {
         }
     }
 
+    /// The bytes [`Mirror::next_request_into`] would write for the request that waits.
+    pub(crate) fn request_len(&mut self) -> Option<usize> {
+        let rec = self.peek_request()?;
+        Some(encode_ready(self.local_key, self.remote_key).len() + rec.len)
+    }
+
+    /// The bytes [`Mirror::next_message`] writes at most now (what it ships of the ring is
+    /// bounded by its room).
+    pub(crate) fn message_len(&self, upto: u64) -> usize {
+        // SYNC POINT ring-publish (acquire).
+        let tail = self
+            .shadow
+            .tail
+            .load(Ordering::Acquire)
+            .min(upto.max(self.shipped));
+        let unsent = tail.saturating_sub(self.shipped).min(CHUNK);
+        // (Past the ring's length the position is impossible: `next_message` says so.)
+        MSG_HEAD + 1 + unsent as usize
+    }
+
     /// Whether a request waits (for [`Mirror::next_request_into`]).
     pub(crate) fn request_waits(&mut self) -> bool {
         self.peek_request().is_some()
@@ -713,6 +733,18 @@ pub(crate) struct Shipment {
     snap: Snap,
 }
 
+/// Whether `answer` (made by [`Mirror::execute`]) says an RDMA WRITE landed: an ack, which
+/// may wait for a message to go with; READ and atomic answers carry what their requester
+/// waits for, and refusals end its work.
+pub(crate) fn answer_is_write_ack(answer: &[u8]) -> bool {
+    let word = |at: usize| {
+        answer
+            .get(at..at + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    word(24) == Some(0) && word(28) == Some(u32::from(RDMA_OP_WRITE))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -756,7 +788,9 @@ mod tests {
     /// The next message into `buf` (resized to it), as the bridge ships it.
     fn next(m: &mut Mirror, buf: &mut Vec<u8>) -> Option<Shipment> {
         buf.resize(MSG_MAX, 0);
+        let bound = m.message_len(u64::MAX);
         let (n, s) = m.next_message(buf, u64::MAX)?;
+        assert!(n <= bound, "{n} bytes, {bound} promised");
         buf.truncate(n);
         Some(s)
     }
@@ -772,6 +806,24 @@ mod tests {
             n += 1;
         }
         n
+    }
+
+    #[test]
+    fn only_a_write_that_landed_is_answered_with_a_bare_ack() {
+        let answer = |status: u32, op: u8| {
+            let mut a = encode_ready((1, 7), (3, 9)).to_vec();
+            a.extend_from_slice(&5u64.to_le_bytes());
+            a.extend_from_slice(&status.to_le_bytes());
+            a.extend_from_slice(&u32::from(op).to_le_bytes());
+            a.extend_from_slice(&0u64.to_le_bytes());
+            a
+        };
+        assert_eq!(answer(0, RDMA_OP_WRITE).len(), ANSWER_HEAD);
+        assert!(answer_is_write_ack(&answer(0, RDMA_OP_WRITE)));
+        assert!(!answer_is_write_ack(&answer(REM_ACCESS_ERR, RDMA_OP_WRITE)));
+        assert!(!answer_is_write_ack(&answer(0, RDMA_OP_READ)));
+        assert!(!answer_is_write_ack(&answer(0, RDMA_OP_FETCH_ADD)));
+        assert!(!answer_is_write_ack(&answer(0, RDMA_OP_WRITE)[..28]));
     }
 
     #[test]
