@@ -769,6 +769,25 @@ impl Endpoint {
     pub fn recv_with<R>(
         &mut self,
         wait: Wait,
+        read: impl FnMut(Addr, &[u8]) -> Result<R, DgramError>,
+    ) -> Result<R, DgramError> {
+        self.recv_inner(wait, true, read)
+    }
+
+    /// As [`Endpoint::recv_with`] without waiting, and of datagrams from other hosts only
+    /// those already taken off the wire (no look at the network: over TCP that is a system
+    /// call, which a caller that just received and drains what came with it need not pay).
+    pub(crate) fn recv_taken_with<R>(
+        &mut self,
+        read: impl FnMut(Addr, &[u8]) -> Result<R, DgramError>,
+    ) -> Result<R, DgramError> {
+        self.recv_inner(Wait::Never, false, read)
+    }
+
+    fn recv_inner<R>(
+        &mut self,
+        wait: Wait,
+        look: bool,
         mut read: impl FnMut(Addr, &[u8]) -> Result<R, DgramError>,
     ) -> Result<R, DgramError> {
         let deadline = deadline_of(wait);
@@ -776,7 +795,7 @@ impl Endpoint {
         loop {
             self.check_open()?;
             self.refresh_rx()?;
-            if let Some(d) = self.direct.as_mut() {
+            if let Some(d) = self.direct.as_mut().filter(|_| look) {
                 let rejected = d.progress();
                 if rejected != 0 {
                     self.stats.dropped += rejected;
