@@ -54,6 +54,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use backplane_ucx::{Bytes, EpId, Event, Link};
+use rustc_hash::FxHashMap;
 use rustix::event::{PollFd, PollFlags};
 
 use crate::mem::Word32;
@@ -193,12 +194,13 @@ struct Worker {
     nodes: u32,
     queue: VecDeque<Msg>,
     queued: usize,
-    out: HashMap<SocketAddr, Out>,
+    /// (Fx: keys the supervisors gave; looked up on every send.)
+    out: FxHashMap<SocketAddr, Out>,
     /// Each sender connection's numbering.
     order: HashMap<(Addr, u64), Order>,
     /// Which sender connection each endpoint carries (to forget it when it fails, and to send
     /// that sender our own datagrams over it).
-    senders: HashMap<EpId, (Addr, u64)>,
+    senders: FxHashMap<EpId, (Addr, u64)>,
     /// Messages that were not ours or were malformed (counted as drops by the endpoint).
     rejected: u64,
     sends: u32,
@@ -238,9 +240,9 @@ impl Worker {
             nodes,
             queue: VecDeque::new(),
             queued: 0,
-            out: HashMap::new(),
+            out: FxHashMap::default(),
             order: HashMap::new(),
-            senders: HashMap::new(),
+            senders: FxHashMap::default(),
             rejected: 0,
             sends: 0,
             batching: false,
@@ -423,16 +425,31 @@ impl Worker {
         self.sent(to, r.map(|()| 1))
     }
 
+    /// Whether UCX or a batch still holds something to send.
+    fn holds(&mut self) -> bool {
+        self.batching || self.link.in_flight_bytes() != 0 || !self.link.idle()
+    }
+
     /// Sends every batch waiting (those that cannot go now stay).
     fn ship_all(&mut self) {
-        let waiting: Vec<SocketAddr> = self
+        // (Nearly always one: no list made for it.)
+        let mut tried = 0;
+        while let Some(to) = self
             .out
             .iter()
             .filter(|(_, o)| !o.batch.is_empty() && !o.failed)
             .map(|(&to, _)| to)
-            .collect();
-        for to in waiting {
+            .nth(tried)
+        {
             let _ = self.ship(to);
+            // One that is still waiting (UCX full) is passed over now.
+            if self
+                .out
+                .get(&to)
+                .is_some_and(|o| !o.batch.is_empty() && !o.failed)
+            {
+                tried += 1;
+            }
         }
         self.batching = self.out.values().any(|o| !o.batch.is_empty() && !o.failed);
     }
@@ -765,11 +782,7 @@ impl Direct {
     /// Whatever UCX still holds (a batch, a queued message, bytes in a transport's buffer)
     /// leaves even if this thread goes elsewhere now: the waker sees to it.
     fn drain_later(&self) {
-        let held = {
-            let mut w = self.lock();
-            w.batching || w.link.in_flight_bytes() != 0 || !w.link.idle()
-        };
-        if held {
+        if self.lock().holds() {
             self.ask(DRAIN);
         }
     }
@@ -783,7 +796,7 @@ impl Direct {
 
     /// Sends what waited since [`Direct::cork`].
     pub(super) fn uncork(&mut self) {
-        {
+        let held = {
             let mut w = self.lock();
             w.corked = false;
             if !std::mem::take(&mut w.sent_corked) {
@@ -792,8 +805,11 @@ impl Direct {
             if w.batching {
                 w.ship_all();
             }
+            w.holds()
+        };
+        if held {
+            self.ask(DRAIN);
         }
-        self.drain_later();
     }
 
     /// Makes progress (see [`Worker::progress`]); the number of messages refused since the

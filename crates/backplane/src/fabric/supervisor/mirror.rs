@@ -29,7 +29,7 @@
 //! bytes breaks the pair (the local QP sees its peer gone).
 #![forbid(unsafe_code)]
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::mem::{MemError, Region, Span, Word32, Word64};
@@ -206,7 +206,7 @@ pub(crate) struct Mirror {
     shadow: Words,
     rdma: Rdma,
     /// The local QP's regions granted to the other host's QP, by rkey.
-    regions: HashMap<u32, Arc<ShmRegion>>,
+    regions: rustc_hash::FxHashMap<u32, Arc<ShmRegion>>,
     /// Answers to the other host's requests that UCX could not take yet.
     pub(crate) answers: VecDeque<Vec<u8>>,
     /// The id of the last request of the local QP shipped (answers must stay at or below it).
@@ -282,7 +282,7 @@ impl Mirror {
             local,
             shadow,
             rdma,
-            regions: HashMap::new(),
+            regions: rustc_hash::FxHashMap::default(),
             answers: VecDeque::new(),
             asked_id: 0,
             ready: false,
