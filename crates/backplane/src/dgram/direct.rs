@@ -410,15 +410,21 @@ impl Worker {
         let Some(o) = self.out.get_mut(&to).filter(|o| !o.batch.is_empty()) else {
             return Ok(());
         };
-        head(
-            &mut o.batch[..HEAD],
-            MAGIC_BATCH,
-            me,
-            o.dst.port,
-            o.conn,
-            o.seq,
-        );
-        let r = self.link.send(o.ep, &o.batch);
+        // A batch of one (a corked sender's lone datagram) goes as a plain datagram: the
+        // receiver then makes no list of its items.
+        let first = o
+            .batch
+            .get(HEAD..HEAD + 4)
+            .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
+        let lone = HEAD + 4 + first == o.batch.len();
+        let magic = if lone { MAGIC } else { MAGIC_BATCH };
+        head(&mut o.batch[..HEAD], magic, me, o.dst.port, o.conn, o.seq);
+        let r = if lone {
+            self.link
+                .send2(o.ep, &o.batch[..HEAD], &o.batch[HEAD + 4..])
+        } else {
+            self.link.send(o.ep, &o.batch)
+        };
         if r.is_ok() {
             o.batch.clear();
         }
