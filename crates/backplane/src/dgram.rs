@@ -456,6 +456,10 @@ impl Endpoint {
                         }
                     }
                     ErrorKind::Invalid => DgramError::Closed(self.addr),
+                    // A window full: the supervisor's line says whose and what to do.
+                    ErrorKind::NoSpace => {
+                        DgramError::Fabric(FabricError::Refused { kind, message })
+                    }
                     _ => DgramError::Unreachable(dst),
                 });
             }
