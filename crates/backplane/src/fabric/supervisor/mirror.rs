@@ -737,12 +737,10 @@ pub(crate) struct Shipment {
 /// may wait for a message to go with; READ and atomic answers carry what their requester
 /// waits for, and refusals end its work.
 pub(crate) fn answer_is_write_ack(answer: &[u8]) -> bool {
-    let word = |at: usize| {
-        answer
-            .get(at..at + 4)
-            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    };
-    word(24) == Some(0) && word(28) == Some(u32::from(RDMA_OP_WRITE))
+    // The keys (16 bytes), then what `Mirror::answer` reads: id, status, op, value.
+    answer.len() >= ANSWER_HEAD
+        && u32_at(answer, 16 + 8) == 0
+        && u32_at(answer, 16 + 12) == u32::from(RDMA_OP_WRITE)
 }
 
 #[cfg(test)]
