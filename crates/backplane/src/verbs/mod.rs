@@ -833,6 +833,7 @@ impl Qp {
     /// as a completion with an error status.
     #[inline]
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), VerbsError> {
+        direct::posting();
         if let [wr] = wrs {
             self.prefetch_targets(wr);
             if self.post_one_fast(wr) {

@@ -221,7 +221,7 @@ impl Ctx {
                 // the peer's (`ib_write_lat`). (Not after READs and atomics: a program
                 // waiting for those goes on posting and polling, and ringing for them cost
                 // atomic-lat ~15 %.)
-                crate::verbs::direct::app_may_wait_elsewhere();
+                crate::verbs::direct::app_may_wait_for_write();
             }
         }
         if n == 0 && self.yield_every != 0 {
