@@ -767,6 +767,13 @@ pub const RECORD_HEADER_LEN: u64 = 24;
 /// least any fabric gets): 16 datagrams of the largest size.
 pub const DEFAULT_RING_DATA: u32 = 1 << 20;
 
+/// The least ring data size the ring format allows (two datagrams of the largest size), which
+/// a route between hosts gets when its sender and receiver exchange datagrams directly
+/// (`dgram::direct`): the ring then carries no datagrams, only the route's life (its flags),
+/// and a window's [`MAX_RING_DATA`] per route would let only a dozen senders of other hosts
+/// reach an endpoint (`ibv_srq_pingpong`'s 16 QPs between two hosts found the window full).
+pub const MIN_RING_DATA: u32 = (2 * (MAX_DGRAM as u64 + RECORD_ALIGN)).next_power_of_two() as u32;
+
 /// The largest ring data size a fabric gives a (sender, receiver) pair.
 pub const MAX_RING_DATA: u32 = 4 << 20;
 
@@ -841,9 +848,7 @@ impl RingRepr {
             return Err(LayoutError::NotInitialized);
         }
         let data_len = rd_u32(b, ring_field::DATA_LEN);
-        if !data_len.is_power_of_two()
-            || u64::from(data_len) < 2 * (MAX_DGRAM as u64 + RECORD_ALIGN)
-        {
+        if !data_len.is_power_of_two() || data_len < MIN_RING_DATA {
             return Err(LayoutError::BadField {
                 field: "data_len",
                 value: data_len.into(),
@@ -1192,6 +1197,10 @@ mod tests {
         };
         assert!(with(&|r| r.data_len = 3 << 18).is_err());
         assert!(with(&|r| r.data_len = 4096).is_err());
+        // The least ring (a direct route's between hosts) holds two of the largest datagrams.
+        assert_eq!(MIN_RING_DATA, 256 << 10);
+        assert!(with(&|r| r.data_len = MIN_RING_DATA).is_ok());
+        assert!(with(&|r| r.data_len = MIN_RING_DATA / 2).is_err());
         assert!(with(&|r| r.src_slot = 0).is_err());
         assert!(with(&|r| r.credit_off = 8193).is_err());
         assert!(with(&|r| r.credit_off = 64).is_err());

@@ -183,6 +183,10 @@ pub enum Response {
         /// listener. The ring stays the route's token (its flags say when the route ends).
         #[serde(default)]
         direct: Option<std::net::SocketAddr>,
+        /// The ring's data size: the fabric's ([`crate::wire::ring_data_for_window`]) or, on
+        /// a route whose datagrams go directly, [`crate::wire::MIN_RING_DATA`].
+        #[serde(default)]
+        ring_data: Option<u32>,
     },
     /// Reply to `Status`.
     Status(StatusReport),

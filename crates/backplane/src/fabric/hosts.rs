@@ -449,6 +449,10 @@ pub enum HostMsg {
         src: (u32, u32),
         /// Receiver (node, port).
         dst: (u32, u32),
+        /// The sender sends datagrams straight to a receiver that takes them so (its endpoint
+        /// has a worker of its own): the ring then only marks the route's life.
+        #[serde(default)]
+        direct: bool,
     },
     /// The route is open; at most `window` bytes may be in flight on it.
     RouteOpened {

@@ -98,6 +98,8 @@ struct RingInfo {
     src: (u32, u32),
     dst: (u32, u32),
     ring_off: u64,
+    /// Its data area's size.
+    data_len: u32,
     credit_off: u64,
     list_index: u32,
 }

@@ -157,20 +157,26 @@ impl Channels for ShmTransport {
             dst_record_off,
             route,
             direct,
+            ring_data,
             ..
         } = resp
         else {
             return Err(FabricError::Protocol(format!("{resp:?}")));
         };
+        // The fabric's ring size, or the least one on a route whose datagrams go directly.
+        let fabric_ring = crate::wire::ring_data_for_window(fabric.window_size());
+        let data_len = match ring_data {
+            None => fabric_ring,
+            Some(n) if n == fabric_ring || n == crate::wire::MIN_RING_DATA => n,
+            Some(n) => {
+                return Err(FabricError::Protocol(format!(
+                    "a ring of {n} bytes (this fabric's are {fabric_ring})"
+                )))
+            }
+        };
         let dst_win = fabric.window(dst.node)?;
         let me = fabric.window(src.node)?;
-        let ring = ShmRing::datagram(
-            &dst_win,
-            ring_off,
-            crate::wire::ring_data_for_window(fabric.window_size()),
-            &me,
-            credit_off,
-        )?;
+        let ring = ShmRing::datagram(&dst_win, ring_off, data_len, &me, credit_off)?;
         let credit = |o: usize| Word32::at(&me, credit_off + o as u64);
         let cookie_word = credit(CREDIT_COOKIE_OFF)?;
         let life = SenderLife {

@@ -167,7 +167,7 @@ impl Sup {
         self.ready_slot(src.0)?;
         self.ready_slot(dst.0)?;
         self.check_owner(id, src)?;
-        self.make_ring(src, dst)
+        self.make_ring(src, dst, self.ring_data())
     }
 
     /// Refuses a client that does not own endpoint `src`.
@@ -185,10 +185,12 @@ impl Sup {
     /// to it is checked: a local sender's by `connect`, a sender on another host's by the
     /// route it asked for (then `src` has no endpoint here, and its credit line lies in the
     /// shadow window of its node).
+    /// `data_len`: its data area's size, if it is made.
     pub(super) fn make_ring(
         &mut self,
         src: (u32, u32),
         dst: (u32, u32),
+        data_len: u32,
     ) -> Result<Response, (ErrorKind, String)> {
         let Some(dst_ep) = self.endpoints.get(&dst) else {
             return Err((
@@ -207,6 +209,7 @@ impl Sup {
                 dst_record_off: dst_rec,
                 dst_generation: dst_gen,
                 direct: None,
+                ring_data: Some(r.data_len),
             });
         }
         let dst_w = self.windows[dst.0 as usize - 1].clone();
@@ -224,7 +227,7 @@ impl Sup {
             ));
         }
         let now = Instant::now();
-        let ring_bytes = RingRepr::footprint(self.ring_data());
+        let ring_bytes = RingRepr::footprint(data_len);
         let allocs = &mut self.allocs;
         let no_room = |allocs: &[WindowAlloc], slot: u32| {
             (
@@ -249,7 +252,7 @@ impl Sup {
         dst_w.zero(ring_off, RING_DATA_OFF).expect("allocated");
         let mut h = [0u8; 64];
         RingRepr {
-            data_len: self.ring_data(),
+            data_len,
             src_slot: src.0,
             src_port: src.1,
             dst_port: dst.1,
@@ -280,6 +283,7 @@ impl Sup {
                 src,
                 dst,
                 ring_off,
+                data_len,
                 credit_off,
                 list_index,
             },
@@ -302,6 +306,7 @@ impl Sup {
             dst_record_off: dst_rec,
             dst_generation: dst_gen,
             direct: None,
+            ring_data: Some(data_len),
         })
     }
 
@@ -401,7 +406,7 @@ impl Sup {
                 .u32_at(rec + EP_RING_SEQ_OFF as u64)
                 .map(|a| a.fetch_add(1, Ordering::Release));
         }
-        let ring_bytes = RingRepr::footprint(self.ring_data());
+        let ring_bytes = RingRepr::footprint(r.data_len);
         self.allocs[r.dst.0 as usize - 1].free(r.ring_off, ring_bytes, now);
         self.allocs[r.src.0 as usize - 1].free(r.credit_off, CREDIT_LEN, now);
     }

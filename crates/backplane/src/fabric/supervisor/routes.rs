@@ -11,6 +11,7 @@ use super::*;
 use crate::fabric::hosts::HostMsg;
 use crate::mem::{Word32, Word64};
 use crate::transport::shm::{Bell, ShmReceiver, ShmRing, ShmSender};
+use crate::wire::MIN_RING_DATA;
 
 /// How long a sender waits for the other host to open a route.
 const ROUTE_PATIENCE: Duration = Duration::from_secs(5);
@@ -58,6 +59,8 @@ struct Made {
     rid: u64,
     resp: Response,
     ring: ShmRing,
+    /// The ring's data size.
+    data_len: u32,
     ring_off: u64,
     credit_off: u64,
     dst_record_off: u64,
@@ -66,17 +69,20 @@ struct Made {
 }
 
 impl Sup {
-    /// The ring from `src` to `dst` (made unless it exists) with the views the bridge uses.
+    /// The ring from `src` to `dst` (made unless it exists, with `data_len` bytes of data)
+    /// with the views the bridge uses.
     fn ring_for_bridge(
         &mut self,
         src: (u32, u32),
         dst: (u32, u32),
+        data_len: u32,
     ) -> Result<Made, (ErrorKind, String)> {
-        let resp = self.make_ring(src, dst)?;
+        let resp = self.make_ring(src, dst, data_len)?;
         let Response::Connected {
             ring_off,
             credit_off,
             dst_record_off,
+            ring_data,
             ..
         } = resp
         else {
@@ -90,11 +96,13 @@ impl Sup {
             .expect("make_ring made it");
         let dst_w = self.windows[dst.0 as usize - 1].clone();
         let src_w = self.windows[src.0 as usize - 1].clone();
-        match ShmRing::datagram(&dst_w, ring_off, self.ring_data(), &src_w, credit_off) {
+        let data_len = ring_data.unwrap_or(data_len);
+        match ShmRing::datagram(&dst_w, ring_off, data_len, &src_w, credit_off) {
             Ok(ring) => Ok(Made {
                 rid,
                 resp,
                 ring,
+                data_len,
                 ring_off,
                 credit_off,
                 dst_record_off,
@@ -134,15 +142,24 @@ impl Sup {
             ));
         }
         if self.rings.values().any(|r| r.src == src && r.dst == dst) {
-            return self.make_ring(src, dst).map(Some);
+            return self.make_ring(src, dst, self.ring_data()).map(Some);
         }
+        let direct = self.endpoints.get(&src).is_some_and(|e| e.direct.is_some());
         let route = self.routes.next;
         self.routes.next += 1;
         let h = self
             .hosts
             .as_mut()
             .expect("remote slots exist only with hosts");
-        let asked = h.send_to(host, &HostMsg::OpenRoute { route, src, dst });
+        let asked = h.send_to(
+            host,
+            &HostMsg::OpenRoute {
+                route,
+                src,
+                dst,
+                direct,
+            },
+        );
         if !asked {
             return Err((
                 ErrorKind::NodeDown,
@@ -169,8 +186,13 @@ impl Sup {
     /// A route message from host `i`.
     pub(super) fn route_msg(&mut self, i: usize, m: HostMsg) {
         match m {
-            HostMsg::OpenRoute { route, src, dst } => {
-                let reply = match self.accept_route(i, route, src, dst) {
+            HostMsg::OpenRoute {
+                route,
+                src,
+                dst,
+                direct,
+            } => {
+                let reply = match self.accept_route(i, route, src, dst, direct) {
                     Ok(window) => HostMsg::RouteOpened {
                         route,
                         window,
@@ -225,12 +247,15 @@ impl Sup {
 
     /// Host `i` asks for a ring from `src` (its node) to `dst` (ours): made like any other,
     /// with the sender's credit line in the shadow window of its node; the bridge feeds it.
+    /// When the sender sends `direct` and the receiver takes datagrams so, the ring carries
+    /// none: it is the least the format allows ([`crate::wire::MIN_RING_DATA`]).
     fn accept_route(
         &mut self,
         i: usize,
         route: u64,
         src: (u32, u32),
         dst: (u32, u32),
+        direct: bool,
     ) -> Result<u64, (ErrorKind, String)> {
         let plan = &self.hosts.as_ref().expect("hosts").plan;
         if plan.owner(src.0) != Some(i) || !plan.is_local(dst.0) {
@@ -250,7 +275,13 @@ impl Sup {
         }
         service::ready_slot(self.cfg.nodes, &self.life, dst.0)?;
         service::ready_slot(self.cfg.nodes, &self.life, src.0)?;
-        let m = self.ring_for_bridge(src, dst)?;
+        let both_direct = direct && self.endpoints.get(&dst).is_some_and(|e| e.direct.is_some());
+        let data_len = if both_direct {
+            MIN_RING_DATA
+        } else {
+            self.ring_data()
+        };
+        let m = self.ring_for_bridge(src, dst, data_len)?;
         let (dst_w, src_w) = (&m.dst_w, &m.src_w);
         let words = (|| {
             let bell = Bell::new(
@@ -274,7 +305,7 @@ impl Sup {
                 },
             })
         })();
-        let (rid, data_len) = (m.rid, self.ring_data());
+        let (rid, data_len) = (m.rid, m.data_len);
         let cmd = match words {
             Ok(c) => c,
             Err(e) => {
@@ -310,7 +341,15 @@ impl Sup {
             }
             return;
         }
-        let made = self.shadow_ring(src, dst, route, i, window);
+        // A route whose datagrams go directly has the least ring on both hosts (see
+        // `accept_route`); any other the fabric's.
+        let sends_direct = self.endpoints.get(&src).is_some_and(|e| e.direct.is_some());
+        let data_len = if direct.is_some() && sends_direct && window == u64::from(MIN_RING_DATA) {
+            MIN_RING_DATA
+        } else {
+            self.ring_data()
+        };
+        let made = self.shadow_ring(src, dst, route, i, (window, data_len));
         match made {
             Ok(mut resp) => {
                 // The receiver's listener is on its host's address (the one we reach it at).
@@ -337,16 +376,16 @@ impl Sup {
         dst: (u32, u32),
         route: u64,
         host: usize,
-        window: u64,
+        (window, data_len): (u64, u32),
     ) -> Result<Response, (ErrorKind, String)> {
         if !self.endpoints.contains_key(&dst) {
             // The destination's stand-in here: an endpoint of the bridge (client 0) in the
             // node's shadow window, which the sender's ring is listed in.
             self.create_endpoint(0, dst.0, dst.1)?;
         }
-        let m = self.ring_for_bridge(src, dst)?;
+        let m = self.ring_for_bridge(src, dst, data_len)?;
         let (dst_w, src_w) = (&m.dst_w, &m.src_w);
-        let data_len = self.ring_data();
+        let data_len = m.data_len;
         let cmd = (|| {
             let bell = Bell::new(
                 Word32::at(src_w, m.credit_off + CREDIT_ARMED_OFF as u64)?,
