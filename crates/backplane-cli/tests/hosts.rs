@@ -1374,6 +1374,12 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
         for (who, o) in [("client", &c), ("server", &s)] {
             let out = String::from_utf8_lossy(&o.stdout);
             assert!(out.contains(&format!("{iters} iters in")), "{out}");
+            // Nothing they call is missing (they look up their device's index).
+            assert!(
+                !stderr(o).contains("not offered"),
+                "{prog} {who}: {}",
+                stderr(o)
+            );
             eprintln!("{prog} {extra:?} {who}: {}", out.trim());
         }
         if prog == "ibv_srq_pingpong" {

@@ -181,6 +181,11 @@ fn the_pingpong_examples_run_rc_uc_ud_and_srq_with_their_data_checks() {
         let out = String::from_utf8_lossy(&r.1.stdout).into_owned();
         assert!(out.contains("iters in"), "{prog}: {out}");
         assert!(out.contains("remote address: LID 0x0001"), "{prog}: {out}");
+        // Nothing they call is missing (each looks up its device's index).
+        for o in [&r.0, &r.1] {
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(!err.contains("not offered"), "{prog}: {err}");
+        }
     }
 }
 

@@ -235,6 +235,22 @@ pub extern "C" fn bp_ibv_get_device_name(device: *mut IbvDevice) -> *const c_cha
 }
 abi::symver!(bp_ibv_get_device_name, "ibv_get_device_name@@IBVERBS_1.1");
 
+/// `ibv_get_device_index`: the device's index, stable for the process's life (the order in
+/// which this process first listed the fabrics; the kernel's `ibdev` index on a NIC). -1 and
+/// `EINVAL` for a pointer that is no device of ours.
+#[no_mangle]
+pub extern "C" fn bp_ibv_get_device_index(device: *mut IbvDevice) -> c_int {
+    let all = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    match all.iter().position(|d| std::ptr::eq(&d.ibv, device)) {
+        Some(i) => i as c_int,
+        None => {
+            set_errno(libc::EINVAL);
+            -1
+        }
+    }
+}
+abi::symver!(bp_ibv_get_device_index, "ibv_get_device_index@@IBVERBS_1.9");
+
 /// The node GUID of slot `slot` (as `Context::query_device` makes it), big-endian.
 fn guid_be(slot: u32) -> u64 {
     ((u64::from(slot) << 32) | 0x0b0b).to_be()

@@ -362,11 +362,6 @@ zero!(
     "ibv_dontfork_range@@IBVERBS_1.1"
 );
 fail!(
-    bp_stub_ibv_get_device_index,
-    "ibv_get_device_index",
-    "ibv_get_device_index@@IBVERBS_1.9"
-);
-fail!(
     bp_stub_ibv_get_pkey_index,
     "ibv_get_pkey_index",
     "ibv_get_pkey_index@@IBVERBS_1.5"
