@@ -216,7 +216,7 @@ impl Ctx {
         if carries {
             // (This poll or the last found the queue empty: the program waited for these.)
             let waited = std::mem::replace(&mut eng.waited, n == 0) || need == 0;
-            if n != 0 && waited && wrote {
+            if n != 0 && waited && wrote && !Self::sends_outstanding(eng, cq) {
                 // The program waited for its RDMA WRITE to land: it may poll memory next for
                 // the peer's (`ib_write_lat`). (Not after READs and atomics: a program
                 // waiting for those goes on posting and polling, and ringing for them cost
@@ -306,6 +306,15 @@ impl Ctx {
     /// Nothing can have happened for `cq`: the fabric's epoch has not moved (no node came or
     /// went) and every QP on it is [`QpEngine::quiet`].
     #[inline]
+    /// Whether a QP of `cq` still has send work outstanding (the program will poll for it).
+    fn sends_outstanding(eng: &Engine, cq: usize) -> bool {
+        eng.cqs.get(cq).and_then(|c| c.as_ref()).is_some_and(|c| {
+            c.qps
+                .iter()
+                .any(|&id| matches!(eng.qps.get(id), Some(Some(q)) if !q.sq.is_empty()))
+        })
+    }
+
     pub(super) fn all_quiet(&self, eng: &Engine, cq: usize) -> bool {
         if self.node.fabric().epoch().load(Ordering::Relaxed) != eng.epoch {
             return false;
