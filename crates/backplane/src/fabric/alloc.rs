@@ -12,6 +12,10 @@ use std::time::{Duration, Instant};
 /// How long freed memory waits before it can be handed out again.
 pub const QUARANTINE: Duration = Duration::from_secs(1);
 
+/// What [`WindowAlloc::full_message`] says when freed ranges wait in quarantine: a client that
+/// meets it may retry within [`QUARANTINE`] (`Fabric::call_service` does).
+pub const REUSABLE_SOON: &str = "freed less than";
+
 /// The refusal for a full window, on node `slot`.
 pub fn window_full(slot: u32) -> String {
     format!("node {slot}'s window is full; use a larger --window-size")
@@ -85,7 +89,7 @@ impl WindowAlloc {
             window_full(slot)
         } else {
             format!(
-                "node {slot}'s window is full ({} KiB freed less than {} s ago are reusable \
+                "node {slot}'s window is full ({} KiB {REUSABLE_SOON} {} s ago are reusable \
                  then: retry, or use a larger --window-size)",
                 waiting.div_ceil(1024),
                 QUARANTINE.as_secs()

@@ -415,7 +415,25 @@ impl Fabric {
     ) -> Result<(R, Vec<OwnedFd>), FabricError> {
         let body = serde_json::to_value(req)
             .map_err(|e| FabricError::Protocol(format!("cannot encode a service request: {e}")))?;
-        let (resp, fds) = self.call_with_fds(&Request::Service(body), fds)?;
+        let request = Request::Service(body);
+        // A window full of what a program that just ended freed is reusable within the
+        // quarantine: the request (which the supervisor refused whole) is made again until
+        // then, so a program started right after another (perftest's, the pingpongs' 16 QPs)
+        // does not fail for memory that is about to come back.
+        let t0 = std::time::Instant::now();
+        let (resp, fds) = loop {
+            match self.call_with_fds(&request, fds) {
+                Err(FabricError::Refused {
+                    kind: ErrorKind::NoSpace,
+                    message,
+                }) if message.contains(alloc::REUSABLE_SOON)
+                    && t0.elapsed() < alloc::QUARANTINE + Duration::from_millis(200) =>
+                {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                r => break r?,
+            }
+        };
         let Response::Service(body) = resp else {
             return Err(FabricError::Protocol(format!("{resp:?}")));
         };
