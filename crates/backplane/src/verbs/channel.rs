@@ -213,7 +213,6 @@ impl ChannelShared {
     }
 
     fn watcher(self: Arc<Self>) {
-        let mut seen_bell_armed = false;
         loop {
             if self.stop.load(Ordering::Acquire) {
                 break;
@@ -221,14 +220,12 @@ impl ChannelShared {
             let w = self.wake.load(Ordering::Acquire);
             let armed: Vec<Armed> = self.lock().armed.clone();
             if armed.is_empty() {
-                if seen_bell_armed {
-                    self.bell_armed.store(0, Ordering::Relaxed);
-                    seen_bell_armed = false;
-                }
+                // (Also after a `get_cq_event` armed the bell for an arming this thread never
+                // saw: it fired before this thread looked.)
+                self.bell_armed.store(0, Ordering::Relaxed);
                 futex_wait(&self.wake, w, Some(MAX_SLEEP));
                 continue;
             }
-            seen_bell_armed = true;
             self.look(&armed, w, None);
         }
         self.bell_armed.store(0, Ordering::Relaxed);
