@@ -95,11 +95,10 @@ impl ChannelShared {
     /// One look at the armed CQs, by the watcher or by a thread waiting in
     /// [`CompChannel::get_cq_event`] (which then needs no wake-up from the watcher: one thread
     /// wake fewer per event, ~15-20 µs on a VM of few cores). Queues the events of the CQs
-    /// whose watched words moved, whose deadline passed or whose nodes died (true); else
-    /// sleeps until the bell, `wake` (read as `w` before the caller last looked) or a watched
-    /// bell moves, a deadline comes or `until` (false). `armed`: a copy of what is armed, not
-    /// empty.
-    fn look(&self, armed: &[Armed], w: u32, until: Option<Instant>) -> bool {
+    /// whose watched words moved, whose deadline passed or whose nodes died; else sleeps
+    /// until the bell, `wake` (read as `w` before the caller last looked) or a watched bell
+    /// moves, a deadline comes or `until`. `armed`: a copy of what is armed, not empty.
+    fn look(&self, armed: &[Armed], w: u32, until: Option<Instant>) {
         let b = self.bell.load(Ordering::Acquire);
         self.bell_armed.store(1, Ordering::Relaxed);
         // SYNC POINT qp-bell (sleeper): armed before we re-check what peers publish.
@@ -121,7 +120,7 @@ impl ChannelShared {
                 g.armed.retain(|a| !fired.contains(&a.cq));
                 self.post_events(&mut g, &fired);
             }
-            return true;
+            return;
         }
         let sleep = armed
             .iter()
@@ -140,7 +139,6 @@ impl ChannelShared {
             }
         }
         wait_any(&words, sleep);
-        false
     }
 
     /// Whether any CQ is armed (a relaxed look: `extend` decides).

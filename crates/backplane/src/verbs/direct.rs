@@ -350,7 +350,7 @@ pub(crate) fn app_may_wait_elsewhere() {
 pub(crate) fn app_may_wait_for_write() {
     if LIVE_COUNT.0.load(Ordering::Relaxed) != 0 {
         let posted_at = POSTED_AT.with(std::cell::Cell::get);
-        if posted_at == u64::MAX || posted_at == PEER_WRITES.0.load(Ordering::Relaxed) {
+        if posted_at == usize::MAX || posted_at == PEER_WRITES.0.load(Ordering::Relaxed) {
             app_went_elsewhere();
         }
     }
@@ -364,15 +364,13 @@ pub(crate) fn posting() {
     }
 }
 
-/// RDMA WRITEs of peers that landed in this process's regions.
-static PEER_WRITES: Count64 = Count64(AtomicU64::new(0));
-#[repr(align(128))]
-struct Count64(AtomicU64);
+/// RDMA WRITEs of peers that landed in this process's regions (wrapping).
+static PEER_WRITES: Count = Count(AtomicUsize::new(0));
 
 thread_local! {
-    /// [`PEER_WRITES`] when this thread last posted to a direct pair (`u64::MAX`: never,
+    /// [`PEER_WRITES`] when this thread last posted to a direct pair (`usize::MAX`: never,
     /// which always wakes the pairs' threads).
-    static POSTED_AT: std::cell::Cell<u64> = const { std::cell::Cell::new(u64::MAX) };
+    static POSTED_AT: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
 }
 
 #[cold]
