@@ -141,6 +141,57 @@ impl OutputGuarded for std::process::Command {
     }
 }
 
+/// [`OutputGuarded::output_guarded`] for a client whose server is the process `server`: if
+/// the server is gone (exited, a zombie) for `grace` while the client still runs, the client
+/// is killed — a `ucx_perftest` client whose server died mid-run waited forever (seen once
+/// between two hosts, in the hosts test).
+pub fn output_unless_server_gone(
+    cmd: &mut std::process::Command,
+    what: &str,
+    server: u32,
+    grace: std::time::Duration,
+) -> std::io::Result<std::process::Output> {
+    use std::process::Stdio;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let c = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    let pid = c.id();
+    let guard = child(format!("{what} {pid}"), pid);
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let d = done.clone();
+    let watchdog = std::thread::spawn(move || {
+        let mut gone_since: Option<std::time::Instant> = None;
+        while !d.load(Ordering::Acquire) {
+            // Third field of /proc/PID/stat: the state ('Z': exited, not reaped yet).
+            let alive = std::fs::read_to_string(format!("/proc/{server}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit_once(')')
+                        .map(|(_, rest)| !rest.trim_start().starts_with('Z'))
+                })
+                .unwrap_or(false);
+            if alive {
+                gone_since = None;
+            } else if gone_since
+                .get_or_insert_with(std::time::Instant::now)
+                .elapsed()
+                > grace
+            {
+                if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+                    // Not reaped here: the client's pid stays ours until `wait_with_output`.
+                    let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+                }
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    });
+    let out = c.wait_with_output();
+    done.store(true, Ordering::Release);
+    let _ = watchdog.join();
+    guard.disarm(); // reaped by wait_with_output
+    out
+}
+
 /// Registers the temporary fabric `name` to be stopped (supervisor, agents, namespaces,
 /// shared memory). Register it before starting the fabric, so no moment is uncovered.
 pub fn fabric(name: &str) -> Guard {
@@ -203,5 +254,26 @@ mod tests {
         drop(g); // already run: nothing more
         assert_eq!(n.load(Ordering::SeqCst), 11);
         assert!(!pending().contains(&"test c".to_string()));
+    }
+
+    #[test]
+    fn a_client_whose_server_is_gone_is_killed_not_waited_for() {
+        let mut server = std::process::Command::new("true").spawn().unwrap();
+        let pid = server.id();
+        server.wait().unwrap(); // gone
+        let t0 = std::time::Instant::now();
+        let out = output_unless_server_gone(
+            std::process::Command::new("sleep").arg("60"),
+            "test client",
+            pid,
+            std::time::Duration::from_millis(200),
+        )
+        .unwrap();
+        assert!(!out.status.success(), "{out:?}");
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(20),
+            "waited {:?}",
+            t0.elapsed()
+        );
     }
 }

@@ -11,7 +11,6 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 
 use crate::cpu::{Rusage, Who};
-use crate::teardown::OutputGuarded as _;
 
 /// The environment `ucx_perftest` runs with: shared memory transports only.
 pub const UCX_ENV: [(&str, &str); 2] = [
@@ -145,25 +144,30 @@ pub fn run_between(
         std::thread::sleep(Duration::from_millis(20));
         let before = Rusage::now(Who::Children);
         let t0 = crate::cpu::mono_ns();
-        let out = Command::new(path)
-            .args([
-                server_addr,
-                "-p",
-                &port,
-                "-t",
-                test,
-                "-s",
-                &size.to_string(),
-                "-n",
-                &iters.to_string(),
-                "-w",
-                &warmup.to_string(),
-                "-f",
-                "-v",
-            ])
-            .envs(client_env.iter().copied())
-            .stdin(Stdio::null())
-            .output_guarded("ucx_perftest client")?;
+        let mut cmd = Command::new(path);
+        cmd.args([
+            server_addr,
+            "-p",
+            &port,
+            "-t",
+            test,
+            "-s",
+            &size.to_string(),
+            "-n",
+            &iters.to_string(),
+            "-w",
+            &warmup.to_string(),
+            "-f",
+            "-v",
+        ])
+        .envs(client_env.iter().copied())
+        .stdin(Stdio::null());
+        let out = crate::teardown::output_unless_server_gone(
+            &mut cmd,
+            "ucx_perftest client",
+            pid,
+            Duration::from_secs(5),
+        )?;
         let wall_ns = crate::cpu::mono_ns() - t0;
         let client_cpu = before.until(&Rusage::now(Who::Children));
         if !out.status.success() {
