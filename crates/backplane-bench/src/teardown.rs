@@ -230,8 +230,12 @@ mod tests {
     use std::sync::atomic::AtomicU32;
     use std::sync::Arc;
 
+    /// The tests take turns: `run_all` runs every action registered, another test's too.
+    static SERIAL: Mutex<()> = Mutex::new(());
+
     #[test]
     fn guards_run_once_on_drop_or_run_all_and_disarmed_ones_never() {
+        let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let n = Arc::new(AtomicU32::new(0));
         let c = n.clone();
         let g = register("test a", move || {
@@ -258,6 +262,7 @@ mod tests {
 
     #[test]
     fn a_client_whose_server_is_gone_is_killed_not_waited_for() {
+        let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let mut server = std::process::Command::new("true").spawn().unwrap();
         let pid = server.id();
         server.wait().unwrap(); // gone
