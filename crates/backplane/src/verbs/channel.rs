@@ -103,25 +103,10 @@ impl ChannelShared {
         self.bell_armed.store(1, Ordering::Relaxed);
         // SYNC POINT qp-bell (sleeper): armed before we re-check what peers publish.
         fence(Ordering::SeqCst);
-        let now = Instant::now();
-        let fired: Vec<u32> = armed
-            .iter()
-            .filter(|a| a.fires(now, &self.fabric))
-            .map(|a| a.cq)
-            .collect();
-        if !fired.is_empty() {
-            let mut g = self.lock();
-            // (The other looker may have queued them first.)
-            let fired: Vec<u32> = fired
-                .into_iter()
-                .filter(|&cq| g.armed.iter().any(|a| a.cq == cq))
-                .collect();
-            if !fired.is_empty() {
-                g.armed.retain(|a| !fired.contains(&a.cq));
-                self.post_events(&mut g, &fired);
-            }
+        if self.fire(armed) {
             return;
         }
+        let now = Instant::now();
         let sleep = armed
             .iter()
             .filter_map(|a| a.deadline)
@@ -139,6 +124,54 @@ impl ChannelShared {
             }
         }
         wait_any(&words, sleep);
+    }
+
+    /// [`ChannelShared::look`] for a thread in `get_cq_event` of a process that carries pairs
+    /// with other hosts: queues what fired, else sleeps on the pairs' own fds and this
+    /// channel's fd (see `verbs::direct::sleep_on_pairs`); the watcher still watches the bell
+    /// for peers on this host and queues their events. False if there are no pairs.
+    fn look_pairs(&self, armed: &[Armed], until: Option<Instant>) -> bool {
+        if self.fire(armed) {
+            return true;
+        }
+        let now = Instant::now();
+        let sleep = armed
+            .iter()
+            .filter_map(|a| a.deadline)
+            .chain(until)
+            .min()
+            .map_or(MAX_SLEEP, |d| {
+                d.saturating_duration_since(now).min(MAX_SLEEP)
+            });
+        if !crate::verbs::direct::sleep_on_pairs(self.efd.as_fd(), sleep) {
+            return false;
+        }
+        self.fire(armed);
+        true
+    }
+
+    /// Queues the events of the armed CQs (`armed`, a copy) that fire now; true if any did.
+    fn fire(&self, armed: &[Armed]) -> bool {
+        let now = Instant::now();
+        let fired: Vec<u32> = armed
+            .iter()
+            .filter(|a| a.fires(now, &self.fabric))
+            .map(|a| a.cq)
+            .collect();
+        if fired.is_empty() {
+            return false;
+        }
+        let mut g = self.lock();
+        // (The other looker may have queued them first.)
+        let fired: Vec<u32> = fired
+            .into_iter()
+            .filter(|&cq| g.armed.iter().any(|a| a.cq == cq))
+            .collect();
+        if !fired.is_empty() {
+            g.armed.retain(|a| !fired.contains(&a.cq));
+            self.post_events(&mut g, &fired);
+        }
+        true
     }
 
     /// Whether any CQ is armed (a relaxed look: `extend` decides).
@@ -359,7 +392,7 @@ impl CompChannel {
                     d.saturating_duration_since(Instant::now()).min(MAX_SLEEP)
                 });
                 futex_wait(&s.wake, w, Some(left));
-            } else {
+            } else if !(crate::verbs::direct::carries_pairs() && s.look_pairs(&armed, deadline)) {
                 s.look(&armed, w, deadline);
             }
         }

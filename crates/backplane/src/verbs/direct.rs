@@ -22,7 +22,7 @@
 //! or an atomic's answer (`transport::across`), and a thread per pair for the rest ([`watch`]:
 //! a program that waits on memory or on a completion channel, a peer whose program never
 //! polls, acks to send back while nobody polls). That thread rests while program threads
-//! poll, and is called back ([`app_may_wait_elsewhere`]) when one may stop. The datagram
+//! poll, and is called back ([`app_arms_channel`], [`app_may_wait_for_write`]) when one may stop. The datagram
 //! path keeps the messages in order and lossless, and tells a sender when the other endpoint
 //! went (the pair breaks: the QP sees its peer gone).
 #![forbid(unsafe_code)]
@@ -52,6 +52,9 @@ const KIND_ANSWER: u8 = 3;
 /// an arrival off the wire while it sends what UCX held, and the fd then says nothing of it:
 /// that arrival waits for this.)
 const NAP: Duration = Duration::from_millis(1);
+/// How long a thread asleep on the pairs' fds ([`sleep_on_pairs`]) sleeps at most while a
+/// pair is busy elsewhere or has acks waiting to go.
+const SHORT_LOOK: Duration = Duration::from_micros(30);
 /// How long after a program thread last pumped a pair its own thread takes over.
 const APP_ACTIVE_NS: u64 = 200_000;
 /// How often the pair's thread looks whether the program still polls.
@@ -182,7 +185,7 @@ struct Shared {
     /// pair's own thread stays out of their way.
     app_ns: AtomicU64,
     /// The pair's thread rests because programs poll (on `rest_bell`, written by
-    /// [`app_may_wait_elsewhere`]: a program may now wait on memory or a channel).
+    /// [`app_arms_channel`]: a program may now wait on memory or a channel).
     resting: AtomicBool,
     rest_bell: Option<OwnedFd>,
 }
@@ -329,14 +332,92 @@ pub(crate) fn progress_all(polling: bool) {
     }
 }
 
-/// A program thread may wait elsewhere now — on memory for a peer's RDMA WRITE after its own
-/// WRITE completed (as `ib_write_lat` does), or on a completion channel it just armed — so
-/// the pairs' threads look after the pairs again until it polls an empty queue.
+/// A program thread arms a completion channel: it may sleep on the channel next, so the pairs'
+/// threads look after the pairs again until it polls an empty queue — unless a thread
+/// of the program slept in `ibv_get_cq_event` on the pairs a moment ago (it will again, and
+/// takes what comes itself: waking the pairs' threads now would only have one of them wake
+/// for the next arrival too).
 #[inline(always)]
-pub(crate) fn app_may_wait_elsewhere() {
-    if LIVE_COUNT.0.load(Ordering::Relaxed) != 0 {
+pub(crate) fn app_arms_channel() {
+    if LIVE_COUNT.0.load(Ordering::Relaxed) != 0
+        && crate::sync::now_ns().saturating_sub(WAITED_NS.load(Ordering::Relaxed)) >= APP_ACTIVE_NS
+    {
         app_went_elsewhere();
     }
+}
+
+/// For a thread about to sleep in `ibv_get_cq_event` on a process that carries pairs: moves
+/// every pair along, then sleeps until one of the pairs' UCX workers has news, `efd` (the
+/// channel's eventfd: an event was queued, by this process or by the channel's watcher for a
+/// peer on this host) is readable, or `timeout`. False if the process carries no pair (the
+/// caller sleeps as before). Without this, an arrival from another host woke the pair's thread,
+/// which then woke the program (`ibv_rc_pingpong -e` between two hosts: two thread wake-ups
+/// each way, ~25-35 µs each on a VM of two cores).
+pub(crate) fn sleep_on_pairs(efd: std::os::fd::BorrowedFd<'_>, timeout: Duration) -> bool {
+    if LIVE_COUNT.0.load(Ordering::Relaxed) == 0 {
+        return false;
+    }
+    let pairs: Vec<Arc<Shared>> = match LIVE.try_lock() {
+        Ok(l) => l.iter().filter_map(Weak::upgrade).collect(),
+        Err(_) => return true, // (changing: look again)
+    };
+    // SYNC POINT pair-rest (app side): counted before the pairs are looked at, so a pair's
+    // thread that goes to rest after this look sees it (and one already asleep on its fd
+    // takes what comes as before: it is not told, and both wake).
+    WAITERS.0.fetch_add(1, Ordering::SeqCst);
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            WAITED_NS.store(crate::sync::now_ns(), Ordering::Relaxed);
+            WAITERS.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let _leave = Leave;
+    let mut fds = Vec::with_capacity(pairs.len());
+    // (At most a NAP, as the pairs' threads: the endpoint's waker may take an arrival off the
+    // wire, and the fd then says nothing of it.)
+    let mut timeout = timeout.min(NAP);
+    for s in &pairs {
+        let Ok(mut g) = s.inner.try_lock() else {
+            // Another thread pumps it: what it takes rings the channel, but what comes after
+            // it nobody may watch (its thread may rest now): look again soon.
+            timeout = timeout.min(SHORT_LOOK);
+            continue;
+        };
+        if g.pump() {
+            return true; // its CQs may have completions now
+        }
+        if g.m.pending() {
+            // Acks or credits wait for a message to go with (they go after a while), or UCX
+            // could not take what the QP has for the peer yet (its fd may not say when it
+            // can: a connection still coming up).
+            timeout = timeout.min(SHORT_LOOK);
+        }
+        let fd = g.ep.lock().unwrap_or_else(|e| e.into_inner()).arm_fd();
+        match fd {
+            Some(fd) => fds.push(fd),
+            None => return true, // news already: no sleep
+        }
+    }
+    let mut polled: Vec<rustix::event::PollFd<'_>> = fds
+        .iter()
+        .map(|fd| rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN))
+        .collect();
+    polled.push(rustix::event::PollFd::from_borrowed_fd(
+        efd,
+        rustix::event::PollFlags::IN,
+    ));
+    let ts = rustix::time::Timespec {
+        tv_sec: timeout.as_secs() as i64,
+        tv_nsec: i64::from(timeout.subsec_nanos()),
+    };
+    let _ = rustix::event::poll(&mut polled, Some(&ts));
+    drop(polled);
+    // Take what came now, before anyone else looks.
+    for s in &pairs {
+        s.pumped_by_app(false);
+    }
+    true
 }
 
 /// A program thread's RDMA WRITE completed and it waited for it: it may poll memory next for
@@ -363,6 +444,13 @@ pub(crate) fn posting() {
         POSTED_AT.with(|p| p.set(PEER_WRITES.0.load(Ordering::Relaxed)));
     }
 }
+
+/// Program threads asleep in `ibv_get_cq_event` on the pairs' own wake-up fds
+/// ([`sleep_on_pairs`]): while any is, the pairs' threads rest (one wake-up per arrival).
+static WAITERS: Count = Count(AtomicUsize::new(0));
+/// When a program thread last left such a sleep (CLOCK_MONOTONIC ns): one that arms its
+/// channel again soon after will sleep there again, so arming does not wake the pairs' threads.
+static WAITED_NS: AtomicU64 = AtomicU64::new(0);
 
 /// RDMA WRITEs of peers that landed in this process's regions (wrapping).
 static PEER_WRITES: Count = Count(AtomicUsize::new(0));
@@ -411,7 +499,7 @@ fn watch(s: &Shared) {
         // A program thread polled a moment ago: it will again (waking here for every
         // message would take its core); look again when it may have stopped.
         let quiet = crate::sync::now_ns().saturating_sub(s.app_ns.load(Ordering::Relaxed));
-        if quiet < APP_ACTIVE_NS {
+        if quiet < APP_ACTIVE_NS || WAITERS.0.load(Ordering::SeqCst) != 0 {
             // (Not a short timer in a loop: thousands of wake-ups a second from these
             // starved the machine's timer and softirq work — the nodes' agents overslept a
             // 100 ms sleep by a second and were declared hung.) A poll that takes
@@ -420,8 +508,11 @@ fn watch(s: &Shared) {
             // again, so a program's `app_went_elsewhere` either sees it or is seen here.
             s.resting.store(true, Ordering::SeqCst);
             let stamp = s.app_ns.load(Ordering::SeqCst);
+            let waiter = WAITERS.0.load(Ordering::SeqCst) != 0;
             match &s.rest_bell {
-                Some(fd) if crate::sync::now_ns().saturating_sub(stamp) < APP_ACTIVE_NS => {
+                Some(fd)
+                    if waiter || crate::sync::now_ns().saturating_sub(stamp) < APP_ACTIVE_NS =>
+                {
                     let ts = rustix::time::Timespec {
                         tv_sec: 0,
                         tv_nsec: APP_CHECK.as_nanos() as i64,

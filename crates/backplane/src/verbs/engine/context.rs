@@ -237,8 +237,9 @@ impl Ctx {
     pub(crate) fn arm_cq(&self, eng: &mut Engine, cq: usize) -> Result<(), VerbsError> {
         let (ch, armed) = self.watch_of(eng, cq)?;
         ch.arm(armed);
-        // The program is about to sleep on the channel: the pairs' threads take over now.
-        crate::verbs::direct::app_may_wait_elsewhere();
+        // The program is about to sleep on the channel: the pairs' threads take over now
+        // (unless it sleeps in `get_cq_event`, which watches the pairs itself).
+        crate::verbs::direct::app_arms_channel();
         Ok(())
     }
 
