@@ -106,15 +106,7 @@ impl ChannelShared {
         if self.fire(armed) {
             return;
         }
-        let now = Instant::now();
-        let sleep = armed
-            .iter()
-            .filter_map(|a| a.deadline)
-            .chain(until)
-            .min()
-            .map_or(MAX_SLEEP, |d| {
-                d.saturating_duration_since(now).min(MAX_SLEEP)
-            });
+        let sleep = sleep_for(armed, until);
         let mut words: Vec<(&AtomicU32, u32)> = vec![(&*self.bell, b), (&self.wake, w)];
         for a in armed {
             for x in &a.watch {
@@ -134,15 +126,7 @@ impl ChannelShared {
         if self.fire(armed) {
             return true;
         }
-        let now = Instant::now();
-        let sleep = armed
-            .iter()
-            .filter_map(|a| a.deadline)
-            .chain(until)
-            .min()
-            .map_or(MAX_SLEEP, |d| {
-                d.saturating_duration_since(now).min(MAX_SLEEP)
-            });
+        let sleep = sleep_for(armed, until);
         if !crate::verbs::direct::sleep_on_pairs(self.efd.as_fd(), sleep) {
             return false;
         }
@@ -261,6 +245,20 @@ impl ChannelShared {
         }
         self.bell_armed.store(0, Ordering::Relaxed);
     }
+}
+
+/// How long a looker may sleep: until the first armed CQ's deadline or `until`, at most
+/// [`MAX_SLEEP`].
+fn sleep_for(armed: &[Armed], until: Option<Instant>) -> Duration {
+    let now = Instant::now();
+    armed
+        .iter()
+        .filter_map(|a| a.deadline)
+        .chain(until)
+        .min()
+        .map_or(MAX_SLEEP, |d| {
+            d.saturating_duration_since(now).min(MAX_SLEEP)
+        })
 }
 
 /// Whether two watches look at the same word the same way.
