@@ -22,7 +22,8 @@
 //! or an atomic's answer (`transport::across`), and a thread per pair for the rest ([`watch`]:
 //! a program that waits on memory or on a completion channel, a peer whose program never
 //! polls, acks to send back while nobody polls). That thread rests while program threads
-//! poll, and is called back ([`app_arms_channel`], [`app_may_wait_for_write`]) when one may stop. The datagram
+//! poll or sleep in `ibv_get_cq_event` on the pairs' fds ([`sleep_on_pairs`]), and is called
+//! back ([`app_arms_channel`], [`app_may_wait_for_write`]) when one may stop. The datagram
 //! path keeps the messages in order and lossless, and tells a sender when the other endpoint
 //! went (the pair breaks: the QP sees its peer gone).
 #![forbid(unsafe_code)]
@@ -185,7 +186,7 @@ struct Shared {
     /// pair's own thread stays out of their way.
     app_ns: AtomicU64,
     /// The pair's thread rests because programs poll (on `rest_bell`, written by
-    /// [`app_arms_channel`]: a program may now wait on memory or a channel).
+    /// [`app_went_elsewhere`]: a program may now wait on memory or a channel).
     resting: AtomicBool,
     rest_bell: Option<OwnedFd>,
 }
