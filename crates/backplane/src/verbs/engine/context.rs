@@ -262,7 +262,7 @@ impl Ctx {
         for &id in &c.qps {
             if let Some(Some(q)) = qps.get_mut(id) {
                 q.flush_bell_pub();
-                q.watches(cq, &mut watch);
+                q.watches(&mut watch);
                 if let Some(p) = q.peer_slot() {
                     nodes.push(p);
                 }
