@@ -511,6 +511,10 @@ pub unsafe extern "C" fn bp_ibv_get_cq_event(
             .map(|&(_, p)| p as *mut IbvCq);
         // An event of a CQ destroyed since is nobody's.
         let Some(p) = found else { continue };
+        // SAFETY: `p` is a live CQ (above) made by this library.
+        if !unsafe { completion_behind(p) } {
+            continue; // re-armed: the next event comes with a completion
+        }
         // SAFETY: the caller passes writable pointers; `p` is a live CQ (listed by its
         // channel until destroyed), whose `cq_context` the program may have changed.
         unsafe {
@@ -525,6 +529,32 @@ pub unsafe extern "C" fn bp_ibv_get_cq_event(
     }
 }
 crate::abi::symver!(bp_ibv_get_cq_event, "ibv_get_cq_event@@IBVERBS_1.1");
+
+/// Whether an event of `cq` has a completion behind it; if not, `cq` is armed again. The
+/// engine's channels fire when what a CQ's QPs wait for moves (an ack, a message, a peer's
+/// going), and the completion is made by the next poll — which may find it was not one yet,
+/// or was taken already. Programs written for hardware take an event as "a completion is
+/// there": `ib_send_lat -e` polls its send CQ once per event and read a completion that was
+/// not written (its server reported "Completion with error", status garbage; its client's
+/// send queue filled: "Couldn't post send"). So an event goes to the program only when the
+/// CQ holds a completion (checked after arming again, so one that comes in between fires).
+///
+/// # Safety
+/// `cq` is a CQ this library made, alive.
+unsafe fn completion_behind(cq: *mut IbvCq) -> bool {
+    // SAFETY: caller contract.
+    let c = unsafe { &*cq.cast::<CqObj>() };
+    // SAFETY: the context outlives its CQs.
+    let _g = unsafe { &*c.ctx }.lock();
+    if c.cq.has_completion() {
+        return true;
+    }
+    // The program armed this CQ and waits for its event: it stays armed.
+    if c.cq.req_notify(false).is_err() {
+        return true; // (the program's poll will say what is wrong)
+    }
+    c.cq.has_completion()
+}
 
 /// `ibv_ack_cq_events`.
 #[no_mangle]

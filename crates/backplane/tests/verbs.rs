@@ -975,6 +975,34 @@ fn a_completion_channel_fd_wakes_a_poll_loop_for_a_peer_send() {
 }
 
 #[test]
+fn arming_a_cq_that_holds_a_completion_fires_at_once() {
+    // As a NIC's CQ does: a program that took an event for another CQ of its channel re-arms
+    // a CQ whose completion a poll already made (`ib_send_lat -e` waited for ever).
+    let fab = Fab::up("verbs_arm_full", 2);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let a = side(&f, 1, QpType::Rc, ALL, 4096);
+    let b = watched_side(&f, 2);
+    cm::ready_qp(&a.qp, &info(&b), &ConnParam::default()).unwrap();
+    cm::ready_qp(&b.qp, &info(&a), &ConnParam::default()).unwrap();
+    let ch = b.ch.as_ref().unwrap();
+    recv(&b, 4, 0, 64);
+    a.qp.post_send(&[SendWr::send_inline(1, b"early")]).unwrap();
+    // A poll of no entries moves the QP along: the completion is made, not taken.
+    assert_eq!(b.cq.poll(&mut []), 0);
+    b.cq.req_notify(false).unwrap();
+    let ev = ch.get_cq_event(Some(Duration::from_secs(5)));
+    assert_eq!(
+        ev.map(|e| e.cq_id).ok(),
+        Some(b.cq.id()),
+        "an event at once"
+    );
+    ch.ack_cq_events(1);
+    let mut wc = [Wc::default()];
+    assert_eq!(b.cq.poll(&mut wc), 1);
+    assert_eq!((wc[0].wr_id, wc[0].byte_len), (4, 5));
+}
+
+#[test]
 fn a_send_that_starts_waiting_for_a_receive_after_arming_still_wakes_the_channel() {
     // A arms its CQ, then posts a SEND while B has no receive (RNR, retried forever): what
     // the channel watches must grow to B's credits, or A sleeps through B's receive (the

@@ -220,9 +220,26 @@ pub trait QpHome {
     fn set_access(&self, bits: u32);
     /// Back to nothing received and nothing acknowledged (RESET).
     fn reset(&self);
-    /// What a completion channel watches for this end: arriving messages, the ack moving past
-    /// `ack_seen(current ack)`, the peer going, and with `credits` the peer's credits.
-    fn watches(&self, out: &mut Vec<Watch>, ack_seen: impl FnOnce(u64) -> u64, credits: bool);
+    /// What a completion channel watches for this end: the peer going; for a receive CQ
+    /// (`roles.recv`) the producer index moving past `tail_seen(current index)` (arriving
+    /// messages); for a send CQ (`roles.send`) the ack moving past `ack_seen(current ack)`
+    /// and, with `credits`, the peer's credits.
+    fn watches(
+        &self,
+        out: &mut Vec<Watch>,
+        roles: WatchRoles,
+        seen: (impl FnOnce(u64) -> u64, impl FnOnce(u64) -> u64),
+        credits: bool,
+    );
+}
+
+/// Which of a QP's completion queues a channel watches for (both: one CQ for both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WatchRoles {
+    /// Its send CQ: acks, credits.
+    pub send: bool,
+    /// Its receive CQ: arriving messages.
+    pub recv: bool,
 }
 
 /// The peer's end of a reliable connection as this end writes it: the counterpart of the

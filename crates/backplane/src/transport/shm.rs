@@ -15,7 +15,7 @@ use super::across;
 use super::{
     Addr, Channels, CopyKind, GrantRequest, OpenedDatagram, PeerState, QpChannels, QpConnection,
     QpHome, QpLink, Record, RecvChannel, RemoteRegion, Reservation, RingError, SendChannel,
-    Transport, Watch,
+    Transport, Watch, WatchRoles,
 };
 use crate::fabric::ctl::{Request, Response};
 use crate::fabric::{Fabric, FabricError};
@@ -767,19 +767,30 @@ impl QpHome for ShmQpHome {
         // SYNC POINT ring-publish (release): a reset ring has published nothing.
         self.tail.store(0, Ordering::Release);
     }
-    fn watches(&self, out: &mut Vec<Watch>, ack_seen: impl FnOnce(u64) -> u64, credits: bool) {
-        out.push(Watch::Moved {
-            word: self.tail.clone(),
-            // SYNC POINT ring-publish (acquire, watched): what the peer published so far.
-            seen: self.tail.load(Ordering::Acquire),
-        });
+    fn watches(
+        &self,
+        out: &mut Vec<Watch>,
+        roles: WatchRoles,
+        (tail_seen, ack_seen): (impl FnOnce(u64) -> u64, impl FnOnce(u64) -> u64),
+        credits: bool,
+    ) {
+        if roles.recv {
+            out.push(Watch::Moved {
+                word: self.tail.clone(),
+                // SYNC POINT ring-publish (acquire, watched): what the peer published so far.
+                seen: tail_seen(self.tail.load(Ordering::Acquire)),
+            });
+        }
+        out.push(Watch::Flag(self.peer_err.clone()));
+        if !roles.send {
+            return;
+        }
         // SYNC POINT qp-ack (acquire, watched).
         let ack = self.ack.load(Ordering::Acquire);
         out.push(Watch::Moved {
             word: self.ack.clone(),
             seen: ack_seen(ack),
         });
-        out.push(Watch::Flag(self.peer_err.clone()));
         if credits {
             out.push(Watch::Moved {
                 word: self.credits.clone(),

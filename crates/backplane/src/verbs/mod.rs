@@ -626,8 +626,21 @@ impl Cq {
             .map_or(0, |c| c.overruns)
     }
 
-    /// Asks for an event on the channel when the next completion arrives (`ibv_req_notify_cq`).
-    /// `solicited_only` is accepted and treated as "any completion" (events may be spurious).
+    /// Whether the CQ holds a completion, after moving its QPs along as a poll that finds it
+    /// empty does (nothing is taken). For a caller that hands on an event only with a
+    /// completion behind it, as hardware does (see the drop-in's `ibv_get_cq_event`).
+    pub fn has_completion(&self) -> bool {
+        self.ctx.poll_each(self.id, 0, |_, _| {});
+        let eng = self.ctx.eng.borrow();
+        eng.cqs
+            .get(self.id)
+            .and_then(|c| c.as_ref())
+            .is_some_and(|c| c.entries.len() != 0)
+    }
+
+    /// Asks for an event on the channel when the next completion arrives (`ibv_req_notify_cq`);
+    /// at once if the CQ holds completions already. `solicited_only` is accepted and treated
+    /// as "any completion" (events may be spurious).
     pub fn req_notify(&self, _solicited_only: bool) -> Result<(), VerbsError> {
         let mut eng = self.ctx.eng.borrow_mut();
         self.ctx.arm_cq(&mut eng, self.id)

@@ -237,6 +237,19 @@ impl Ctx {
     pub(crate) fn arm_cq(&self, eng: &mut Engine, cq: usize) -> Result<(), VerbsError> {
         let (ch, armed) = self.watch_of(eng, cq)?;
         ch.arm(armed);
+        // A CQ armed while it holds completions fires at once, as a NIC's does (mlx5 arms
+        // with its consumer index): a poll of one CQ can make another's completions (a
+        // progress that takes both an ack and a message), and a program that takes an event
+        // for a CQ it did not wait for re-arms that CQ with its completion still in it —
+        // `ib_send_lat -e`, one channel for both CQs, then waited for that event for ever.
+        if eng
+            .cqs
+            .get(cq)
+            .and_then(|c| c.as_ref())
+            .is_some_and(|c| c.entries.len() != 0)
+        {
+            ch.completion_added(cq as u32);
+        }
         // The program is about to sleep on the channel: the pairs' threads take over now
         // (unless it sleeps in `get_cq_event`, which watches the pairs itself).
         crate::verbs::direct::app_arms_channel();
@@ -262,7 +275,7 @@ impl Ctx {
         for &id in &c.qps {
             if let Some(Some(q)) = qps.get_mut(id) {
                 q.flush_bell_pub();
-                q.watches(&mut watch);
+                q.watches(cq, &mut watch);
                 if let Some(p) = q.peer_slot() {
                     nodes.push(p);
                 }

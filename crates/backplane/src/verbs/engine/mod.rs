@@ -41,6 +41,7 @@ use crate::fabric::Node;
 use crate::mem::{MemError, Region, Span, Word32};
 use crate::sync::{fence, Ordering};
 use crate::transport::shm::ShmTransport;
+use crate::transport::WatchRoles;
 use crate::transport::{
     CopyKind, GrantRequest, QpChannels, QpHome, QpLink, RecvChannel, RemoteRegion, RingError,
     SendChannel, Transport,

@@ -254,8 +254,14 @@ impl QpEngine {
             || matches!(self.sq.front().map(|e| &e.st), Some(SendPhase::Placed(..)))
     }
 
-    /// What the completion channel watches for this QP.
-    pub(crate) fn watches(&self, out: &mut Vec<Watch>) {
+    /// What the completion channel of CQ `cq` watches for this QP: for its receive CQ arriving
+    /// messages, for its send CQ acknowledgements (one watch for both fired the receive CQ's
+    /// channel on an ack: an event with no completion behind it).
+    pub(crate) fn watches(&self, cq: usize, out: &mut Vec<Watch>) {
+        let roles = WatchRoles {
+            send: cq == self.send_cq,
+            recv: cq == self.recv_cq,
+        };
         if let Some(o) = &self.own {
             // Work waiting for an acknowledgement the peer already gave (polls look at the ack
             // word only every so often, see `complete_acked`) must wake the channel at once:
@@ -265,18 +271,27 @@ impl QpEngine {
                 |e| matches!(e.st, SendPhase::Ack { end, .. } if end > self.rel.acked()),
             );
             let acked = self.rel.acked();
+            // Likewise a message that arrived before arming and is not taken yet (a poll
+            // that found completions queued moves no QP along) must fire at once: compare
+            // with what this QP has consumed.
+            let consumed = self.peer.as_ref().map(|p| p.inbound.consumed());
             o.watches(
                 out,
-                |ack| if waiting { ack.min(acked) } else { ack },
+                roles,
+                (
+                    |tail: u64| consumed.map_or(tail, |c| tail.min(c)),
+                    |ack| if waiting { ack.min(acked) } else { ack },
+                ),
                 self.rel.rnr_waiting(),
             );
         }
         // An RDMA WRITE to another host completes when its answer comes (the bridge moves a
         // word and rings this context's bell).
-        if let Some(SendPhase::Placed(m, t)) = self.sq.front().map(|e| &e.st) {
+        let placed = self.sq.front().map(|e| &e.st).filter(|_| roles.send);
+        if let Some(SendPhase::Placed(m, t)) = placed {
             m.mem.watch(*t, out);
         }
-        if let Some(ep) = &self.ud {
+        if let Some(ep) = self.ud.as_ref().filter(|_| roles.recv) {
             let (bell, armed) = ep.doorbell_words();
             // Senders ring a UD QP's endpoint only while it is armed: keep it armed while a
             // channel watches (each datagram then costs its sender one wake-up call).
