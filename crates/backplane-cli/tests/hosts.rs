@@ -1351,9 +1351,9 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
     for o in [&c, &s] {
         assert!(String::from_utf8_lossy(&o.stdout).contains("300 iters in"));
     }
-    // RC (direct: each process carries its pair) and UC (the bridges mirror it): the
-    // programs check every byte (`-c`), with completion events (`-e`), large messages and
-    // the 16 QPs of ibv_srq_pingpong.
+    // RC and UC (direct: each process carries its pair): the programs check every byte
+    // (`-c`), with completion events (`-e`), large messages and the 16 QPs of
+    // ibv_srq_pingpong.
     for (prog, port, extra) in [
         // Its 16 RC QPs, 32 datagram routes between the hosts: with a fabric's ring per
         // route (4 MiB) the server's 9th QP found node 1's window full. The programs after
@@ -1368,6 +1368,7 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
             &["-n", "20", "-c", "-s", "1048576"][..],
         ),
         ("ibv_uc_pingpong", "18795", &["-n", "300", "-c"][..]),
+        ("ibv_uc_pingpong", "18797", &["-n", "100", "-c", "-e"][..]),
     ] {
         let (c, s) = pair(prog, port, extra);
         let iters = extra[1];
@@ -1464,6 +1465,29 @@ fn perftest_runs_every_rdma_operation_between_nodes_of_two_hosts() {
             "{prog} ran its 200 iterations: {out}"
         );
         eprintln!("{prog}: {}", out.lines().rev().nth(1).unwrap_or("").trim());
+    }
+    // UC (carried directly like RC since session 25), and completion events: `ib_send_lat
+    // -e` polls once per event, so an event must have a completion behind it.
+    for (i, (prog, args)) in [
+        ("ib_send_lat", &["-n", "200", "-c", "UC"][..]),
+        ("ib_write_bw", &["-n", "200", "-c", "UC"][..]),
+        ("ib_send_lat", &["-n", "500", "-e"][..]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let port = (18850 + i).to_string();
+        let (c, s) = verbs_pair(&h, prog, &port, args);
+        both_ended_well(&format!("{prog} {args:?}"), &c, &s);
+        let out = String::from_utf8_lossy(&c.stdout);
+        assert!(
+            out.contains(&format!(" {} ", args[1])),
+            "{prog} {args:?}: {out}"
+        );
+        eprintln!(
+            "{prog} {args:?}: {}",
+            out.lines().rev().nth(1).unwrap_or("").trim()
+        );
     }
     h.down(1);
     h.down(0);

@@ -875,11 +875,12 @@ impl QpChannels for ShmTransport {
         ring_len: u32,
         event_off: u64,
     ) -> Result<(u32, ShmQpHome), FabricError> {
-        // RC QPs on a fabric across hosts carry their pairs with other hosts' QPs themselves
-        // when they can (unless `BACKPLANE_DIRECT_QP=0`); UC stays on the bridges
-        // (`ibv_uc_pingpong` hung direct).
+        // RC and UC QPs on a fabric across hosts carry their pairs with other hosts' QPs
+        // themselves when they can (unless `BACKPLANE_DIRECT_QP=0`). (UC stayed on the
+        // bridges until session 25: `ibv_uc_pingpong -e` hung direct — the lost completion
+        // events that `ib_send_lat -e` showed too, since fixed.)
         let direct = (self.fabric.inner.direct_ip.is_some()
-            && qp_type == 2
+            && (qp_type == 2 || qp_type == 3)
             && crate::verbs::direct::wanted())
         .then(|| self.fabric.node(slot).ok())
         .flatten()
