@@ -1346,10 +1346,17 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
         a.extend_from_slice(extra);
         verbs_pair(&h, prog, port, &a)
     };
-    let (c, s) = pair("ibv_ud_pingpong", "18791", &["-n", "300", "-c"]);
-    both_ended_well("ibv_ud_pingpong", &c, &s);
-    for o in [&c, &s] {
-        assert!(String::from_utf8_lossy(&o.stdout).contains("300 iters in"));
+    // Polled (its own UCX worker) and with completion events (through the bridges).
+    for (port, extra) in [
+        ("18791", &["-n", "300", "-c"][..]),
+        ("18798", &["-n", "100", "-c", "-e"][..]),
+    ] {
+        let (c, s) = pair("ibv_ud_pingpong", port, extra);
+        both_ended_well(&format!("ibv_ud_pingpong {extra:?}"), &c, &s);
+        for o in [&c, &s] {
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert!(out.contains(&format!("{} iters in", extra[1])), "{out}");
+        }
     }
     // RC and UC (direct: each process carries its pair): the programs check every byte
     // (`-c`), with completion events (`-e`), large messages and the 16 QPs of
@@ -1466,10 +1473,12 @@ fn perftest_runs_every_rdma_operation_between_nodes_of_two_hosts() {
         );
         eprintln!("{prog}: {}", out.lines().rev().nth(1).unwrap_or("").trim());
     }
-    // UC (carried directly like RC since session 25), and completion events: `ib_send_lat
+    // UC (carried directly like RC since session 25), UD (a polled QP's datagrams straight
+    // from its own UCX worker since session 25), and completion events: `ib_send_lat
     // -e` polls once per event, so an event must have a completion behind it.
     for (i, (prog, args)) in [
         ("ib_send_lat", &["-n", "200", "-c", "UC"][..]),
+        ("ib_send_lat", &["-n", "200", "-c", "UD"][..]),
         ("ib_write_bw", &["-n", "200", "-c", "UC"][..]),
         ("ib_send_lat", &["-n", "500", "-e"][..]),
     ]
