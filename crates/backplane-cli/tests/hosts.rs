@@ -1346,7 +1346,7 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
         a.extend_from_slice(extra);
         verbs_pair(&h, prog, port, &a)
     };
-    // Polled (its own UCX worker) and with completion events (through the bridges).
+    // Polled, and with completion events (the worker's waker rings the endpoint's doorbell).
     for (port, extra) in [
         ("18791", &["-n", "300", "-c"][..]),
         ("18798", &["-n", "100", "-c", "-e"][..]),
@@ -1473,8 +1473,8 @@ fn perftest_runs_every_rdma_operation_between_nodes_of_two_hosts() {
         );
         eprintln!("{prog}: {}", out.lines().rev().nth(1).unwrap_or("").trim());
     }
-    // UC (carried directly like RC since session 25), UD (a polled QP's datagrams straight
-    // from its own UCX worker since session 25), and completion events: `ib_send_lat
+    // UC (carried directly like RC since session 25), UD (datagrams straight from the QP's
+    // own UCX worker since session 25), and completion events: `ib_send_lat
     // -e` polls once per event, so an event must have a completion behind it.
     for (i, (prog, args)) in [
         ("ib_send_lat", &["-n", "200", "-c", "UC"][..]),

@@ -256,13 +256,6 @@ impl Node {
         self.bind_as(port, direct_wanted())
     }
 
-    /// [`Node::bind`] for endpoints whose waits are watched from outside (a UD queue pair's,
-    /// under a completion channel): datagrams from other hosts come through the bridge, which
-    /// rings the endpoint's doorbell as local senders do.
-    pub(crate) fn bind_bridged(&self, port: u32) -> Result<Endpoint, DgramError> {
-        self.bind_as(port, false)
-    }
-
     fn bind_as(&self, port: u32, direct: bool) -> Result<Endpoint, DgramError> {
         self.check_current()?;
         // Best effort: without a worker of its own the endpoint still reaches every host
@@ -920,6 +913,16 @@ impl Endpoint {
             || self.rx.iter().any(|r| !r.ch.is_drained())
             || self.ring_seq.load(Ordering::Acquire) != self.rx_seq_seen
             || self.closed.load(Ordering::Acquire) != 0
+    }
+
+    /// For a watcher outside the endpoint that sleeps on its doorbell (a UD queue pair's
+    /// completion channel), after it armed the doorbell and read its value: has the
+    /// endpoint's own UCX worker, if it has one, ring the doorbell when it has news (its
+    /// waker does). True if a datagram from it may be there already (look now).
+    pub(crate) fn arm_direct_for_doorbell(&self) -> bool {
+        self.direct
+            .as_ref()
+            .is_some_and(|d| d.has_queued() || !d.arm())
     }
 
     /// For a thread that serves this endpoint alone (a direct QP pair's): arms the

@@ -849,7 +849,7 @@ impl Direct {
 
     /// Before the receiver sleeps on its doorbell: false if the worker has something to do
     /// first; true once the waker watches it (the doorbell rings when UCX has news).
-    pub(super) fn arm(&mut self) -> bool {
+    pub(super) fn arm(&self) -> bool {
         // Without a waker (it could not start) the receiver polls instead of sleeping.
         self.waker.is_some() && self.lock().arm() && self.ask(ARMED)
     }

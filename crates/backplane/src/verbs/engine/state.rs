@@ -299,6 +299,14 @@ impl QpEngine {
             fence(Ordering::SeqCst);
             // SYNC POINT qp-bell (watch): the doorbell value peers bump after publishing.
             let seen = bell.load(Ordering::Acquire);
+            // Datagrams from other hosts: the endpoint's own UCX worker's waker rings the
+            // doorbell on news (armed after the value was read: its ring is seen); news there
+            // already fires at once (a watched value the word does not hold).
+            let seen = if ep.arm_direct_for_doorbell() {
+                seen.wrapping_sub(1)
+            } else {
+                seen
+            };
             out.push(Watch::Bell { word: bell, seen });
         }
     }
