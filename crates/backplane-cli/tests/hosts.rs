@@ -1723,6 +1723,47 @@ fn rdma_role(role: &str) {
                 .unwrap();
             assert_eq!(take(&|w| w.wr_id == 6).status, WcStatus::Success);
             assert_eq!(mr.to_vec(8192, 8).unwrap(), 42u64.to_le_bytes(), "swapped");
+            // Several READs and atomics outstanding at once, as a NIC keeps them (each
+            // waited for its answer in `post_send` before session 25): eight READs of 4 KiB
+            // from different places and four FETCH_ADDs of one word, posted in one call,
+            // complete in order, each with its own data.
+            let mut wrs = Vec::new();
+            for k in 0..8u64 {
+                let sge = [mr.sge(400_000 + k * 4096, 4096)];
+                wrs.push((k, sge));
+            }
+            let mut posted: Vec<SendWr<'_>> = wrs
+                .iter()
+                .map(|(k, sge)| SendWr::read(20 + k, sge, 4096 + k * 8192, rkey).signaled())
+                .collect();
+            let words: Vec<_> = (0..4u64).map(|k| [mr.sge(450_000 + k * 8, 8)]).collect();
+            for (k, sge) in words.iter().enumerate() {
+                posted.push(SendWr::fetch_add(30 + k as u64, sge, 512, rkey, 1).signaled());
+            }
+            qp.post_send(&posted).unwrap();
+            let order: Vec<u64> = (0..12)
+                .map(|_| {
+                    let w = take(&|w| (20..34).contains(&w.wr_id));
+                    assert_eq!(w.status, WcStatus::Success, "{w:?}");
+                    w.wr_id
+                })
+                .collect();
+            assert_eq!(
+                order,
+                [20, 21, 22, 23, 24, 25, 26, 27, 30, 31, 32, 33],
+                "in order"
+            );
+            let p2 = pattern(2, n2);
+            for k in 0..8usize {
+                let at = 4096 + k * 8192;
+                let got = mr.to_vec(400_000 + k as u64 * 4096, 4096).unwrap();
+                assert!(got == p2[at..at + 4096], "READ {k}'s data");
+            }
+            for k in 0..4u64 {
+                let old =
+                    u64::from_le_bytes(mr.to_vec(450_000 + k * 8, 8).unwrap().try_into().unwrap());
+                assert_eq!(old, 42 + k, "FETCH_ADD {k}'s old value");
+            }
             // DMA jobs (no QP) on the server's region, two engines splitting the pieces.
             let rkey2 = String::from_utf8(say(b"rkey2", &mut take)).unwrap();
             let rkey2: u32 = rkey2.parse().unwrap();

@@ -109,6 +109,7 @@ typedef struct bpx_link {
     size_t inflight_bytes;
     int half_closed;
     int efd;
+    int flushing; /* a worker flush is in flight (bpx_idle) */
 } bpx_link;
 
 static void push(bpx_link *l, bpx_event ev)
@@ -462,14 +463,30 @@ int bpx_send_ready(bpx_link *l, int index, void *payload, size_t len)
 
 /* 1 if the worker holds nothing unsent (a message completes once UCX copied it, possibly
  * into a transport's buffer it has not written out yet: only a flush says all left). */
+static void flushed(void *request, ucs_status_t status, void *user_data)
+{
+    bpx_link *l = user_data;
+    (void)status;
+    l->flushing = 0;
+    ucp_request_free(request);
+}
+
 int bpx_idle(bpx_link *l)
 {
+    /* One flush at a time: each one in flight holds a reference on an endpoint, and UCX 1.13
+     * aborts past 255 of them (flush.c, `refcount < 255`: seen when a burst of READ requests
+     * between hosts kept a slow connection busy while every send asked again). */
+    if (l->flushing)
+        return 0;
     ucp_request_param_t p;
     memset(&p, 0, sizeof p);
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = flushed;
+    p.user_data = l;
     ucs_status_ptr_t r = ucp_worker_flush_nbx(l->worker, &p);
     if (r == NULL || UCS_PTR_IS_ERR(r))
         return 1;
-    ucp_request_free(r); /* released when it completes */
+    l->flushing = 1; /* the request is freed by `flushed` */
     return 0;
 }
 

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::shm::{Bell, ShmReceiver, ShmRing, ShmSender};
-use super::{CopyKind, RecvChannel, RemoteRegion, SendChannel};
+use super::{CopyKind, Fetch, FetchOp, RecvChannel, RemoteRegion, SendChannel};
 use crate::mem::{MemError, Region, Span, Word32, Word64};
 use crate::ring::RingError;
 use crate::sync::Ordering;
@@ -50,6 +50,26 @@ pub struct Pair {
     gone: Word32,
     next_id: u64,
     ring_len: u64,
+    /// Requests of fetches whose answers were not taken yet, in order (see
+    /// [`RemoteRegion::fetch`]), and what their answers take of the response ring.
+    pending: std::collections::VecDeque<Pending>,
+    pending_cost: u64,
+}
+
+/// A request of a fetch whose answer is not taken yet.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    id: u64,
+    /// What its answer takes of the response ring at most.
+    cost: u64,
+    /// Nobody waits for it (its work request was flushed): its answer is dropped.
+    abandoned: bool,
+}
+
+/// What an answer of `n` data bytes takes of the response ring at most (its header, and a
+/// record's header and alignment).
+fn answer_cost(n: usize) -> u64 {
+    (n + RDMA_RESP_HEAD + 64) as u64
 }
 
 fn oob(off: u64, len: u64) -> MemError {
@@ -94,7 +114,25 @@ impl Pair {
             failed: Word64::at(win, at(RDMA_FAILED_OFF))?,
             gone: Word32::at(win, at(RDMA_GONE_OFF))?,
             ring_len: len,
+            pending: std::collections::VecDeque::new(),
+            pending_cost: 0,
         })
+    }
+
+    /// What the answers in flight may take of the response ring (the rest stays free: an
+    /// answer that finds no room fails its request).
+    fn window(&self) -> u64 {
+        (self.ring_len / 2).max(RDMA_PIECE as u64 + 64)
+    }
+
+    /// Forgets pending request `id` (answered, or dropped); true if it was abandoned.
+    fn settle(&mut self, id: u64) -> bool {
+        let Some(i) = self.pending.iter().position(|p| p.id == id) else {
+            return false;
+        };
+        let p = self.pending.remove(i).expect("found");
+        self.pending_cost -= p.cost;
+        p.abandoned
     }
 
     fn gone(&self) -> bool {
@@ -181,33 +219,59 @@ impl Pair {
     /// The answer to request `id`: its value, with its data handed to `take`.
     fn answer(&mut self, id: u64, take: impl FnOnce(&Span, u64, usize)) -> Result<u64, MemError> {
         self.bell.wake();
-        let mut rec = None;
-        let got = self.wait(|p| match p.resp.peek() {
-            Ok(Some(r)) => {
-                rec = Some(r);
-                true
-            }
-            _ => false,
+        let mut take = Some(take);
+        let mut out = None;
+        let got = self.wait(|p| {
+            out = p.take(id, &mut |d, pos, n| {
+                if let Some(t) = take.take() {
+                    t(d, pos, n);
+                }
+            });
+            out.is_some()
         });
-        let rec = match rec {
-            Some(r) if got && r.len >= RDMA_RESP_HEAD => r,
-            _ => return Err(oob(0, 0)),
-        };
-        let mut h = [0u8; RDMA_RESP_HEAD];
-        self.resp.data().read(rec.pos, &mut h)?;
-        let rid = u64::from_le_bytes(h[0..8].try_into().expect("8 bytes"));
-        let status = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
-        let value = u64::from_le_bytes(h[16..24].try_into().expect("8 bytes"));
-        let data = self.resp.data().clone();
-        let n = rec.len - RDMA_RESP_HEAD;
-        if rid == id && status == 0 {
-            take(&data, rec.pos + RDMA_RESP_HEAD as u64, n);
+        match out {
+            Some(r) if got => r,
+            _ => Err(oob(0, 0)),
         }
-        self.resp.release(rec);
-        if rid != id || status != 0 {
-            return Err(oob(0, n as u64));
+    }
+
+    /// The answer to request `id` if it came (see [`Pair::answer`]); answers of abandoned
+    /// requests before it are dropped.
+    fn take(
+        &mut self,
+        id: u64,
+        take: &mut dyn FnMut(&Span, u64, usize),
+    ) -> Option<Result<u64, MemError>> {
+        loop {
+            let rec = match self.resp.peek() {
+                Ok(Some(r)) if r.len >= RDMA_RESP_HEAD => r,
+                Ok(None) => return None,
+                _ => return Some(Err(oob(0, 0))),
+            };
+            let mut h = [0u8; RDMA_RESP_HEAD];
+            if let Err(e) = self.resp.data().read(rec.pos, &mut h) {
+                return Some(Err(e));
+            }
+            let rid = u64::from_le_bytes(h[0..8].try_into().expect("8 bytes"));
+            let status = u32::from_le_bytes(h[8..12].try_into().expect("4 bytes"));
+            let value = u64::from_le_bytes(h[16..24].try_into().expect("8 bytes"));
+            let data = self.resp.data().clone();
+            let n = rec.len - RDMA_RESP_HEAD;
+            if rid != id && self.pending.iter().any(|p| p.id == rid && p.abandoned) {
+                self.resp.release(rec);
+                self.settle(rid);
+                continue;
+            }
+            if rid == id && status == 0 {
+                take(&data, rec.pos + RDMA_RESP_HEAD as u64, n);
+            }
+            self.resp.release(rec);
+            self.settle(rid);
+            if rid != id || status != 0 {
+                return Some(Err(oob(0, n as u64)));
+            }
+            return Some(Ok(value));
         }
-        Ok(value)
     }
 
     /// Whether the requests up to `id` finished: `Some(false)` if one of them failed or no
@@ -317,6 +381,73 @@ impl AcrossRegion {
         Ok(())
     }
 
+    /// [`RemoteRegion::fetch`].
+    fn start_fetch(&self, op: FetchOp, off: u64, n: usize) -> Result<Fetch, MemError> {
+        let (code, operands, n) = match op {
+            FetchOp::Read => (RDMA_OP_READ, (0, 0), n),
+            FetchOp::FetchAdd(a) => (RDMA_OP_FETCH_ADD, (a, 0), 8),
+            FetchOp::CmpSwap(c, w) => (RDMA_OP_CMP_SWAP, (c, w), 8),
+        };
+        if n == 0 {
+            return Ok(Fetch::Whole);
+        }
+        self.check(off, n as u64)?;
+        let mut p = self.pair();
+        // Answers of abandoned requests at the ring's front go first: they hold room.
+        while let Some(a) = p.pending.front().copied().filter(|a| a.abandoned) {
+            if p.take(a.id, &mut |_, _, _| {}).is_none() {
+                break;
+            }
+        }
+        let pieces = n.div_ceil(RDMA_PIECE);
+        let cost: u64 = (0..pieces)
+            .map(|k| answer_cost((n - k * RDMA_PIECE).min(RDMA_PIECE)))
+            .sum();
+        let window = p.window();
+        if cost > window {
+            // More than the ring takes at once: a READ asked for piece by piece as answers
+            // are taken (`get`), once nothing else is in flight.
+            return Ok(if p.pending.is_empty() {
+                Fetch::Whole
+            } else {
+                Fetch::Busy
+            });
+        }
+        if p.pending_cost + cost > window {
+            return Ok(Fetch::Busy);
+        }
+        let mut first = None;
+        let mut last = 0;
+        for k in 0..pieces {
+            let at = k * RDMA_PIECE;
+            let piece = (n - at).min(RDMA_PIECE);
+            let q = Req {
+                op: code,
+                rkey: self.rkey,
+                off: off + at as u64,
+                len: piece,
+                operands,
+            };
+            let id = p.request(q, 0, |_, _| Ok(())).inspect_err(|_| {
+                self.broken.store(true, Ordering::Relaxed);
+            })?;
+            let cost = answer_cost(piece);
+            p.pending.push_back(Pending {
+                id,
+                cost,
+                abandoned: false,
+            });
+            p.pending_cost += cost;
+            first.get_or_insert(id);
+            last = id;
+        }
+        p.bell.wake();
+        Ok(Fetch::Started {
+            first: first.expect("one piece at least"),
+            last,
+        })
+    }
+
     fn atomic(&self, op: u8, off: u64, a: u64, b: u64) -> Result<u64, MemError> {
         self.check(off, 8)?;
         let mut p = self.pair();
@@ -389,6 +520,40 @@ impl RemoteRegion for AcrossRegion {
         let p = self.pair();
         // SYNC POINT rdma-done (acquire, watched): fires at once if it already passed.
         let seen = p.done.load(Ordering::Acquire).min(ticket.saturating_sub(1));
+        out.push(super::Watch::Moved {
+            word: p.done.clone(),
+            seen,
+        });
+        out.push(super::Watch::Flag(p.gone.clone()));
+    }
+    fn fetch(&self, op: FetchOp, off: u64, n: usize) -> Result<Fetch, MemError> {
+        self.start_fetch(op, off, n)
+    }
+    fn fetched(
+        &self,
+        id: u64,
+        take: &mut dyn FnMut(&Span, u64, usize),
+    ) -> Option<Result<u64, MemError>> {
+        let r = self.pair().take(id, take);
+        if matches!(r, Some(Err(_))) {
+            self.broken.store(true, Ordering::Relaxed);
+        }
+        r
+    }
+    fn abandon(&self, first: u64, last: u64) {
+        for p in self.pair().pending.iter_mut() {
+            if (first..=last).contains(&p.id) {
+                p.abandoned = true;
+            }
+        }
+    }
+    fn watch_answers(&self, out: &mut Vec<super::Watch>) {
+        let p = self.pair();
+        let Some(first) = p.pending.iter().find(|a| !a.abandoned).map(|a| a.id) else {
+            return;
+        };
+        // SYNC POINT rdma-done (acquire, watched): fires at once if that answer came.
+        let seen = p.done.load(Ordering::Acquire).min(first - 1);
         out.push(super::Watch::Moved {
             word: p.done.clone(),
             seen,

@@ -233,6 +233,35 @@ pub trait QpHome {
     );
 }
 
+/// A one-sided request that returns something ([`RemoteRegion::fetch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FetchOp {
+    /// RDMA READ.
+    Read,
+    /// FETCH_AND_ADD of the value.
+    FetchAdd(u64),
+    /// COMPARE_AND_SWAP: (compare, swap).
+    CmpSwap(u64, u64),
+}
+
+/// How [`RemoteRegion::fetch`] went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fetch {
+    /// Requests `first..=last` went out.
+    Started {
+        /// The id of its first request.
+        first: u64,
+        /// The id of its last.
+        last: u64,
+    },
+    /// The answers of fetches not yet taken would leave its answer no room: try again once
+    /// they are taken.
+    Busy,
+    /// Not this way: do it at once (shared memory; or a READ larger than the answers' ring
+    /// takes in one go, with nothing outstanding).
+    Whole,
+}
+
 /// Which of a QP's completion queues a channel watches for (both: one CQ for both).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WatchRoles {
@@ -417,6 +446,34 @@ pub trait RemoteRegion: Send + Sync + fmt::Debug {
     /// What a completion channel watches while a put up to `ticket` has not settled (the
     /// word that moves when it does); nothing for a transport whose puts are done at once.
     fn watch(&self, _ticket: u64, _out: &mut Vec<Watch>) {}
+    /// Starts a READ of `n` bytes at `off` or an atomic at `off` without waiting for its
+    /// answer (a region on another host: the request goes now, the answer comes through
+    /// [`RemoteRegion::fetched`]), so that a QP can have several outstanding, as a NIC does.
+    /// [`Fetch::Whole`] (the default): do it at once with [`RemoteRegion::get`] or the atomic
+    /// calls.
+    fn fetch(&self, _op: FetchOp, _off: u64, _n: usize) -> Result<Fetch, MemError> {
+        Ok(Fetch::Whole)
+    }
+    /// The answer to request `id` of a [`Fetch::Started`] (taken in the order they went out),
+    /// if it came: the atomic's old value (0 for a READ), the data handed to `take(span, pos,
+    /// len)` first. `None`: not yet (also while the way to the region is cut: the QP's peer
+    /// is gone, and its work fails as the rest of it). `Err`: the owner refused it.
+    fn fetched(
+        &self,
+        _id: u64,
+        _take: &mut dyn FnMut(&Span, u64, usize),
+    ) -> Option<Result<u64, MemError>> {
+        Some(Err(MemError::OutOfBounds {
+            off: 0,
+            len: 0,
+            size: 0,
+        }))
+    }
+    /// Requests `first..=last` of a fetch nobody waits for any more (its work request was
+    /// flushed): their answers are dropped as they come.
+    fn abandon(&self, _first: u64, _last: u64) {}
+    /// What a completion channel watches while a fetch's answer has not been taken.
+    fn watch_answers(&self, _out: &mut Vec<Watch>) {}
     /// Copies `n` bytes at `off` of the region to `dst_off` of a local span.
     fn get(
         &self,

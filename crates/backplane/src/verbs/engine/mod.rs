@@ -41,11 +41,11 @@ use crate::fabric::Node;
 use crate::mem::{MemError, Region, Span, Word32};
 use crate::sync::{fence, Ordering};
 use crate::transport::shm::ShmTransport;
-use crate::transport::WatchRoles;
 use crate::transport::{
     CopyKind, GrantRequest, QpChannels, QpHome, QpLink, RecvChannel, RemoteRegion, RingError,
     SendChannel, Transport,
 };
+use crate::transport::{Fetch, FetchOp, WatchRoles};
 use crate::wire::verbs::*;
 
 /// Payload bytes per message fragment (one ring record).
@@ -250,6 +250,8 @@ struct Op<S> {
     compare_add: u64,
     swap: u64,
     ud: Option<(u32, u32, u32)>,
+    /// `IBV_SEND_FENCE`: runs only once the READs and atomics before it completed.
+    fence: bool,
 }
 
 /// A request executed from the caller's memory.
@@ -277,6 +279,7 @@ impl<S> Op<S> {
             compare_add: 0,
             swap: 0,
             ud: None,
+            fence: wr.send_flags.contains(SendFlags::FENCE),
         };
         match wr.wr {
             WrDetail::None => {}
@@ -316,6 +319,7 @@ impl<S> Op<S> {
             compare_add: self.compare_add,
             swap: self.swap,
             ud: self.ud,
+            fence: self.fence,
         }
     }
 }
@@ -360,6 +364,21 @@ enum SendPhase {
     /// An RDMA WRITE a transport carries out later (a region on another host): done when
     /// the region says its puts up to the ticket landed.
     Placed(Rc<RemoteMr>, u64),
+    /// A READ or atomic on a region of another host, its requests out: done once their
+    /// answers are taken (in order, into the request's local buffers).
+    Fetching(Box<Fetching>),
+}
+
+/// A READ or atomic waiting for its answers ([`SendPhase::Fetching`]).
+#[derive(Debug)]
+struct Fetching {
+    m: Rc<RemoteMr>,
+    /// The request (its local buffers).
+    work: Work,
+    /// Its requests' ids: `first..=last`, answers taken up to `next` (excluded).
+    first: u64,
+    next: u64,
+    last: u64,
 }
 
 #[derive(Debug)]
@@ -383,6 +402,8 @@ enum Exec {
     Fatal(WcStatus),
     /// Executed; complete once the region's puts up to the ticket landed.
     Placed(Rc<RemoteMr>, u64),
+    /// A READ or atomic whose requests `first..=last` went out ([`SendPhase::Fetching`]).
+    Fetching(Rc<RemoteMr>, u64, u64),
 }
 
 /// A QP's home (its end of the connection), through the transport.
@@ -523,6 +544,10 @@ impl QpEngine {
     fn fail(&mut self, failed: Option<usize>, status: WcStatus, cqs: &mut Cqs) {
         let entries: Vec<SqEntry> = self.sq.drain(..).collect();
         for (i, e) in entries.into_iter().enumerate() {
+            if let SendPhase::Fetching(f) = &e.st {
+                // Its answers, if they come, are nobody's.
+                f.m.mem.abandon(f.next, f.last);
+            }
             let st = match e.st {
                 SendPhase::Done(s) => s,
                 _ if Some(i) == failed => status,

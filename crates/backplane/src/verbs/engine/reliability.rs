@@ -201,6 +201,61 @@ impl QpEngine {
         }
     }
 
+    /// Takes the answers that came for the READs and atomics waiting in the send queue, in
+    /// the order their requests went out, into their local buffers; one that is complete is
+    /// done (refused by the owner: `REM_ACCESS_ERR`). Answers of one region's requests come
+    /// in order, so the first that is missing ends the look.
+    pub(super) fn take_fetched(&mut self, mrs: &MrTable) {
+        let pd = self.pd;
+        for e in self.sq.iter_mut() {
+            let SendPhase::Fetching(f) = &mut e.st else {
+                continue;
+            };
+            let atomic = matches!(
+                f.work.opcode,
+                WrOpcode::AtomicFetchAndAdd | WrOpcode::AtomicCmpAndSwp
+            );
+            let OwnedSrc::Sges(sges) = &f.work.src else {
+                e.st = SendPhase::Done(WcStatus::LocProtErr);
+                continue;
+            };
+            let sges = sges.as_slice();
+            let mut status = None;
+            while f.next <= f.last {
+                let at = (f.next - f.first) * RDMA_PIECE as u64;
+                let mut copy = |d: &Span, pos: u64, n: usize| {
+                    if atomic {
+                        return;
+                    }
+                    // The answer's bytes, at the piece's place in the local entries (validated
+                    // writable when posted; one deregistered since is skipped).
+                    walk_sges(mrs, pd, sges, at, n, true, |k, b| {
+                        if let Bytes::Span(dst, dst_off, len) = b {
+                            let _ = d.copy_to(pos + k as u64, dst, dst_off, len);
+                        }
+                    });
+                };
+                match f.m.mem.fetched(f.next, &mut copy) {
+                    None => return,
+                    Some(Ok(old)) => {
+                        if atomic {
+                            scatter(mrs, pd, sges, 0, Bytes::Slice(&old.to_le_bytes()));
+                        }
+                        f.next += 1;
+                    }
+                    Some(Err(_)) => {
+                        status = Some(WcStatus::RemAccessErr);
+                        break;
+                    }
+                }
+            }
+            if status.is_some() && f.next < f.last {
+                f.m.mem.abandon(f.next + 1, f.last);
+            }
+            e.st = SendPhase::Done(status.unwrap_or(WcStatus::Success));
+        }
+    }
+
     pub(super) fn pop_completed(&mut self, cqs: &mut Cqs) {
         while let Some(e) = self.sq.front() {
             let st = match e.st {
@@ -226,7 +281,7 @@ impl QpEngine {
                         return;
                     }
                 },
-                SendPhase::Pending(_) => break,
+                SendPhase::Pending(_) | SendPhase::Fetching(_) => break,
             };
             let e = self.sq.pop_front().expect("front exists");
             self.exec = self.exec.saturating_sub(1);
@@ -262,6 +317,18 @@ impl QpEngine {
                 Exec::Placed(m, t) => {
                     self.rel.rnr_clear();
                     self.sq[i].st = SendPhase::Placed(m, t);
+                    self.exec += 1;
+                }
+                Exec::Fetching(m, first, last) => {
+                    self.rel.rnr_clear();
+                    let f = Fetching {
+                        m,
+                        work,
+                        first,
+                        next: first,
+                        last,
+                    };
+                    self.sq[i].st = SendPhase::Fetching(Box::new(f));
                     self.exec += 1;
                 }
                 Exec::Fatal(s) => {

@@ -76,6 +76,21 @@ impl QpEngine {
                     Exec::Placed(m, t) => {
                         self.push_executed(wr, signaled, byte_len, SendPhase::Placed(m, t));
                     }
+                    Exec::Fetching(m, first, last) => {
+                        let f = Fetching {
+                            m,
+                            work: Work::from_wr(wr),
+                            first,
+                            next: first,
+                            last,
+                        };
+                        self.push_executed(
+                            wr,
+                            signaled,
+                            byte_len,
+                            SendPhase::Fetching(Box::new(f)),
+                        );
+                    }
                     Exec::Full | Exec::Rnr => {
                         if matches!(r, Exec::Rnr) {
                             let delay = self.rnr_delay();
@@ -194,6 +209,10 @@ impl QpEngine {
         if self.peer_gone && self.ty != QpType::Ud {
             // Nobody will acknowledge it: it waits for the retries to run out, then fails
             // (`complete_acked`).
+            return Exec::Full;
+        }
+        if op.fence && self.fetching() {
+            // Waits for the READs and atomics ahead of it (they may still be on the wire).
             return Exec::Full;
         }
         match op.opcode {
@@ -456,6 +475,25 @@ impl QpEngine {
         }
     }
 
+    /// Sends a READ's or an atomic's requests without waiting for the answer, where the
+    /// region's transport does that ([`RemoteRegion::fetch`]); `None`: do it at once.
+    fn fetch_start(m: &Rc<RemoteMr>, op: FetchOp, off: u64, n: usize) -> Option<Exec> {
+        match m.mem.fetch(op, off, n) {
+            Ok(Fetch::Started { first, last }) => Some(Exec::Fetching(m.clone(), first, last)),
+            // Earlier answers fill the ring they come through: once they are taken.
+            Ok(Fetch::Busy) => Some(Exec::Full),
+            Ok(Fetch::Whole) => None,
+            Err(_) => Some(Exec::Fatal(WcStatus::RemAccessErr)),
+        }
+    }
+
+    /// Whether a READ or atomic of this QP waits for its answer.
+    pub(super) fn fetching(&self) -> bool {
+        self.sq
+            .iter()
+            .any(|e| matches!(e.st, SendPhase::Fetching(_)))
+    }
+
     pub(super) fn exec_read(&mut self, op: &OpView<'_>, env: &CtxParts<'_>) -> Exec {
         let Src::Sges(sges) = op.src else {
             return Exec::Fatal(WcStatus::LocProtErr);
@@ -474,6 +512,12 @@ impl QpEngine {
             Ok(m) => m,
             Err(s) => return Exec::Fatal(s),
         };
+        // A region on another host: the request goes now, the answer completes it later
+        // (several outstanding, as on a NIC: a READ waited for its answer in `post_send`,
+        // one at a time — `ib_read_bw` between two hosts ran at its latency's rate).
+        if let Some(e) = Self::fetch_start(&m, FetchOp::Read, off, total as usize) {
+            return e;
+        }
         // [remote_addr, +total) is inside the region (checked); the local entries were
         // validated writable.
         let mut refused = false;
@@ -510,6 +554,14 @@ impl QpEngine {
                 Ok(m) => m,
                 Err(s) => return Exec::Fatal(s),
             };
+        let fop = if op.opcode == WrOpcode::AtomicFetchAndAdd {
+            FetchOp::FetchAdd(op.compare_add)
+        } else {
+            FetchOp::CmpSwap(op.compare_add, op.swap)
+        };
+        if let Some(e) = Self::fetch_start(&m, fop, off, 8) {
+            return e;
+        }
         let old = if op.opcode == WrOpcode::AtomicFetchAndAdd {
             m.mem.fetch_add(off, op.compare_add)
         } else {

@@ -49,6 +49,7 @@ impl QpEngine {
             {
                 self.peer_gone = true;
             }
+            self.take_fetched(env.mrs);
             self.complete_acked(cqs, look);
             if self.exec < self.sq.len() {
                 self.drive_sq(env, cqs);
@@ -220,7 +221,11 @@ impl QpEngine {
         if let Some(p) = self.peer.take() {
             p.link.publish_gone();
         }
-        self.sq.clear();
+        for e in self.sq.drain(..) {
+            if let SendPhase::Fetching(f) = &e.st {
+                f.m.mem.abandon(f.next, f.last);
+            }
+        }
         if let RecvQueue::Own(q) = &mut self.rq {
             q.clear();
         }
@@ -251,7 +256,10 @@ impl QpEngine {
     /// may not watch: an RNR timer (and the peer's credits), a WRITE landing on another host.
     pub(crate) fn waits_in_background(&self) -> bool {
         self.rel.rnr_waiting()
-            || matches!(self.sq.front().map(|e| &e.st), Some(SendPhase::Placed(..)))
+            || matches!(
+                self.sq.front().map(|e| &e.st),
+                Some(SendPhase::Placed(..) | SendPhase::Fetching(_))
+            )
     }
 
     /// What the completion channel of CQ `cq` watches for this QP: for its receive CQ arriving
@@ -290,6 +298,14 @@ impl QpEngine {
         let placed = self.sq.front().map(|e| &e.st).filter(|_| roles.send);
         if let Some(SendPhase::Placed(m, t)) = placed {
             m.mem.watch(*t, out);
+        }
+        // A READ or atomic on another host completes when its answer comes.
+        let fetching = self.sq.iter().find_map(|e| match &e.st {
+            SendPhase::Fetching(f) => Some(f),
+            _ => None,
+        });
+        if let Some(f) = fetching.filter(|_| roles.send) {
+            f.m.mem.watch_answers(out);
         }
         if let Some(ep) = self.ud.as_ref().filter(|_| roles.recv) {
             let (bell, armed) = ep.doorbell_words();
