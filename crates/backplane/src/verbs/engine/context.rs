@@ -132,6 +132,7 @@ impl Ctx {
             idle: 0,
             settle_later: false,
             published: 0,
+            fetching: 0,
         };
         let mut eng = self.eng.borrow_mut();
         let id = match eng.qps.iter().position(|q| q.is_none()) {

@@ -480,6 +480,8 @@ pub(crate) struct QpEngine {
     settle_later: bool,
     /// Posted-receive count last written into the peer's block.
     published: u64,
+    /// Send-queue entries in [`SendPhase::Fetching`] (a poll looks for answers only then).
+    fetching: u32,
 }
 
 /// What every QP operation needs from its context.
@@ -543,6 +545,7 @@ impl QpEngine {
     /// `status`, the others with WR_FLUSH_ERR), every receive is flushed, the peer is told.
     fn fail(&mut self, failed: Option<usize>, status: WcStatus, cqs: &mut Cqs) {
         let entries: Vec<SqEntry> = self.sq.drain(..).collect();
+        self.fetching = 0;
         for (i, e) in entries.into_iter().enumerate() {
             if let SendPhase::Fetching(f) = &e.st {
                 // Its answers, if they come, are nobody's.

@@ -217,6 +217,7 @@ impl QpEngine {
             );
             let OwnedSrc::Sges(sges) = &f.work.src else {
                 e.st = SendPhase::Done(WcStatus::LocProtErr);
+                self.fetching -= 1;
                 continue;
             };
             let sges = sges.as_slice();
@@ -253,6 +254,7 @@ impl QpEngine {
                 f.m.mem.abandon(f.next + 1, f.last);
             }
             e.st = SendPhase::Done(status.unwrap_or(WcStatus::Success));
+            self.fetching -= 1;
         }
     }
 
@@ -329,6 +331,7 @@ impl QpEngine {
                         last,
                     };
                     self.sq[i].st = SendPhase::Fetching(Box::new(f));
+                    self.fetching += 1;
                     self.exec += 1;
                 }
                 Exec::Fatal(s) => {

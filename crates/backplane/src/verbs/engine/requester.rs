@@ -84,6 +84,7 @@ impl QpEngine {
                             next: first,
                             last,
                         };
+                        self.fetching += 1;
                         self.push_executed(
                             wr,
                             signaled,
@@ -489,9 +490,7 @@ impl QpEngine {
 
     /// Whether a READ or atomic of this QP waits for its answer.
     pub(super) fn fetching(&self) -> bool {
-        self.sq
-            .iter()
-            .any(|e| matches!(e.st, SendPhase::Fetching(_)))
+        self.fetching != 0
     }
 
     pub(super) fn exec_read(&mut self, op: &OpView<'_>, env: &CtxParts<'_>) -> Exec {

@@ -49,7 +49,9 @@ impl QpEngine {
             {
                 self.peer_gone = true;
             }
-            self.take_fetched(env.mrs);
+            if self.fetching != 0 {
+                self.take_fetched(env.mrs);
+            }
             self.complete_acked(cqs, look);
             if self.exec < self.sq.len() {
                 self.drive_sq(env, cqs);
@@ -221,6 +223,7 @@ impl QpEngine {
         if let Some(p) = self.peer.take() {
             p.link.publish_gone();
         }
+        self.fetching = 0;
         for e in self.sq.drain(..) {
             if let SendPhase::Fetching(f) = &e.st {
                 f.m.mem.abandon(f.next, f.last);
