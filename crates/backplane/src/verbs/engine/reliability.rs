@@ -221,11 +221,19 @@ impl QpEngine {
                 continue;
             };
             let sges = sges.as_slice();
+            let total: u64 = sges.iter().map(|g| u64::from(g.length)).sum();
             let mut status = None;
             while f.next <= f.last {
                 let at = (f.next - f.first) * RDMA_PIECE as u64;
+                let want = total.saturating_sub(at).min(RDMA_PIECE as u64) as usize;
+                let mut short = false;
                 let mut copy = |d: &Span, pos: u64, n: usize| {
                     if atomic {
+                        return;
+                    }
+                    // The other host's answer must be the piece asked for, no more, no less.
+                    if n != want {
+                        short = true;
                         return;
                     }
                     // The answer's bytes, at the piece's place in the local entries (validated
@@ -238,6 +246,10 @@ impl QpEngine {
                 };
                 match f.m.mem.fetched(f.next, &mut copy) {
                     None => return,
+                    Some(Ok(_)) if short => {
+                        status = Some(WcStatus::RemAccessErr);
+                        break;
+                    }
                     Some(Ok(old)) => {
                         if atomic {
                             scatter(mrs, pd, sges, 0, Bytes::Slice(&old.to_le_bytes()));
