@@ -125,14 +125,12 @@ impl Pair {
         (self.ring_len / 2).max(RDMA_PIECE as u64 + 64)
     }
 
-    /// Forgets pending request `id` (answered, or dropped); true if it was abandoned.
-    fn settle(&mut self, id: u64) -> bool {
-        let Some(i) = self.pending.iter().position(|p| p.id == id) else {
-            return false;
-        };
-        let p = self.pending.remove(i).expect("found");
-        self.pending_cost -= p.cost;
-        p.abandoned
+    /// Forgets pending request `id` (answered, or dropped).
+    fn settle(&mut self, id: u64) {
+        if let Some(i) = self.pending.iter().position(|p| p.id == id) {
+            let p = self.pending.remove(i).expect("found");
+            self.pending_cost -= p.cost;
+        }
     }
 
     fn gone(&self) -> bool {
@@ -574,7 +572,7 @@ impl RemoteRegion for AcrossRegion {
         }
         let mut p = self.pair();
         // Pieces are asked for ahead of the answers, as many as half the response ring holds.
-        let window = (p.ring_len / 2).max(RDMA_PIECE as u64 + 64) as usize;
+        let window = p.window() as usize;
         let mut asked = 0usize;
         let mut answered = 0usize;
         let mut ids = std::collections::VecDeque::new();

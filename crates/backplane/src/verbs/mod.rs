@@ -631,11 +631,7 @@ impl Cq {
     /// completion behind it, as hardware does (see the drop-in's `ibv_get_cq_event`).
     pub fn has_completion(&self) -> bool {
         self.ctx.poll_each(self.id, 0, |_, _| {});
-        let eng = self.ctx.eng.borrow();
-        eng.cqs
-            .get(self.id)
-            .and_then(|c| c.as_ref())
-            .is_some_and(|c| c.entries.len() != 0)
+        engine::holds_completions(&self.ctx.eng.borrow().cqs, self.id)
     }
 
     /// Asks for an event on the channel when the next completion arrives (`ibv_req_notify_cq`);

@@ -245,12 +245,7 @@ impl Ctx {
         // progress that takes both an ack and a message), and a program that takes an event
         // for a CQ it did not wait for re-arms that CQ with its completion still in it —
         // `ib_send_lat -e`, one channel for both CQs, then waited for that event for ever.
-        if eng
-            .cqs
-            .get(cq)
-            .and_then(|c| c.as_ref())
-            .is_some_and(|c| c.entries.len() != 0)
-        {
+        if holds_completions(&eng.cqs, cq) {
             ch.completion_added(cq as u32);
         }
         // The program is about to sleep on the channel: the pairs' threads take over now

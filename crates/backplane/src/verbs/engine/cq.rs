@@ -102,6 +102,13 @@ pub(super) fn push_cqe(cqs: &mut Cqs, cq: usize, wc: Wc) {
     }
 }
 
+/// Whether CQ `cq` holds completions not yet taken.
+pub(crate) fn holds_completions(cqs: &Cqs, cq: usize) -> bool {
+    cqs.get(cq)
+        .and_then(|c| c.as_ref())
+        .is_some_and(|c| c.entries.len() != 0)
+}
+
 pub(super) fn cq_room(cqs: &Cqs, cq: usize) -> bool {
     cqs.get(cq)
         .and_then(|c| c.as_ref())

@@ -68,7 +68,7 @@ mod ud;
 
 pub(crate) use context::{Ctx, Engine, QpSpec};
 use cq::*;
-pub(crate) use cq::{CqRing, CqState, Cqs};
+pub(crate) use cq::{holds_completions, CqRing, CqState, Cqs};
 use memory::*;
 pub(crate) use memory::{LocalMr, MrTable};
 use reliability::Reliability;

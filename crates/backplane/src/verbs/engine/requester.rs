@@ -212,7 +212,7 @@ impl QpEngine {
             // (`complete_acked`).
             return Exec::Full;
         }
-        if op.fence && self.fetching() {
+        if op.fence && self.fetching != 0 {
             // Waits for the READs and atomics ahead of it (they may still be on the wire).
             return Exec::Full;
         }
@@ -486,11 +486,6 @@ impl QpEngine {
             Ok(Fetch::Whole) => None,
             Err(_) => Some(Exec::Fatal(WcStatus::RemAccessErr)),
         }
-    }
-
-    /// Whether a READ or atomic of this QP waits for its answer.
-    pub(super) fn fetching(&self) -> bool {
-        self.fetching != 0
     }
 
     pub(super) fn exec_read(&mut self, op: &OpView<'_>, env: &CtxParts<'_>) -> Exec {

@@ -303,11 +303,15 @@ impl QpEngine {
             m.mem.watch(*t, out);
         }
         // A READ or atomic on another host completes when its answer comes.
-        let fetching = self.sq.iter().find_map(|e| match &e.st {
-            SendPhase::Fetching(f) => Some(f),
-            _ => None,
-        });
-        if let Some(f) = fetching.filter(|_| roles.send) {
+        let fetching = (roles.send && self.fetching != 0)
+            .then(|| {
+                self.sq.iter().find_map(|e| match &e.st {
+                    SendPhase::Fetching(f) => Some(f),
+                    _ => None,
+                })
+            })
+            .flatten();
+        if let Some(f) = fetching {
             f.m.mem.watch_answers(out);
         }
         if let Some(ep) = self.ud.as_ref().filter(|_| roles.recv) {
