@@ -383,6 +383,14 @@ impl Link {
     /// happened (over TCP each progress is a system call: the one that would find nothing
     /// more costs a round trip its time).
     pub fn poll_some(&mut self) -> Vec<Event> {
+        let mut out = Vec::new();
+        self.poll_some_into(&mut out);
+        out
+    }
+
+    /// [`Link::poll_some`] into `out` (appended; a caller that polls in a loop keeps one
+    /// vector instead of allocating one per arrival).
+    pub fn poll_some_into(&mut self, out: &mut Vec<Event>) {
         for _ in 0..64 {
             // SAFETY: raw is live; progress runs the callbacks on this thread.
             let n = unsafe { ffi::bpx_progress(self.raw) };
@@ -391,12 +399,18 @@ impl Link {
                 break;
             }
         }
-        self.events()
+        self.events_into(out);
     }
 
     /// The events queued so far.
     fn events(&mut self) -> Vec<Event> {
         let mut out = Vec::new();
+        self.events_into(&mut out);
+        out
+    }
+
+    /// [`Link::events`], appended to `out`.
+    fn events_into(&mut self, out: &mut Vec<Event>) {
         loop {
             let mut ev = ffi::Event {
                 kind: 0,
@@ -430,7 +444,6 @@ impl Link {
                 _ => {} // an event of an endpoint closed since
             }
         }
-        out
     }
 
     /// Bytes of messages handed to UCX that it has not sent yet (they go out as the link is
