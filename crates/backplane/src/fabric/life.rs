@@ -116,6 +116,12 @@ impl NodeLife {
         (self.state != NodeState::Down).then(|| self.to(NodeState::Down, DownReason::Shutdown))
     }
 
+    /// The supervisor itself ran nothing for a while (see `supervisor::STALLED`): the
+    /// heartbeat's silence is counted from `now`, not from before the pause.
+    pub fn grace(&mut self, now: Instant) {
+        self.beat_at = now;
+    }
+
     /// A periodic check with the heartbeat value read from the window: a stalled READY node
     /// goes DOWN (hung); a hung node whose heartbeat moves again rejoins (BOOTING then READY,
     /// with a new generation).
@@ -188,6 +194,24 @@ mod tests {
         let back = n.tick(stall + Duration::from_millis(100), 12, true);
         assert_eq!(back.last().unwrap().state, NodeState::Ready);
         assert_eq!(back.last().unwrap().generation, 2);
+    }
+
+    #[test]
+    fn after_the_supervisors_own_pause_a_heartbeat_gets_its_full_timeout_again() {
+        let t = Instant::now();
+        let mut n = NodeLife::new(t);
+        n.spawned(t);
+        n.ready(t, 10);
+        // The supervisor ran nothing for 2 s (nor did the agent: the machine paused both).
+        let back = t + Duration::from_secs(2);
+        n.grace(back);
+        assert!(n.tick(back, 10, true).is_empty(), "not hung for the pause");
+        let late = n.tick(back + HEARTBEAT_TIMEOUT, 10, true);
+        assert_eq!(
+            late[0].reason,
+            DownReason::Hung,
+            "still hung if it stays silent"
+        );
     }
 
     #[test]

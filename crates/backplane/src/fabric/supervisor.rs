@@ -59,6 +59,12 @@ pub const EPHEMERAL_BASE: u32 = 49152;
 /// How long `up` waits for every node to become READY.
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(30);
 const TICK: Duration = Duration::from_millis(50);
+/// A round of the loop this long after the last one means this supervisor itself was not
+/// running (the machine paused its processes, or it was stopped): the nodes' heartbeats and
+/// the other hosts' reports are timed from the end of the pause, not from before it. (On a
+/// loaded 2-vCPU VM a pause of ~1 s made a supervisor declare its own node hung and the other
+/// host lost at once, breaking every queue pair between the hosts.)
+const STALLED: Duration = Duration::from_millis(250);
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -107,6 +113,8 @@ struct RingInfo {
 struct Sup {
     cfg: Config,
     created: Instant,
+    /// When the loop last looked at the clock (see [`STALLED`]; `None` before its first round).
+    last_round: Option<Instant>,
     control: Region,
     windows: Vec<Arc<Region>>,
     allocs: Vec<WindowAlloc>,
@@ -249,6 +257,7 @@ fn run_inner(
     };
     let accel_nodes = crate::fabric::accel::NodeWords::create(&cfg.name, cfg.nodes).ok();
     let mut sup = Sup {
+        last_round: None,
         allocs: (0..cfg.nodes)
             .map(|_| WindowAlloc::new(WINDOW_HEAP_OFF, cfg.window_size))
             .collect(),
@@ -467,6 +476,23 @@ impl Sup {
             ready_flags = fds.iter().map(|f| f.revents()).collect::<Vec<_>>();
         }
         let now = Instant::now();
+        let gap = self
+            .last_round
+            .replace(now)
+            .map_or(Duration::ZERO, |t| now.duration_since(t));
+        if gap > STALLED {
+            for l in &mut self.life {
+                l.grace(now);
+            }
+            if let Some(h) = self.hosts.as_mut() {
+                h.grace(now);
+            }
+            self.say(&format!(
+                "this supervisor ran nothing for {} ms: the nodes' and hosts' silences are \
+                 counted from now",
+                gap.as_millis()
+            ));
+        }
         // Deaths first: they are what peers must see fastest.
         for (i, &slot) in agent_slots.iter().enumerate() {
             if !ready_flags[1 + client_ids.len() + i].is_empty() {

@@ -48,6 +48,18 @@ struct Peer {
     forwarded: HashMap<u32, (u64, u64)>,
 }
 
+impl HostLink {
+    /// This supervisor ran nothing for a while: the joined hosts' silence is counted from
+    /// `now` (they may have sent meanwhile; nobody read it).
+    pub(super) fn grace(&mut self, now: Instant) {
+        for p in &mut self.peers {
+            if p.state == PeerState::Joined {
+                p.heard = now;
+            }
+        }
+    }
+}
+
 pub(super) struct HostLink {
     pub(super) plan: HostPlan,
     link: Link,
