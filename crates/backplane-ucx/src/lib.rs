@@ -381,15 +381,8 @@ impl Link {
 
     /// [`Link::poll`] for a latency-bound caller: stops progressing as soon as something
     /// happened (over TCP each progress is a system call: the one that would find nothing
-    /// more costs a round trip its time).
-    pub fn poll_some(&mut self) -> Vec<Event> {
-        let mut out = Vec::new();
-        self.poll_some_into(&mut out);
-        out
-    }
-
-    /// [`Link::poll_some`] into `out` (appended; a caller that polls in a loop keeps one
-    /// vector instead of allocating one per arrival).
+    /// more costs a round trip its time). The events are appended to `out` (a caller that
+    /// polls in a loop keeps one vector instead of allocating one per arrival).
     pub fn poll_some_into(&mut self, out: &mut Vec<Event>) {
         for _ in 0..64 {
             // SAFETY: raw is live; progress runs the callbacks on this thread.
