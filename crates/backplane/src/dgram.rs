@@ -716,13 +716,13 @@ impl Endpoint {
     }
 
     fn refresh_rx(&mut self) -> Result<(), DgramError> {
-        let w = self.window.clone();
-        let rec = self.record_off;
-        let f = FabricError::from;
         let seq = self.ring_seq.load(Ordering::Acquire);
         if seq == self.rx_seq_seen {
             return Ok(());
         }
+        let w = self.window.clone();
+        let rec = self.record_off;
+        let f = FabricError::from;
         self.rx_seq_seen = seq;
         // SYNC POINT ring-list (acquire): listed rings have initialised headers.
         let count = w
@@ -792,17 +792,20 @@ impl Endpoint {
         loop {
             self.check_open()?;
             self.refresh_rx()?;
+            // The worker was looked at (and found nothing) with nothing else between.
+            let mut direct_looked = false;
             if let Some(d) = self.direct.as_mut().filter(|_| look) {
-                let rejected = d.progress();
+                let first = self.direct_first || self.rx.is_empty();
+                let (rejected, got) = d.progress_take(first, |src, p| read(src, p));
                 if rejected != 0 {
                     self.stats.dropped += rejected;
                     self.publish_stats();
                 }
-                if self.direct_first || self.rx.is_empty() {
-                    if let Some(out) = self.recv_direct(&mut read) {
-                        return out;
-                    }
+                if let Some((len, out)) = got {
+                    self.took_direct(len, out.is_ok());
+                    return out;
                 }
+                direct_looked = first;
             }
             let n = self.rx.len();
             let mut retire = None;
@@ -863,8 +866,10 @@ impl Endpoint {
                 self.transport.retire_datagram(self.addr, r.ring_off);
                 continue;
             }
-            if let Some(out) = self.recv_direct(&mut read) {
-                return out;
+            if !(direct_looked && n == 0) {
+                if let Some(out) = self.recv_direct(&mut read) {
+                    return out;
+                }
             }
             match wait {
                 Wait::Never => return Err(DgramError::WouldBlock),
@@ -951,13 +956,19 @@ impl Endpoint {
             .direct
             .as_mut()?
             .take(|src, payload| read(src, payload))?;
-        if out.is_ok() {
+        self.took_direct(len, out.is_ok());
+        Some(out)
+    }
+
+    /// A datagram of `len` bytes from another host was given to the reader (`taken`: and
+    /// taken).
+    fn took_direct(&mut self, len: usize, taken: bool) {
+        if taken {
             self.direct_first = false;
             self.stats.received += 1;
             self.stats.received_bytes += len as u64;
             self.publish_stats();
         }
-        Some(out)
     }
 
     /// Receives one datagram into `buf`, waiting as `wait` says; returns its length and sender.

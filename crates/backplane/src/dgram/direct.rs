@@ -763,6 +763,9 @@ impl Unbound {
     }
 }
 
+/// A received datagram's length and what the reader made of it.
+type Taken<R, E> = (usize, Result<R, E>);
+
 impl Direct {
     fn shared(&self) -> &Shared {
         self.shared.as_ref().expect("taken only by drop")
@@ -851,12 +854,21 @@ impl Direct {
         }
     }
 
-    /// Makes progress (see [`Worker::progress`]); the number of messages refused since the
-    /// last call.
-    pub(super) fn progress(&mut self) -> u64 {
+    /// Makes progress (see [`Worker::progress`]), then (if `take`) does what
+    /// [`Direct::take`] does, under one lock (a poll loop looks at both every time round);
+    /// first the number of messages refused since the last call.
+    pub(super) fn progress_take<R, E>(
+        &mut self,
+        take: bool,
+        read: impl FnOnce(Addr, &[u8]) -> Result<R, E>,
+    ) -> (u64, Option<Taken<R, E>>) {
         let mut w = self.lock();
         w.progress();
-        std::mem::take(&mut w.rejected)
+        let rejected = std::mem::take(&mut w.rejected);
+        if !take {
+            return (rejected, None);
+        }
+        (rejected, Self::take_locked(&mut w, read))
     }
 
     /// Gives the oldest received datagram to `read`; it is taken only if `read` returns `Ok`.
@@ -865,7 +877,13 @@ impl Direct {
         &mut self,
         read: impl FnOnce(Addr, &[u8]) -> Result<R, E>,
     ) -> Option<(usize, Result<R, E>)> {
-        let mut w = self.lock();
+        Self::take_locked(&mut self.lock(), read)
+    }
+
+    fn take_locked<R, E>(
+        w: &mut Worker,
+        read: impl FnOnce(Addr, &[u8]) -> Result<R, E>,
+    ) -> Option<Taken<R, E>> {
         let (src, payload) = w.front()?;
         let len = payload.len();
         let out = read(src, payload);

@@ -253,6 +253,7 @@ impl DirectQp {
             live.retain(|w| w.strong_count() > 0);
             live.push(Arc::downgrade(&shared));
             LIVE_COUNT.0.store(live.len(), Ordering::Relaxed);
+            LIVE_GEN.fetch_add(1, Ordering::Release);
         }
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -295,6 +296,7 @@ impl Drop for DirectQp {
         let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
         live.retain(|w| w.strong_count() > 0 && !Weak::ptr_eq(w, &me));
         LIVE_COUNT.0.store(live.len(), Ordering::Relaxed);
+        LIVE_GEN.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -303,15 +305,16 @@ impl Shared {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A program thread polling a completion queue pumps (unless another thread is at it);
-    /// it will again, so the pair's thread stays out of its way for a while.
+    /// A program thread pumps (unless another thread is at it); if it polls a completion
+    /// queue (`polling`: the time, maybe a few microseconds old), it will again, so the
+    /// pair's thread stays out of its way for a while.
     #[inline]
-    fn pumped_by_app(&self, polling: bool) {
-        if polling {
-            self.app_ns.store(crate::sync::now_ns(), Ordering::Relaxed);
+    fn pumped_by_app(&self, polling: Option<u64>) {
+        if let Some(now) = polling {
+            self.app_ns.store(now, Ordering::Relaxed);
         }
         if let Ok(mut g) = self.inner.try_lock() {
-            g.by_app = polling;
+            g.by_app = polling.is_some();
             g.pump();
             g.by_app = false;
         }
@@ -416,7 +419,7 @@ pub(crate) fn sleep_on_pairs(efd: std::os::fd::BorrowedFd<'_>, timeout: Duration
     drop(polled);
     // Take what came now, before anyone else looks.
     for s in &pairs {
-        s.pumped_by_app(false);
+        s.pumped_by_app(None);
     }
     true
 }
@@ -479,16 +482,69 @@ fn app_went_elsewhere() {
     }
 }
 
+/// Bumped whenever [`LIVE`] changes: a thread's copy of it ([`MY_PAIRS`]) is then taken again.
+static LIVE_GEN: AtomicUsize = AtomicUsize::new(0);
+
+/// How many looks of a polling thread share one clock reading for [`Shared::app_ns`] (a
+/// clock read was ~5 % of a poll loop's time; 16 looks are a few microseconds, against the
+/// 200 µs [`APP_ACTIVE_NS`] it is compared with — and a stale stamp only says the program
+/// polled earlier than it did: the pair's thread looks after the pair sooner, never later).
+const STAMP_EVERY: u32 = 16;
+
+/// A polling thread's copy of [`LIVE`] (as of [`LIVE_GEN`] `gen`), its count of looks and
+/// its last clock reading: the poll loop takes no lock, allocates nothing and reads the clock
+/// once in [`STAMP_EVERY`] looks. (A program that polls seldom may thus leave a stamp older
+/// than it should be, and the pair's thread then pumps beside it: more wake-ups, nothing
+/// missed.)
+struct MyPairs {
+    gen: usize,
+    pairs: Vec<Weak<Shared>>,
+    looks: u32,
+    stamp: u64,
+}
+
+thread_local! {
+    static MY_PAIRS: std::cell::RefCell<MyPairs> = const {
+        std::cell::RefCell::new(MyPairs {
+            gen: usize::MAX,
+            pairs: Vec::new(),
+            looks: 0,
+            stamp: 0,
+        })
+    };
+}
+
 #[cold]
 #[inline(never)]
 fn progress_live(polling: bool) {
-    let pairs: Vec<Arc<Shared>> = match LIVE.try_lock() {
-        Ok(l) => l.iter().filter_map(Weak::upgrade).collect(),
-        Err(_) => return,
-    };
-    for s in pairs {
-        s.pumped_by_app(polling);
-    }
+    let gen = LIVE_GEN.load(Ordering::Acquire);
+    MY_PAIRS.with(|c| {
+        // (Busy: this thread is inside a pump already, which called back here.)
+        let Ok(mut c) = c.try_borrow_mut() else {
+            return;
+        };
+        if c.gen != gen {
+            let Ok(live) = LIVE.try_lock() else {
+                return; // (changing: look again next time)
+            };
+            c.pairs.clone_from(&live);
+            c.gen = gen;
+        }
+        let stamp = if polling {
+            if c.looks % STAMP_EVERY == 0 {
+                c.stamp = crate::sync::now_ns();
+            }
+            c.looks = c.looks.wrapping_add(1);
+            Some(c.stamp)
+        } else {
+            None
+        };
+        for w in &c.pairs {
+            if let Some(s) = w.upgrade() {
+                s.pumped_by_app(stamp);
+            }
+        }
+    });
 }
 
 /// The pair's own thread: pumps whenever UCX has news for the pair's endpoint (it sleeps on
@@ -595,19 +651,26 @@ impl Inner {
     /// anything went or came.
     fn pump(&mut self) -> bool {
         let ep = self.ep.clone();
+        let mut ep = ep.lock().unwrap_or_else(|e| e.into_inner());
         let mut worked = false;
         for round in 0..64 {
-            let mut ep = ep.lock().unwrap_or_else(|e| e.into_inner());
             let shipped = self.ship(&mut ep);
             // The network is looked at once a pump (over TCP a system call, which found
             // nothing more after an arrival nearly always: ~0.4 us each on the way from a
             // message to its completion); later rounds take what that look brought.
             let took = self.take(&mut ep, round == 0);
             worked |= shipped || took;
-            if !(shipped || took) || self.m.broken.is_some() {
+            // Another round if something went (more may go, and sending may have taken
+            // messages off the wire) or what came asks for answers. Not for what came alone:
+            // `take` read every message there was, and applying them gave the local QP work,
+            // not the mirror (its engine runs after this; what it writes then is shipped by
+            // the next pump or the next post) — a round for nothing cost ~0.1 µs on the way
+            // from a message to its completion.
+            if !(shipped || (took && !self.m.answers.is_empty())) || self.m.broken.is_some() {
                 break;
             }
         }
+        drop(ep);
         if self.m.broken.is_none() && !self.said && self.m.peer_gone() {
             // The peer ended the pair itself (its QP destroyed): nothing to say when the
             // datagram path refuses what follows.
@@ -677,6 +740,12 @@ impl Inner {
     /// in one message where they fit (one system call and segment each way over TCP:
     /// `write-lat` 3 segments each way a round trip before).
     fn ship(&mut self, ep: &mut Endpoint) -> bool {
+        if self.m.answers.is_empty() && !self.m.pending() {
+            // Nothing to say (most looks of a program's poll loop): no cork, no worker lock.
+            self.answers_since = None;
+            self.words_since = None;
+            return false;
+        }
         ep.cork();
         let any = self.ship_corked(ep);
         ep.uncork();
