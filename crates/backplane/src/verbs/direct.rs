@@ -306,8 +306,8 @@ impl Shared {
     }
 
     /// A program thread pumps (unless another thread is at it); if it polls a completion
-    /// queue (`polling`: the time, maybe a few microseconds old), it will again, so the
-    /// pair's thread stays out of its way for a while.
+    /// queue (`polling`: the time), it will again, so the pair's thread stays out of its way
+    /// for a while.
     #[inline]
     fn pumped_by_app(&self, polling: Option<u64>) {
         if let Some(now) = polling {
@@ -485,22 +485,13 @@ fn app_went_elsewhere() {
 /// Bumped whenever [`LIVE`] changes: a thread's copy of it ([`MY_PAIRS`]) is then taken again.
 static LIVE_GEN: AtomicUsize = AtomicUsize::new(0);
 
-/// How many looks of a polling thread share one clock reading for [`Shared::app_ns`] (a
-/// clock read was ~5 % of a poll loop's time; 16 looks are a few microseconds, against the
-/// 200 µs [`APP_ACTIVE_NS`] it is compared with — and a stale stamp only says the program
-/// polled earlier than it did: the pair's thread looks after the pair sooner, never later).
-const STAMP_EVERY: u32 = 16;
-
-/// A polling thread's copy of [`LIVE`] (as of [`LIVE_GEN`] `gen`), its count of looks and
-/// its last clock reading: the poll loop takes no lock, allocates nothing and reads the clock
-/// once in [`STAMP_EVERY`] looks. (A program that polls seldom may thus leave a stamp older
-/// than it should be, and the pair's thread then pumps beside it: more wake-ups, nothing
-/// missed.)
+/// A polling thread's copy of [`LIVE`] (as of [`LIVE_GEN`] `gen`): the poll loop takes no
+/// lock and allocates nothing. (Its clock reading is not shared between looks: a program that
+/// posts a stream and polls now and then left stamps milliseconds old, and the pairs'
+/// threads, taking the program for gone, pumped beside it — contending for the pair's lock.)
 struct MyPairs {
     gen: usize,
     pairs: Vec<Weak<Shared>>,
-    looks: u32,
-    stamp: u64,
 }
 
 thread_local! {
@@ -508,8 +499,6 @@ thread_local! {
         std::cell::RefCell::new(MyPairs {
             gen: usize::MAX,
             pairs: Vec::new(),
-            looks: 0,
-            stamp: 0,
         })
     };
 }
@@ -530,15 +519,7 @@ fn progress_live(polling: bool) {
             c.pairs.clone_from(&live);
             c.gen = gen;
         }
-        let stamp = if polling {
-            if c.looks % STAMP_EVERY == 0 {
-                c.stamp = crate::sync::now_ns();
-            }
-            c.looks = c.looks.wrapping_add(1);
-            Some(c.stamp)
-        } else {
-            None
-        };
+        let stamp = polling.then(crate::sync::now_ns);
         for w in &c.pairs {
             if let Some(s) = w.upgrade() {
                 s.pumped_by_app(stamp);
