@@ -11,7 +11,7 @@
 //! field masks whose layouts change between releases; the shim is compiled against the
 //! installed header, so the Rust side binds ten plain functions and nothing can drift.
 
-use std::ffi::{CStr, CString};
+use std::ffi::{c_int, c_void, CStr, CString};
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{BorrowedFd, RawFd};
 
@@ -63,6 +63,11 @@ mod ffi {
         pub fn bpx_send_cancel(payload: *mut c_void);
         pub fn bpx_send_ready(l: *mut Link, ep: c_int, payload: *mut c_void, len: usize) -> c_int;
         pub fn bpx_progress(l: *mut Link) -> c_int;
+        pub fn bpx_progress_with(
+            l: *mut Link,
+            deliver: extern "C" fn(*mut c_void, c_int, *const c_void, usize) -> c_int,
+            ctx: *mut c_void,
+        ) -> c_int;
         pub fn bpx_inflight_bytes(l: *mut Link) -> usize;
         pub fn bpx_idle(l: *mut Link) -> c_int;
         pub fn bpx_queued(l: *mut Link) -> usize;
@@ -389,6 +394,59 @@ impl Link {
             let n = unsafe { ffi::bpx_progress(self.raw) };
             // SAFETY: raw is live; the call only reads a counter.
             if n == 0 || unsafe { ffi::bpx_queued(self.raw) } != 0 {
+                break;
+            }
+        }
+        self.events_into(out);
+    }
+
+    /// [`Link::poll_some_into`], offering each message that comes while no event waits to
+    /// `deliver` first, in place in UCX's receive buffer (sender's endpoint, bytes): one it
+    /// takes (returns true) is neither copied nor queued — a receiver that reads messages in
+    /// order saves a copy of each. Messages after one it declined are queued (so `out`
+    /// keeps their order). Stops once something happened, as `poll_some_into`.
+    pub fn poll_some_with(
+        &mut self,
+        out: &mut Vec<Event>,
+        deliver: &mut dyn FnMut(Option<EpId>, &[u8]) -> bool,
+    ) {
+        struct Ctx<'a> {
+            deliver: &'a mut dyn FnMut(Option<EpId>, &[u8]) -> bool,
+            took: bool,
+        }
+        extern "C" fn offer(
+            ctx: *mut c_void,
+            from: c_int,
+            data: *const c_void,
+            len: usize,
+        ) -> c_int {
+            // SAFETY: `ctx` is the `Ctx` below, live and not otherwise borrowed for the whole
+            // progress call that runs this callback (on this thread).
+            let c = unsafe { &mut *ctx.cast::<Ctx<'_>>() };
+            let bytes = if data.is_null() || len == 0 {
+                &[][..]
+            } else {
+                // SAFETY: UCX passes its receive buffer, `len` bytes valid for the callback.
+                unsafe { std::slice::from_raw_parts(data.cast::<u8>(), len) }
+            };
+            let from = (from >= 0).then_some(EpId(from));
+            // (No unwinding into C: a panic declines, and the message is queued instead.)
+            let took =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (c.deliver)(from, bytes)))
+                    .unwrap_or(false);
+            c.took |= took;
+            c_int::from(took)
+        }
+        let mut ctx = Ctx {
+            deliver,
+            took: false,
+        };
+        for _ in 0..64 {
+            // SAFETY: raw is live; `offer` gets `ctx` only during this call, on this thread.
+            let n =
+                unsafe { ffi::bpx_progress_with(self.raw, offer, (&raw mut ctx).cast::<c_void>()) };
+            // SAFETY: raw is live; the call only reads a counter.
+            if n == 0 || ctx.took || unsafe { ffi::bpx_queued(self.raw) } != 0 {
                 break;
             }
         }

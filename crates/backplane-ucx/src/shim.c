@@ -110,6 +110,9 @@ typedef struct bpx_link {
     int half_closed;
     int efd;
     int flushing; /* a worker flush is in flight (bpx_idle) */
+    /* During bpx_progress_with: offered each message in place before it is copied (1: taken). */
+    int (*deliver)(void *ctx, int from, const void *data, size_t len);
+    void *deliver_ctx;
 } bpx_link;
 
 static void push(bpx_link *l, bpx_event ev)
@@ -201,6 +204,9 @@ static ucs_status_t on_message(void *arg, const void *header, size_t header_leng
         push(l, ev);
         return UCS_OK;
     }
+    /* Offered in place first (only while no event waits: what is queued came before). */
+    if (l->deliver && l->qlen == 0 && l->deliver(l->deliver_ctx, from, data, length))
+        return UCS_OK;
     void *copy = buf_alloc(length);
     if (!copy)
         return UCS_OK;
@@ -515,6 +521,18 @@ int bpx_send2(bpx_link *l, int index, const void *head, size_t hlen, const void 
 int bpx_progress(bpx_link *l)
 {
     return (int)ucp_worker_progress(l->worker);
+}
+
+/* bpx_progress, offering each message that comes while no event waits to `deliver` in place
+ * (valid for the call only); one it takes (returns 1) is neither copied nor queued. */
+int bpx_progress_with(bpx_link *l, int (*deliver)(void *, int, const void *, size_t), void *ctx)
+{
+    l->deliver = deliver;
+    l->deliver_ctx = ctx;
+    int n = (int)ucp_worker_progress(l->worker);
+    l->deliver = NULL;
+    l->deliver_ctx = NULL;
+    return n;
 }
 
 /* Events waiting to be taken with bpx_next_event. */

@@ -794,18 +794,11 @@ impl Endpoint {
             self.refresh_rx()?;
             // The worker was looked at (and found nothing) with nothing else between.
             let mut direct_looked = false;
-            if let Some(d) = self.direct.as_mut().filter(|_| look) {
-                let first = self.direct_first || self.rx.is_empty();
-                let (rejected, got) = d.progress_take(first, |src, p| read(src, p));
-                if rejected != 0 {
-                    self.stats.dropped += rejected;
-                    self.publish_stats();
-                }
-                if let Some((len, out)) = got {
-                    self.took_direct(len, out.is_ok());
+            if look && (self.direct_first || self.rx.is_empty()) {
+                if let Some(out) = self.look_direct(&mut read) {
                     return out;
                 }
-                direct_looked = first;
+                direct_looked = true;
             }
             let n = self.rx.len();
             let mut retire = None;
@@ -866,7 +859,11 @@ impl Endpoint {
                 self.transport.retire_datagram(self.addr, r.ring_off);
                 continue;
             }
-            if !(direct_looked && n == 0) {
+            if look && !direct_looked {
+                if let Some(out) = self.look_direct(&mut read) {
+                    return out;
+                }
+            } else if !(direct_looked && n == 0) {
                 if let Some(out) = self.recv_direct(&mut read) {
                     return out;
                 }
@@ -956,6 +953,23 @@ impl Endpoint {
             .direct
             .as_mut()?
             .take(|src, payload| read(src, payload))?;
+        self.took_direct(len, out.is_ok());
+        Some(out)
+    }
+
+    /// Moves the endpoint's own UCX worker along and gives the oldest datagram from another
+    /// host to `read` — straight from UCX's receive buffer when none was queued (`None`: none
+    /// waits, or the endpoint has no worker of its own).
+    fn look_direct<R>(
+        &mut self,
+        read: &mut impl FnMut(Addr, &[u8]) -> Result<R, DgramError>,
+    ) -> Option<Result<R, DgramError>> {
+        let (rejected, got) = self.direct.as_mut()?.progress_take(|src, p| read(src, p));
+        if rejected != 0 {
+            self.stats.dropped += rejected;
+            self.publish_stats();
+        }
+        let (len, out) = got?;
         self.took_direct(len, out.is_ok());
         Some(out)
     }

@@ -487,11 +487,57 @@ impl Worker {
 
     /// [`Worker::progress`] without sending the batches.
     fn poll(&mut self) {
+        self.poll_offering(None);
+    }
+
+    /// [`Worker::poll`]; while no datagram is queued, the next one in order (a datagram alone
+    /// in its message) is offered to `read` first, in place in UCX's receive buffer: one it
+    /// takes (returns true) is read without a copy (a 64 KiB stream between hosts copied
+    /// each datagram out of UCX's buffer into a queue, and out of the queue again). What
+    /// comes after one it declined is queued as before.
+    fn poll_offering(&mut self, read: Option<&mut InPlace<'_>>) {
         if self.readable() >= QUEUE_MAX {
             return;
         }
         let mut events = std::mem::take(&mut self.events);
-        self.link.poll_some_into(&mut events);
+        match read {
+            Some(read) if self.queue.is_empty() => {
+                let Worker {
+                    link,
+                    me,
+                    nodes,
+                    queue,
+                    held_bytes,
+                    out,
+                    order,
+                    senders,
+                    ..
+                } = self;
+                let mut offer = |from: Option<EpId>, msg: &[u8]| -> bool {
+                    // (Anything else is left to `take`, which queues, holds or refuses it.)
+                    let Some(h) = Self::check_for(*me, *nodes, msg) else {
+                        return false;
+                    };
+                    if !h.items.is_empty() || !queue.is_empty() {
+                        return false;
+                    }
+                    let o = order.entry((h.src, h.conn)).or_default();
+                    if h.seq != o.next || !read(h.src, &msg[HEAD..]) {
+                        return false;
+                    }
+                    o.next += 1;
+                    while let Some(m) = o.held.remove(&o.next) {
+                        *held_bytes -= m.bytes.len();
+                        queue.push_back(m);
+                        o.next += 1;
+                    }
+                    Self::note_sender(*me, out, senders, from, (h.src, h.conn));
+                    true
+                };
+                link.poll_some_with(&mut events, &mut offer);
+            }
+            _ => self.link.poll_some_into(&mut events),
+        }
         for ev in events.drain(..) {
             match ev {
                 Event::Message(from, msg) => self.take(from, msg),
@@ -536,24 +582,7 @@ impl Worker {
             self.rejected += 1;
             return;
         }
-        if let Some(ep) = from {
-            if self.senders.get(&ep) != Some(&(src, conn)) {
-                self.senders.insert(ep, (src, conn));
-            }
-            // Two endpoints that connected to each other at once (a queue pair's two ends
-            // do) each send over their own connection: the one of the greater address moves
-            // its datagrams onto the other's (see `connect`). What it sent before may come
-            // after: each carries its number, and the receiver puts them back in order.
-            if src < self.me {
-                if let Some(out) = self
-                    .out
-                    .values_mut()
-                    .find(|out| out.dst == src && out.ep != ep && !out.failed)
-                {
-                    out.ep = ep;
-                }
-            }
-        }
+        Self::note_sender(self.me, &mut self.out, &mut self.senders, from, (src, conn));
         self.queued += msg.len();
         let msg = Msg {
             src,
@@ -575,9 +604,43 @@ impl Worker {
         }
     }
 
+    /// A message of sender connection `key` came over endpoint `from`.
+    fn note_sender(
+        me: Addr,
+        out: &mut FxHashMap<SocketAddr, Out>,
+        senders: &mut FxHashMap<EpId, (Addr, u64)>,
+        from: Option<EpId>,
+        key: (Addr, u64),
+    ) {
+        let Some(ep) = from else {
+            return;
+        };
+        if senders.get(&ep) != Some(&key) {
+            senders.insert(ep, key);
+        }
+        // Two endpoints that connected to each other at once (a queue pair's two ends do)
+        // each send over their own connection: the one of the greater address moves its
+        // datagrams onto the other's (see `connect`). What it sent before may come after:
+        // each carries its number, and the receiver puts them back in order.
+        let src = key.0;
+        if src < me {
+            if let Some(o) = out
+                .values_mut()
+                .find(|o| o.dst == src && o.ep != ep && !o.failed)
+            {
+                o.ep = ep;
+            }
+        }
+    }
+
     /// The sender, its connection, the message's number and a batch's datagrams, if the
     /// message is a well-formed datagram or batch for us.
     fn check(&self, msg: &[u8]) -> Option<Header> {
+        Self::check_for(self.me, self.nodes, msg)
+    }
+
+    /// [`Worker::check`] for a receiver `me` of a fabric of `nodes` nodes.
+    fn check_for(me: Addr, nodes: u32, msg: &[u8]) -> Option<Header> {
         let word = |k: usize| {
             let b = msg.get(4 * k..4 * k + 4)?;
             Some(u32::from_le_bytes(b.try_into().ok()?))
@@ -585,7 +648,7 @@ impl Worker {
         let long = |k: usize| Some(u64::from(word(k)?) | u64::from(word(k + 1)?) << 32);
         let (magic, node, port, dst) = (word(0)?, word(1)?, word(2)?, word(3)?);
         let (conn, seq) = (long(4)?, long(6)?);
-        if dst != self.me.port || !(1..=self.nodes).contains(&node) {
+        if dst != me.port || !(1..=nodes).contains(&node) {
             return None;
         }
         let items = match magic {
@@ -763,6 +826,9 @@ impl Unbound {
     }
 }
 
+/// A reader offered a datagram in place (sender, bytes): true if it took it.
+type InPlace<'a> = dyn FnMut(Addr, &[u8]) -> bool + 'a;
+
 /// A received datagram's length and what the reader made of it.
 type Taken<R, E> = (usize, Result<R, E>);
 
@@ -854,21 +920,38 @@ impl Direct {
         }
     }
 
-    /// Makes progress (see [`Worker::progress`]), then (if `take`) does what
-    /// [`Direct::take`] does, under one lock (a poll loop looks at both every time round);
-    /// first the number of messages refused since the last call.
+    /// Makes progress (see [`Worker::progress`]), then does what [`Direct::take`] does, under
+    /// one lock (a poll loop looks at both every time round) — with the datagram read where
+    /// UCX received it if none was queued; first the number of messages refused since the
+    /// last call.
     pub(super) fn progress_take<R, E>(
         &mut self,
-        take: bool,
         read: impl FnOnce(Addr, &[u8]) -> Result<R, E>,
     ) -> (u64, Option<Taken<R, E>>) {
         let mut w = self.lock();
-        w.progress();
-        let rejected = std::mem::take(&mut w.rejected);
-        if !take {
-            return (rejected, None);
+        if w.batching {
+            w.ship_all();
         }
-        (rejected, Self::take_locked(&mut w, read))
+        // The next datagram may be read where UCX received it (see `Worker::poll_offering`).
+        let mut read = Some(read);
+        let mut got = None;
+        let mut offer = |src: Addr, payload: &[u8]| -> bool {
+            let Some(read) = read.take() else {
+                return false; // one a call
+            };
+            let out = read(src, payload);
+            let taken = out.is_ok();
+            // (Declined, it is queued: it stays the next datagram, as `take` leaves it.)
+            got = Some((payload.len(), out));
+            taken
+        };
+        w.poll_offering(Some(&mut offer));
+        let rejected = std::mem::take(&mut w.rejected);
+        match (got, read) {
+            (Some(got), _) => (rejected, Some(got)),
+            (None, Some(read)) => (rejected, Self::take_locked(&mut w, read)),
+            (None, None) => (rejected, None),
+        }
     }
 
     /// Gives the oldest received datagram to `read`; it is taken only if `read` returns `Ok`.
@@ -1220,5 +1303,75 @@ mod tests {
             }
         }
         assert_eq!((w.queued, w.held_bytes), (0, 0));
+    }
+
+    /// The next datagram in order is read where UCX received it when nothing is queued; one
+    /// that comes early, one after a queued one, and one the reader declines are queued and
+    /// read in their order, and nothing stays counted.
+    #[test]
+    fn a_datagram_read_in_place_keeps_its_connections_order_and_a_declined_one_stays() {
+        let mut w = Worker::open("127.0.0.1".parse().unwrap(), 4).unwrap();
+        w.me = Addr::new(2, 7);
+        let to = SocketAddr::from(([127, 0, 0, 1], w.link.listen_port()));
+        let mut raw = Link::open(None).unwrap();
+        let ep = raw.connect(to).unwrap();
+        let a = Addr::new(1, 9);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut in_place = Vec::new();
+        // Polls (offering to a reader that declines "no") until `done`.
+        let poll_until = |w: &mut Worker,
+                          raw: &mut Link,
+                          in_place: &mut Vec<Vec<u8>>,
+                          done: &dyn Fn(&Worker, usize) -> bool| {
+            while !done(w, in_place.len()) {
+                assert!(Instant::now() < deadline, "in place {in_place:?}");
+                let _ = raw.poll();
+                let mut read = |src: Addr, p: &[u8]| {
+                    assert_eq!(src, a);
+                    if p == b"no" {
+                        return false;
+                    }
+                    in_place.push(p.to_vec());
+                    true
+                };
+                w.poll_offering(Some(&mut read));
+            }
+        };
+        let send = |raw: &mut Link, seq: u64, body: &[u8]| {
+            raw.send(ep, &message(MAGIC, a, 7, 11, seq, body)).unwrap();
+        };
+        // Number 1 before 0: held; 0 is read in place, then 1 is queued.
+        send(&mut raw, 1, b"one");
+        poll_until(&mut w, &mut raw, &mut in_place, &|w, _| w.held_bytes != 0);
+        send(&mut raw, 0, b"zero");
+        poll_until(&mut w, &mut raw, &mut in_place, &|_, n| n == 1);
+        assert_eq!(in_place, [b"zero".to_vec()]);
+        assert_eq!(w.front().map(|(_, p)| p.to_vec()), Some(b"one".to_vec()));
+        // Behind a queued one, the next is queued too.
+        send(&mut raw, 2, b"two");
+        poll_until(&mut w, &mut raw, &mut in_place, &|w, _| w.queue.len() == 2);
+        let mut queued = Vec::new();
+        while let Some((_, p)) = w.front() {
+            queued.push(p.to_vec());
+            w.pop();
+        }
+        assert_eq!(queued, [b"one".to_vec(), b"two".to_vec()]);
+        // Declined: queued, and the next after it too; then nothing is read in place.
+        send(&mut raw, 3, b"no");
+        poll_until(&mut w, &mut raw, &mut in_place, &|w, _| w.queue.len() == 1);
+        send(&mut raw, 4, b"four");
+        poll_until(&mut w, &mut raw, &mut in_place, &|w, _| w.queue.len() == 2);
+        assert_eq!(in_place.len(), 1);
+        let mut queued = Vec::new();
+        while let Some((_, p)) = w.front() {
+            queued.push(p.to_vec());
+            w.pop();
+        }
+        assert_eq!(queued, [b"no".to_vec(), b"four".to_vec()]);
+        // In order and queue empty again: read in place.
+        send(&mut raw, 5, b"five");
+        poll_until(&mut w, &mut raw, &mut in_place, &|_, n| n == 2);
+        assert_eq!(in_place[1], b"five");
+        assert_eq!((w.queued, w.held_bytes, w.rejected), (0, 0, 0));
     }
 }
