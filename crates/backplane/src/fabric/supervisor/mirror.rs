@@ -625,20 +625,23 @@ impl Mirror {
             return None;
         }
         let n = unsent.min(CHUNK).min(room);
-        let mut head = Vec::with_capacity(MSG_HEAD);
-        head.extend_from_slice(&encode_ready(self.local_key, self.remote_key));
+        // The header, written in place (no buffer of its own: one message per post).
+        let head = &mut out[..MSG_HEAD];
+        head[..16].copy_from_slice(&encode_ready(self.local_key, self.remote_key));
+        let mut at = 16;
         for v in [self.shipped + n, snap.ack, snap.nak, snap.credits] {
-            head.extend_from_slice(&v.to_le_bytes());
+            head[at..at + 8].copy_from_slice(&v.to_le_bytes());
+            at += 8;
         }
         // The receiver publishes the bytes only up to a position the local QP published (a
         // record boundary): a chunk may end inside a record.
         let whole = u32::from(self.shipped + n == tail);
         for v in [snap.gone, snap.rnr, snap.access, whole] {
-            head.extend_from_slice(&v.to_le_bytes());
+            head[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            at += 4;
         }
-        head.extend_from_slice(&self.shipped.to_le_bytes());
-        debug_assert_eq!(head.len(), MSG_HEAD);
-        out[..MSG_HEAD].copy_from_slice(&head);
+        head[at..at + 8].copy_from_slice(&self.shipped.to_le_bytes());
+        debug_assert_eq!(at + 8, MSG_HEAD);
         // The bytes, in at most two pieces (the ring's end, then its start).
         let mut at = self.shipped;
         let end = self.shipped + n;
