@@ -1112,6 +1112,27 @@ mod tests {
         m
     }
 
+    /// A receiver (node 2, port 7, of a fabric of 4 nodes) and a bare UCX link connected to
+    /// it, on which a test writes messages by hand.
+    fn receiver_and_bare_sender() -> (Worker, Link, EpId) {
+        let mut w = Worker::open("127.0.0.1".parse().unwrap(), 4).unwrap();
+        w.me = Addr::new(2, 7);
+        let to = SocketAddr::from(([127, 0, 0, 1], w.link.listen_port()));
+        let mut raw = Link::open(None).unwrap();
+        let ep = raw.connect(to).unwrap();
+        (w, raw, ep)
+    }
+
+    /// Reads every queued datagram, in order.
+    fn read_queue(w: &mut Worker) -> Vec<Vec<u8>> {
+        let mut out = Vec::new();
+        while let Some((_, p)) = w.front() {
+            out.push(p.to_vec());
+            w.pop();
+        }
+        out
+    }
+
     /// A batch's body: each datagram as a u32 length and its bytes.
     fn batch(items: &[&[u8]]) -> Vec<u8> {
         let mut b = Vec::new();
@@ -1214,11 +1235,7 @@ mod tests {
 
     #[test]
     fn a_receiver_queues_each_connection_in_order_and_refuses_what_is_not_its() {
-        let mut w = Worker::open("127.0.0.1".parse().unwrap(), 4).unwrap();
-        w.me = Addr::new(2, 7);
-        let to = SocketAddr::from(([127, 0, 0, 1], w.link.listen_port()));
-        let mut raw = Link::open(None).unwrap();
-        let ep = raw.connect(to).unwrap();
+        let (mut w, mut raw, ep) = receiver_and_bare_sender();
         let (a, b) = (Addr::new(1, 9), Addr::new(3, 5));
         let sends = [
             message(MAGIC, a, 7, 11, 2, b"a2"),
@@ -1270,11 +1287,7 @@ mod tests {
 
     #[test]
     fn datagrams_held_out_of_order_past_the_queue_limit_do_not_stop_the_one_they_wait_for() {
-        let mut w = Worker::open("127.0.0.1".parse().unwrap(), 4).unwrap();
-        w.me = Addr::new(2, 7);
-        let to = SocketAddr::from(([127, 0, 0, 1], w.link.listen_port()));
-        let mut raw = Link::open(None).unwrap();
-        let ep = raw.connect(to).unwrap();
+        let (mut w, mut raw, ep) = receiver_and_bare_sender();
         let a = Addr::new(1, 9);
         // Numbers 1.. first, more than the queue's limit of them, then number 0.
         let big = vec![5u8; 60_000];
@@ -1310,11 +1323,7 @@ mod tests {
     /// read in their order, and nothing stays counted.
     #[test]
     fn a_datagram_read_in_place_keeps_its_connections_order_and_a_declined_one_stays() {
-        let mut w = Worker::open("127.0.0.1".parse().unwrap(), 4).unwrap();
-        w.me = Addr::new(2, 7);
-        let to = SocketAddr::from(([127, 0, 0, 1], w.link.listen_port()));
-        let mut raw = Link::open(None).unwrap();
-        let ep = raw.connect(to).unwrap();
+        let (mut w, mut raw, ep) = receiver_and_bare_sender();
         let a = Addr::new(1, 9);
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut in_place = Vec::new();
@@ -1350,24 +1359,14 @@ mod tests {
         // Behind a queued one, the next is queued too.
         send(&mut raw, 2, b"two");
         poll_until(&mut w, &mut raw, &mut in_place, &|w, _| w.queue.len() == 2);
-        let mut queued = Vec::new();
-        while let Some((_, p)) = w.front() {
-            queued.push(p.to_vec());
-            w.pop();
-        }
-        assert_eq!(queued, [b"one".to_vec(), b"two".to_vec()]);
+        assert_eq!(read_queue(&mut w), [b"one".to_vec(), b"two".to_vec()]);
         // Declined: queued, and the next after it too; then nothing is read in place.
         send(&mut raw, 3, b"no");
         poll_until(&mut w, &mut raw, &mut in_place, &|w, _| w.queue.len() == 1);
         send(&mut raw, 4, b"four");
         poll_until(&mut w, &mut raw, &mut in_place, &|w, _| w.queue.len() == 2);
         assert_eq!(in_place.len(), 1);
-        let mut queued = Vec::new();
-        while let Some((_, p)) = w.front() {
-            queued.push(p.to_vec());
-            w.pop();
-        }
-        assert_eq!(queued, [b"no".to_vec(), b"four".to_vec()]);
+        assert_eq!(read_queue(&mut w), [b"no".to_vec(), b"four".to_vec()]);
         // In order and queue empty again: read in place.
         send(&mut raw, 5, b"five");
         poll_until(&mut w, &mut raw, &mut in_place, &|_, n| n == 2);
