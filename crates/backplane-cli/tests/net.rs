@@ -86,10 +86,7 @@ fn iperf(fab: &Fab, port: &str, client_args: &[&str]) -> serde_json::Value {
         let mut a = vec!["timeout", "30", "iperf3", "-c", "node2", "-p", port, "-J"];
         a.extend_from_slice(client_args);
         let o = exec(fab, 1, &a);
-        // (iperf3 3.12 exits 0 when the server is not listening yet: "error" in its report.)
-        let refused = serde_json::from_slice::<serde_json::Value>(&o.stdout)
-            .is_ok_and(|j| j.get("error").is_some_and(|e| !e.is_null()));
-        if ok(&o) && !refused {
+        if ok(&o) && !iperf3_refused(&o.stdout) {
             out = Some(o);
             break;
         }

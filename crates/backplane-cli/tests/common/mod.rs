@@ -10,6 +10,13 @@ pub use shared::*;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_backplane");
 
+/// Whether an iperf3 client's JSON report (`-J`) says it failed: iperf3 3.12 exits 0 when it
+/// cannot connect (a server not listening yet), with the error only in its report.
+pub fn iperf3_refused(stdout: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(stdout)
+        .is_ok_and(|j| j.get("error").is_some_and(|e| !e.is_null()))
+}
+
 /// perftest's eight programs, every RDMA operation's bandwidth and latency.
 pub const PERFTEST: [&str; 8] = [
     "ib_write_bw",

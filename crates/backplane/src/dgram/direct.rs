@@ -175,6 +175,19 @@ struct Order {
     held: BTreeMap<u64, Msg>,
 }
 
+impl Order {
+    /// The datagram numbered `next` was queued or read: the held ones that follow it on
+    /// move to `queue` (`held_bytes` no longer counts them).
+    fn passed(&mut self, queue: &mut VecDeque<Msg>, held_bytes: &mut usize) {
+        self.next += 1;
+        while let Some(m) = self.held.remove(&self.next) {
+            *held_bytes -= m.bytes.len();
+            queue.push_back(m);
+            self.next += 1;
+        }
+    }
+}
+
 /// A fresh connection name: the clock, the process and a counter.
 fn conn_name() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -525,12 +538,7 @@ impl Worker {
                     if h.seq != o.next || !read(h.src, &msg[HEAD..]) {
                         return false;
                     }
-                    o.next += 1;
-                    while let Some(m) = o.held.remove(&o.next) {
-                        *held_bytes -= m.bytes.len();
-                        queue.push_back(m);
-                        o.next += 1;
-                    }
+                    o.passed(queue, held_bytes);
                     Self::note_sender(*me, out, senders, from, (h.src, h.conn));
                     true
                 };
@@ -596,12 +604,7 @@ impl Worker {
             return;
         }
         self.queue.push_back(msg);
-        o.next += 1;
-        while let Some(m) = o.held.remove(&o.next) {
-            self.held_bytes -= m.bytes.len();
-            self.queue.push_back(m);
-            o.next += 1;
-        }
+        o.passed(&mut self.queue, &mut self.held_bytes);
     }
 
     /// A message of sender connection `key` came over endpoint `from`.
