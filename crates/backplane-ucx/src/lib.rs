@@ -243,6 +243,14 @@ fn set_defaults() {
     });
 }
 
+/// Sets, in this process's environment, what a link asks of UCX (see [`set_defaults`]) — at
+/// once, not at the first link: for a program this process starts that must run UCX as the
+/// links do (`perf --peer-via` starts `ucx_perftest` beside its own links, on both hosts;
+/// otherwise it would inherit these settings only once the first link had opened).
+pub fn environment_defaults() {
+    set_defaults();
+}
+
 /// The TCP segment size a link asks of UCX (see [`set_defaults`]).
 pub const TCP_SEGMENT: usize = 512 * 1024;
 
