@@ -12,6 +12,12 @@
  *           client sends first; receives on a CQ of their own)
  * -t post   no ping-pong: the client posts signaled 8-byte operations (-o write|read|fadd)
  *           and polls each one's completion, and prints the time per post + poll
+ * -t bw     run_iter_bw: the client keeps 128 requests outstanding, every 100th (and the
+ *           last) signaled (perftest's --cq-mod), 8-byte inline RDMA WRITEs (-o write) or
+ *           4 KiB SENDs (-o send; the server reposts its receives); it prints what the first
+ *           post took, the time per post over the first 100 and over the rest, and the rate
+ *           from the first post to the last completion (what perftest reports) — the
+ *           first-time costs of a short run (README, "Short runs pay two first-time costs")
  * -P        write: PAUSE in the wait for the peer's byte (perftest's wait has none)
  * -n N      iterations (default 100000)
  * -p PORT   TCP port of the exchange (default 18515, perftest's)
@@ -129,15 +135,20 @@ int main(int argc, char **argv)
 		else if (c == 'P')
 			pause = 1;
 		else
-			die("usage: perftest_loops [-t write|send|post] [-o write|read|fadd] [-n N] [-p PORT] [-P] [SERVER]");
+			die("usage: perftest_loops [-t write|send|post|bw] [-o write|read|fadd|send] [-n N] [-p PORT] [-P] [SERVER]");
 	}
 	if (n < 2)
 		die("-n is at least 2");
 	const char *host = optind < argc ? argv[optind] : NULL;
 	int client = host != NULL;
-	int send = !strcmp(test, "send"), post = !strcmp(test, "post");
-	if (!send && !post && strcmp(test, "write"))
-		die("-t is write, send or post");
+	int send = !strcmp(test, "send"), post = !strcmp(test, "post"), bw = !strcmp(test, "bw");
+	int bw_send = bw && !strcmp(op, "send");
+	if (!send && !post && !bw && strcmp(test, "write"))
+		die("-t is write, send, post or bw");
+	if (bw && !bw_send && strcmp(op, "write"))
+		die("-t bw takes -o write or -o send");
+	if (bw && n <= 101)
+		die("-t bw needs -n above 101");
 
 	struct ibv_device **dl = ibv_get_device_list(NULL);
 	struct ibv_context *ctx = dl && dl[0] ? ibv_open_device(dl[0]) : NULL;
@@ -153,7 +164,7 @@ int main(int argc, char **argv)
 	struct ibv_cq *cq = ibv_create_cq(ctx, 1024, NULL, NULL, 0);
 	struct ibv_cq *rcq = ibv_create_cq(ctx, 1024, NULL, NULL, 0);
 	struct ibv_qp_init_attr ia = { .send_cq = cq, .recv_cq = rcq, .qp_type = IBV_QPT_RC,
-		.cap = { .max_send_wr = 64, .max_recv_wr = 512, .max_send_sge = 1, .max_recv_sge = 1,
+		.cap = { .max_send_wr = 128, .max_recv_wr = 512, .max_send_sge = 1, .max_recv_sge = 1,
 			 .max_inline_data = 64 } };
 	struct ibv_qp *qp = mr && cq && rcq ? ibv_create_qp(pd, &ia) : NULL;
 	if (!qp)
@@ -162,9 +173,9 @@ int main(int argc, char **argv)
 		.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC };
 	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
 		die("INIT failed");
-	struct ibv_sge rs = { (uintptr_t)buf + 4096, 8, mr->lkey };
+	struct ibv_sge rs = { (uintptr_t)buf + 4096, bw_send ? 4096 : 8, mr->lkey };
 	struct ibv_recv_wr rw = { .sg_list = &rs, .num_sge = 1 }, *rbad;
-	for (int i = 0; send && i < 512; i++)
+	for (int i = 0; (send || bw_send) && i < 512; i++)
 		if (ibv_post_recv(qp, &rw, &rbad))
 			die("cannot post the receives");
 	struct dest me = { pa.lid, qp->qp_num, mr->rkey, (uintptr_t)buf + 4096 }, peer;
@@ -193,9 +204,11 @@ int main(int argc, char **argv)
 	struct ibv_sge ss = { (uintptr_t)buf, 8, mr->lkey };
 	struct ibv_send_wr wr = { .sg_list = &ss, .num_sge = 1, .send_flags = IBV_SEND_SIGNALED }, *bad;
 	enum ibv_wc_opcode done = IBV_WC_RDMA_WRITE;
-	if (send) {
+	if (send || bw_send) {
 		wr.opcode = IBV_WR_SEND;
 		done = IBV_WC_SEND;
+		if (bw_send)
+			ss.length = 4096;
 	} else if (post && !strcmp(op, "read")) {
 		wr.opcode = IBV_WR_RDMA_READ;
 		ss.addr = (uintptr_t)buf + 4096;
@@ -214,12 +227,50 @@ int main(int argc, char **argv)
 		wr.wr.rdma.remote_addr = peer.addr;
 		wr.wr.rdma.rkey = peer.rkey;
 	}
-	if (wr.opcode == IBV_WR_RDMA_WRITE || wr.opcode == IBV_WR_SEND)
+	if ((wr.opcode == IBV_WR_RDMA_WRITE || wr.opcode == IBV_WR_SEND) && !bw_send)
 		wr.send_flags |= IBV_SEND_INLINE;
 
-	uint64_t *t = calloc(n, sizeof *t);
+	uint64_t *t = calloc(n, sizeof *t), *tc = calloc(n, sizeof *tc);
 	volatile char *post_buf = buf + 7, *poll_buf = buf + 4096 + 7;
-	if (post) {
+	if (bw && client) {
+		/* run_iter_bw: post while fewer than 128 are outstanding, then poll up to 16. */
+		long scnt = 0, ccnt = 0;
+		struct ibv_wc wcs[16];
+		int base = wr.send_flags & ~IBV_SEND_SIGNALED;
+		while (ccnt < n) {
+			while (scnt < n && scnt - ccnt < 128) {
+				wr.send_flags = base;
+				if ((scnt + 1) % 100 == 0 || scnt == n - 1)
+					wr.send_flags |= IBV_SEND_SIGNALED;
+				t[scnt] = __rdtsc();
+				if (ibv_post_send(qp, &wr, &bad))
+					die("post failed");
+				scnt++;
+			}
+			int ne = ibv_poll_cq(cq, 16, wcs);
+			if (ne < 0)
+				die("poll failed");
+			for (int k = 0; k < ne; k++) {
+				if (wcs[k].status != IBV_WC_SUCCESS)
+					die("a work request failed");
+				uint64_t now = __rdtsc();
+				for (long upto = ccnt + 100 < n ? ccnt + 100 : n; ccnt < upto; ccnt++)
+					tc[ccnt] = now;
+			}
+		}
+	} else if (bw) {
+		/* The server: receives reposted as they complete (SENDs); nothing for WRITEs. */
+		struct ibv_wc wcs[16];
+		for (long got = 0; bw_send && got < n;) {
+			int ne = ibv_poll_cq(rcq, 16, wcs);
+			if (ne < 0)
+				die("poll failed");
+			for (int k = 0; k < ne; k++)
+				if (wcs[k].status != IBV_WC_SUCCESS || ibv_post_recv(qp, &rw, &rbad))
+					die("a receive failed");
+			got += ne;
+		}
+	} else if (post) {
 		if (client)
 			for (long i = 0; i < n; i++) {
 				t[i] = __rdtsc();
@@ -268,7 +319,15 @@ int main(int argc, char **argv)
 		}
 	}
 	sync_peer(fd);
-	if (client) {
+	if (client && bw) {
+		double per_us = tsc_per_ns() * 1000;
+		long first = n > 101 ? 101 : n - 1;
+		printf("bw %s: first post %.1f us, posts 2-%ld %.2f us each, then %.3f us each, "
+		       "%.2f Mpps first post to last completion\n",
+		       op, (t[1] - t[0]) / per_us, first, (t[first] - t[1]) / per_us / (first - 1),
+		       (t[n - 1] - t[first]) / per_us / (n - 1 - first > 0 ? n - 1 - first : 1),
+		       n / ((tc[n - 1] - t[0]) / per_us));
+	} else if (client) {
 		for (long i = 0; i + 1 < n; i++)
 			t[i] = t[i + 1] - t[i];
 		qsort(t, n - 1, sizeof *t, cmp);
