@@ -1,5 +1,5 @@
-/* perftest's latency loops over plain libibverbs, with the knobs that tell where the time
- * goes — the probe behind the README's "Unmodified libibverbs programs" findings. Run it
+/* perftest's latency and bandwidth loops over plain libibverbs, with the knobs that tell where
+ * the time goes — the probe behind the README's "Unmodified libibverbs programs" findings. Run it
  * with backplane's drop-in library (`backplane exec --verbs`) or any other provider.
  *
  *   server: backplane exec --name F --verbs 1 -- perftest_loops -t write

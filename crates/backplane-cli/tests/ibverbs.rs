@@ -369,9 +369,10 @@ fn threads_sharing_one_context_take_turns_and_every_byte_arrives() {
     );
 }
 
-/// `examples/c/perftest_loops.c` — perftest's latency loops over plain libibverbs, the probe
-/// behind the README's findings on where `ib_write_lat`'s time goes — builds and runs each of
-/// its loops between two nodes (a few thousand iterations: it must work, not measure here).
+/// `examples/c/perftest_loops.c` — perftest's latency and bandwidth loops over plain
+/// libibverbs, the probe behind the README's findings on where `ib_write_lat`'s time goes and
+/// on short runs' first-time costs — builds and runs each of its loops between two nodes (a
+/// few thousand iterations: it must work, not measure here).
 #[test]
 fn the_perftest_loops_probe_runs_each_loop_between_two_nodes() {
     lib_built();
