@@ -210,7 +210,10 @@ fn check(status: i32, what: impl FnOnce() -> String) -> Result<(), Error> {
 
 /// Environment defaults set once, before the first context (UCX 1.13 reads these options from
 /// the environment only: `ucp_config_modify` of `TCP_CM_REUSEADDR` is accepted and ignored —
-/// tried), each unless the environment already says otherwise:
+/// tried; so are `TCP_TX_SEG_SIZE`/`TCP_RX_SEG_SIZE`, session 28: a 1 MiB datagram stream
+/// then made as many `sendmsg` calls as with UCX's defaults, 7 005 against 7 008, and 3 589
+/// with these set in the environment), each unless the environment already says otherwise.
+/// A program's own use of UCX sees them too, and so do the programs it starts:
 ///
 /// - UCX's log goes to stderr (it writes to stdout by default, which is the program's: `perf
 ///   --json` across hosts printed a UCX warning into its JSON), unless `UCX_LOG_FILE` is set.
