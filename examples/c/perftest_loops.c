@@ -321,7 +321,7 @@ int main(int argc, char **argv)
 	sync_peer(fd);
 	if (client && bw) {
 		double per_us = tsc_per_ns() * 1000;
-		long first = n > 101 ? 101 : n - 1;
+		long first = 101; /* -n is above it */
 		printf("bw %s: first post %.1f us, posts 2-%ld %.2f us each, then %.3f us each, "
 		       "%.2f Mpps first post to last completion\n",
 		       op, (t[1] - t[0]) / per_us, first, (t[first] - t[1]) / per_us / (first - 1),
