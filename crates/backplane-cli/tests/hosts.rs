@@ -803,6 +803,17 @@ fn datagrams_cross_hosts_whole_in_order_with_back_pressure_and_answers() {
                 at.contains(&seg) || std::env::var_os("UCX_TCP_TX_SEG_SIZE").is_some(),
                 "{j}"
             );
+            // ... and the TCP congestion control of host 0's namespace, which paces both
+            // streams or not (bbr swings them by up to 3x a round).
+            let cc = Command::new("ip")
+                .args(["netns", "exec", &h.ns(0), "cat"])
+                .arg("/proc/sys/net/ipv4/tcp_congestion_control")
+                .output()
+                .unwrap();
+            let cc = String::from_utf8_lossy(&cc.stdout).trim().to_string();
+            assert!(!cc.is_empty(), "no congestion control in {}", h.ns(0));
+            assert_eq!(j["tcp_congestion_control"], cc.as_str(), "{j}");
+            assert!(at.contains(&format!("TCP congestion control {cc}")), "{j}");
         }
     }
     // DMA jobs into the perf peer's region on h1, beside ucp_put_bw between the hosts.

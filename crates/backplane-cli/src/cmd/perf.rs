@@ -268,6 +268,11 @@ struct Report {
     /// Where `ucx_perftest` ran: `UCX_TLS=posix,cma,self` on this host, or between the hosts
     /// of nodes 1 and 2 (`--peer-via`) with the environment's `UCX_TLS`.
     ucx_where: String,
+    /// Between hosts (`--peer-via`): the TCP congestion control of this host's network
+    /// namespace, where both senders' connections of a bandwidth test start (`bbr` paces each
+    /// connection; see [`tcp_congestion_control`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tcp_congestion_control: Option<String>,
     /// perftest's program for the same operation over the same fabric (verbs tests).
     #[serde(skip_serializing_if = "Option::is_none")]
     perftest: Option<Vec<Row>>,
@@ -408,6 +413,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             pt.map(|p| median_rows(&p)),
         )
     };
+    let cc = remote.as_ref().and_then(|_| tcp_congestion_control());
     let report = Report {
         version: 1,
         test: a.test,
@@ -421,15 +427,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 let var = |v: &str| std::env::var(v).unwrap_or_else(|_| "(UCX's choice)".into());
                 format!(
                     "between the hosts, server at {}, UCX_TLS={}, UCX_TCP_TX_SEG_SIZE={} and \
-                     UCX_TCP_RX_SEG_SIZE={} (as the fabric's links)",
+                     UCX_TCP_RX_SEG_SIZE={} (as the fabric's links), TCP congestion control {}",
                     r.addr,
                     var("UCX_TLS"),
                     var("UCX_TCP_TX_SEG_SIZE"),
-                    var("UCX_TCP_RX_SEG_SIZE")
+                    var("UCX_TCP_RX_SEG_SIZE"),
+                    cc.as_deref().unwrap_or("unknown")
                 )
             }
             None => "UCX_TLS=posix,cma,self".into(),
         },
+        tcp_congestion_control: cc,
         perftest,
         perftest_note,
         rounds,
@@ -907,6 +915,13 @@ fn render(r: &Report) -> String {
     if let Some(n) = &r.perftest_note {
         o += &format!(" note: {n}\n");
     }
+    if r.tcp_congestion_control.as_deref() == Some("bbr") && !r.test.is_lat() {
+        // Why the per-round ratios of a stream between hosts swing (session 29).
+        o += " note: TCP congestion control here is bbr, which paces each connection: between \
+               hosts over a veth the 64 KiB streams (ours and ucx_perftest's) then swing by up \
+               to 3x from round to round; cubic and reno do not pace (README, \"A fabric across \
+               hosts\")\n";
+    }
     o
 }
 
@@ -1042,6 +1057,7 @@ mod tests {
             ucx: Some(median_rows(&ux.iter().map(|v| &v[..]).collect::<Vec<_>>())),
             ucx_note: None,
             ucx_where: "UCX_TLS=posix,cma,self".into(),
+            tcp_congestion_control: None,
             perftest: None,
             perftest_note: None,
             rounds,
@@ -1052,4 +1068,15 @@ mod tests {
         assert!(text.contains("| ratio of medians 2.71 "), "{text}");
         assert!(text.contains("as good as UCX in 3 of 5 rounds"), "{text}");
     }
+}
+
+/// The TCP congestion control of this process's network namespace
+/// (`/proc/sys/net/ipv4/tcp_congestion_control`), if it can be read. It decides much of a
+/// bandwidth test between hosts over TCP: `bbr` paces each connection to the rate it
+/// measured, `cubic` and `reno` send as fast as the window allows.
+fn tcp_congestion_control() -> Option<String> {
+    let s = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").ok()?;
+    let s = s.trim();
+    (!s.is_empty() && s.len() <= 16 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
+        .then(|| s.to_string())
 }
