@@ -1017,6 +1017,17 @@ fn render_rounds(r: &Report) -> String {
     o
 }
 
+/// The TCP congestion control of this process's network namespace
+/// (`/proc/sys/net/ipv4/tcp_congestion_control`), if it can be read. It decides much of a
+/// bandwidth test between hosts over TCP: `bbr` paces each connection to the rate it
+/// measured, `cubic` and `reno` send as fast as the window allows.
+fn tcp_congestion_control() -> Option<String> {
+    let s = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").ok()?;
+    let s = s.trim();
+    (!s.is_empty() && s.len() <= 16 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
+        .then(|| s.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1068,15 +1079,4 @@ mod tests {
         assert!(text.contains("| ratio of medians 2.71 "), "{text}");
         assert!(text.contains("as good as UCX in 3 of 5 rounds"), "{text}");
     }
-}
-
-/// The TCP congestion control of this process's network namespace
-/// (`/proc/sys/net/ipv4/tcp_congestion_control`), if it can be read. It decides much of a
-/// bandwidth test between hosts over TCP: `bbr` paces each connection to the rate it
-/// measured, `cubic` and `reno` send as fast as the window allows.
-fn tcp_congestion_control() -> Option<String> {
-    let s = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").ok()?;
-    let s = s.trim();
-    (!s.is_empty() && s.len() <= 16 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
-        .then(|| s.to_string())
 }
