@@ -1706,6 +1706,9 @@ fn rdma_role(role: &str) {
                 say(format!("check {n2}").as_bytes(), &mut take),
                 b"check true"
             );
+            // A pair this process carries sends that WRITE's 4 pieces from `mr` in place.
+            let in_place = backplane::transport::across::writes_sent_in_place();
+            assert_eq!(in_place, if direct { 4 } else { 0 }, "direct: {direct}");
             // WRITE_WITH_IMM, and the atomics on what the WRITE left.
             mr.fill(0, 100, 0xEE).unwrap();
             qp.post_send(&[

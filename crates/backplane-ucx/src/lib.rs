@@ -19,6 +19,17 @@ use std::os::fd::{BorrowedFd, RawFd};
 pub const MAX_MSG: usize = 4 * 1024 * 1024 + 4096;
 
 /// The unsafe FFI: the shim's functions, nothing else.
+/// Bytes that [`Link::send_zc`] hands to UCX in place.
+///
+/// # Safety
+///
+/// [`InPlace::bytes`] must name memory that stays readable for as long as the value lives,
+/// the same range on every call.
+pub unsafe trait InPlace: Send {
+    /// The address and length of the bytes.
+    fn bytes(&self) -> (*const u8, usize);
+}
+
 mod ffi {
     use std::ffi::{c_char, c_int, c_void};
 
@@ -61,6 +72,16 @@ mod ffi {
             status: *mut c_int,
         ) -> *mut c_void;
         pub fn bpx_send_cancel(payload: *mut c_void);
+        pub fn bpx_send_zc(
+            l: *mut Link,
+            ep: c_int,
+            head: *const c_void,
+            hlen: usize,
+            body: *const c_void,
+            blen: usize,
+            release: extern "C" fn(*mut c_void),
+            token: *mut c_void,
+        ) -> c_int;
         pub fn bpx_send_ready(l: *mut Link, ep: c_int, payload: *mut c_void, len: usize) -> c_int;
         pub fn bpx_progress(l: *mut Link) -> c_int;
         pub fn bpx_progress_with(
@@ -336,6 +357,36 @@ impl Link {
                 head.len(),
                 body.as_ptr().cast(),
                 body.len(),
+            )
+        };
+        check(r, || format!("cannot send to endpoint {}", ep.0))
+    }
+
+    /// Sends one message made of `head` (copied) then `body`'s bytes, which UCX reads in
+    /// place (no copy: over TCP the kernel reads them from there) until the send completes;
+    /// `body` is dropped then — at once if the message went (or failed) within this call,
+    /// else from the [`Link::poll`] that completes it. `NoResource` (status -2) when too many
+    /// sends are in flight.
+    pub fn send_zc(&mut self, ep: EpId, head: &[u8], body: Box<dyn InPlace>) -> Result<(), Error> {
+        extern "C" fn release(token: *mut c_void) {
+            // SAFETY: token is the Box::into_raw below, handed back exactly once by the shim.
+            drop(unsafe { Box::from_raw(token.cast::<Box<dyn InPlace>>()) });
+        }
+        let (ptr, len) = body.bytes();
+        let token = Box::into_raw(Box::new(body)).cast::<c_void>();
+        // SAFETY: raw is live; head is copied before the call returns; [ptr, ptr + len) stays
+        // readable while the token lives (`InPlace`'s contract), and the shim calls `release`
+        // exactly once.
+        let r = unsafe {
+            ffi::bpx_send_zc(
+                self.raw,
+                ep.0,
+                head.as_ptr().cast(),
+                head.len(),
+                ptr.cast(),
+                len,
+                release,
+                token,
             )
         };
         check(r, || format!("cannot send to endpoint {}", ep.0))

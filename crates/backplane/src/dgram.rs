@@ -537,6 +537,50 @@ impl Endpoint {
         self.last_tx = 0;
     }
 
+    /// As [`Endpoint::send_with_max`] with [`Wait::Never`], for a datagram of `head` then
+    /// `len` bytes of `body` at `off`: over a direct connection (another host) UCX reads
+    /// those bytes in place — no copy into a message; a clone of `body` keeps them mapped
+    /// until the send completes — else they are copied as `send_with_max` does. The caller
+    /// leaves them unchanged until the peer answered (a QP's RDMA WRITE source, which the
+    /// program may not touch before its completion).
+    pub(crate) fn send_span(
+        &mut self,
+        dst: Addr,
+        head: &[u8],
+        (body, off, len): (&crate::mem::Span, u64, usize),
+    ) -> Result<bool, DgramError> {
+        let total = head.len() + len;
+        if total > MAX_DGRAM {
+            return Err(DgramError::TooBig(total));
+        }
+        self.check_open()?;
+        let i = self.tx_index(dst)?;
+        let c = &self.tx[i];
+        if let (false, Some(to), Some(d), Ok(bytes)) = (
+            c.ch.receiver_gone(),
+            c.direct,
+            self.direct.as_mut(),
+            crate::mem::SpanBytes::new(body, off, len),
+        ) {
+            match d.send_zc(to, dst, head, Box::new(bytes)) {
+                Ok(()) => {
+                    self.stats.sent += 1;
+                    self.stats.sent_bytes += total as u64;
+                    self.publish_stats();
+                    return Ok(true);
+                }
+                Err(direct::Blocked::Full) => return Err(DgramError::WouldBlock),
+                // The connection broke: the general path says how (or reconnects).
+                Err(direct::Blocked::Failed) => {}
+            }
+        }
+        self.send_with_max(dst, total, Wait::Never, |buf| {
+            buf[..head.len()].copy_from_slice(head);
+            body.read(off, &mut buf[head.len()..total]).ok()?;
+            Some(total)
+        })
+    }
+
     /// Sends `data` to `dst`, waiting for room as `wait` says.
     pub fn send(&mut self, dst: Addr, data: &[u8], wait: Wait) -> Result<(), DgramError> {
         self.send_with(dst, data.len(), wait, |buf| buf.copy_from_slice(data))

@@ -728,6 +728,37 @@ pub unsafe fn copy_streaming(src: *const u8, dst: *mut u8, n: usize) {
     }
 }
 
+/// `len` bytes at `off` of a span, handed to UCX in place ([`backplane_ucx::Link::send_zc`]):
+/// the span's clone keeps them mapped until UCX drops this.
+pub(crate) struct SpanBytes {
+    span: Span,
+    off: usize,
+    len: usize,
+}
+
+impl SpanBytes {
+    /// `[off, off+len)` of `span`, if it lies in it.
+    pub(crate) fn new(span: &Span, off: u64, len: usize) -> Result<Self, MemError> {
+        let off = span.check(off, len as u64)?;
+        Ok(Self {
+            span: span.clone(),
+            off,
+            len,
+        })
+    }
+}
+
+// SAFETY: the range was checked to lie in the span at `new`, and the span's `Arc<Region>`
+// keeps its mapping alive for as long as this value lives; the range never changes.
+unsafe impl backplane_ucx::InPlace for SpanBytes {
+    fn bytes(&self) -> (*const u8, usize) {
+        (
+            self.span.ptr.as_ptr().wrapping_add(self.off).cast_const(),
+            self.len,
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

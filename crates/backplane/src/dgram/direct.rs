@@ -406,6 +406,45 @@ impl Worker {
         Ok(used)
     }
 
+    /// Sends a datagram of `head_bytes` then `body`'s bytes to `dst`, which listens at `to`,
+    /// with UCX reading `body` in place (never batched: what a batch holds for `to` goes
+    /// first).
+    fn send_zc(
+        &mut self,
+        to: SocketAddr,
+        dst: Addr,
+        head_bytes: &[u8],
+        body: Box<dyn backplane_ucx::InPlace>,
+    ) -> Result<(), Blocked> {
+        if self.out.get(&to).is_none_or(|o| o.failed) {
+            return Err(Blocked::Failed);
+        }
+        if self.link.in_flight_bytes() >= WINDOW {
+            self.progress();
+            if self.link.in_flight_bytes() >= WINDOW {
+                return Err(Blocked::Full);
+            }
+        }
+        // What came before goes first.
+        self.ship(to)?;
+        let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
+        let (ep, conn, seq) = (o.ep, o.conn, o.seq);
+        let mut h = Vec::with_capacity(HEAD + head_bytes.len());
+        h.resize(HEAD, 0);
+        head(&mut h, MAGIC, self.me, dst.port, conn, seq);
+        h.extend_from_slice(head_bytes);
+        let r = self.link.send_zc(ep, &h, body);
+        self.sent(to, r.map(|()| 1))?;
+        self.sends = self.sends.wrapping_add(1);
+        if self.link.in_flight_bytes() != 0 || self.sends.is_multiple_of(64) {
+            self.poll();
+        }
+        if let Some(o) = self.out.get_mut(&to) {
+            o.last_send = crate::sync::now_ns();
+        }
+        Ok(())
+    }
+
     /// Accounts for a message handed to UCX (`Ok(n)`: n messages went, 0 or 1).
     fn sent(
         &mut self,
@@ -881,6 +920,25 @@ impl Direct {
         let mut w = self.lock();
         let r = w.send(to, dst, len, fill);
         // (Corked: the batch leaves at `uncork`, which looks then.)
+        let corked = w.corked;
+        w.sent_corked |= corked;
+        drop(w);
+        if !corked {
+            self.drain_later();
+        }
+        r
+    }
+
+    /// As [`Direct::send`] for [`Worker::send_zc`].
+    pub(super) fn send_zc(
+        &mut self,
+        to: SocketAddr,
+        dst: Addr,
+        head: &[u8],
+        body: Box<dyn backplane_ucx::InPlace>,
+    ) -> Result<(), Blocked> {
+        let mut w = self.lock();
+        let r = w.send_zc(to, dst, head, body);
         let corked = w.corked;
         w.sent_corked |= corked;
         drop(w);

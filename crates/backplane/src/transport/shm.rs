@@ -66,9 +66,9 @@ impl ShmTransport {
             return Some(p);
         }
         let win = self.fabric.window(key.0).ok()?;
-        let p = Arc::new(Mutex::new(
-            across::Pair::new(&win, key.2, ring_len, event_off).ok()?,
-        ));
+        let mut p = across::Pair::new(&win, key.2, ring_len, event_off).ok()?;
+        p.set_peer((key.0, key.1));
+        let p = Arc::new(Mutex::new(p));
         pairs.insert(key, Arc::downgrade(&p));
         Some(p)
     }

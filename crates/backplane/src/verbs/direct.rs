@@ -41,6 +41,7 @@ use crate::mem::Region;
 use crate::sync::Ordering;
 use crate::transport::shm::ShmRegion;
 use crate::transport::Addr;
+use crate::wire::verbs::RDMA_REQ_HEAD;
 use crate::wire::MAX_DGRAM;
 
 /// A mirror message (ring bytes and words).
@@ -177,6 +178,9 @@ struct Inner {
     detail: Option<String>,
     /// That line was written.
     said: bool,
+    /// The data of the local QP's large RDMA WRITEs, sent from its region in place
+    /// (`transport::across::carried_here`).
+    elsewhere: crate::transport::across::DeferQueue,
 }
 
 struct Shared {
@@ -238,6 +242,7 @@ impl DirectQp {
                 no_room_since: None,
                 detail: None,
                 said: false,
+                elsewhere: crate::transport::across::carried_here(remote_key),
             }),
             stop: AtomicBool::new(false),
             app_ns: AtomicU64::new(0),
@@ -291,6 +296,10 @@ impl Drop for DirectQp {
         self.shared.stop.store(true, Ordering::Release);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        {
+            let g = self.shared.lock();
+            crate::transport::across::carried_no_more(g.m.remote_key, &g.elsewhere);
         }
         let me = Arc::downgrade(&self.shared);
         let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
@@ -691,6 +700,16 @@ impl Inner {
             buf[0] = kind;
             fill(m, &mut buf[1..]).map(|n| n + 1)
         });
+        Self::outcome(m, (detail, no_room), r)
+    }
+
+    /// What a send's result `r` means for the pair: true if it went; the pair breaks if the
+    /// datagram path refused it for good.
+    fn outcome(
+        m: &mut Mirror,
+        (detail, no_room): (&mut Option<String>, &mut Option<u64>),
+        r: Result<bool, DgramError>,
+    ) -> bool {
         match r {
             Ok(sent) => {
                 *no_room = None;
@@ -742,6 +761,7 @@ impl Inner {
             by_app,
             detail,
             no_room_since,
+            elsewhere,
             ..
         } = self;
         let peer = *peer;
@@ -782,6 +802,31 @@ impl Inner {
         // Each goes from the request ring straight into the message (a WRITE's data too).
         let upto = m.published();
         while m.request_waits() {
+            if let Some((rec, head, id, len)) = m.next_request_elsewhere() {
+                // A WRITE piece whose data goes from the program's region in place.
+                let q = elsewhere.lock().unwrap_or_else(|e| e.into_inner());
+                let Some(d) = q.front().filter(|d| d.id == id && d.len == len) else {
+                    drop(q);
+                    m.fail("a WRITE's data went missing in this process");
+                    return any;
+                };
+                let mut msg_head = [0u8; 1 + 16 + RDMA_REQ_HEAD];
+                msg_head[0] = KIND_RDMA;
+                msg_head[1..].copy_from_slice(&head);
+                let r = ep.send_span(peer, &msg_head, (&d.span, d.off, d.len));
+                drop(q);
+                if !Self::outcome(m, (detail, no_room_since), r) {
+                    return any;
+                }
+                elsewhere
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .pop_front();
+                m.release_request_id(rec, Some(id));
+                crate::transport::across::sent_in_place();
+                any = true;
+                continue;
+            }
             let (mut asked, mut taken) = (false, None);
             let put = |m: &mut Mirror, b: &mut [u8]| {
                 asked = true;

@@ -434,6 +434,42 @@ impl Mirror {
         Some((rec, n))
     }
 
+    /// The request that waits, if its WRITE data is not in its record
+    /// (`across::REQ_DATA_ELSEWHERE`: a pair this process carries, the data waits in the
+    /// pair's queue): its record, the message head to send before the data (the two QP keys
+    /// and its header, as [`Mirror::next_request_into`] writes them, the flag cleared), its
+    /// id and its data's length. A record that says so but is not a WRITE's header and the
+    /// room for its data fails the pair.
+    pub(crate) fn next_request_elsewhere(
+        &mut self,
+    ) -> Option<(crate::ring::Record, [u8; 16 + RDMA_REQ_HEAD], u64, usize)> {
+        let rec = self.peek_request()?;
+        let mut flag = [0u8; 2];
+        // Inside the data area (validated by the consumer); a record shorter reads zeros.
+        let _ = self
+            .rdma
+            .req
+            .data()
+            .read(rec.pos, &mut flag[..2.min(rec.len)]);
+        if flag[1] != crate::transport::across::REQ_DATA_ELSEWHERE {
+            return None;
+        }
+        let mut head = [0u8; 16 + RDMA_REQ_HEAD];
+        head[..16].copy_from_slice(&encode_ready(self.local_key, self.remote_key));
+        let h = &mut head[16..];
+        if rec.len < RDMA_REQ_HEAD || self.rdma.req.data().read(rec.pos, h).is_err() {
+            self.fail(LOCAL_POSITION);
+            return None;
+        }
+        h[1] = 0;
+        let (id, len) = (u64_at(h, 8), u32_at(h, 20) as usize);
+        if h[0] != RDMA_OP_WRITE || len == 0 || len > RDMA_PIECE || rec.len != RDMA_REQ_HEAD + len {
+            self.fail(LOCAL_POSITION);
+            return None;
+        }
+        Some((rec, head, id, len))
+    }
+
     /// The request `next_request` gave (its bytes still in `out`) went out.
     pub(crate) fn release_request(&mut self, rec: crate::ring::Record, out: &[u8]) {
         self.release_request_id(rec, out.get(24..32).map(|b| u64_at(b, 0)));
