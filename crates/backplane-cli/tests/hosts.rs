@@ -1390,6 +1390,12 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
             "18794",
             &["-n", "20", "-c", "-s", "1048576"][..],
         ),
+        // 32 KiB: one fragment, sent from the program's buffer in place (session 29).
+        (
+            "ibv_rc_pingpong",
+            "18798",
+            &["-n", "200", "-c", "-s", "32768"][..],
+        ),
         ("ibv_uc_pingpong", "18795", &["-n", "300", "-c"][..]),
         ("ibv_uc_pingpong", "18797", &["-n", "100", "-c", "-e"][..]),
     ] {
@@ -1707,7 +1713,7 @@ fn rdma_role(role: &str) {
                 b"check true"
             );
             // A pair this process carries sends that WRITE's 4 pieces from `mr` in place.
-            let in_place = backplane::transport::across::writes_sent_in_place();
+            let in_place = backplane::transport::across::sent_in_place();
             assert_eq!(in_place, if direct { 4 } else { 0 }, "direct: {direct}");
             // WRITE_WITH_IMM, and the atomics on what the WRITE left.
             mr.fill(0, 100, 0xEE).unwrap();

@@ -79,6 +79,8 @@ mod ffi {
             hlen: usize,
             body: *const c_void,
             blen: usize,
+            tail: *const c_void,
+            tlen: usize,
             release: extern "C" fn(*mut c_void),
             token: *mut c_void,
         ) -> c_int;
@@ -362,19 +364,25 @@ impl Link {
         check(r, || format!("cannot send to endpoint {}", ep.0))
     }
 
-    /// Sends one message made of `head` (copied) then `body`'s bytes, which UCX reads in
-    /// place (no copy: over TCP the kernel reads them from there) until the send completes;
-    /// `body` is dropped then — at once if the message went (or failed) within this call,
-    /// else from the [`Link::poll`] that completes it. `NoResource` (status -2) when too many
-    /// sends are in flight.
-    pub fn send_zc(&mut self, ep: EpId, head: &[u8], body: Box<dyn InPlace>) -> Result<(), Error> {
+    /// Sends one message made of `head` (copied), `body`'s bytes, which UCX reads in place
+    /// (no copy: over TCP the kernel reads them from there) until the send completes, and
+    /// `tail` (copied); `body` is dropped then — at once if the message went (or failed)
+    /// within this call, else from the [`Link::poll`] that completes it. `NoResource`
+    /// (status -2) when too many sends are in flight.
+    pub fn send_zc(
+        &mut self,
+        ep: EpId,
+        head: &[u8],
+        body: Box<dyn InPlace>,
+        tail: &[u8],
+    ) -> Result<(), Error> {
         extern "C" fn release(token: *mut c_void) {
             // SAFETY: token is the Box::into_raw below, handed back exactly once by the shim.
             drop(unsafe { Box::from_raw(token.cast::<Box<dyn InPlace>>()) });
         }
         let (ptr, len) = body.bytes();
         let token = Box::into_raw(Box::new(body)).cast::<c_void>();
-        // SAFETY: raw is live; head is copied before the call returns; [ptr, ptr + len) stays
+        // SAFETY: raw is live; head and tail are copied before the call returns; [ptr, ptr + len) stays
         // readable while the token lives (`InPlace`'s contract), and the shim calls `release`
         // exactly once.
         let r = unsafe {
@@ -385,6 +393,8 @@ impl Link {
                 head.len(),
                 ptr.cast(),
                 len,
+                tail.as_ptr().cast(),
+                tail.len(),
                 release,
                 token,
             )

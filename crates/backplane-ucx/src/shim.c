@@ -523,7 +523,7 @@ typedef struct {
     size_t len;
     void (*release)(void *);
     void *token;
-    ucp_dt_iov_t iov[2]; /* read by UCX until the send completes */
+    ucp_dt_iov_t iov[3]; /* read by UCX until the send completes */
 } bpx_zc;
 
 static void sent_zc(void *request, ucs_status_t status, void *user_data)
@@ -537,21 +537,21 @@ static void sent_zc(void *request, ucs_status_t status, void *user_data)
     ucp_request_free(request);
 }
 
-/* Sends one message made of head (copied) then the blen bytes at body, which UCX reads in
- * place: they must stay valid and unchanged until release(token) is called (at once if the
- * message went or failed before this returns, else from the progress that completes it).
- * release is called exactly once. 0 or a negative status. */
+/* Sends one message made of head (copied), the blen bytes at body, which UCX reads in place,
+ * and tail (copied): body's bytes must stay valid and unchanged until release(token) is
+ * called (at once if the message went or failed before this returns, else from the progress
+ * that completes it). release is called exactly once. 0 or a negative status. */
 int bpx_send_zc(bpx_link *l, int index, const void *head, size_t hlen, const void *body,
-                size_t blen, void (*release)(void *), void *token)
+                size_t blen, const void *tail, size_t tlen, void (*release)(void *), void *token)
 {
     int status = UCS_OK;
     if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep)
         status = UCS_ERR_INVALID_PARAM;
-    else if (hlen + blen > BPX_MAX_MSG)
+    else if (hlen + blen + tlen > BPX_MAX_MSG)
         status = UCS_ERR_MESSAGE_TRUNCATED;
     else if (l->inflight >= BPX_MAX_INFLIGHT)
         status = UCS_ERR_NO_RESOURCE;
-    bpx_zc *z = status == UCS_OK ? malloc(sizeof *z + hlen) : NULL;
+    bpx_zc *z = status == UCS_OK ? malloc(sizeof *z + hlen + tlen) : NULL;
     if (status == UCS_OK && !z)
         status = UCS_ERR_NO_MEMORY;
     if (status != UCS_OK) {
@@ -559,6 +559,8 @@ int bpx_send_zc(bpx_link *l, int index, const void *head, size_t hlen, const voi
         return status;
     }
     memcpy(z + 1, head, hlen);
+    if (tlen)
+        memcpy((char *)(z + 1) + hlen, tail, tlen);
     z->link = l;
     z->len = 0;
     z->release = release;
@@ -567,6 +569,8 @@ int bpx_send_zc(bpx_link *l, int index, const void *head, size_t hlen, const voi
     z->iov[0].length = hlen;
     z->iov[1].buffer = (void *)body;
     z->iov[1].length = blen;
+    z->iov[2].buffer = (char *)(z + 1) + hlen;
+    z->iov[2].length = tlen;
     ucp_request_param_t p;
     memset(&p, 0, sizeof p);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -575,15 +579,16 @@ int bpx_send_zc(bpx_link *l, int index, const void *head, size_t hlen, const voi
     p.datatype = ucp_dt_make_iov();
     p.cb.send = sent_zc;
     p.user_data = z;
-    ucs_status_ptr_t r = ucp_am_send_nbx(l->eps[index].ep, BPX_AM_ID, NULL, 0, z->iov, 2, &p);
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(l->eps[index].ep, BPX_AM_ID, NULL, 0, z->iov, tlen ? 3 : 2, &p);
     if (r == NULL || UCS_PTR_IS_ERR(r)) {
         release(token);
         free(z);
         return r == NULL ? 0 : UCS_PTR_STATUS(r);
     }
-    z->len = hlen + blen;
+    z->len = hlen + blen + tlen;
     l->inflight++;
-    l->inflight_bytes += hlen + blen;
+    l->inflight_bytes += hlen + blen + tlen;
     return 0;
 }
 

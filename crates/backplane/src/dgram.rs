@@ -537,8 +537,8 @@ impl Endpoint {
         self.last_tx = 0;
     }
 
-    /// As [`Endpoint::send_with_max`] with [`Wait::Never`], for a datagram of `head` then
-    /// `len` bytes of `body` at `off`: over a direct connection (another host) UCX reads
+    /// As [`Endpoint::send_with_max`] with [`Wait::Never`], for a datagram of `head`, `len`
+    /// bytes of `body` at `off` and `tail`: over a direct connection (another host) UCX reads
     /// those bytes in place — no copy into a message; a clone of `body` keeps them mapped
     /// until the send completes — else they are copied as `send_with_max` does. The caller
     /// leaves them unchanged until the peer answered (a QP's RDMA WRITE source, which the
@@ -546,10 +546,10 @@ impl Endpoint {
     pub(crate) fn send_span(
         &mut self,
         dst: Addr,
-        head: &[u8],
+        (head, tail): (&[u8], &[u8]),
         (body, off, len): (&crate::mem::Span, u64, usize),
     ) -> Result<bool, DgramError> {
-        let total = head.len() + len;
+        let total = head.len() + len + tail.len();
         if total > MAX_DGRAM {
             return Err(DgramError::TooBig(total));
         }
@@ -562,7 +562,7 @@ impl Endpoint {
             self.direct.as_mut(),
             crate::mem::SpanBytes::new(body, off, len),
         ) {
-            match d.send_zc(to, dst, head, Box::new(bytes)) {
+            match d.send_zc(to, dst, (head, Box::new(bytes), tail)) {
                 Ok(()) => {
                     self.stats.sent += 1;
                     self.stats.sent_bytes += total as u64;
@@ -575,8 +575,11 @@ impl Endpoint {
             }
         }
         self.send_with_max(dst, total, Wait::Never, |buf| {
-            buf[..head.len()].copy_from_slice(head);
-            body.read(off, &mut buf[head.len()..total]).ok()?;
+            let (h, rest) = buf[..total].split_at_mut(head.len());
+            let (b, t) = rest.split_at_mut(len);
+            h.copy_from_slice(head);
+            body.read(off, b).ok()?;
+            t.copy_from_slice(tail);
             Some(total)
         })
     }

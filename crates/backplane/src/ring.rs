@@ -83,6 +83,13 @@ pub struct Reservation {
     start: u64,
 }
 
+impl Reservation {
+    /// The producer index (free-running, as `tail`) of the payload's first byte.
+    pub fn index(&self) -> u64 {
+        self.start + RECORD_HEADER_LEN
+    }
+}
+
 fn emit_header(mem: &impl RingMemory, pos: u64, repr: RecordRepr) {
     let mut h = [0u8; RECORD_HEADER_LEN as usize];
     repr.emit(&mut RecordHeader::new_unchecked(&mut h[..]));

@@ -406,15 +406,14 @@ impl Worker {
         Ok(used)
     }
 
-    /// Sends a datagram of `head_bytes` then `body`'s bytes to `dst`, which listens at `to`,
-    /// with UCX reading `body` in place (never batched: what a batch holds for `to` goes
-    /// first).
+    /// Sends a datagram of `head_bytes`, `body`'s bytes and `tail` to `dst`, which listens at
+    /// `to`, with UCX reading `body` in place (never batched: what a batch holds for `to`
+    /// goes first).
     fn send_zc(
         &mut self,
         to: SocketAddr,
         dst: Addr,
-        head_bytes: &[u8],
-        body: Box<dyn backplane_ucx::InPlace>,
+        (head_bytes, body, tail): (&[u8], Box<dyn backplane_ucx::InPlace>, &[u8]),
     ) -> Result<(), Blocked> {
         if self.out.get(&to).is_none_or(|o| o.failed) {
             return Err(Blocked::Failed);
@@ -433,7 +432,7 @@ impl Worker {
         h.resize(HEAD, 0);
         head(&mut h, MAGIC, self.me, dst.port, conn, seq);
         h.extend_from_slice(head_bytes);
-        let r = self.link.send_zc(ep, &h, body);
+        let r = self.link.send_zc(ep, &h, body, tail);
         self.sent(to, r.map(|()| 1))?;
         self.sends = self.sends.wrapping_add(1);
         if self.link.in_flight_bytes() != 0 || self.sends.is_multiple_of(64) {
@@ -934,11 +933,10 @@ impl Direct {
         &mut self,
         to: SocketAddr,
         dst: Addr,
-        head: &[u8],
-        body: Box<dyn backplane_ucx::InPlace>,
+        msg: (&[u8], Box<dyn backplane_ucx::InPlace>, &[u8]),
     ) -> Result<(), Blocked> {
         let mut w = self.lock();
-        let r = w.send_zc(to, dst, head, body);
+        let r = w.send_zc(to, dst, msg);
         let corked = w.corked;
         w.sent_corked |= corked;
         drop(w);

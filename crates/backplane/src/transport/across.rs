@@ -34,61 +34,83 @@ pub(crate) const REQ_DATA_ELSEWHERE: u8 = 1;
 /// (`write-bw` 64 KiB between two hosts with both copies skipped, a debug patch: 4 832 →
 /// 6 531 MB/s, 5 alternating pairs, under reno). Smaller ones are copied: cheaper than the
 /// hand-over for a few cache lines, and a latency test's 8 bytes stay as they were.
-const ELSEWHERE_MIN: usize = 16 * 1024;
+pub(crate) const ELSEWHERE_MIN: usize = 16 * 1024;
 
-/// A WRITE piece whose data a pair carried by this process sends from the program's region
-/// in place: request `id`, `len` bytes at `off` of `span`.
+/// Data a pair carried by this process sends from the program's region in place, `len`
+/// bytes at `off` of `span`: a WRITE piece's (`id` its request id) or a SEND's (`id` the QP
+/// ring index where its record starts, `at` where its payload's room does).
 #[derive(Debug)]
 pub(crate) struct Deferred {
     pub(crate) id: u64,
+    pub(crate) at: u64,
     pub(crate) span: Span,
     pub(crate) off: u64,
     pub(crate) len: usize,
 }
 
-/// The WRITE pieces of one pair waiting for its mirror, in request order.
+/// Data of one pair waiting for its mirror, in order.
 pub(crate) type DeferQueue = Arc<Mutex<std::collections::VecDeque<Deferred>>>;
 
-/// WRITE pieces this process sent from the program's memory in place.
+/// What a pair carried by this process sends in place: its WRITE pieces (request ring order)
+/// and its SEND payloads (QP ring order).
+#[derive(Debug, Default)]
+pub(crate) struct Carried {
+    pub(crate) writes: DeferQueue,
+    pub(crate) sends: DeferQueue,
+}
+
+/// Messages this process sent from the program's memory in place.
 static SENT_IN_PLACE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// How many RDMA WRITE pieces (up to 64 KiB each) of this process went from the program's
-/// memory to another host in place, without a copy (pairs the process carries itself,
-/// pieces of WRITEs of 16 KiB or more).
-pub fn writes_sent_in_place() -> u64 {
+/// How many RDMA WRITE pieces (up to 64 KiB each) and SENDs of this process went from the
+/// program's memory to another host in place, without a copy: RC pairs the process carries
+/// itself, WRITEs of 16 KiB or more, SENDs of one fragment of 16 to 64 KiB from one region.
+pub fn sent_in_place() -> u64 {
     SENT_IN_PLACE.load(Ordering::Relaxed)
 }
 
-/// A WRITE piece went in place.
-pub(crate) fn sent_in_place() {
+/// A WRITE piece or a SEND went in place.
+pub(crate) fn count_sent_in_place() {
     SENT_IN_PLACE.fetch_add(1, Ordering::Relaxed);
 }
 
 /// The pairs this process carries itself (`verbs::direct`), by the peer QP (node, QPN): only
 /// their requests may leave their data out of the ring (a supervisor's bridge, which carries
 /// the others, reads only the ring).
-static CARRIED: Mutex<Vec<((u32, u32), DeferQueue)>> = Mutex::new(Vec::new());
+static CARRIED: Mutex<CarriedPairs> = Mutex::new(Vec::new());
+/// How many pairs [`CARRIED`] holds: a program on one host never takes its lock.
+static CARRIED_COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-fn carried() -> std::sync::MutexGuard<'static, Vec<((u32, u32), DeferQueue)>> {
+/// Each carried pair's peer QP (node, QPN) and queues.
+type CarriedPairs = Vec<((u32, u32), Arc<Carried>)>;
+
+fn carried() -> std::sync::MutexGuard<'static, CarriedPairs> {
     CARRIED.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// This process now carries the pair with peer QP `peer` (node, QPN): its WRITE data may be
-/// left out of the ring, in the queue returned.
-pub(crate) fn carried_here(peer: (u32, u32)) -> DeferQueue {
-    let q = DeferQueue::default();
+/// This process now carries the pair with peer QP `peer` (node, QPN): its WRITE data and
+/// SEND payloads may be left out of the rings, in the queues returned.
+pub(crate) fn carried_here(peer: (u32, u32)) -> Arc<Carried> {
+    let q = Arc::<Carried>::default();
     let mut c = carried();
     c.retain(|(k, _)| *k != peer);
     c.push((peer, q.clone()));
+    CARRIED_COUNT.store(c.len(), Ordering::Relaxed);
     q
 }
 
-/// The pair with `peer` ended here (its queue `q`).
-pub(crate) fn carried_no_more(peer: (u32, u32), q: &DeferQueue) {
-    carried().retain(|(k, x)| !(*k == peer && Arc::ptr_eq(x, q)));
+/// The pair with `peer` ended here (its queues `q`).
+pub(crate) fn carried_no_more(peer: (u32, u32), q: &Arc<Carried>) {
+    let mut c = carried();
+    c.retain(|(k, x)| !(*k == peer && Arc::ptr_eq(x, q)));
+    CARRIED_COUNT.store(c.len(), Ordering::Relaxed);
 }
 
-fn carrier_of(peer: (u32, u32)) -> Option<DeferQueue> {
+/// The queues of the pair with `peer`, if this process carries it.
+pub(crate) fn carrier_of(peer: (u32, u32)) -> Option<Arc<Carried>> {
+    if CARRIED_COUNT.load(Ordering::Relaxed) == 0 {
+        return None;
+    }
     carried()
         .iter()
         .find(|(k, _)| *k == peer)
@@ -490,6 +512,7 @@ impl AcrossRegion {
             let id = p.request(r, (piece, REQ_DATA_ELSEWHERE), |_, _, id| {
                 let d = Deferred {
                     id,
+                    at: 0,
                     span: src.clone(),
                     off: src_off + at as u64,
                     len: piece,
@@ -634,7 +657,7 @@ impl RemoteRegion for AcrossRegion {
         if n >= ELSEWHERE_MIN {
             let peer = self.pair().peer;
             if let Some(q) = peer.and_then(carrier_of) {
-                return self.write_elsewhere(off, (src, src_off), n, &q);
+                return self.write_elsewhere(off, (src, src_off), n, &q.writes);
             }
         }
         // Pieces land in order, each with its last 8 bytes last (the other bridge's ordered

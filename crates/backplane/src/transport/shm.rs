@@ -983,8 +983,11 @@ impl QpChannels for ShmTransport {
                     port,
                 };
                 let keys = ((slot, qpn), (dest_slot, dest_qpn));
+                // RC only: a UC WRITE_WITH_IMM completes once posted, and its source is the
+                // program's again then (a WRITE alone completes once landed, on either).
+                let in_place = qp_type == crate::verbs::QpType::Rc as u32;
                 Some(crate::verbs::direct::DirectQp::start(
-                    h, keys.0, keys.1, &local, &shadow, peer,
+                    h, keys, &local, &shadow, peer, in_place,
                 )?)
             }
             _ => None,

@@ -178,9 +178,9 @@ struct Inner {
     detail: Option<String>,
     /// That line was written.
     said: bool,
-    /// The data of the local QP's large RDMA WRITEs, sent from its region in place
+    /// The data of the local QP's large RDMA WRITEs and SENDs, sent from its regions in place
     /// (`transport::across::carried_here`).
-    elsewhere: crate::transport::across::DeferQueue,
+    elsewhere: Arc<crate::transport::across::Carried>,
 }
 
 struct Shared {
@@ -217,14 +217,15 @@ static LIVE_COUNT: Count = Count(AtomicUsize::new(0));
 
 impl DirectQp {
     /// Starts the pair of local QP `local_key` (block `local`) with the shadow `shadow` of its
-    /// peer `remote_key`, whose process listens at `peer`.
+    /// peer `remote_key`, whose process listens at `peer`; `in_place`: its large RDMA WRITEs
+    /// go from the program's regions in place (`transport::across::carried_here`).
     pub(crate) fn start(
         home: &Home,
-        local_key: (u32, u32),
-        remote_key: (u32, u32),
+        (local_key, remote_key): ((u32, u32), (u32, u32)),
         local: &QpBlock,
         shadow: &QpBlock,
         peer: Addr,
+        in_place: bool,
     ) -> Result<Self, crate::mem::MemError> {
         let mut m = Mirror::new(0, local_key, remote_key, local, shadow)?;
         // The peer's endpoint exists since its QP was made: what goes now waits there.
@@ -242,7 +243,11 @@ impl DirectQp {
                 no_room_since: None,
                 detail: None,
                 said: false,
-                elsewhere: crate::transport::across::carried_here(remote_key),
+                elsewhere: if in_place {
+                    crate::transport::across::carried_here(remote_key)
+                } else {
+                    Arc::default()
+                },
             }),
             stop: AtomicBool::new(false),
             app_ns: AtomicU64::new(0),
@@ -804,7 +809,7 @@ impl Inner {
         while m.request_waits() {
             if let Some((rec, head, id, len)) = m.next_request_elsewhere() {
                 // A WRITE piece whose data goes from the program's region in place.
-                let q = elsewhere.lock().unwrap_or_else(|e| e.into_inner());
+                let q = elsewhere.writes.lock().unwrap_or_else(|e| e.into_inner());
                 let Some(d) = q.front().filter(|d| d.id == id && d.len == len) else {
                     drop(q);
                     m.fail("a WRITE's data went missing in this process");
@@ -813,17 +818,18 @@ impl Inner {
                 let mut msg_head = [0u8; 1 + 16 + RDMA_REQ_HEAD];
                 msg_head[0] = KIND_RDMA;
                 msg_head[1..].copy_from_slice(&head);
-                let r = ep.send_span(peer, &msg_head, (&d.span, d.off, d.len));
+                let r = ep.send_span(peer, (&msg_head, &[]), (&d.span, d.off, d.len));
                 drop(q);
                 if !Self::outcome(m, (detail, no_room_since), r) {
                     return any;
                 }
                 elsewhere
+                    .writes
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .pop_front();
                 m.release_request_id(rec, Some(id));
-                crate::transport::across::sent_in_place();
+                crate::transport::across::count_sent_in_place();
                 any = true;
                 continue;
             }
@@ -858,9 +864,50 @@ impl Inner {
         }
         *words_since = None;
         while m.has_news() {
+            // A SEND whose payload goes from the program's region in place: the ring bytes
+            // before its record share its message where they fit (copied into its head),
+            // else go first in messages of their own.
+            let front = {
+                let q = elsewhere.sends.lock().unwrap_or_else(|e| e.into_inner());
+                q.front()
+                    .map(|d| (d.id, d.at, d.span.clone(), d.off, d.len))
+            };
+            let mut stop = None;
+            if let Some((rec, at, span, off, len)) = front {
+                if rec < m.shipped_to() || at < rec {
+                    m.fail("a SEND's payload went missing in this process");
+                    return any;
+                }
+                let whole = (at - m.shipped_to())
+                    .saturating_add(len as u64)
+                    .saturating_add(crate::wire::RECORD_ALIGN + 1 + mirror::MSG_HEAD as u64);
+                if whole <= MAX_DGRAM as u64 {
+                    let (mut head, mut trailer) = (Vec::with_capacity(1024), Vec::new());
+                    let Some(s) =
+                        m.next_message_in_place(&mut head, &mut trailer, upto, (at, len as u64))
+                    else {
+                        break; // not published yet (or the pair broke)
+                    };
+                    head.insert(0, KIND_QP);
+                    let r = ep.send_span(peer, (&head, &trailer), (&span, off, len));
+                    if !Self::outcome(m, (detail, no_room_since), r) {
+                        break;
+                    }
+                    elsewhere
+                        .sends
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .pop_front();
+                    m.shipped(s);
+                    crate::transport::across::count_sent_in_place();
+                    any = true;
+                    continue;
+                }
+                stop = Some(rec);
+            }
             let mut shipment = None;
             let made = |m: &mut Mirror, b: &mut [u8]| {
-                let (n, s) = m.next_message(b, upto)?;
+                let (n, s) = m.next_message(b, upto, stop)?;
                 shipment = Some(s);
                 Some(n)
             };

@@ -127,7 +127,7 @@ fn ship_next(link: &mut SeqLink, ep: EpId, m: &mut Mirror, upto: u64) -> bool {
     }
     let mut shipment = None;
     let sent = link.send_with(ep, &head(KIND_QP, 0, 0), mirror::MSG_MAX, |buf| {
-        let (n, s) = m.next_message(buf, upto)?;
+        let (n, s) = m.next_message(buf, upto, None)?;
         shipment = Some(s);
         Some(n)
     });

@@ -636,8 +636,15 @@ impl Mirror {
     /// at the start of `out` (more than [`MSG_HEAD`] bytes; ring bytes up to [`CHUNK`] or
     /// what `out` has room for), and how many; `None` when there is nothing, or the local QP
     /// published an impossible position (then the pair is broken).
-    /// Ring bytes go at most up to `upto` (a position read before the requests shipped).
-    pub(crate) fn next_message(&mut self, out: &mut [u8], upto: u64) -> Option<(usize, Shipment)> {
+    /// Ring bytes go at most up to `upto` (a position read before the requests shipped), and
+    /// not past `stop` where a SEND's payload that is sent in place starts
+    /// ([`Mirror::next_message_in_place`] ships it).
+    pub(crate) fn next_message(
+        &mut self,
+        out: &mut [u8],
+        upto: u64,
+        stop: Option<u64>,
+    ) -> Option<(usize, Shipment)> {
         if !self.ready || self.broken.is_some() || out.len() <= MSG_HEAD {
             return None;
         }
@@ -661,6 +668,7 @@ impl Mirror {
             return None;
         }
         let n = unsent.min(CHUNK).min(room);
+        let n = stop.map_or(n, |s| n.min(s.saturating_sub(self.shipped)));
         // The header, written in place (no buffer of its own: one message per post).
         let head = &mut out[..MSG_HEAD];
         head[..16].copy_from_slice(&encode_ready(self.local_key, self.remote_key));
@@ -691,6 +699,83 @@ impl Mirror {
             at += piece as u64;
         }
         Some((used, Shipment { end, snap }))
+    }
+
+    /// A message that ships the local QP's ring up to the end of a SEND's record whose
+    /// payload, `len` bytes at producer index `at`, the local QP left unwritten (its bytes go
+    /// from the program's region in place): `head` gets the message header and the ring bytes
+    /// from where shipping stands up to `at`, `trailer` the record's bytes after the payload
+    /// (its alignment). `None` while the record is not published (before `upto`); a position
+    /// that cannot be breaks the pair.
+    pub(crate) fn next_message_in_place(
+        &mut self,
+        head: &mut Vec<u8>,
+        trailer: &mut Vec<u8>,
+        upto: u64,
+        (at, len): (u64, u64),
+    ) -> Option<Shipment> {
+        if !self.ready || self.broken.is_some() {
+            return None;
+        }
+        let snap = self.snap();
+        // SYNC POINT ring-publish (acquire): the ring bytes before the index are readable.
+        let tail = self
+            .shadow
+            .tail
+            .load(Ordering::Acquire)
+            .min(upto.max(self.shipped));
+        let ring_len = self.shadow.ring.len();
+        let end = at
+            .checked_add(len)
+            .map(|e| e.next_multiple_of(RECORD_ALIGN));
+        let Some(end) = end.filter(|&e| {
+            at >= self.shipped
+                && e - self.shipped <= CHUNK
+                && tail.saturating_sub(self.shipped) <= ring_len
+                && at % ring_len + len <= ring_len
+        }) else {
+            self.fail(LOCAL_POSITION);
+            return None;
+        };
+        if end > tail {
+            return None; // not published yet
+        }
+        head.clear();
+        head.resize(MSG_HEAD, 0);
+        head[..16].copy_from_slice(&encode_ready(self.local_key, self.remote_key));
+        let mut p = 16;
+        for v in [end, snap.ack, snap.nak, snap.credits] {
+            head[p..p + 8].copy_from_slice(&v.to_le_bytes());
+            p += 8;
+        }
+        // `end` closes a record (the SEND's): the receiver may publish up to it.
+        for v in [snap.gone, snap.rnr, snap.access, 1] {
+            head[p..p + 4].copy_from_slice(&v.to_le_bytes());
+            p += 4;
+        }
+        head[p..p + 8].copy_from_slice(&self.shipped.to_le_bytes());
+        debug_assert_eq!(p + 8, MSG_HEAD);
+        let read = |from: u64, to: u64, out: &mut Vec<u8>| {
+            let mut x = from;
+            while x < to {
+                let pos = x % ring_len;
+                let piece = (ring_len - pos).min(to - x) as usize;
+                let at = out.len();
+                out.resize(at + piece, 0);
+                // In bounds: pos + piece <= ring_len.
+                let _ = self.shadow.ring.read(pos, &mut out[at..]);
+                x += piece as u64;
+            }
+        };
+        read(self.shipped, at, head);
+        trailer.clear();
+        read(at + len, end, trailer);
+        Some(Shipment { end, snap })
+    }
+
+    /// Where shipping the local QP's ring stands (its next byte's producer index).
+    pub(crate) fn shipped_to(&self) -> u64 {
+        self.shipped
     }
 
     /// The message [`Mirror::next_message`] made went out.
@@ -826,7 +911,7 @@ mod tests {
     fn next(m: &mut Mirror, buf: &mut Vec<u8>) -> Option<Shipment> {
         buf.resize(MSG_MAX, 0);
         let bound = m.message_len(u64::MAX);
-        let (n, s) = m.next_message(buf, u64::MAX)?;
+        let (n, s) = m.next_message(buf, u64::MAX, None)?;
         assert!(n <= bound, "{n} bytes, {bound} promised");
         buf.truncate(n);
         Some(s)

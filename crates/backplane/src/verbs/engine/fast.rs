@@ -288,7 +288,9 @@ impl QpEngine {
         .emit(&mut MsgHeader::new_unchecked(&mut hdr[..]));
         // The reservation covers HDR + len bytes at r.pos, ours until commit.
         let _ = p.outbound.data().write(r.pos, &hdr);
-        let _ = src.copy_to(p.outbound.data(), r.pos + HDR as u64, false);
+        if !send_in_place(p, rc, &src, &r) {
+            let _ = src.copy_to(p.outbound.data(), r.pos + HDR as u64, false);
+        }
         p.outbound.commit(r);
         self.send_hint = p.outbound.next_hint();
         let end = p.outbound.sent();
@@ -306,4 +308,40 @@ impl QpEngine {
         }
         true
     }
+}
+
+/// An RC SEND of one fragment to a peer on another host whose pair this process carries,
+/// reserved at `r` with its payload `src` (`len` bytes of a region): leaves the payload out
+/// of the ring, for the pair's mirror to send from the region in place, and says so (true:
+/// the caller does not copy it). The SEND completes once the peer took it, and the program
+/// leaves its source alone until then, as it must on a NIC. (Session 29: no faster for
+/// `perf send-bw` between two hosts, whose sender is not bound by these copies.)
+pub(super) fn send_in_place(
+    p: &PeerLink,
+    rc: bool,
+    src: &Bytes<'_>,
+    r: &crate::transport::Reservation,
+) -> bool {
+    let Bytes::Span(span, off, len) = *src else {
+        return false;
+    };
+    if !rc || len < crate::transport::across::ELSEWHERE_MIN {
+        return false;
+    }
+    let Some(c) = crate::transport::across::carrier_of((p.slot, p.qpn)) else {
+        return false;
+    };
+    let d = crate::transport::across::Deferred {
+        id: r.index() - crate::wire::RECORD_HEADER_LEN,
+        at: r.index() + HDR as u64,
+        span: span.clone(),
+        off,
+        len,
+    };
+    // (Before the commit: a mirror that sees the record finds its payload.)
+    c.sends
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push_back(d);
+    true
 }

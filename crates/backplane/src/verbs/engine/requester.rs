@@ -340,7 +340,15 @@ impl QpEngine {
             }
             .emit(&mut MsgHeader::new_unchecked(&mut h[..]));
             let _ = p.outbound.data().write(r.pos, &h);
-            if frag > 0 {
+            let whole_one = match op.src {
+                Src::One(b) if payload && first && last && b.len() == frag => Some(b),
+                _ => None,
+            };
+            if whole_one
+                .is_some_and(|b| super::fast::send_in_place(p, self.ty == QpType::Rc, &b, &r))
+            {
+                // Its payload goes from the program's region in place.
+            } else if frag > 0 {
                 // The reservation covers HDR + frag bytes at r.pos, inside the ring; the
                 // source was validated by `prepare` in this same call.
                 op.src.gather_to(
