@@ -342,15 +342,7 @@ impl Worker {
         len: usize,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<Option<usize>, Blocked> {
-        if self.out.get(&to).is_none_or(|o| o.failed) {
-            return Err(Blocked::Failed);
-        }
-        if self.link.in_flight_bytes() >= WINDOW {
-            self.progress();
-            if self.link.in_flight_bytes() >= WINDOW {
-                return Err(Blocked::Full);
-            }
-        }
+        self.may_send(to)?;
         let now = crate::sync::now_ns();
         let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
         let streaming = now.saturating_sub(o.last_send) < STREAM_GAP_NS;
@@ -415,15 +407,7 @@ impl Worker {
         dst: Addr,
         (head_bytes, body, tail): (&[u8], Box<dyn backplane_ucx::InPlace>, &[u8]),
     ) -> Result<(), Blocked> {
-        if self.out.get(&to).is_none_or(|o| o.failed) {
-            return Err(Blocked::Failed);
-        }
-        if self.link.in_flight_bytes() >= WINDOW {
-            self.progress();
-            if self.link.in_flight_bytes() >= WINDOW {
-                return Err(Blocked::Full);
-            }
-        }
+        self.may_send(to)?;
         // What came before goes first.
         self.ship(to)?;
         let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
@@ -440,6 +424,21 @@ impl Worker {
         }
         if let Some(o) = self.out.get_mut(&to) {
             o.last_send = crate::sync::now_ns();
+        }
+        Ok(())
+    }
+
+    /// Whether a message to `to` may go now: its connection is not broken, and UCX holds
+    /// fewer than [`WINDOW`] unsent bytes (after a look at the worker).
+    fn may_send(&mut self, to: SocketAddr) -> Result<(), Blocked> {
+        if self.out.get(&to).is_none_or(|o| o.failed) {
+            return Err(Blocked::Failed);
+        }
+        if self.link.in_flight_bytes() >= WINDOW {
+            self.progress();
+            if self.link.in_flight_bytes() >= WINDOW {
+                return Err(Blocked::Full);
+            }
         }
         Ok(())
     }

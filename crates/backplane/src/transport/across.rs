@@ -448,7 +448,8 @@ impl AcrossRegion {
         &self,
         off: u64,
         n: usize,
-        mut fill: impl FnMut(&Span, u64, usize, usize) -> Result<(), MemError>,
+        flags: u8,
+        mut fill: impl FnMut(&Span, u64, usize, usize, u64) -> Result<(), MemError>,
     ) -> Result<(), MemError> {
         self.check(off, n as u64)?;
         let mut p = self.pair();
@@ -463,7 +464,7 @@ impl AcrossRegion {
                 len: piece,
                 operands: (0, 0),
             };
-            let id = p.request(q, (piece, 0), |d, pos, _| fill(d, pos, at, piece));
+            let id = p.request(q, (piece, flags), |d, pos, id| fill(d, pos, at, piece, id));
             match id {
                 Ok(id) => last = Some(id),
                 Err(e) => {
@@ -483,8 +484,8 @@ impl AcrossRegion {
 
     /// As [`AcrossRegion::write`] from `src` for a pair this process carries: each piece's
     /// record holds its header (its data's room left unwritten), and its data waits in `q`
-    /// for the mirror, which sends it from `src` in place (the program leaves a WRITE's source alone until it completes,
-    /// which is after the other side answered).
+    /// for the mirror, which sends it from `src` in place (the program leaves a WRITE's
+    /// source alone until it completes, which is after the other side answered).
     fn write_elsewhere(
         &self,
         off: u64,
@@ -492,48 +493,21 @@ impl AcrossRegion {
         n: usize,
         q: &DeferQueue,
     ) -> Result<(), MemError> {
-        self.check(off, n as u64)?;
         src.check(src_off, n as u64)?;
-        let mut p = self.pair();
-        let mut at = 0;
-        let mut last = None;
-        while at < n {
-            let piece = (n - at).min(RDMA_PIECE);
-            let r = Req {
-                op: RDMA_OP_WRITE,
-                rkey: self.rkey,
-                off: off + at as u64,
+        // The record keeps the room for the data it does not hold: the ring bounds what is
+        // in flight as before (without that bound, 128 WRITEs of 64 KiB handed to UCX at
+        // once made `write-bw` ~10 % slower under bbr, which paces the connection).
+        self.write(off, n, REQ_DATA_ELSEWHERE, |_, _, at, piece, id| {
+            let d = Deferred {
+                id,
+                at: 0,
+                span: src.clone(),
+                off: src_off + at as u64,
                 len: piece,
-                operands: (0, 0),
             };
-            // The record keeps room for the data it does not hold: the ring bounds what is
-            // in flight as before (without that bound, 128 WRITEs of 64 KiB handed to UCX at
-            // once made `write-bw` ~10 % slower under bbr, which paces the connection).
-            let id = p.request(r, (piece, REQ_DATA_ELSEWHERE), |_, _, id| {
-                let d = Deferred {
-                    id,
-                    at: 0,
-                    span: src.clone(),
-                    off: src_off + at as u64,
-                    len: piece,
-                };
-                q.lock().unwrap_or_else(|e| e.into_inner()).push_back(d);
-                Ok(())
-            });
-            match id {
-                Ok(id) => last = Some(id),
-                Err(e) => {
-                    self.broken.store(true, Ordering::Relaxed);
-                    return Err(e);
-                }
-            }
-            at += piece;
-        }
-        p.bell.wake();
-        if let Some(id) = last {
-            self.issued.fetch_max(id, Ordering::Relaxed);
-        }
-        Ok(())
+            q.lock().unwrap_or_else(|e| e.into_inner()).push_back(d);
+            Ok(())
+        })
     }
 
     /// [`RemoteRegion::fetch`].
@@ -662,12 +636,12 @@ impl RemoteRegion for AcrossRegion {
         }
         // Pieces land in order, each with its last 8 bytes last (the other bridge's ordered
         // copy): the whole write's last bytes land last.
-        self.write(off, n, |d, pos, at, piece| {
+        self.write(off, n, 0, |d, pos, at, piece, _| {
             src.copy_to(src_off + at as u64, d, pos, piece)
         })
     }
     fn put_bytes(&self, off: u64, src: &[u8], _how: CopyKind) -> Result<(), MemError> {
-        self.write(off, src.len(), |d, pos, at, piece| {
+        self.write(off, src.len(), 0, |d, pos, at, piece, _| {
             d.write(pos, &src[at..at + piece])
         })
     }

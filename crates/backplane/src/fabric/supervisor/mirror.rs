@@ -649,13 +649,7 @@ impl Mirror {
             return None;
         }
         let room = (out.len() - MSG_HEAD) as u64;
-        let snap = self.snap();
-        // SYNC POINT ring-publish (acquire): the ring bytes before the index are readable.
-        let tail = self
-            .shadow
-            .tail
-            .load(Ordering::Acquire)
-            .min(upto.max(self.shipped));
+        let (snap, tail) = (self.snap(), self.shippable(upto));
         let len = self.shadow.ring.len();
         let Some(unsent) = tail
             .checked_sub(self.shipped)
@@ -669,23 +663,11 @@ impl Mirror {
         }
         let n = unsent.min(CHUNK).min(room);
         let n = stop.map_or(n, |s| n.min(s.saturating_sub(self.shipped)));
-        // The header, written in place (no buffer of its own: one message per post).
-        let head = &mut out[..MSG_HEAD];
-        head[..16].copy_from_slice(&encode_ready(self.local_key, self.remote_key));
-        let mut at = 16;
-        for v in [self.shipped + n, snap.ack, snap.nak, snap.credits] {
-            head[at..at + 8].copy_from_slice(&v.to_le_bytes());
-            at += 8;
-        }
-        // The receiver publishes the bytes only up to a position the local QP published (a
+        // The header, written in place (no buffer of its own: one message per post). The
+        // receiver publishes the bytes only up to a position the local QP published (a
         // record boundary): a chunk may end inside a record.
-        let whole = u32::from(self.shipped + n == tail);
-        for v in [snap.gone, snap.rnr, snap.access, whole] {
-            head[at..at + 4].copy_from_slice(&v.to_le_bytes());
-            at += 4;
-        }
-        head[at..at + 8].copy_from_slice(&self.shipped.to_le_bytes());
-        debug_assert_eq!(at + 8, MSG_HEAD);
+        let whole = self.shipped + n == tail;
+        self.emit_head(&mut out[..MSG_HEAD], self.shipped + n, &snap, whole);
         // The bytes, in at most two pieces (the ring's end, then its start).
         let mut at = self.shipped;
         let end = self.shipped + n;
@@ -717,13 +699,7 @@ impl Mirror {
         if !self.ready || self.broken.is_some() {
             return None;
         }
-        let snap = self.snap();
-        // SYNC POINT ring-publish (acquire): the ring bytes before the index are readable.
-        let tail = self
-            .shadow
-            .tail
-            .load(Ordering::Acquire)
-            .min(upto.max(self.shipped));
+        let (snap, tail) = (self.snap(), self.shippable(upto));
         let ring_len = self.shadow.ring.len();
         let end = at
             .checked_add(len)
@@ -742,19 +718,8 @@ impl Mirror {
         }
         head.clear();
         head.resize(MSG_HEAD, 0);
-        head[..16].copy_from_slice(&encode_ready(self.local_key, self.remote_key));
-        let mut p = 16;
-        for v in [end, snap.ack, snap.nak, snap.credits] {
-            head[p..p + 8].copy_from_slice(&v.to_le_bytes());
-            p += 8;
-        }
         // `end` closes a record (the SEND's): the receiver may publish up to it.
-        for v in [snap.gone, snap.rnr, snap.access, 1] {
-            head[p..p + 4].copy_from_slice(&v.to_le_bytes());
-            p += 4;
-        }
-        head[p..p + 8].copy_from_slice(&self.shipped.to_le_bytes());
-        debug_assert_eq!(p + 8, MSG_HEAD);
+        self.emit_head(head, end, &snap, true);
         let read = |from: u64, to: u64, out: &mut Vec<u8>| {
             let mut x = from;
             while x < to {
@@ -771,6 +736,33 @@ impl Mirror {
         trailer.clear();
         read(at + len, end, trailer);
         Some(Shipment { end, snap })
+    }
+
+    /// How far the local QP's ring may ship now: its published position, not past `upto`
+    /// (nor back before what shipped).
+    fn shippable(&self, upto: u64) -> u64 {
+        // SYNC POINT ring-publish (acquire): the ring bytes before the index are readable.
+        self.shadow
+            .tail
+            .load(Ordering::Acquire)
+            .min(upto.max(self.shipped))
+    }
+
+    /// A message's header into `head` ([`MSG_HEAD`] bytes): the QP keys, the ring bytes
+    /// from where shipping stands up to `end` (`whole`: `end` closes a record), the words.
+    fn emit_head(&self, head: &mut [u8], end: u64, snap: &Snap, whole: bool) {
+        head[..16].copy_from_slice(&encode_ready(self.local_key, self.remote_key));
+        let mut at = 16;
+        for v in [end, snap.ack, snap.nak, snap.credits] {
+            head[at..at + 8].copy_from_slice(&v.to_le_bytes());
+            at += 8;
+        }
+        for v in [snap.gone, snap.rnr, snap.access, u32::from(whole)] {
+            head[at..at + 4].copy_from_slice(&v.to_le_bytes());
+            at += 4;
+        }
+        head[at..at + 8].copy_from_slice(&self.shipped.to_le_bytes());
+        debug_assert_eq!(at + 8, MSG_HEAD);
     }
 
     /// Where shipping the local QP's ring stands (its next byte's producer index).
