@@ -385,9 +385,19 @@ impl Worker {
             used = Some(n);
             Some(HEAD + n)
         });
-        self.sent(to, r.map(|sent| sent as u64))?;
-        // What UCX could not send at once goes out as the worker progresses; a sender that
-        // only sends still looks at its worker now and then (failures, a peer's sends).
+        self.after_send(to, r.map(|sent| sent as u64))?;
+        Ok(used)
+    }
+
+    /// Accounts for a message to `to` that UCX took or refused (`r`, as [`Worker::sent`]);
+    /// what UCX could not send at once goes out as the worker progresses, and a sender that
+    /// only sends still looks at its worker now and then (failures, a peer's sends).
+    fn after_send(
+        &mut self,
+        to: SocketAddr,
+        r: Result<u64, backplane_ucx::Error>,
+    ) -> Result<(), Blocked> {
+        self.sent(to, r)?;
         self.sends = self.sends.wrapping_add(1);
         if self.link.in_flight_bytes() != 0 || self.sends.is_multiple_of(64) {
             self.poll();
@@ -395,7 +405,7 @@ impl Worker {
         if let Some(o) = self.out.get_mut(&to) {
             o.last_send = crate::sync::now_ns();
         }
-        Ok(used)
+        Ok(())
     }
 
     /// Sends a datagram of `head_bytes`, `body`'s bytes and `tail` to `dst`, which listens at
@@ -417,15 +427,7 @@ impl Worker {
         head(&mut h, MAGIC, self.me, dst.port, conn, seq);
         h.extend_from_slice(head_bytes);
         let r = self.link.send_zc(ep, &h, body, tail);
-        self.sent(to, r.map(|()| 1))?;
-        self.sends = self.sends.wrapping_add(1);
-        if self.link.in_flight_bytes() != 0 || self.sends.is_multiple_of(64) {
-            self.poll();
-        }
-        if let Some(o) = self.out.get_mut(&to) {
-            o.last_send = crate::sync::now_ns();
-        }
-        Ok(())
+        self.after_send(to, r.map(|()| 1))
     }
 
     /// Whether a message to `to` may go now: its connection is not broken, and UCX holds
@@ -915,9 +917,14 @@ impl Direct {
         len: usize,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<Option<usize>, Blocked> {
+        self.sending(|w| w.send(to, dst, len, fill))
+    }
+
+    /// Runs a send on the worker; what it leaves with UCX is seen to (corked: the batch
+    /// leaves at `uncork`, which looks then).
+    fn sending<R>(&mut self, send: impl FnOnce(&mut Worker) -> R) -> R {
         let mut w = self.lock();
-        let r = w.send(to, dst, len, fill);
-        // (Corked: the batch leaves at `uncork`, which looks then.)
+        let r = send(&mut w);
         let corked = w.corked;
         w.sent_corked |= corked;
         drop(w);
@@ -934,15 +941,7 @@ impl Direct {
         dst: Addr,
         msg: (&[u8], Box<dyn backplane_ucx::InPlace>, &[u8]),
     ) -> Result<(), Blocked> {
-        let mut w = self.lock();
-        let r = w.send_zc(to, dst, msg);
-        let corked = w.corked;
-        w.sent_corked |= corked;
-        drop(w);
-        if !corked {
-            self.drain_later();
-        }
-        r
+        self.sending(|w| w.send_zc(to, dst, msg))
     }
 
     /// Whatever UCX still holds (a batch, a queued message, bytes in a transport's buffer)

@@ -181,6 +181,9 @@ struct Inner {
     /// The data of the local QP's large RDMA WRITEs and SENDs, sent from its regions in place
     /// (`transport::across::carried_here`).
     elsewhere: Arc<crate::transport::across::Carried>,
+    /// The head and trailer of the message that sends a SEND's payload in place (kept: one a
+    /// message otherwise).
+    in_place_buf: (Vec<u8>, Vec<u8>),
 }
 
 struct Shared {
@@ -248,6 +251,7 @@ impl DirectQp {
                 } else {
                     Arc::default()
                 },
+                in_place_buf: Default::default(),
             }),
             stop: AtomicBool::new(false),
             app_ns: AtomicU64::new(0),
@@ -767,6 +771,7 @@ impl Inner {
             detail,
             no_room_since,
             elsewhere,
+            in_place_buf,
             ..
         } = self;
         let peer = *peer;
@@ -878,18 +883,15 @@ impl Inner {
                     m.fail("a SEND's payload went missing in this process");
                     return any;
                 }
-                let whole = (at - m.shipped_to())
-                    .saturating_add(len as u64)
-                    .saturating_add(crate::wire::RECORD_ALIGN + 1 + mirror::MSG_HEAD as u64);
-                if whole <= MAX_DGRAM as u64 {
-                    let (mut head, mut trailer) = (Vec::with_capacity(1024), Vec::new());
-                    let Some(s) =
-                        m.next_message_in_place(&mut head, &mut trailer, upto, (at, len as u64))
+                if m.in_place_fits(1, (at, len as u64), MAX_DGRAM) {
+                    let (head, trailer) = in_place_buf;
+                    head.clear();
+                    head.push(KIND_QP);
+                    let Some(s) = m.next_message_in_place(head, trailer, upto, (at, len as u64))
                     else {
                         break; // not published yet (or the pair broke)
                     };
-                    head.insert(0, KIND_QP);
-                    let r = ep.send_span(peer, (&head, &trailer), (&span, off, len));
+                    let r = ep.send_span(peer, (head, trailer), (&span, off, len));
                     if !Self::outcome(m, (detail, no_room_since), r) {
                         break;
                     }

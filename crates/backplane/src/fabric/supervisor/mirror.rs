@@ -683,12 +683,22 @@ impl Mirror {
         Some((used, Shipment { end, snap }))
     }
 
+    /// Whether a message of at most `max` bytes, after `before` of its own, can ship the ring
+    /// from where shipping stands through the SEND payload of `len` bytes at producer index
+    /// `at` ([`Mirror::next_message_in_place`]); else what comes before goes first.
+    pub(crate) fn in_place_fits(&self, before: usize, (at, len): (u64, u64), max: usize) -> bool {
+        at.saturating_sub(self.shipped)
+            .saturating_add(len)
+            .saturating_add(RECORD_ALIGN + (before + MSG_HEAD) as u64)
+            <= max as u64
+    }
+
     /// A message that ships the local QP's ring up to the end of a SEND's record whose
     /// payload, `len` bytes at producer index `at`, the local QP left unwritten (its bytes go
-    /// from the program's region in place): `head` gets the message header and the ring bytes
-    /// from where shipping stands up to `at`, `trailer` the record's bytes after the payload
-    /// (its alignment). `None` while the record is not published (before `upto`); a position
-    /// that cannot be breaks the pair.
+    /// from the program's region in place): appended to `head`, the message header and the
+    /// ring bytes from where shipping stands up to `at`; `trailer` gets the record's bytes
+    /// after the payload (its alignment). `None` while the record is not published (before
+    /// `upto`); a position that cannot be breaks the pair.
     pub(crate) fn next_message_in_place(
         &mut self,
         head: &mut Vec<u8>,
@@ -716,10 +726,10 @@ impl Mirror {
         if end > tail {
             return None; // not published yet
         }
-        head.clear();
-        head.resize(MSG_HEAD, 0);
+        let start = head.len();
+        head.resize(start + MSG_HEAD, 0);
         // `end` closes a record (the SEND's): the receiver may publish up to it.
-        self.emit_head(head, end, &snap, true);
+        self.emit_head(&mut head[start..], end, &snap, true);
         let read = |from: u64, to: u64, out: &mut Vec<u8>| {
             let mut x = from;
             while x < to {
