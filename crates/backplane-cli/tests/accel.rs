@@ -333,6 +333,9 @@ fn http_server_and_curl_move_256_mib_with_the_same_sha256() {
         true,
         &["python3", "-m", "http.server", "7501", "--directory", &d],
     );
+    // A client that checks for the registration just before the server registers and
+    // listens connects over plain TCP (correctly, but this test wants the accelerated path).
+    wait_registered(&fab, 2, 7501);
     let out = dir.join("got");
     let o = std::path::PathBuf::from(&out);
     let mut ok = None;
@@ -694,6 +697,7 @@ fn qperf_tcp_bw_and_tcp_lat_run_accelerated() {
     lib_built();
     let fab = Fab::up_net("accel_qperf", 2, &[]);
     let mut server = spawn(&fab, 2, true, &["qperf", "-lp", "7801"]);
+    wait_registered(&fab, 2, 7801);
     let mut out = None;
     for _ in 0..50 {
         std::thread::sleep(Duration::from_millis(200));
