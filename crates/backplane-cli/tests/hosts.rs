@@ -1043,8 +1043,11 @@ fn topo_role(role: &str) {
             let (_, src) = ep
                 .recv_from_timeout(&mut buf, Duration::from_secs(30))
                 .unwrap();
-            ep.send_to(src, b"go").unwrap();
+            // The clock starts before the go: a sink descheduled between the two would
+            // otherwise start it after the first datagrams left (a run here saw 0.83 of
+            // the floor).
             let t0 = Instant::now();
+            ep.send_to(src, b"go").unwrap();
             let mut got = 0;
             while got < 2 * LINK_DGRAMS {
                 let (n, from) = ep
