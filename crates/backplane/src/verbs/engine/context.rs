@@ -180,16 +180,20 @@ impl Ctx {
         // Pairs with other hosts that this process carries (none on one host: this path
         // stays two loads longer than before them).
         let carries = crate::verbs::direct::carries_pairs();
-        if need == 0 && carries {
-            // What came, what to ship. (A queue with a completion channel is polled by a
-            // program that sleeps on the channel between polls: its polls do not keep the
-            // pairs' threads resting.)
+        if carries {
+            // (A queue with a completion channel is polled by a program that sleeps on the
+            // channel between polls: its polls do not keep the pairs' threads resting.)
             let sleeps_between = eng
                 .cqs
                 .get(cq)
                 .and_then(|c| c.as_ref())
                 .is_some_and(|c| c.channel.is_some());
-            crate::verbs::direct::progress_all(!sleeps_between);
+            if need == 0 {
+                // What came, what to ship.
+                crate::verbs::direct::progress_all(!sleeps_between);
+            } else if !sleeps_between {
+                crate::verbs::direct::app_polled();
+            }
         }
         if need == 0 && !self.all_quiet(eng, cq) {
             self.progress_cq(eng, cq);
