@@ -369,23 +369,10 @@ pub(crate) fn app_polled() {
 #[cold]
 #[inline(never)]
 fn stamp_live() {
-    let gen = LIVE_GEN.load(Ordering::Acquire);
-    MY_PAIRS.with(|c| {
-        let Ok(mut c) = c.try_borrow_mut() else {
-            return;
-        };
-        if c.gen != gen {
-            let Ok(live) = LIVE.try_lock() else {
-                return;
-            };
-            c.pairs.clone_from(&live);
-            c.gen = gen;
-        }
+    for_my_pairs(|pairs| {
         let now = crate::sync::now_ns();
-        for w in &c.pairs {
-            if let Some(s) = w.upgrade() {
-                s.app_ns.store(now, Ordering::Relaxed);
-            }
+        for s in pairs.iter().filter_map(Weak::upgrade) {
+            s.app_ns.store(now, Ordering::Relaxed);
         }
     });
 }
@@ -560,9 +547,20 @@ thread_local! {
 #[cold]
 #[inline(never)]
 fn progress_live(polling: bool) {
+    for_my_pairs(|pairs| {
+        let stamp = polling.then(crate::sync::now_ns);
+        for s in pairs.iter().filter_map(Weak::upgrade) {
+            s.pumped_by_app(stamp);
+        }
+    });
+}
+
+/// Runs `f` on this thread's copy of [`LIVE`] (taken again when it changed); not at all if
+/// this thread is inside a pump already (which called back here) or [`LIVE`] is changing.
+#[inline(always)]
+fn for_my_pairs(f: impl FnOnce(&[Weak<Shared>])) {
     let gen = LIVE_GEN.load(Ordering::Acquire);
     MY_PAIRS.with(|c| {
-        // (Busy: this thread is inside a pump already, which called back here.)
         let Ok(mut c) = c.try_borrow_mut() else {
             return;
         };
@@ -573,12 +571,7 @@ fn progress_live(polling: bool) {
             c.pairs.clone_from(&live);
             c.gen = gen;
         }
-        let stamp = polling.then(crate::sync::now_ns);
-        for w in &c.pairs {
-            if let Some(s) = w.upgrade() {
-                s.pumped_by_app(stamp);
-            }
-        }
+        f(&c.pairs);
     });
 }
 
