@@ -367,6 +367,15 @@ impl Endpoint {
         }
     }
 
+    /// While `on`, each datagram to a receiver on another host goes at once in a message of
+    /// its own, written in place into the message (what a batch held for it goes first),
+    /// whatever the pace: for a sender with one datagram ready that must not wait.
+    pub(crate) fn alone(&mut self, on: bool) {
+        if let Some(d) = self.direct.as_mut() {
+            d.alone(on);
+        }
+    }
+
     /// Sends what waited since [`Endpoint::cork`].
     pub fn uncork(&mut self) {
         if let Some(d) = self.direct.as_mut() {

@@ -334,12 +334,14 @@ impl Worker {
     /// Sends a datagram of at most `len` bytes that `fill` writes in place to `dst`, which
     /// listens at `to`; `Ok(None)` if `fill` declined. In a stream of small datagrams it
     /// joins a batch (sent when full, when it lingered [`LINGER_NS`], or at the next
-    /// [`Worker::progress`]).
+    /// [`Worker::progress`]) unless `batch` is false: then it goes at once, in a message of
+    /// its own, after what a batch held for `to`.
     fn send(
         &mut self,
         to: SocketAddr,
         dst: Addr,
         len: usize,
+        batch: bool,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<Option<usize>, Blocked> {
         self.may_send(to)?;
@@ -348,7 +350,8 @@ impl Worker {
         let streaming = now.saturating_sub(o.last_send) < STREAM_GAP_NS;
         let pending = !o.batch.is_empty();
         if pending
-            && (len > BATCH_SMALL
+            && (!batch
+                || len > BATCH_SMALL
                 || o.batch.len() + 4 + len > BATCH_MAX
                 || now.saturating_sub(o.batch_since) > LINGER_NS)
         {
@@ -358,7 +361,7 @@ impl Worker {
         let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
         // (A batch shipped above for lingering too long ended its stream unless this send
         // still is one.)
-        if len <= BATCH_SMALL && (!o.batch.is_empty() || streaming || self.corked) {
+        if batch && len <= BATCH_SMALL && (!o.batch.is_empty() || streaming || self.corked) {
             if o.batch.is_empty() {
                 o.batch.resize(HEAD, 0);
                 o.batch_since = now;
@@ -818,6 +821,8 @@ pub(super) struct Direct {
     /// (`None` only once dropped.)
     shared: Option<Arc<Shared>>,
     waker: Option<JoinHandle<()>>,
+    /// Sends go at once, each its own message, never into a batch (see [`Direct::alone`]).
+    alone: bool,
 }
 
 /// A direct endpoint's worker before the endpoint is bound.
@@ -864,6 +869,7 @@ impl Unbound {
         Ok(Direct {
             shared: Some(shared),
             waker: Some(waker),
+            alone: false,
         })
     }
 }
@@ -917,7 +923,17 @@ impl Direct {
         len: usize,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<Option<usize>, Blocked> {
-        self.sending(|w| w.send(to, dst, len, fill))
+        let batch = !self.alone;
+        self.sending(|w| w.send(to, dst, len, batch, fill))
+    }
+
+    /// Until called again with false, each datagram goes at once as a message of its own,
+    /// written in place into the message UCX sends, whatever the pace (what a batch holds
+    /// for its receiver goes first): for a sender with one datagram ready that must not
+    /// wait — a queue pair's ring bytes, which a cork would copy into a batch and the batch
+    /// into the message (see `verbs::direct`). No lock: a flag of the endpoint's.
+    pub(super) fn alone(&mut self, on: bool) {
+        self.alone = on;
     }
 
     /// Runs a send on the worker; what it leaves with UCX is seen to (corked: the batch
@@ -1221,6 +1237,57 @@ mod tests {
         assert_eq!(batch_items(&big), None);
     }
 
+    /// A send that must not wait (`batch` false) goes at once, after what a stream's batch
+    /// held for the same receiver: nothing is left batching, and the receiver gets every
+    /// datagram in the order sent.
+    #[test]
+    fn an_unbatched_send_ships_the_batch_before_it_and_waits_for_nothing() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let (mut a, mut b) = (Worker::open(ip, 4).unwrap(), Worker::open(ip, 4).unwrap());
+        (a.me, b.me) = (Addr::new(1, 3), Addr::new(2, 3));
+        let to_b = SocketAddr::new(ip, b.link.listen_port());
+        a.connect(to_b, b.me).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let send = |a: &mut Worker, i: u8, batch: bool| {
+            while a
+                .send(to_b, b.me, 1, batch, |buf| {
+                    buf[0] = i;
+                    Some(1)
+                })
+                .is_err()
+            {
+                assert!(Instant::now() < deadline, "UCX never took datagram {i}");
+                a.progress();
+            }
+        };
+        // A stream (each send within STREAM_GAP_NS of the last, so corked to be sure).
+        a.corked = true;
+        for i in 0..3 {
+            send(&mut a, i, true);
+        }
+        assert!(
+            a.batching && !a.out[&to_b].batch.is_empty(),
+            "the stream batches"
+        );
+        a.corked = false;
+        send(&mut a, 3, false);
+        assert!(
+            a.out[&to_b].batch.is_empty(),
+            "the batch went before the lone one"
+        );
+        let mut got = Vec::new();
+        while got.len() < 4 {
+            assert!(Instant::now() < deadline, "got {got:?}");
+            a.progress();
+            b.progress();
+            while let Some((_, p)) = b.front() {
+                got.push(p[0]);
+                b.pop();
+            }
+        }
+        assert_eq!(got, [0, 1, 2, 3]);
+    }
+
     /// A receiver takes each sender connection's messages in their numbers' order whatever
     /// order they come in, splits batches, and refuses (counting) repeats, messages for
     /// another port or from no node, unknown kinds and malformed batches. The messages are
@@ -1249,10 +1316,10 @@ mod tests {
                 buf[0] = i;
                 Some(1)
             };
-            while a.send(to_b, b.me, 1, one).is_err() {
+            while a.send(to_b, b.me, 1, true, one).is_err() {
                 drain(&mut a, &mut at_a);
             }
-            while b.send(to_a, a.me, 1, one).is_err() {
+            while b.send(to_a, a.me, 1, true, one).is_err() {
                 drain(&mut b, &mut at_b);
             }
             drain(&mut a, &mut at_a);
@@ -1274,7 +1341,7 @@ mod tests {
         // B's route to A ending does not close the connection A sends to B over.
         b.disconnect(to_a);
         while a
-            .send(to_b, b.me, 1, |buf| {
+            .send(to_b, b.me, 1, true, |buf| {
                 buf[0] = 99;
                 Some(1)
             })
