@@ -785,23 +785,36 @@ impl Inner {
             return false;
         }
         // The cork makes answers and requests share one message with the ring bytes after
-        // them. Ring bytes and words alone are one message (more only when they fill one,
-        // which no batch would join): it goes at once, written in place into the message
-        // UCX sends, not into a batch that is copied there at the uncork. From a program's
-        // post to UCX's `sendmsg` in `perf send-lat` between hosts: ~1 300 -> ~650 cycles.
-        if self.m.answers.is_empty() && !self.m.request_waits() {
+        // them. One datagram alone — ring bytes and words (more than one only when they fill
+        // one, which no batch would join), or one answer or one request with nothing after
+        // it — goes at once, written in place into the message UCX sends, not into a batch
+        // that is copied there at the uncork. From a program's post to UCX's `sendmsg` in
+        // `perf send-lat` between hosts: ~1 300 -> ~650 cycles. (A second request found
+        // after the first corks the rest: see `ship_corked`.)
+        let lone = match (self.m.answers.len(), self.m.request_waits()) {
+            (0, false) => true,
+            (1, false) | (0, true) => !self.m.has_news(),
+            _ => false,
+        };
+        if lone {
             ep.alone(true);
-            let any = self.ship_corked(ep);
+            let mut alone = true;
+            let any = self.ship_corked(ep, &mut alone);
             ep.alone(false);
+            if !alone {
+                ep.uncork();
+            }
             return any;
         }
         ep.cork();
-        let any = self.ship_corked(ep);
+        let any = self.ship_corked(ep, &mut false);
         ep.uncork();
         any
     }
 
-    fn ship_corked(&mut self, ep: &mut Endpoint) -> bool {
+    /// [`Inner::ship`]'s sends, corked or (`alone`) each at once; a second request found
+    /// while alone corks what follows it (`alone` is then false: the caller uncorks).
+    fn ship_corked(&mut self, ep: &mut Endpoint, alone: &mut bool) -> bool {
         let Inner {
             m,
             peer,
@@ -876,6 +889,7 @@ impl Inner {
                 m.release_request_id(rec, Some(id));
                 crate::transport::across::count_sent_in_place();
                 any = true;
+                Self::cork_the_rest(m, ep, alone);
                 continue;
             }
             let (mut asked, mut taken) = (false, None);
@@ -897,6 +911,7 @@ impl Inner {
                 _ => return any,
             }
             any = true;
+            Self::cork_the_rest(m, ep, alone);
         }
         // Acks and credits alone wait a little for a message to go with (a reply carries its
         // request's ack): every message is a system call on each side over TCP.
@@ -964,6 +979,15 @@ impl Inner {
             any = true;
         }
         any
+    }
+
+    /// A request went alone and another waits: the rest share a message (corked).
+    fn cork_the_rest(m: &mut Mirror, ep: &mut Endpoint, alone: &mut bool) {
+        if *alone && m.request_waits() {
+            ep.alone(false);
+            ep.cork();
+            *alone = false;
+        }
     }
 
     /// Applies what came from the peer's process (`look`: after one look at the network);
