@@ -147,3 +147,43 @@ fn sigterm_in_the_middle_of_perf_ip_leaves_no_namespace_veth_fabric_or_server() 
         );
     }
 }
+
+#[test]
+fn a_perf_client_killed_outright_takes_its_peer_with_it() {
+    // SIGKILL runs no teardown: the peer learns of it from its configuration pipe closing.
+    let fab = Fab::up("peerkill", 2, &["--window-size", "64M"]);
+    let mut child = Command::new(BIN)
+        .args(["perf", "write-lat", "--name", &fab.name, "-n", "100000000"])
+        .args(["--ucx", "off", "--perftest", "off", "-s", "8"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let seen = wait_for(Duration::from_secs(60), || {
+        (!peer_of(&fab.name).is_empty()).then_some(())
+    });
+    assert!(seen.is_some(), "the peer never started");
+    std::thread::sleep(Duration::from_millis(500)); // into the measurement
+    child.kill().unwrap(); // SIGKILL
+    let _ = child.wait();
+    let gone = wait_for(Duration::from_secs(20), || {
+        peer_of(&fab.name).is_empty().then_some(())
+    });
+    assert!(gone.is_some(), "peer left behind: {:?}", peer_of(&fab.name));
+    // Its port is free again: the next run works.
+    let out = bp(&[
+        "perf",
+        "dgram-lat",
+        "--name",
+        &fab.name,
+        "-n",
+        "1000",
+        "-s",
+        "8",
+        "-r",
+        "1",
+        "--ucx",
+        "off",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}

@@ -620,8 +620,11 @@ fn spawn_peer(
         };
         let mut line = serde_json::to_vec(&cfg)?;
         line.push(b'\n');
-        let mut stdin = peer.stdin.take().expect("piped");
+        // The pipe stays open while this process lives (`Child::wait` closes it): the peer
+        // takes its end-of-file as this process gone, however it went (see `run_peer`).
+        let stdin = peer.stdin.as_mut().expect("piped");
         stdin.write_all(&line).context("the perf peer is gone")?;
+        stdin.flush().context("the perf peer is gone")?;
     }
     Ok((peer, guard))
 }
@@ -720,6 +723,7 @@ pub fn run_peer(_: PeerArgs) -> anyhow::Result<()> {
         .read_line(&mut line)
         .context("cannot read the perf peer's configuration")?;
     let a: PeerConfig = serde_json::from_str(&line).context("malformed perf peer configuration")?;
+    watch_client(CLIENT_GRACE);
     let fabric = Fabric::attach(&a.name)?;
     if a.test.is_verbs() {
         return verbs::peer(&fabric, a.test, a.loop_, a.node, a.port);
@@ -748,6 +752,31 @@ pub fn run_peer(_: PeerArgs) -> anyhow::Result<()> {
         if a.test == Test::DgramBw {
             ep.send_to(client, b"done")?;
         }
+    }
+}
+
+/// How long the peer goes on after its client closed the configuration pipe: a client that
+/// finished closes it in `Child::wait`, while the peer ends its last size and tears down.
+const CLIENT_GRACE: Duration = Duration::from_secs(5);
+
+/// Ends this peer process `grace` after its standard input — the client's pipe — reaches
+/// end-of-file or fails. The client holds the pipe until it waits for the peer, so a client
+/// that died without its teardown (SIGKILL, a crash) no longer leaves the peer behind
+/// holding node 2's port; through `--peer-via ssh …` the end-of-file travels too.
+fn watch_client(grace: Duration) {
+    let spawned = std::thread::Builder::new()
+        .name("bp-peer-watch".into())
+        .spawn(move || {
+            use std::io::Read;
+            let mut buf = [0u8; 64];
+            let mut stdin = std::io::stdin();
+            while matches!(stdin.read(&mut buf), Ok(n) if n > 0) {}
+            std::thread::sleep(grace);
+            eprintln!("perf peer: its client is gone (its pipe closed {grace:?} ago); exiting");
+            std::process::exit(1);
+        });
+    if let Err(e) = spawned {
+        eprintln!("perf peer: cannot watch for its client ({e}); it ends only when told");
     }
 }
 
