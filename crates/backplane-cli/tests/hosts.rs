@@ -672,6 +672,48 @@ fn cross_host_role(role: &str) {
                 .is_ok()
             {}
         }
+        "stalled_receiver" => {
+            let mut ep = fabric.node(2).unwrap().bind(CROSS_PORT).unwrap();
+            let mut buf = vec![0u8; 65536];
+            for _ in 0..STALL_AFTER {
+                ep.recv_from_timeout(&mut buf, Duration::from_secs(60))
+                    .unwrap();
+            }
+            // Stops reading: the sender's bytes pile up in TCP, its send waits, until this
+            // host goes away under it.
+            std::thread::sleep(Duration::from_secs(8));
+            while ep
+                .recv_from_timeout(&mut buf, Duration::from_secs(10))
+                .is_ok()
+            {}
+        }
+        "lending_sender" => {
+            // Blocking sends of 40 000 bytes: UCX reads each from `data` in place, and the
+            // send waits for the kernel to take it (`Endpoint::send`).
+            let mut ep = fabric.node(1).unwrap().bind(0).unwrap();
+            let to = Addr::new(2, CROSS_PORT);
+            let data = vec![9u8; 40_000];
+            let mut sent = 0u64;
+            let err = loop {
+                match ep.send_to(to, &data) {
+                    Ok(()) => sent += 1,
+                    Err(backplane::dgram::DgramError::Unreachable(_)) if sent == 0 => {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => break e,
+                }
+            };
+            eprintln!("sender stopped after {sent} datagrams: {err}");
+            assert!(sent >= STALL_AFTER);
+            assert!(
+                matches!(
+                    err,
+                    backplane::dgram::DgramError::NodeDown(2)
+                        | backplane::dgram::DgramError::Unreachable(_)
+                ),
+                "{err}"
+            );
+        }
         "stream_sender" => {
             let mut ep = fabric.node(1).unwrap().bind(0).unwrap();
             let to = Addr::new(2, CROSS_PORT);
@@ -1319,6 +1361,37 @@ fn a_sender_to_a_host_that_dies_gets_an_error_not_a_hang() {
         (h.status(1)["slots"][1]["rx_msgs"].as_u64().unwrap_or(0) > 1000).then_some(())
     });
     assert!(flowing.is_some(), "no traffic across: {}", h.status(1));
+    h.kill_supervisor(1);
+    assert!(finish(tx, "the sender").success(), "the sender failed");
+    let _ = finish(rx, "the receiver");
+    h.down(1);
+    h.down(0);
+    h.assert_nothing_left();
+}
+
+/// Datagrams the stalled receiver reads before it stops.
+const STALL_AFTER: u64 = 1500;
+
+#[test]
+fn a_sender_whose_bytes_a_stalled_receiver_leaves_in_tcp_gets_an_error_when_its_host_dies() {
+    if let Some(r) = role() {
+        cross_host_role(&r);
+        return;
+    }
+    if !root() {
+        return;
+    }
+    let h = Hosts::odd_even("hosts_dgram_stall", 26);
+    let test_fn =
+        "a_sender_whose_bytes_a_stalled_receiver_leaves_in_tcp_gets_an_error_when_its_host_dies";
+    let rx = h.spawn_role(1, test_fn, "stalled_receiver");
+    let tx = h.spawn_role(0, test_fn, "lending_sender");
+    let stalled = wait_for(Duration::from_secs(30), || {
+        (h.status(1)["slots"][1]["rx_msgs"].as_u64().unwrap_or(0) >= STALL_AFTER).then_some(())
+    });
+    assert!(stalled.is_some(), "no traffic across: {}", h.status(1));
+    // The sender is now inside a send whose bytes the kernel does not take.
+    std::thread::sleep(Duration::from_millis(700));
     h.kill_supervisor(1);
     assert!(finish(tx, "the sender").success(), "the sender failed");
     let _ = finish(rx, "the receiver");

@@ -402,6 +402,81 @@ impl Link {
         check(r, || format!("cannot send to endpoint {}", ep.0))
     }
 
+    /// Sends one message made of `head` (copied), `body`'s bytes, which UCX reads in place
+    /// from the caller's memory (over TCP the kernel copies them from there into the socket),
+    /// and `tail` (copied), and returns only once UCX let go of `body`: when the message left
+    /// (the kernel took every byte) or failed. Until then it progresses the link and calls
+    /// `meanwhile` after each progress (with the link, whose events it may collect); once
+    /// `meanwhile` returns false the endpoint is closed (forced: UCX then completes the send
+    /// with an error) and the call still waits for UCX to let go. `body` is free again on
+    /// return, whatever happened: a send that must not leave the caller's buffer lent (a
+    /// non-blocking one) copies instead ([`Link::send2`]). `NoResource` (status -2) when too
+    /// many sends are in flight.
+    pub fn send_lent(
+        &mut self,
+        ep: EpId,
+        (head, body, tail): (&[u8], &[u8], &[u8]),
+        mut meanwhile: impl FnMut(&mut Link) -> bool,
+    ) -> Result<(), Error> {
+        /// The caller's bytes while UCX reads them; dropped (by the shim's release) once it
+        /// no longer does.
+        struct Lent {
+            ptr: *const u8,
+            len: usize,
+            done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        }
+        // SAFETY: the bytes stay readable and unchanged until `done` is set: `send_lent`,
+        // which borrows them, does not return (nor unwind: `Wait`) before.
+        unsafe impl InPlace for Lent {
+            fn bytes(&self) -> (*const u8, usize) {
+                (self.ptr, self.len)
+            }
+        }
+        // SAFETY: a pointer and a length, read by UCX on the thread that progresses the link.
+        unsafe impl Send for Lent {}
+        impl Drop for Lent {
+            fn drop(&mut self) {
+                self.done.store(true, std::sync::atomic::Ordering::Release);
+            }
+        }
+        /// Aborts the process if unwinding would leave `send_lent` while UCX still reads the
+        /// caller's bytes (a panic in `meanwhile`): memory in use by UCX cannot be handed back.
+        struct Wait<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Wait<'_> {
+            fn drop(&mut self) {
+                if !self.0.load(std::sync::atomic::Ordering::Acquire) {
+                    eprintln!(
+                        "backplane-ucx: unwinding out of a send whose buffer UCX still reads"
+                    );
+                    std::process::abort();
+                }
+            }
+        }
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let lent = Lent {
+            ptr: body.as_ptr(),
+            len: body.len(),
+            done: done.clone(),
+        };
+        // (On an error the shim released `lent` already: nothing to wait for.)
+        self.send_zc(ep, head, Box::new(lent), tail)?;
+        let wait = Wait(&done);
+        let mut closed = false;
+        while !done.load(std::sync::atomic::Ordering::Acquire) {
+            // SAFETY: raw is live; progress runs the callbacks (the release) on this thread.
+            unsafe { ffi::bpx_progress(self.raw) };
+            if done.load(std::sync::atomic::Ordering::Acquire) {
+                break;
+            }
+            if !meanwhile(self) && !closed {
+                self.close(ep);
+                closed = true;
+            }
+        }
+        drop(wait);
+        Ok(())
+    }
+
     /// Sends one message of at most `len` bytes written in place by `fill`, which returns how
     /// many it wrote (`None`: send nothing). Saves the copy [`Link::send2`] makes of a body
     /// that is read from elsewhere anyway (a ring in shared memory). `Ok(false)` when `fill`

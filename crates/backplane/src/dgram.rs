@@ -594,8 +594,58 @@ impl Endpoint {
     }
 
     /// Sends `data` to `dst`, waiting for room as `wait` says.
+    ///
+    /// Over a direct connection (a receiver on another host) a large datagram sent with
+    /// [`Wait::Forever`] is not copied into a message: UCX reads it from `data`, and the call
+    /// returns once it did (the kernel took the bytes, or the send failed).
     pub fn send(&mut self, dst: Addr, data: &[u8], wait: Wait) -> Result<(), DgramError> {
+        if data.len() > direct::LENT_MIN && matches!(wait, Wait::Forever) {
+            if let Some(r) = self.send_lent(dst, data) {
+                return r;
+            }
+        }
         self.send_with(dst, data.len(), wait, |buf| buf.copy_from_slice(data))
+    }
+
+    /// A blocking send of `data` over a direct connection with UCX reading the bytes in
+    /// place: the sender's copy into the message is saved, and the call waits instead until
+    /// the kernel took the bytes — where a stream's sender waits anyway once UCX holds its window. `None` when
+    /// the datagram must take the general path (no direct connection, UCX's window full, the
+    /// connection broken: that path waits, reconnects or says why).
+    fn send_lent(&mut self, dst: Addr, data: &[u8]) -> Option<Result<(), DgramError>> {
+        if data.len() > MAX_DGRAM {
+            return Some(Err(DgramError::TooBig(data.len())));
+        }
+        if let Err(e) = self.check_open() {
+            return Some(Err(e));
+        }
+        let i = match self.tx_index(dst) {
+            Ok(i) => i,
+            Err(e) => return Some(Err(e)),
+        };
+        let c = &self.tx[i];
+        let (false, Some(to), Some(d)) = (c.ch.receiver_gone(), c.direct, self.direct.as_mut())
+        else {
+            return None;
+        };
+        let (fabric, ch) = (&self.node.fabric, &c.ch);
+        // Asked now and then while the kernel does not take the bytes (the receiver stopped
+        // reading): its node and route still there.
+        let mut alive = || {
+            !ch.receiver_gone()
+                && fabric
+                    .node_info(dst.node)
+                    .is_ok_and(|n| n.state == NodeState::Ready)
+        };
+        match d.send_lent(to, dst, data, &mut alive) {
+            Ok(()) => {
+                self.stats.sent += 1;
+                self.stats.sent_bytes += data.len() as u64;
+                self.publish_stats();
+                Some(Ok(()))
+            }
+            Err(direct::Blocked::Full | direct::Blocked::Failed) => None,
+        }
     }
 
     /// Sends `data` to `dst`, blocking while the receiver's ring is full.

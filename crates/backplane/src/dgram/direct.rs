@@ -30,6 +30,13 @@
 //! - *Back-pressure.* A receiver takes at most [`QUEUE_MAX`] bytes off the wire before its
 //!   program reads them (then TCP's window fills), and a sender lets UCX hold at most
 //!   [`WINDOW`] unsent bytes before it waits; nothing is dropped.
+//! - *Large sends in place.* A blocking send of more than [`LENT_MIN`] bytes is not copied
+//!   into a message: UCX reads the caller's buffer in place (over TCP the kernel copies it
+//!   from there into the socket) and the send returns once UCX let go of it — the message
+//!   left, or failed ([`Worker::send_lent`]): a stream's sender saves a copy of every
+//!   byte, which `ucx_perftest`'s sender never makes. While the kernel does not take the bytes (the receiver stopped
+//!   reading) the send waits there, asking now and then whether its receiver's node is
+//!   still up; one that went DOWN fails the send. Non-blocking and timed sends copy.
 //! - *The waker.* UCX moves data only when its worker is progressed. A thread per endpoint
 //!   rings the endpoint's doorbell when UCX has news for a receiver asleep on it (local
 //!   senders ring the same doorbell), and, when the endpoint's thread is elsewhere, sends
@@ -69,6 +76,10 @@ const MAGIC_BATCH: u32 = 0x4250_4442;
 const BATCH_SMALL: usize = 16 * 1024;
 /// A batch is sent once it holds this much.
 const BATCH_MAX: usize = 64 * 1024;
+/// Datagrams longer than this that a blocking `send` hands over are read by UCX in place
+/// (never batched: longer than [`BATCH_SMALL`]; sent zero-copy by UCX: past its 16 KiB
+/// `ZCOPY_THRESH`, set by the shim).
+pub(super) const LENT_MIN: usize = BATCH_SMALL;
 /// A send that starts this soon after the previous one to the same receiver returned is part
 /// of a stream: it joins a batch instead of costing a message (over TCP, a system call on
 /// each side) of its own. A request-answer exchange never comes this fast.
@@ -433,6 +444,54 @@ impl Worker {
         self.after_send(to, r.map(|()| 1))
     }
 
+    /// Sends `data` to `dst`, which listens at `to`, as a message of its own whose body UCX
+    /// reads from `data` in place — no copy into a message — and returns once UCX let go of
+    /// it (the message left, or failed): see [`Link::send_lent`]. While it waits, what
+    /// arrives is queued as [`Worker::poll`] queues it (past [`QUEUE_MAX`] by at most what
+    /// arrives meanwhile); `alive` is asked every [`LENT_CHECK`] whether the receiver may
+    /// still take it — false (its node or host is gone) closes the connection, and the send
+    /// fails once UCX let go.
+    fn send_lent(
+        &mut self,
+        to: SocketAddr,
+        dst: Addr,
+        data: &[u8],
+        alive: &mut dyn FnMut() -> bool,
+    ) -> Result<(), Blocked> {
+        self.may_send(to)?;
+        // What came before goes first.
+        self.ship(to)?;
+        let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
+        let (ep, conn, seq) = (o.ep, o.conn, o.seq);
+        let mut h = [0u8; HEAD];
+        head(&mut h, MAGIC, self.me, dst.port, conn, seq);
+        let mut events = std::mem::take(&mut self.events);
+        let mut next_check = Instant::now() + LENT_CHECK;
+        let mut gave_up = false;
+        let r = self.link.send_lent(ep, (&h, data, &[]), |link| {
+            link.poll_some_into(&mut events);
+            gave_up |= events
+                .iter()
+                .any(|e| matches!(e, Event::Failed(failed, _) if *failed == ep));
+            let now = Instant::now();
+            if !gave_up && now >= next_check {
+                next_check = now + LENT_CHECK;
+                gave_up = !alive();
+            }
+            !gave_up
+        });
+        self.handle(&mut events);
+        self.events = events;
+        if gave_up {
+            // Closed (by UCX or above): the connection is done with, as after a failure.
+            if let Some(o) = self.out.get_mut(&to) {
+                o.failed = true;
+            }
+            return Err(Blocked::Failed);
+        }
+        self.after_send(to, r.map(|()| 1))
+    }
+
     /// Whether a message to `to` may go now: its connection is not broken, and UCX holds
     /// fewer than [`WINDOW`] unsent bytes (after a look at the worker).
     fn may_send(&mut self, to: SocketAddr) -> Result<(), Blocked> {
@@ -588,6 +647,12 @@ impl Worker {
             }
             _ => self.link.poll_some_into(&mut events),
         }
+        self.handle(&mut events);
+        self.events = events;
+    }
+
+    /// Takes in the events of a poll (messages queued in order, failures noted).
+    fn handle(&mut self, events: &mut Vec<Event>) {
         for ev in events.drain(..) {
             match ev {
                 Event::Message(from, msg) => self.take(from, msg),
@@ -611,7 +676,6 @@ impl Worker {
                 Event::Accepted(_) => {}
             }
         }
-        self.events = events;
     }
 
     /// A message from a sender: queued if it is the next of its connection, held if an
@@ -795,6 +859,10 @@ impl Worker {
     }
 }
 
+/// How often a send whose bytes UCX reads in place asks whether its receiver may still take
+/// them, while it waits for UCX to let go of them ([`Worker::send_lent`]).
+const LENT_CHECK: Duration = Duration::from_millis(50);
+
 /// What the waker is asked to do (bits of [`Shared::modes`]).
 const ARMED: u32 = 1;
 const DRAIN: u32 = 2;
@@ -948,6 +1016,17 @@ impl Direct {
             self.drain_later();
         }
         r
+    }
+
+    /// As [`Direct::send`] for [`Worker::send_lent`]: returns once UCX let go of `data`.
+    pub(super) fn send_lent(
+        &mut self,
+        to: SocketAddr,
+        dst: Addr,
+        data: &[u8],
+        alive: &mut dyn FnMut() -> bool,
+    ) -> Result<(), Blocked> {
+        self.sending(|w| w.send_lent(to, dst, data, alive))
     }
 
     /// As [`Direct::send`] for [`Worker::send_zc`].
