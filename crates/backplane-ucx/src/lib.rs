@@ -30,6 +30,43 @@ pub unsafe trait InPlace: Send {
     fn bytes(&self) -> (*const u8, usize);
 }
 
+/// The first `len` bytes of an owned buffer, handed to UCX in place ([`Link::send_zc`]); once
+/// UCX let go of them the buffer goes to `recycle` (a sender that fills one buffer after
+/// another reuses them: no allocation, no page faults, no zeroing per message).
+pub struct OwnedBytes {
+    buf: Vec<u8>,
+    len: usize,
+    recycle: Option<Box<dyn FnOnce(Vec<u8>) + Send>>,
+}
+
+impl OwnedBytes {
+    /// `buf[..len]` (`len` is clamped to the buffer), `recycle` called with `buf` at the end.
+    pub fn new(buf: Vec<u8>, len: usize, recycle: Box<dyn FnOnce(Vec<u8>) + Send>) -> Self {
+        let len = len.min(buf.len());
+        Self {
+            buf,
+            len,
+            recycle: Some(recycle),
+        }
+    }
+}
+
+impl Drop for OwnedBytes {
+    fn drop(&mut self) {
+        if let Some(r) = self.recycle.take() {
+            r(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+// SAFETY: the Vec is owned and never touched while the value lives (no method hands it out),
+// so its heap buffer stays where it is and readable, the same range every call.
+unsafe impl InPlace for OwnedBytes {
+    fn bytes(&self) -> (*const u8, usize) {
+        (self.buf.as_ptr(), self.len)
+    }
+}
+
 mod ffi {
     use std::ffi::{c_char, c_int, c_void};
 

@@ -638,7 +638,8 @@ impl Endpoint {
                     .is_ok_and(|n| n.state == NodeState::Ready)
         };
         match d.send_lent(to, dst, data, &mut alive) {
-            Ok(()) => {
+            Ok(false) => None,
+            Ok(true) => {
                 self.stats.sent += 1;
                 self.stats.sent_bytes += data.len() as u64;
                 self.publish_stats();

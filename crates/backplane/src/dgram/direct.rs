@@ -76,6 +76,18 @@ const MAGIC_BATCH: u32 = 0x4250_4442;
 const BATCH_SMALL: usize = 16 * 1024;
 /// A batch is sent once it holds this much.
 const BATCH_MAX: usize = 64 * 1024;
+/// ... and a batch of large datagrams (more than [`BATCH_SMALL`]) in a stream holds up to this
+/// (UCX's TCP segment, [`backplane_ucx::TCP_SEGMENT`], less room for its headers): the
+/// buffer goes to UCX in place, and one `sendmsg` carries the lot (a 1 MiB message as 16
+/// datagrams of its own made 16 system calls and twice as many TCP segments as
+/// `ucx_perftest`'s one message).
+const BIG_BATCH_MAX: usize = backplane_ucx::TCP_SEGMENT - 1024;
+/// How long a batch waits for a large datagram to join it, at most, while its stream goes on
+/// (a stream of 64 KiB datagrams fills one in ~100 µs at 4 GB/s). A stream that stops
+/// ships its batch at once all the same (the next progress, or the waker).
+const BIG_LINGER_NS: u64 = 250_000;
+/// Spare buffers of big batches kept per worker.
+const SPARE_MAX: usize = 4;
 /// Datagrams longer than this that a blocking `send` hands over are read by UCX in place
 /// (never batched: longer than [`BATCH_SMALL`]; sent zero-copy by UCX: past its 16 KiB
 /// `ZCOPY_THRESH`, set by the shim).
@@ -126,8 +138,10 @@ struct Out {
     seq: u64,
     /// When the last send returned (CLOCK_MONOTONIC ns).
     last_send: u64,
-    /// A batch being filled: header room, then datagrams (empty: none).
+    /// A batch being filled: header room, then datagrams, in `batch[..used]` (`used` 0:
+    /// none). The buffer keeps its length between batches (zeroed once, not per datagram).
     batch: Vec<u8>,
+    used: usize,
     /// When its first datagram came.
     batch_since: u64,
 }
@@ -248,6 +262,8 @@ struct Worker {
     events: Vec<Event>,
     /// A datagram was sent since [`Direct::cork`].
     sent_corked: bool,
+    /// Buffers of big batches that UCX let go of, for the next ones (see [`Worker::ship`]).
+    spare: Arc<Mutex<Vec<Vec<u8>>>>,
 }
 
 impl Worker {
@@ -283,6 +299,7 @@ impl Worker {
             order: FxHashMap::default(),
             senders: FxHashMap::default(),
             rejected: 0,
+            spare: Arc::default(),
             sends: 0,
             batching: false,
             corked: false,
@@ -323,6 +340,7 @@ impl Worker {
                 seq: 0,
                 last_send: 0,
                 batch: Vec::new(),
+                used: 0,
                 batch_since: 0,
             },
         );
@@ -359,12 +377,14 @@ impl Worker {
         let now = crate::sync::now_ns();
         let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
         let streaming = now.saturating_sub(o.last_send) < STREAM_GAP_NS;
-        let pending = !o.batch.is_empty();
+        let pending = o.used != 0;
+        let (cap, linger) = if len > BATCH_SMALL {
+            (BIG_BATCH_MAX, BIG_LINGER_NS)
+        } else {
+            (BATCH_MAX, LINGER_NS)
+        };
         if pending
-            && (!batch
-                || len > BATCH_SMALL
-                || o.batch.len() + 4 + len > BATCH_MAX
-                || now.saturating_sub(o.batch_since) > LINGER_NS)
+            && (!batch || o.used + 4 + len > cap || now.saturating_sub(o.batch_since) > linger)
         {
             // What came before goes first.
             self.ship(to)?;
@@ -372,19 +392,23 @@ impl Worker {
         let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
         // (A batch shipped above for lingering too long ended its stream unless this send
         // still is one.)
-        if batch && len <= BATCH_SMALL && (!o.batch.is_empty() || streaming || self.corked) {
-            if o.batch.is_empty() {
-                o.batch.resize(HEAD, 0);
+        if batch && (o.used != 0 || streaming || self.corked) {
+            if o.used == 0 {
+                o.used = HEAD;
                 o.batch_since = now;
             }
-            let at = o.batch.len();
-            o.batch.resize(at + 4 + len, 0);
-            let Some(n) = fill(&mut o.batch[at + 4..]).filter(|&n| n <= len) else {
-                o.batch.truncate(if at == HEAD { 0 } else { at });
+            let at = o.used;
+            if o.batch.len() < at + 4 + len {
+                // (Zeroed once: a buffer keeps its length from batch to batch.)
+                let want = (at + 4 + len).max(if len > BATCH_SMALL { BIG_BATCH_MAX } else { 0 });
+                o.batch.resize(want, 0);
+            }
+            let Some(n) = fill(&mut o.batch[at + 4..at + 4 + len]).filter(|&n| n <= len) else {
+                o.used = if at == HEAD { 0 } else { at };
                 return Ok(None);
             };
             o.batch[at..at + 4].copy_from_slice(&(n as u32).to_le_bytes());
-            o.batch.truncate(at + 4 + n);
+            o.used = at + 4 + n;
             o.last_send = now;
             self.batching = true;
             return Ok(Some(n));
@@ -450,14 +474,21 @@ impl Worker {
     /// arrives is queued as [`Worker::poll`] queues it (past [`QUEUE_MAX`] by at most what
     /// arrives meanwhile); `alive` is asked every [`LENT_CHECK`] whether the receiver may
     /// still take it — false (its node or host is gone) closes the connection, and the send
-    /// fails once UCX let go.
+    /// fails once UCX let go. `Ok(false)`, nothing sent, in a stream (a batch waits for `to`,
+    /// or the last send to it returned less than [`STREAM_GAP_NS`] ago): [`Worker::send`]
+    /// then puts it in a batch — large datagrams too, one message of up to
+    /// [`BIG_BATCH_MAX`] for several, whose copy costs less than a message each.
     fn send_lent(
         &mut self,
         to: SocketAddr,
         dst: Addr,
         data: &[u8],
         alive: &mut dyn FnMut() -> bool,
-    ) -> Result<(), Blocked> {
+    ) -> Result<bool, Blocked> {
+        let o = self.out.get(&to).ok_or(Blocked::Failed)?;
+        if o.used != 0 || crate::sync::now_ns().saturating_sub(o.last_send) < STREAM_GAP_NS {
+            return Ok(false);
+        }
         self.may_send(to)?;
         // What came before goes first.
         self.ship(to)?;
@@ -489,7 +520,7 @@ impl Worker {
             }
             return Err(Blocked::Failed);
         }
-        self.after_send(to, r.map(|()| 1))
+        self.after_send(to, r.map(|()| 1)).map(|()| true)
     }
 
     /// Whether a message to `to` may go now: its connection is not broken, and UCX holds
@@ -537,26 +568,51 @@ impl Worker {
     /// Sends the batch waiting for `to`, if any.
     fn ship(&mut self, to: SocketAddr) -> Result<(), Blocked> {
         let me = self.me;
-        let Some(o) = self.out.get_mut(&to).filter(|o| !o.batch.is_empty()) else {
+        let Some(o) = self.out.get_mut(&to).filter(|o| o.used != 0) else {
             return Ok(());
         };
+        let used = o.used;
         // A batch of one (a corked sender's lone datagram) goes as a plain datagram: the
         // receiver then makes no list of its items.
         let first = o
             .batch
             .get(HEAD..HEAD + 4)
             .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
-        let lone = HEAD + 4 + first == o.batch.len();
+        let lone = HEAD + 4 + first == used;
         let magic = if lone { MAGIC } else { MAGIC_BATCH };
         head(&mut o.batch[..HEAD], magic, me, o.dst.port, o.conn, o.seq);
         let r = if lone {
             self.link
-                .send2(o.ep, &o.batch[..HEAD], &o.batch[HEAD + 4..])
+                .send2(o.ep, &o.batch[..HEAD], &o.batch[HEAD + 4..used])
+        } else if used > BATCH_MAX {
+            // A stream of large datagrams: the buffer itself goes to UCX (no copy into a
+            // message), and a spare one takes its place; UCX hands it back when done.
+            let spare = {
+                let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+                spare.truncate(SPARE_MAX);
+                spare.pop()
+            };
+            let full = std::mem::replace(&mut o.batch, spare.unwrap_or_default());
+            let back = self.spare.clone();
+            let recycle = Box::new(move |b: Vec<u8>| {
+                back.lock().unwrap_or_else(|e| e.into_inner()).push(b);
+            });
+            let body = backplane_ucx::OwnedBytes::new(full, used, recycle);
+            let r = self.link.send_zc(o.ep, &[], Box::new(body), &[]);
+            if r.is_err() {
+                // Refused before it went (the shim released it at once, on this thread: the
+                // buffer is the one just recycled): the batch is kept, as a copied one is.
+                let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(full) = spare.pop() {
+                    spare.push(std::mem::replace(&mut o.batch, full));
+                }
+            }
+            r
         } else {
-            self.link.send(o.ep, &o.batch)
+            self.link.send(o.ep, &o.batch[..used])
         };
-        if r.is_ok() {
-            o.batch.clear();
+        if let (Ok(()), Some(o)) = (&r, self.out.get_mut(&to)) {
+            o.used = 0;
         }
         self.sent(to, r.map(|()| 1))
     }
@@ -573,21 +629,17 @@ impl Worker {
         while let Some(to) = self
             .out
             .iter()
-            .filter(|(_, o)| !o.batch.is_empty() && !o.failed)
+            .filter(|(_, o)| o.used != 0 && !o.failed)
             .map(|(&to, _)| to)
             .nth(tried)
         {
             let _ = self.ship(to);
             // One that is still waiting (UCX full) is passed over now.
-            if self
-                .out
-                .get(&to)
-                .is_some_and(|o| !o.batch.is_empty() && !o.failed)
-            {
+            if self.out.get(&to).is_some_and(|o| o.used != 0 && !o.failed) {
                 tried += 1;
             }
         }
-        self.batching = self.out.values().any(|o| !o.batch.is_empty() && !o.failed);
+        self.batching = self.out.values().any(|o| o.used != 0 && !o.failed);
     }
 
     /// Makes progress: sends go out, received datagrams are queued in their senders' order
@@ -1025,7 +1077,7 @@ impl Direct {
         dst: Addr,
         data: &[u8],
         alive: &mut dyn FnMut() -> bool,
-    ) -> Result<(), Blocked> {
+    ) -> Result<bool, Blocked> {
         self.sending(|w| w.send_lent(to, dst, data, alive))
     }
 
@@ -1316,6 +1368,55 @@ mod tests {
         assert_eq!(batch_items(&big), None);
     }
 
+    /// A stream of large datagrams shares messages of up to [`BIG_BATCH_MAX`], each batch's
+    /// buffer handed to UCX in place and recycled; the receiver gets every datagram whole,
+    /// in order.
+    #[test]
+    fn a_stream_of_large_datagrams_goes_in_big_batches_whole_and_in_order() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let (mut a, mut b) = (Worker::open(ip, 4).unwrap(), Worker::open(ip, 4).unwrap());
+        (a.me, b.me) = (Addr::new(1, 3), Addr::new(2, 3));
+        let to_b = SocketAddr::new(ip, b.link.listen_port());
+        a.connect(to_b, b.me).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        const N: usize = 40;
+        let dgram =
+            |i: usize| -> Vec<u8> { (0..40_000 + i * 611).map(|k| (k * 7 + i) as u8).collect() };
+        let (mut got, mut biggest) = (Vec::<Vec<u8>>::new(), 0);
+        a.corked = true; // a stream, whatever this machine's pace
+        for i in 0..N {
+            let d = dgram(i);
+            while a
+                .send(to_b, b.me, d.len(), true, |buf| {
+                    buf[..d.len()].copy_from_slice(&d);
+                    Some(d.len())
+                })
+                .is_err()
+            {
+                assert!(Instant::now() < deadline, "UCX never took datagram {i}");
+                a.progress();
+            }
+            biggest = biggest.max(a.out[&to_b].used);
+        }
+        assert!(biggest > BATCH_MAX, "no big batch: {biggest} bytes at most");
+        assert!(biggest <= BIG_BATCH_MAX);
+        a.corked = false;
+        a.ship_all();
+        while got.len() < N {
+            assert!(Instant::now() < deadline, "got {} of {N}", got.len());
+            a.progress();
+            b.progress();
+            while let Some((_, p)) = b.front() {
+                got.push(p.to_vec());
+                b.pop();
+            }
+        }
+        for (i, g) in got.iter().enumerate() {
+            assert!(*g == dgram(i), "datagram {i}");
+        }
+        assert!(!a.spare.lock().unwrap().is_empty(), "no buffer came back");
+    }
+
     /// A send that must not wait (`batch` false) goes at once, after what a stream's batch
     /// held for the same receiver: nothing is left batching, and the receiver gets every
     /// datagram in the order sent.
@@ -1344,14 +1445,11 @@ mod tests {
         for i in 0..3 {
             send(&mut a, i, true);
         }
-        assert!(
-            a.batching && !a.out[&to_b].batch.is_empty(),
-            "the stream batches"
-        );
+        assert!(a.batching && a.out[&to_b].used != 0, "the stream batches");
         a.corked = false;
         send(&mut a, 3, false);
         assert!(
-            a.out[&to_b].batch.is_empty(),
+            (a.out[&to_b].used == 0),
             "the batch went before the lone one"
         );
         let mut got = Vec::new();
