@@ -108,13 +108,12 @@ pub fn fabric_send_msg(
     data: &[u8],
     wait: Wait,
 ) -> Result<(), DgramError> {
-    if data.is_empty() {
+    if data.len() <= MAX_DGRAM {
         return ep.send(to, data, wait);
     }
-    for chunk in data.chunks(MAX_DGRAM) {
-        ep.send(to, chunk, wait)?;
-    }
-    Ok(())
+    // As one call: to a receiver on another host its datagrams go a few to a message.
+    let chunks: Vec<&[u8]> = data.chunks(MAX_DGRAM).collect();
+    ep.send_many(to, &chunks, wait)
 }
 
 /// Receives one message of `size` bytes over fabric datagrams, reading every byte in place

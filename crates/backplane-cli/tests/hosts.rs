@@ -638,8 +638,19 @@ fn cross_host_role(role: &str) {
                 Err(e) => panic!("first send: {e}"),
             });
             assert!(sent.is_some(), "the receiver never bound");
-            for seq in 1..CROSS_COUNT {
-                ep.send_to(to, &dgram_of(seq)).unwrap();
+            let mut seq = 1;
+            while seq < CROSS_COUNT {
+                if (1000..2000).contains(&seq) {
+                    // Ten at a time in one call: over a direct connection a few to a message.
+                    let group: Vec<Vec<u8>> = (seq..seq + 10).map(dgram_of).collect();
+                    let list: Vec<&[u8]> = group.iter().map(Vec::as_slice).collect();
+                    ep.send_many(to, &list, backplane::dgram::Wait::Forever)
+                        .unwrap();
+                    seq += 10;
+                } else {
+                    ep.send_to(to, &dgram_of(seq)).unwrap();
+                    seq += 1;
+                }
             }
             let mut buf = [0u8; 64];
             let (n, src) = ep

@@ -14,6 +14,7 @@
 use std::ffi::{c_int, c_void, CStr, CString};
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The largest message [`Link::send`] takes (a 4 MiB datagram and a header).
 pub const MAX_MSG: usize = 4 * 1024 * 1024 + 4096;
@@ -75,6 +76,13 @@ mod ffi {
         _private: [u8; 0],
     }
 
+    /// A piece of a message read in place (`bpx_piece`).
+    #[repr(C)]
+    pub struct Piece {
+        pub buf: *const c_void,
+        pub len: usize,
+    }
+
     #[repr(C)]
     pub struct Event {
         pub kind: c_int,
@@ -118,6 +126,16 @@ mod ffi {
             blen: usize,
             tail: *const c_void,
             tlen: usize,
+            release: extern "C" fn(*mut c_void),
+            token: *mut c_void,
+        ) -> c_int;
+        pub fn bpx_send_iov(
+            l: *mut Link,
+            ep: c_int,
+            head: *const c_void,
+            hlen: usize,
+            pieces: *const Piece,
+            n: usize,
             release: extern "C" fn(*mut c_void),
             token: *mut c_void,
         ) -> c_int;
@@ -297,6 +315,11 @@ fn set_defaults() {
             }
         }
         // A user's segment sizes stand as they are, both of them (RX must hold what TX sends).
+        // Pieces of a message read in place (`Link::send_lent`) in one `sendmsg`: a list of
+        // datagrams, its header and UCX's own (the default, 6, would split a list of 14).
+        if std::env::var_os("UCX_TCP_MAX_IOV").is_none() {
+            std::env::set_var("UCX_TCP_MAX_IOV", TCP_MAX_IOV.to_string());
+        }
         let segments = ["UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"];
         if segments.iter().all(|v| std::env::var_os(v).is_none()) {
             for var in segments {
@@ -313,6 +336,13 @@ fn set_defaults() {
 pub fn environment_defaults() {
     set_defaults();
 }
+
+/// The iovs UCX's TCP transport may give one `sendmsg` (`UCX_TCP_MAX_IOV`, see
+/// [`set_defaults`]).
+pub const TCP_MAX_IOV: usize = 20;
+
+/// At most this many pieces in a message of [`Link::send_lent`].
+pub const MAX_PIECES: usize = 64;
 
 /// The TCP segment size a link asks of UCX (see [`set_defaults`]).
 pub const TCP_SEGMENT: usize = 512 * 1024;
@@ -439,49 +469,34 @@ impl Link {
         check(r, || format!("cannot send to endpoint {}", ep.0))
     }
 
-    /// Sends one message made of `head` (copied), `body`'s bytes, which UCX reads in place
-    /// from the caller's memory (over TCP the kernel copies them from there into the socket),
-    /// and `tail` (copied), and returns only once UCX let go of `body`: when the message left
-    /// (the kernel took every byte) or failed. Until then it progresses the link and calls
-    /// `meanwhile` after each progress (with the link, whose events it may collect); once
-    /// `meanwhile` returns false the endpoint is closed (forced: UCX then completes the send
-    /// with an error) and the call still waits for UCX to let go. `body` is free again on
-    /// return, whatever happened: a send that must not leave the caller's buffer lent (a
+    /// Sends one message made of `head` (copied) then `pieces` — at most [`MAX_PIECES`] —
+    /// which UCX reads in place from the caller's memory (over TCP the kernel copies them
+    /// from there into the socket: one `sendmsg` for the lot, up to UCX's `TCP_MAX_IOV`
+    /// pieces), and returns only once UCX let go of them: when the message left (the kernel
+    /// took every byte) or failed. Until then it progresses the link and calls `meanwhile`
+    /// after each progress (with the link, whose events it may collect); once `meanwhile`
+    /// returns false the endpoint is closed (forced: UCX then completes the send with an
+    /// error) and the call still waits for UCX to let go. The pieces are free again on
+    /// return, whatever happened: a send that must not leave the caller's buffers lent (a
     /// non-blocking one) copies instead ([`Link::send2`]). `NoResource` (status -2) when too
     /// many sends are in flight.
     pub fn send_lent(
         &mut self,
         ep: EpId,
-        (head, body, tail): (&[u8], &[u8], &[u8]),
+        (head, pieces): (&[u8], &[&[u8]]),
         mut meanwhile: impl FnMut(&mut Link) -> bool,
     ) -> Result<(), Error> {
-        /// The caller's bytes while UCX reads them; dropped (by the shim's release) once it
-        /// no longer does.
-        struct Lent {
-            ptr: *const u8,
-            len: usize,
-            done: std::sync::Arc<std::sync::atomic::AtomicBool>,
-        }
-        // SAFETY: the bytes stay readable and unchanged until `done` is set: `send_lent`,
-        // which borrows them, does not return (nor unwind: `Wait`) before.
-        unsafe impl InPlace for Lent {
-            fn bytes(&self) -> (*const u8, usize) {
-                (self.ptr, self.len)
-            }
-        }
-        // SAFETY: a pointer and a length, read by UCX on the thread that progresses the link.
-        unsafe impl Send for Lent {}
-        impl Drop for Lent {
-            fn drop(&mut self) {
-                self.done.store(true, std::sync::atomic::Ordering::Release);
-            }
+        extern "C" fn release(token: *mut c_void) {
+            // SAFETY: token is the Arc::into_raw below, handed back exactly once by the shim.
+            let done = unsafe { std::sync::Arc::from_raw(token.cast::<AtomicBool>()) };
+            done.store(true, Ordering::Release);
         }
         /// Aborts the process if unwinding would leave `send_lent` while UCX still reads the
         /// caller's bytes (a panic in `meanwhile`): memory in use by UCX cannot be handed back.
-        struct Wait<'a>(&'a std::sync::atomic::AtomicBool);
+        struct Wait<'a>(&'a AtomicBool);
         impl Drop for Wait<'_> {
             fn drop(&mut self) {
-                if !self.0.load(std::sync::atomic::Ordering::Acquire) {
+                if !self.0.load(Ordering::Acquire) {
                     eprintln!(
                         "backplane-ucx: unwinding out of a send whose buffer UCX still reads"
                     );
@@ -489,20 +504,49 @@ impl Link {
                 }
             }
         }
-        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let lent = Lent {
-            ptr: body.as_ptr(),
-            len: body.len(),
-            done: done.clone(),
+        if pieces.len() > MAX_PIECES {
+            return Err(Error {
+                status: -5, // UCS_ERR_INVALID_PARAM
+                what: format!(
+                    "{} pieces in one message (at most {MAX_PIECES})",
+                    pieces.len()
+                ),
+            });
+        }
+        let list: Vec<ffi::Piece> = pieces
+            .iter()
+            .map(|p| ffi::Piece {
+                buf: p.as_ptr().cast(),
+                len: p.len(),
+            })
+            .collect();
+        let done = std::sync::Arc::new(AtomicBool::new(false));
+        let token = std::sync::Arc::into_raw(done.clone())
+            .cast_mut()
+            .cast::<c_void>();
+        // SAFETY: raw is live; head and the list are copied before the call returns; the
+        // pieces stay readable and unchanged until `release` sets `done` (this function
+        // does not return nor unwind before: `Wait`), which the shim calls exactly once.
+        let r = unsafe {
+            ffi::bpx_send_iov(
+                self.raw,
+                ep.0,
+                head.as_ptr().cast(),
+                head.len(),
+                list.as_ptr(),
+                list.len(),
+                release,
+                token,
+            )
         };
-        // (On an error the shim released `lent` already: nothing to wait for.)
-        self.send_zc(ep, head, Box::new(lent), tail)?;
+        // (On an error the shim released it already: nothing to wait for.)
+        check(r, || format!("cannot send to endpoint {}", ep.0))?;
         let wait = Wait(&done);
         let mut closed = false;
-        while !done.load(std::sync::atomic::Ordering::Acquire) {
+        while !done.load(Ordering::Acquire) {
             // SAFETY: raw is live; progress runs the callbacks (the release) on this thread.
             unsafe { ffi::bpx_progress(self.raw) };
-            if done.load(std::sync::atomic::Ordering::Acquire) {
+            if done.load(Ordering::Acquire) {
                 break;
             }
             if !meanwhile(self) && !closed {

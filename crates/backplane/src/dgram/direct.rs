@@ -72,6 +72,12 @@ const MAGIC: u32 = 0x4250_4431;
 /// "BPDB": the first word of a batch: after the header, each datagram as a u32 LE length and
 /// its bytes.
 const MAGIC_BATCH: u32 = 0x4250_4442;
+/// "BPDV": the first word of a list of datagrams sent in place together: after the header,
+/// their number and each one's length (u32 LE), then their bytes one after the other.
+const MAGIC_LIST: u32 = 0x4250_4456;
+/// At most this many datagrams in one list (each its own piece of the message; with the
+/// header, within UCX's `TCP_MAX_IOV` as the link sets it: one `sendmsg`).
+pub(super) const LIST_MAX: usize = 14;
 /// Datagrams up to this size may share a message (a batch) when they come in a stream.
 const BATCH_SMALL: usize = 16 * 1024;
 /// A batch is sent once it holds this much.
@@ -92,6 +98,9 @@ const SPARE_MAX: usize = 4;
 /// (never batched: longer than [`BATCH_SMALL`]; sent zero-copy by UCX: past its 16 KiB
 /// `ZCOPY_THRESH`, set by the shim).
 pub(super) const LENT_MIN: usize = BATCH_SMALL;
+/// A list of datagrams sent together holds at most this many bytes (one message, one of
+/// UCX's TCP segments: see [`BIG_BATCH_MAX`]).
+pub(super) const LIST_BYTES: usize = BIG_BATCH_MAX;
 /// A send that starts this soon after the previous one to the same receiver returned is part
 /// of a stream: it joins a batch instead of costing a message (over TCP, a system call on
 /// each side) of its own. A request-answer exchange never comes this fast.
@@ -189,6 +198,29 @@ fn batch_items(msg: &[u8]) -> Option<Vec<(usize, usize)>> {
         at += n;
     }
     (!out.is_empty()).then_some(out)
+}
+
+/// A list's datagrams (offset, length each), if it is well formed: at least one, each at most
+/// [`crate::wire::MAX_DGRAM`], filling the message exactly.
+fn list_items(msg: &[u8]) -> Option<Vec<(usize, usize)>> {
+    let word = |at: usize| -> Option<usize> {
+        Some(u32::from_le_bytes(msg.get(at..at + 4)?.try_into().ok()?) as usize)
+    };
+    let k = word(HEAD)?;
+    if k == 0 || k > LIST_MAX {
+        return None;
+    }
+    let mut out = Vec::with_capacity(k);
+    let mut at = HEAD + 4 + 4 * k;
+    for i in 0..k {
+        let n = word(HEAD + 4 + 4 * i)?;
+        if n > crate::wire::MAX_DGRAM || msg.len().checked_sub(at)? < n {
+            return None;
+        }
+        out.push((at, n));
+        at += n;
+    }
+    (at == msg.len()).then_some(out)
 }
 
 /// A receiver's state of one sender's connection.
@@ -468,25 +500,26 @@ impl Worker {
         self.after_send(to, r.map(|()| 1))
     }
 
-    /// Sends `data` to `dst`, which listens at `to`, as a message of its own whose body UCX
-    /// reads from `data` in place — no copy into a message — and returns once UCX let go of
-    /// it (the message left, or failed): see [`Link::send_lent`]. While it waits, what
+    /// Sends the datagrams of `list` (at most [`LIST_MAX`]) to `dst`, which listens at `to`,
+    /// as one message whose pieces UCX reads in place — no copy into a message — and returns
+    /// once UCX let go of them (the message left, or failed): see [`Link::send_lent`]. While it waits, what
     /// arrives is queued as [`Worker::poll`] queues it (past [`QUEUE_MAX`] by at most what
     /// arrives meanwhile); `alive` is asked every [`LENT_CHECK`] whether the receiver may
     /// still take it — false (its node or host is gone) closes the connection, and the send
-    /// fails once UCX let go. `Ok(false)`, nothing sent, in a stream (a batch waits for `to`,
-    /// or the last send to it returned less than [`STREAM_GAP_NS`] ago): [`Worker::send`]
-    /// then puts it in a batch — large datagrams too, one message of up to
-    /// [`BIG_BATCH_MAX`] for several, whose copy costs less than a message each.
+    /// fails once UCX let go. `Ok(false)`, nothing sent, for one datagram in a stream (a
+    /// batch waits for `to`, or the last send to it returned less than [`STREAM_GAP_NS`]
+    /// ago): [`Worker::send`] then puts it in a batch — large datagrams too, one message of
+    /// up to [`BIG_BATCH_MAX`] for several, whose copy costs less than a message each.
     fn send_lent(
         &mut self,
         to: SocketAddr,
         dst: Addr,
-        data: &[u8],
+        list: &[&[u8]],
         alive: &mut dyn FnMut() -> bool,
     ) -> Result<bool, Blocked> {
         let o = self.out.get(&to).ok_or(Blocked::Failed)?;
-        if o.used != 0 || crate::sync::now_ns().saturating_sub(o.last_send) < STREAM_GAP_NS {
+        let stream = crate::sync::now_ns().saturating_sub(o.last_send) < STREAM_GAP_NS;
+        if list.is_empty() || list.len() > LIST_MAX || list.len() == 1 && (o.used != 0 || stream) {
             return Ok(false);
         }
         self.may_send(to)?;
@@ -494,12 +527,21 @@ impl Worker {
         self.ship(to)?;
         let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
         let (ep, conn, seq) = (o.ep, o.conn, o.seq);
-        let mut h = [0u8; HEAD];
-        head(&mut h, MAGIC, self.me, dst.port, conn, seq);
+        let mut h = Vec::with_capacity(HEAD + 4 + 4 * list.len());
+        h.resize(HEAD, 0);
+        if let [_] = list {
+            head(&mut h, MAGIC, self.me, dst.port, conn, seq);
+        } else {
+            head(&mut h, MAGIC_LIST, self.me, dst.port, conn, seq);
+            h.extend_from_slice(&(list.len() as u32).to_le_bytes());
+            for d in list {
+                h.extend_from_slice(&(d.len() as u32).to_le_bytes());
+            }
+        }
         let mut events = std::mem::take(&mut self.events);
         let mut next_check = Instant::now() + LENT_CHECK;
         let mut gave_up = false;
-        let r = self.link.send_lent(ep, (&h, data, &[]), |link| {
+        let r = self.link.send_lent(ep, (&h, list), |link| {
             link.poll_some_into(&mut events);
             gave_up |= events
                 .iter()
@@ -815,6 +857,7 @@ impl Worker {
         let items = match magic {
             MAGIC if msg.len() - HEAD <= crate::wire::MAX_DGRAM => Vec::new(),
             MAGIC_BATCH => batch_items(msg)?,
+            MAGIC_LIST => list_items(msg)?,
             _ => return None,
         };
         Some(Header {
@@ -1070,15 +1113,15 @@ impl Direct {
         r
     }
 
-    /// As [`Direct::send`] for [`Worker::send_lent`]: returns once UCX let go of `data`.
+    /// As [`Direct::send`] for [`Worker::send_lent`]: returns once UCX let go of `list`.
     pub(super) fn send_lent(
         &mut self,
         to: SocketAddr,
         dst: Addr,
-        data: &[u8],
+        list: &[&[u8]],
         alive: &mut dyn FnMut() -> bool,
     ) -> Result<bool, Blocked> {
-        self.sending(|w| w.send_lent(to, dst, data, alive))
+        self.sending(|w| w.send_lent(to, dst, list, alive))
     }
 
     /// As [`Direct::send`] for [`Worker::send_zc`].
@@ -1366,6 +1409,89 @@ mod tests {
         let huge = vec![0u8; crate::wire::MAX_DGRAM + 1];
         let big = message(MAGIC_BATCH, src, 7, 1, 0, &batch(&[&huge]));
         assert_eq!(batch_items(&big), None);
+    }
+
+    /// A list of datagrams goes as one message read in place, and the receiver gets each
+    /// whole, in order, after what was sent before it; a malformed list is refused.
+    #[test]
+    fn a_list_of_datagrams_goes_as_one_message_and_arrives_as_each() {
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let (mut a, mut b) = (Worker::open(ip, 4).unwrap(), Worker::open(ip, 4).unwrap());
+        (a.me, b.me) = (Addr::new(1, 3), Addr::new(2, 3));
+        let to_b = SocketAddr::new(ip, b.link.listen_port());
+        a.connect(to_b, b.me).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let dgram = |i: usize| -> Vec<u8> {
+            (0..[0, 1, 65_000, 300][i % 4] + i)
+                .map(|k| (k * 3 + i) as u8)
+                .collect()
+        };
+        // One first, in a batch of its own (corked), then a list of LIST_MAX.
+        a.corked = true;
+        let first = dgram(0);
+        a.send(to_b, b.me, first.len(), true, |buf| {
+            buf.copy_from_slice(&first);
+            Some(first.len())
+        })
+        .unwrap();
+        a.corked = false;
+        let list: Vec<Vec<u8>> = (1..=LIST_MAX).map(dgram).collect();
+        let refs: Vec<&[u8]> = list.iter().map(Vec::as_slice).collect();
+        let seq = a.out[&to_b].seq;
+        // (The receiver is progressed while the sender waits: in one thread here, the
+        // connection's wire-up needs it; `alive` is asked every LENT_CHECK.)
+        let mut got = Vec::new();
+        let b_me = b.me;
+        let mut receive = || {
+            b.progress();
+            while let Some((_, p)) = b.front() {
+                got.push(p.to_vec());
+                b.pop();
+            }
+            true
+        };
+        assert_eq!(a.send_lent(to_b, b_me, &refs, &mut receive), Ok(true));
+        assert_eq!(
+            a.out[&to_b].seq,
+            seq + 2,
+            "the batch, then the list: two messages"
+        );
+        while got.len() < 1 + LIST_MAX {
+            assert!(
+                Instant::now() < deadline,
+                "got {} of {}",
+                got.len(),
+                1 + LIST_MAX
+            );
+            a.progress();
+            b.progress();
+            while let Some((_, p)) = b.front() {
+                got.push(p.to_vec());
+                b.pop();
+            }
+        }
+        for (i, g) in got.iter().enumerate() {
+            assert!(*g == dgram(i), "datagram {i}");
+        }
+        assert_eq!(b.rejected, 0);
+        // Malformed lists.
+        let mut m = vec![0u8; HEAD];
+        m.extend_from_slice(&2u32.to_le_bytes());
+        m.extend_from_slice(&3u32.to_le_bytes());
+        m.extend_from_slice(&1u32.to_le_bytes());
+        m.extend_from_slice(b"abcd");
+        assert_eq!(list_items(&m), Some(vec![(HEAD + 12, 3), (HEAD + 15, 1)]));
+        assert_eq!(list_items(&m[..m.len() - 1]), None, "short");
+        let mut long = m.clone();
+        long.push(0);
+        assert_eq!(list_items(&long), None, "trailing bytes");
+        m[HEAD..HEAD + 4].copy_from_slice(&0u32.to_le_bytes());
+        assert_eq!(list_items(&m), None, "empty");
+        m[HEAD..HEAD + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(list_items(&m), None, "too many");
+        m[HEAD..HEAD + 4].copy_from_slice(&2u32.to_le_bytes());
+        m[HEAD + 4..HEAD + 8].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(list_items(&m), None, "a length past the end");
     }
 
     /// A stream of large datagrams shares messages of up to [`BIG_BATCH_MAX`], each batch's
