@@ -415,6 +415,10 @@ impl Worker {
         } else {
             (BATCH_MAX, LINGER_NS)
         };
+        // Large datagrams share a message only in a stream of their own: a corked sender's
+        // (a queue pair's ring bytes) go straight into a message, one copy, as before.
+        let big = len > BATCH_SMALL;
+        let batch = batch && !(big && self.corked);
         if pending
             && (!batch || o.used + 4 + len > cap || now.saturating_sub(o.batch_since) > linger)
         {
@@ -424,7 +428,7 @@ impl Worker {
         let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
         // (A batch shipped above for lingering too long ended its stream unless this send
         // still is one.)
-        if batch && (o.used != 0 || streaming || self.corked) {
+        if batch && (o.used != 0 || streaming || self.corked && !big) {
             if o.used == 0 {
                 o.used = HEAD;
                 o.batch_since = now;
@@ -621,12 +625,18 @@ impl Worker {
             .get(HEAD..HEAD + 4)
             .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
         let lone = HEAD + 4 + first == used;
-        let magic = if lone { MAGIC } else { MAGIC_BATCH };
+        // Large datagrams (a stream's) go in place, even one alone (as a batch of one).
+        let in_place = used > BATCH_MAX || first > BATCH_SMALL;
+        let magic = if lone && !in_place {
+            MAGIC
+        } else {
+            MAGIC_BATCH
+        };
         head(&mut o.batch[..HEAD], magic, me, o.dst.port, o.conn, o.seq);
-        let r = if lone {
+        let r = if lone && !in_place {
             self.link
                 .send2(o.ep, &o.batch[..HEAD], &o.batch[HEAD + 4..used])
-        } else if used > BATCH_MAX {
+        } else if in_place {
             // A stream of large datagrams: the buffer itself goes to UCX (no copy into a
             // message), and a spare one takes its place; UCX hands it back when done.
             let spare = {
@@ -1509,9 +1519,12 @@ mod tests {
         let dgram =
             |i: usize| -> Vec<u8> { (0..40_000 + i * 611).map(|k| (k * 7 + i) as u8).collect() };
         let (mut got, mut biggest) = (Vec::<Vec<u8>>::new(), 0);
-        a.corked = true; // a stream, whatever this machine's pace
         for i in 0..N {
             let d = dgram(i);
+            // A stream, whatever this machine's pace (a corked sender's large datagrams go
+            // one to a message), and one that never lingers.
+            let o = a.out.get_mut(&to_b).unwrap();
+            (o.last_send, o.batch_since) = (crate::sync::now_ns(), crate::sync::now_ns());
             while a
                 .send(to_b, b.me, d.len(), true, |buf| {
                     buf[..d.len()].copy_from_slice(&d);
@@ -1526,7 +1539,6 @@ mod tests {
         }
         assert!(biggest > BATCH_MAX, "no big batch: {biggest} bytes at most");
         assert!(biggest <= BIG_BATCH_MAX);
-        a.corked = false;
         a.ship_all();
         while got.len() < N {
             assert!(Instant::now() < deadline, "got {} of {N}", got.len());
