@@ -303,6 +303,10 @@ fn check(status: i32, what: impl FnOnce() -> String) -> Result<(), Error> {
 ///   with 512 KiB pieces a bridge carried 1 MiB datagrams between two hosts at 1 540 MB/s
 ///   against 660–900 with the default (64 KiB ones: 1 080–1 440 against 670–770). Set on
 ///   both sides alike: every host runs the same defaults.
+/// - `UCX_TCP_MAX_IOV` = [`TCP_MAX_IOV`]: the pieces of one message that UCX's TCP transport
+///   gives one `sendmsg` (6 by default); a list of datagrams sent in place
+///   ([`Link::send_lent`]) is one piece each. It changes nothing for a contiguous message
+///   (`ucx_perftest`'s).
 fn set_defaults() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
