@@ -604,7 +604,11 @@ impl Endpoint {
                 return r;
             }
         }
-        self.send_with(dst, data.len(), wait, |buf| buf.copy_from_slice(data))
+        self.send_general(dst, data.len(), wait, true, |buf| {
+            buf.copy_from_slice(data);
+            Some(data.len())
+        })
+        .map(|_| ())
     }
 
     /// Sends each of `datagrams` to `dst` as a datagram of its own, in order, waiting for
@@ -725,6 +729,19 @@ impl Endpoint {
         wait: Wait,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<bool, DgramError> {
+        self.send_general(dst, max_len, wait, false, fill)
+    }
+
+    /// [`Endpoint::send_with_max`]; `exact`: `max_len` is the datagram's length (a large one
+    /// may then join a stream's batch over a direct connection, see `dgram/direct.rs`).
+    fn send_general(
+        &mut self,
+        dst: Addr,
+        max_len: usize,
+        wait: Wait,
+        exact: bool,
+        fill: impl FnOnce(&mut [u8]) -> Option<usize>,
+    ) -> Result<bool, DgramError> {
         let len = max_len;
         if len > MAX_DGRAM {
             return Err(DgramError::TooBig(len));
@@ -752,7 +769,7 @@ impl Endpoint {
             }
             if let (Some(to), Some(d)) = (c.direct, self.direct.as_mut()) {
                 let fill = &mut fill;
-                match d.send(to, dst, len, |buf| fill.take().and_then(|f| f(buf))) {
+                match d.send(to, dst, len, exact, |buf| fill.take().and_then(|f| f(buf))) {
                     Ok(None) => return Ok(false),
                     Ok(Some(used)) => {
                         self.stats.sent += 1;

@@ -407,7 +407,7 @@ impl Worker {
         to: SocketAddr,
         dst: Addr,
         len: usize,
-        batch: bool,
+        (batch, big_ok): (bool, bool),
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<Option<usize>, Blocked> {
         self.may_send(to)?;
@@ -420,10 +420,11 @@ impl Worker {
         } else {
             (BATCH_MAX, LINGER_NS)
         };
-        // Large datagrams share a message only in a stream of their own: a corked sender's
-        // (a queue pair's ring bytes) go straight into a message, one copy, as before.
+        // Large datagrams share a message only in a stream of a program's own datagrams
+        // (`big_ok`: their length is known); a queue pair's ring bytes (a loose `len`, corked
+        // or not) go straight into a message, one copy, as before.
         let big = len > BATCH_SMALL;
-        let batch = batch && !(big && self.corked);
+        let batch = batch && !(big && (self.corked || !big_ok));
         if pending
             && (!batch || o.used + 4 + len > cap || now.saturating_sub(o.batch_since) > linger)
         {
@@ -1093,16 +1094,18 @@ impl Direct {
 
     /// Sends a datagram of at most `len` bytes that `fill` writes in place to `dst`, which
     /// listens at `to`; `Ok(None)` if `fill` declined. What UCX could not send at once the
-    /// waker sends if this thread does not come back soon.
+    /// waker sends if this thread does not come back soon. `big_ok`: a large datagram may
+    /// join a stream's batch (a program's datagram of known length).
     pub(super) fn send(
         &mut self,
         to: SocketAddr,
         dst: Addr,
         len: usize,
+        big_ok: bool,
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<Option<usize>, Blocked> {
         let batch = !self.alone;
-        self.sending(|w| w.send(to, dst, len, batch, fill))
+        self.sending(|w| w.send(to, dst, len, (batch, big_ok), fill))
     }
 
     /// Until called again with false, each datagram goes at once as a message of its own,
@@ -1444,7 +1447,7 @@ mod tests {
         // One first, in a batch of its own (corked), then a list of LIST_MAX.
         a.corked = true;
         let first = dgram(0);
-        a.send(to_b, b.me, first.len(), true, |buf| {
+        a.send(to_b, b.me, first.len(), (true, false), |buf| {
             buf.copy_from_slice(&first);
             Some(first.len())
         })
@@ -1531,7 +1534,7 @@ mod tests {
             let o = a.out.get_mut(&to_b).unwrap();
             (o.last_send, o.batch_since) = (crate::sync::now_ns(), crate::sync::now_ns());
             while a
-                .send(to_b, b.me, d.len(), true, |buf| {
+                .send(to_b, b.me, d.len(), (true, true), |buf| {
                     buf[..d.len()].copy_from_slice(&d);
                     Some(d.len())
                 })
@@ -1573,7 +1576,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(10);
         let send = |a: &mut Worker, i: u8, batch: bool| {
             while a
-                .send(to_b, b.me, 1, batch, |buf| {
+                .send(to_b, b.me, 1, (batch, false), |buf| {
                     buf[0] = i;
                     Some(1)
                 })
@@ -1636,10 +1639,10 @@ mod tests {
                 buf[0] = i;
                 Some(1)
             };
-            while a.send(to_b, b.me, 1, true, one).is_err() {
+            while a.send(to_b, b.me, 1, (true, false), one).is_err() {
                 drain(&mut a, &mut at_a);
             }
-            while b.send(to_a, a.me, 1, true, one).is_err() {
+            while b.send(to_a, a.me, 1, (true, false), one).is_err() {
                 drain(&mut b, &mut at_b);
             }
             drain(&mut a, &mut at_a);
@@ -1661,7 +1664,7 @@ mod tests {
         // B's route to A ending does not close the connection A sends to B over.
         b.disconnect(to_a);
         while a
-            .send(to_b, b.me, 1, true, |buf| {
+            .send(to_b, b.me, 1, (true, false), |buf| {
                 buf[0] = 99;
                 Some(1)
             })
