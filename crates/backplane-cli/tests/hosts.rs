@@ -698,12 +698,14 @@ fn cross_host_role(role: &str) {
                 .is_ok()
             {}
         }
-        "lending_sender" => {
-            // Blocking sends of 40 000 bytes: UCX reads each from `data` in place, and the
-            // send waits for the kernel to take it (`Endpoint::send`).
+        // Blocking sends until the receiver's host is gone: of 1 000 bytes, or of 40 000
+        // (UCX reads each from `data` in place, and the send waits for the kernel to take
+        // it: `Endpoint::send`) — the receiver then stopped reading after STALL_AFTER.
+        "stream_sender" | "lending_sender" => {
+            let lending = role == "lending_sender";
             let mut ep = fabric.node(1).unwrap().bind(0).unwrap();
             let to = Addr::new(2, CROSS_PORT);
-            let data = vec![9u8; 40_000];
+            let data = vec![7u8; if lending { 40_000 } else { 1000 }];
             let mut sent = 0u64;
             let err = loop {
                 match ep.send_to(to, &data) {
@@ -715,32 +717,7 @@ fn cross_host_role(role: &str) {
                 }
             };
             eprintln!("sender stopped after {sent} datagrams: {err}");
-            assert!(sent >= STALL_AFTER);
-            assert!(
-                matches!(
-                    err,
-                    backplane::dgram::DgramError::NodeDown(2)
-                        | backplane::dgram::DgramError::Unreachable(_)
-                ),
-                "{err}"
-            );
-        }
-        "stream_sender" => {
-            let mut ep = fabric.node(1).unwrap().bind(0).unwrap();
-            let to = Addr::new(2, CROSS_PORT);
-            let data = vec![7u8; 1000];
-            let mut sent = 0u64;
-            let err = loop {
-                match ep.send_to(to, &data) {
-                    Ok(()) => sent += 1,
-                    Err(backplane::dgram::DgramError::Unreachable(_)) if sent == 0 => {
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    Err(e) => break e,
-                }
-            };
-            eprintln!("sender stopped after {sent} datagrams: {err}");
-            assert!(sent > 0);
+            assert!(sent >= if lending { STALL_AFTER } else { 1 });
             assert!(
                 matches!(
                     err,
@@ -1365,13 +1342,21 @@ fn a_sender_to_a_host_that_dies_gets_an_error_not_a_hang() {
     }
     let h = Hosts::odd_even("hosts_dgram_dies", 16);
     let test_fn = "a_sender_to_a_host_that_dies_gets_an_error_not_a_hang";
-    let rx = h.spawn_role(1, test_fn, "stream_receiver");
-    let tx = h.spawn_role(0, test_fn, "stream_sender");
-    // Traffic flows (node 2 counts it), then h1's supervisor is killed.
+    host_dies_under_a_sender(&h, test_fn, ("stream_receiver", "stream_sender"), 1000);
+}
+
+/// Runs `roles` (receiver on node 2 of host 1, sender on node 1 of host 0); once node 2 took
+/// more than `taken` datagrams (and a moment more), kills host 1's supervisor: the sender
+/// must end with an error, not hang, and nothing is left.
+fn host_dies_under_a_sender(h: &Hosts, test_fn: &str, roles: (&str, &str), taken: u64) {
+    let rx = h.spawn_role(1, test_fn, roles.0);
+    let tx = h.spawn_role(0, test_fn, roles.1);
     let flowing = wait_for(Duration::from_secs(30), || {
-        (h.status(1)["slots"][1]["rx_msgs"].as_u64().unwrap_or(0) > 1000).then_some(())
+        (h.status(1)["slots"][1]["rx_msgs"].as_u64().unwrap_or(0) >= taken).then_some(())
     });
     assert!(flowing.is_some(), "no traffic across: {}", h.status(1));
+    // (A stalled receiver's sender is then inside a send whose bytes the kernel does not take.)
+    std::thread::sleep(Duration::from_millis(700));
     h.kill_supervisor(1);
     assert!(finish(tx, "the sender").success(), "the sender failed");
     let _ = finish(rx, "the receiver");
@@ -1395,20 +1380,8 @@ fn a_sender_whose_bytes_a_stalled_receiver_leaves_in_tcp_gets_an_error_when_its_
     let h = Hosts::odd_even("hosts_dgram_stall", 26);
     let test_fn =
         "a_sender_whose_bytes_a_stalled_receiver_leaves_in_tcp_gets_an_error_when_its_host_dies";
-    let rx = h.spawn_role(1, test_fn, "stalled_receiver");
-    let tx = h.spawn_role(0, test_fn, "lending_sender");
-    let stalled = wait_for(Duration::from_secs(30), || {
-        (h.status(1)["slots"][1]["rx_msgs"].as_u64().unwrap_or(0) >= STALL_AFTER).then_some(())
-    });
-    assert!(stalled.is_some(), "no traffic across: {}", h.status(1));
-    // The sender is now inside a send whose bytes the kernel does not take.
-    std::thread::sleep(Duration::from_millis(700));
-    h.kill_supervisor(1);
-    assert!(finish(tx, "the sender").success(), "the sender failed");
-    let _ = finish(rx, "the receiver");
-    h.down(1);
-    h.down(0);
-    h.assert_nothing_left();
+    let roles = ("stalled_receiver", "lending_sender");
+    host_dies_under_a_sender(&h, test_fn, roles, STALL_AFTER);
 }
 
 #[test]

@@ -136,6 +136,8 @@ mod ffi {
             hlen: usize,
             pieces: *const Piece,
             n: usize,
+            tail: *const c_void,
+            tlen: usize,
             release: extern "C" fn(*mut c_void),
             token: *mut c_void,
         ) -> c_int;
@@ -539,6 +541,8 @@ impl Link {
                 head.len(),
                 list.as_ptr(),
                 list.len(),
+                std::ptr::null(),
+                0,
                 release,
                 token,
             )

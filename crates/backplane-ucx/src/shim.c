@@ -545,81 +545,6 @@ int bpx_send2(bpx_link *l, int index, const void *head, size_t hlen, const void 
     return bpx_send_ready(l, index, payload, hlen + blen);
 }
 
-/* A message whose body UCX reads in place (bpx_send_zc): its header bytes follow the struct. */
-typedef struct {
-    bpx_link *link;
-    size_t len;
-    void (*release)(void *);
-    void *token;
-    ucp_dt_iov_t iov[3]; /* read by UCX until the send completes */
-} bpx_zc;
-
-static void sent_zc(void *request, ucs_status_t status, void *user_data)
-{
-    bpx_zc *z = user_data;
-    (void)status;
-    z->link->inflight--;
-    z->link->inflight_bytes -= z->len;
-    z->release(z->token);
-    free(z);
-    ucp_request_free(request);
-}
-
-/* Sends one message made of head (copied), the blen bytes at body, which UCX reads in place,
- * and tail (copied): body's bytes must stay valid and unchanged until release(token) is
- * called (at once if the message went or failed before this returns, else from the progress
- * that completes it). release is called exactly once. 0 or a negative status. */
-int bpx_send_zc(bpx_link *l, int index, const void *head, size_t hlen, const void *body,
-                size_t blen, const void *tail, size_t tlen, void (*release)(void *), void *token)
-{
-    int status = UCS_OK;
-    if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep)
-        status = UCS_ERR_INVALID_PARAM;
-    else if (hlen + blen + tlen > BPX_MAX_MSG)
-        status = UCS_ERR_MESSAGE_TRUNCATED;
-    else if (l->inflight >= BPX_MAX_INFLIGHT)
-        status = UCS_ERR_NO_RESOURCE;
-    bpx_zc *z = status == UCS_OK ? malloc(sizeof *z + hlen + tlen) : NULL;
-    if (status == UCS_OK && !z)
-        status = UCS_ERR_NO_MEMORY;
-    if (status != UCS_OK) {
-        release(token);
-        return status;
-    }
-    memcpy(z + 1, head, hlen);
-    if (tlen)
-        memcpy((char *)(z + 1) + hlen, tail, tlen);
-    z->link = l;
-    z->len = 0;
-    z->release = release;
-    z->token = token;
-    z->iov[0].buffer = z + 1;
-    z->iov[0].length = hlen;
-    z->iov[1].buffer = (void *)body;
-    z->iov[1].length = blen;
-    z->iov[2].buffer = (char *)(z + 1) + hlen;
-    z->iov[2].length = tlen;
-    ucp_request_param_t p;
-    memset(&p, 0, sizeof p);
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                     UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
-    p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-    p.datatype = ucp_dt_make_iov();
-    p.cb.send = sent_zc;
-    p.user_data = z;
-    ucs_status_ptr_t r =
-        ucp_am_send_nbx(l->eps[index].ep, BPX_AM_ID, NULL, 0, z->iov, tlen ? 3 : 2, &p);
-    if (r == NULL || UCS_PTR_IS_ERR(r)) {
-        release(token);
-        free(z);
-        return r == NULL ? 0 : UCS_PTR_STATUS(r);
-    }
-    z->len = hlen + blen + tlen;
-    l->inflight++;
-    l->inflight_bytes += hlen + blen + tlen;
-    return 0;
-}
-
 /* A piece of a message that UCX reads in place (bpx_send_iov). */
 typedef struct {
     const void *buf;
@@ -630,15 +555,15 @@ typedef struct {
  * iovs in one sendmsg and splits a longer list into several). */
 #define BPX_MAX_PIECES 64
 
-/* A message made of a header and pieces read in place (bpx_send_iov): its iovs, then the
- * header bytes. */
+/* A message made of a header, pieces read in place and a tail (bpx_send_iov): its iovs, then
+ * the header and tail bytes. */
 typedef struct {
     bpx_link *link;
     size_t len;
     void (*release)(void *);
     void *token;
     size_t n;
-    ucp_dt_iov_t iov[]; /* n + 1, read by UCX until the send completes */
+    ucp_dt_iov_t iov[]; /* n + 2, read by UCX until the send completes */
 } bpx_iov_msg;
 
 static void sent_iov(void *request, ucs_status_t status, void *user_data)
@@ -652,15 +577,15 @@ static void sent_iov(void *request, ucs_status_t status, void *user_data)
     ucp_request_free(request);
 }
 
-/* Sends one message made of head (copied) then the n pieces, which UCX reads in place: they
- * must stay valid and unchanged until release(token) is called (at once if the message went
- * or failed before this returns, else from the progress that completes it). release is called
- * exactly once. 0 or a negative status. */
+/* Sends one message made of head (copied), the n pieces, which UCX reads in place, and tail
+ * (copied): the pieces must stay valid and unchanged until release(token) is called (at once
+ * if the message went or failed before this returns, else from the progress that completes
+ * it). release is called exactly once. 0 or a negative status. */
 int bpx_send_iov(bpx_link *l, int index, const void *head, size_t hlen, const bpx_piece *pieces,
-                 size_t n, void (*release)(void *), void *token)
+                 size_t n, const void *tail, size_t tlen, void (*release)(void *), void *token)
 {
     int status = UCS_OK;
-    size_t total = hlen;
+    size_t total = hlen + tlen;
     for (size_t i = 0; i < n && i < BPX_MAX_PIECES; i++)
         total += pieces[i].len;
     if (index < 0 || index >= BPX_MAX_EPS || !l->eps[index].ep)
@@ -672,15 +597,17 @@ int bpx_send_iov(bpx_link *l, int index, const void *head, size_t hlen, const bp
     else if (l->inflight >= BPX_MAX_INFLIGHT)
         status = UCS_ERR_NO_RESOURCE;
     bpx_iov_msg *m =
-        status == UCS_OK ? malloc(sizeof *m + (n + 1) * sizeof(ucp_dt_iov_t) + hlen) : NULL;
+        status == UCS_OK ? malloc(sizeof *m + (n + 2) * sizeof(ucp_dt_iov_t) + hlen + tlen) : NULL;
     if (status == UCS_OK && !m)
         status = UCS_ERR_NO_MEMORY;
     if (status != UCS_OK) {
         release(token);
         return status;
     }
-    char *h = (char *)&m->iov[n + 1];
+    char *h = (char *)&m->iov[n + 2];
     memcpy(h, head, hlen);
+    if (tlen)
+        memcpy(h + hlen, tail, tlen);
     m->link = l;
     m->len = 0;
     m->release = release;
@@ -692,6 +619,8 @@ int bpx_send_iov(bpx_link *l, int index, const void *head, size_t hlen, const bp
         m->iov[i + 1].buffer = (void *)pieces[i].buf;
         m->iov[i + 1].length = pieces[i].len;
     }
+    m->iov[n + 1].buffer = h + hlen;
+    m->iov[n + 1].length = tlen;
     ucp_request_param_t p;
     memset(&p, 0, sizeof p);
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -700,7 +629,7 @@ int bpx_send_iov(bpx_link *l, int index, const void *head, size_t hlen, const bp
     p.datatype = ucp_dt_make_iov();
     p.cb.send = sent_iov;
     p.user_data = m;
-    ucs_status_ptr_t r = ucp_am_send_nbx(l->eps[index].ep, BPX_AM_ID, NULL, 0, m->iov, n + 1, &p);
+    ucs_status_ptr_t r = ucp_am_send_nbx(l->eps[index].ep, BPX_AM_ID, NULL, 0, m->iov, n + 1 + (tlen != 0), &p);
     if (r == NULL || UCS_PTR_IS_ERR(r)) {
         release(token);
         free(m);
@@ -710,6 +639,15 @@ int bpx_send_iov(bpx_link *l, int index, const void *head, size_t hlen, const bp
     l->inflight++;
     l->inflight_bytes += total;
     return 0;
+}
+
+/* Sends one message made of head (copied), the blen bytes at body, which UCX reads in place,
+ * and tail (copied): bpx_send_iov with one piece. */
+int bpx_send_zc(bpx_link *l, int index, const void *head, size_t hlen, const void *body,
+                size_t blen, const void *tail, size_t tlen, void (*release)(void *), void *token)
+{
+    bpx_piece piece = {body, blen};
+    return bpx_send_iov(l, index, head, hlen, &piece, 1, tail, tlen, release, token);
 }
 
 /* Makes progress; returns how much happened (0: nothing). */

@@ -1429,15 +1429,31 @@ mod tests {
         assert_eq!(batch_items(&big), None);
     }
 
-    /// A list of datagrams goes as one message read in place, and the receiver gets each
-    /// whole, in order, after what was sent before it; a malformed list is refused.
-    #[test]
-    fn a_list_of_datagrams_goes_as_one_message_and_arrives_as_each() {
+    /// Two workers on loopback (nodes 1 and 2, port 3 each), `a` connected to `b` (at the
+    /// address returned).
+    fn connected_pair() -> (Worker, Worker, SocketAddr) {
         let ip: IpAddr = "127.0.0.1".parse().unwrap();
         let (mut a, mut b) = (Worker::open(ip, 4).unwrap(), Worker::open(ip, 4).unwrap());
         (a.me, b.me) = (Addr::new(1, 3), Addr::new(2, 3));
         let to_b = SocketAddr::new(ip, b.link.listen_port());
         a.connect(to_b, b.me).unwrap();
+        (a, b, to_b)
+    }
+
+    /// Progresses `b` and appends what it received to `got`.
+    fn take_all(b: &mut Worker, got: &mut Vec<Vec<u8>>) {
+        b.progress();
+        while let Some((_, p)) = b.front() {
+            got.push(p.to_vec());
+            b.pop();
+        }
+    }
+
+    /// A list of datagrams goes as one message read in place, and the receiver gets each
+    /// whole, in order, after what was sent before it; a malformed list is refused.
+    #[test]
+    fn a_list_of_datagrams_goes_as_one_message_and_arrives_as_each() {
+        let (mut a, mut b, to_b) = connected_pair();
         let deadline = Instant::now() + Duration::from_secs(20);
         let dgram = |i: usize| -> Vec<u8> {
             (0..[0, 1, 65_000, 300][i % 4] + i)
@@ -1461,11 +1477,7 @@ mod tests {
         let mut got = Vec::new();
         let b_me = b.me;
         let mut receive = || {
-            b.progress();
-            while let Some((_, p)) = b.front() {
-                got.push(p.to_vec());
-                b.pop();
-            }
+            take_all(&mut b, &mut got);
             true
         };
         assert_eq!(a.send_lent(to_b, b_me, &refs, &mut receive), Ok(true));
@@ -1482,11 +1494,7 @@ mod tests {
                 1 + LIST_MAX
             );
             a.progress();
-            b.progress();
-            while let Some((_, p)) = b.front() {
-                got.push(p.to_vec());
-                b.pop();
-            }
+            take_all(&mut b, &mut got);
         }
         for (i, g) in got.iter().enumerate() {
             assert!(*g == dgram(i), "datagram {i}");
@@ -1517,11 +1525,7 @@ mod tests {
     /// in order.
     #[test]
     fn a_stream_of_large_datagrams_goes_in_big_batches_whole_and_in_order() {
-        let ip: IpAddr = "127.0.0.1".parse().unwrap();
-        let (mut a, mut b) = (Worker::open(ip, 4).unwrap(), Worker::open(ip, 4).unwrap());
-        (a.me, b.me) = (Addr::new(1, 3), Addr::new(2, 3));
-        let to_b = SocketAddr::new(ip, b.link.listen_port());
-        a.connect(to_b, b.me).unwrap();
+        let (mut a, mut b, to_b) = connected_pair();
         let deadline = Instant::now() + Duration::from_secs(20);
         const N: usize = 40;
         let dgram =
@@ -1551,11 +1555,7 @@ mod tests {
         while got.len() < N {
             assert!(Instant::now() < deadline, "got {} of {N}", got.len());
             a.progress();
-            b.progress();
-            while let Some((_, p)) = b.front() {
-                got.push(p.to_vec());
-                b.pop();
-            }
+            take_all(&mut b, &mut got);
         }
         for (i, g) in got.iter().enumerate() {
             assert!(*g == dgram(i), "datagram {i}");
@@ -1568,11 +1568,7 @@ mod tests {
     /// datagram in the order sent.
     #[test]
     fn an_unbatched_send_ships_the_batch_before_it_and_waits_for_nothing() {
-        let ip: IpAddr = "127.0.0.1".parse().unwrap();
-        let (mut a, mut b) = (Worker::open(ip, 4).unwrap(), Worker::open(ip, 4).unwrap());
-        (a.me, b.me) = (Addr::new(1, 3), Addr::new(2, 3));
-        let to_b = SocketAddr::new(ip, b.link.listen_port());
-        a.connect(to_b, b.me).unwrap();
+        let (mut a, mut b, to_b) = connected_pair();
         let deadline = Instant::now() + Duration::from_secs(10);
         let send = |a: &mut Worker, i: u8, batch: bool| {
             while a
