@@ -573,9 +573,7 @@ impl Endpoint {
         ) {
             match d.send_zc(to, dst, (head, Box::new(bytes), tail)) {
                 Ok(()) => {
-                    self.stats.sent += 1;
-                    self.stats.sent_bytes += total as u64;
-                    self.publish_stats();
+                    self.count_sent(1, total);
                     return Ok(true);
                 }
                 Err(direct::Blocked::Full) => return Err(DgramError::WouldBlock),
@@ -658,6 +656,8 @@ impl Endpoint {
     /// the general path (no direct connection, one datagram in a stream — batched —, UCX's
     /// window full, the connection broken: that path waits, reconnects or says why).
     fn send_lent(&mut self, dst: Addr, list: &[&[u8]]) -> Option<Result<(), DgramError>> {
+        // (A fabric on one host has no direct connections: nothing checked twice there.)
+        self.direct.as_ref()?;
         if let Some(big) = list.iter().find(|d| d.len() > MAX_DGRAM) {
             return Some(Err(DgramError::TooBig(big.len())));
         }
@@ -685,13 +685,18 @@ impl Endpoint {
         match d.send_lent(to, dst, list, &mut alive) {
             Ok(false) => None,
             Ok(true) => {
-                self.stats.sent += list.len() as u64;
-                self.stats.sent_bytes += list.iter().map(|d| d.len() as u64).sum::<u64>();
-                self.publish_stats();
+                self.count_sent(list.len(), list.iter().map(|d| d.len()).sum());
                 Some(Ok(()))
             }
             Err(direct::Blocked::Full | direct::Blocked::Failed) => None,
         }
+    }
+
+    /// Counts `n` datagrams of `bytes` in all as sent (and publishes the counters).
+    fn count_sent(&mut self, n: usize, bytes: usize) {
+        self.stats.sent += n as u64;
+        self.stats.sent_bytes += bytes as u64;
+        self.publish_stats();
     }
 
     /// Sends `data` to `dst`, blocking while the receiver's ring is full.
@@ -772,9 +777,7 @@ impl Endpoint {
                 match d.send(to, dst, len, exact, |buf| fill.take().and_then(|f| f(buf))) {
                     Ok(None) => return Ok(false),
                     Ok(Some(used)) => {
-                        self.stats.sent += 1;
-                        self.stats.sent_bytes += used as u64;
-                        self.publish_stats();
+                        self.count_sent(1, used);
                         return Ok(true);
                     }
                     // Full: the receiver is behind. Failed: the connection broke; the
@@ -829,9 +832,7 @@ impl Endpoint {
                     c.ch.commit(r);
                     // SYNC POINT doorbell-arm (sender): in `wake_receiver` (`Bell::wake`).
                     c.ch.wake_receiver();
-                    self.stats.sent += 1;
-                    self.stats.sent_bytes += used as u64;
-                    self.publish_stats();
+                    self.count_sent(1, used);
                     return Ok(true);
                 }
                 Err(RingError::Full) => {}

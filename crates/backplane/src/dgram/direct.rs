@@ -415,7 +415,8 @@ impl Worker {
         let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
         let streaming = now.saturating_sub(o.last_send) < STREAM_GAP_NS;
         let pending = o.used != 0;
-        let (cap, linger) = if len > BATCH_SMALL {
+        let big = len > BATCH_SMALL;
+        let (cap, linger) = if big {
             (BIG_BATCH_MAX, BIG_LINGER_NS)
         } else {
             (BATCH_MAX, LINGER_NS)
@@ -423,7 +424,6 @@ impl Worker {
         // Large datagrams share a message only in a stream of a program's own datagrams
         // (`big_ok`: their length is known); a queue pair's ring bytes (a loose `len`, corked
         // or not) go straight into a message, one copy, as before.
-        let big = len > BATCH_SMALL;
         let batch = batch && !(big && (self.corked || !big_ok));
         if pending
             && (!batch || o.used + 4 + len > cap || now.saturating_sub(o.batch_since) > linger)
@@ -442,7 +442,7 @@ impl Worker {
             let at = o.used;
             if o.batch.len() < at + 4 + len {
                 // (Zeroed once: a buffer keeps its length from batch to batch.)
-                let want = (at + 4 + len).max(if len > BATCH_SMALL { BIG_BATCH_MAX } else { 0 });
+                let want = (at + 4 + len).max(if big { BIG_BATCH_MAX } else { 0 });
                 o.batch.resize(want, 0);
             }
             let Some(n) = fill(&mut o.batch[at + 4..at + 4 + len]).filter(|&n| n <= len) else {
