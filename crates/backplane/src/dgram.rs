@@ -18,7 +18,7 @@ mod direct;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::fabric::ctl::{ErrorKind, Request, Response};
 use crate::fabric::{FabricError, Node};
@@ -265,7 +265,7 @@ impl Node {
             Some(ip) => direct::Unbound::open(ip, self.fabric.nodes()).ok(),
             None => None,
         };
-        let (resp, _) = self.fabric.call(&Request::Bind {
+        let (resp, _) = self.fabric.call_patiently(&Request::Bind {
             slot: self.slot,
             port,
             direct: direct.as_ref().map(|d| d.port()),
@@ -438,9 +438,13 @@ impl Endpoint {
         }
     }
 
-    fn connect(&mut self, dst: Addr) -> Result<usize, DgramError> {
+    /// Opens the route to `dst`; while `until` has not passed, waits for room that memory
+    /// freed less than the allocator's quarantine ago will make (a blocking send).
+    fn connect(&mut self, dst: Addr, until: Option<Instant>) -> Result<usize, DgramError> {
         let fabric = self.node.fabric.clone();
-        let opened = match self.transport.open_datagram(self.addr, dst) {
+        let (transport, src) = (&self.transport, self.addr);
+        let open = || transport.open_datagram(src, dst);
+        let opened = match until.map_or_else(open, |t| crate::fabric::while_room_comes(t, open)) {
             Ok(o) => o,
             Err(FabricError::Refused { kind, message }) => {
                 self.stats.dropped += 1;
@@ -527,12 +531,25 @@ impl Endpoint {
     }
 
     fn tx_index(&mut self, dst: Addr) -> Result<usize, DgramError> {
+        self.tx_index_waiting(dst, Wait::Never)
+    }
+
+    /// [`Endpoint::tx_index`] for a send that may wait as `wait` says (at most
+    /// [`crate::fabric::ROOM_PATIENCE`]) for room to open a route in.
+    fn tx_index_waiting(&mut self, dst: Addr, wait: Wait) -> Result<usize, DgramError> {
         if self.tx.get(self.last_tx).is_some_and(|c| c.dst == dst) {
             return Ok(self.last_tx);
         }
         let i = match self.tx.iter().position(|c| c.dst == dst) {
             Some(i) => i,
-            None => self.connect(dst)?,
+            None => {
+                let patience = match wait {
+                    Wait::Never => None,
+                    Wait::For(d) => Some(d.min(crate::fabric::ROOM_PATIENCE)),
+                    Wait::Forever => Some(crate::fabric::ROOM_PATIENCE),
+                };
+                self.connect(dst, patience.map(|p| Instant::now() + p))?
+            }
         };
         self.last_tx = i;
         Ok(i)
@@ -664,7 +681,7 @@ impl Endpoint {
         if let Err(e) = self.check_open() {
             return Some(Err(e));
         }
-        let i = match self.tx_index(dst) {
+        let i = match self.tx_index_waiting(dst, Wait::Forever) {
             Ok(i) => i,
             Err(e) => return Some(Err(e)),
         };
@@ -752,7 +769,7 @@ impl Endpoint {
             return Err(DgramError::TooBig(len));
         }
         self.check_open()?;
-        let mut i = self.tx_index(dst)?;
+        let mut i = self.tx_index_waiting(dst, wait)?;
         let deadline = deadline_of(wait);
         let mut spins = 0u32;
         let mut reconnected = false;

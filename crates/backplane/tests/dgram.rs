@@ -103,6 +103,72 @@ fn a_full_ring_gives_would_block_or_blocks_and_loses_nothing() {
 }
 
 #[test]
+fn a_blocking_send_waits_for_the_room_that_memory_just_freed_makes() {
+    let fab = Fab::up("dgram_room", 2);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let mut rx = f.node(2).unwrap().bind(5).unwrap();
+    let n1 = f.node(1).unwrap();
+    let dst = Addr::new(2, 5);
+    // Routes to node 2 (each a ring in its window) until its window refuses one.
+    let mut senders = Vec::new();
+    let full = loop {
+        let mut tx = n1.bind(0).unwrap();
+        match tx.try_send_to(dst, b"x") {
+            Ok(()) => senders.push(tx),
+            Err(e) => break e,
+        }
+        assert!(
+            senders.len() < 64,
+            "an 8 MiB window holds fewer than 64 rings"
+        );
+    };
+    assert!(full.to_string().contains("window is full"), "{full}");
+    let mut buf = [0u8; 16];
+    for _ in &senders {
+        let (n, _) = rx
+            .recv(&mut buf, Wait::For(Duration::from_secs(5)))
+            .unwrap();
+        assert_eq!(&buf[..n], b"x");
+    }
+    // Their rings are freed once the receiver retires them (a receive finds them closed and
+    // drained), reusable after the allocator's quarantine (1 s).
+    drop(senders);
+    let mut tx = n1.bind(0).unwrap();
+    let t0 = std::time::Instant::now();
+    loop {
+        assert!(matches!(
+            rx.recv(&mut buf, Wait::Never),
+            Err(DgramError::WouldBlock)
+        ));
+        let e = tx.try_send_to(dst, b"y").unwrap_err();
+        if e.to_string().contains("freed less than") {
+            break; // a send that may not wait is refused, saying a retry may succeed
+        }
+        assert!(
+            t0.elapsed() < Duration::from_millis(500),
+            "rings not freed: {e}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let e = tx
+        .send(dst, b"y", Wait::For(Duration::from_millis(10)))
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("freed less than"),
+        "a short wait: {e}"
+    );
+    // A send that may wait does, until the memory comes back (a program started right after
+    // another one ended, on the routes that one had).
+    let t0 = std::time::Instant::now();
+    tx.send(dst, b"y", Wait::Forever).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    let (n, _) = rx
+        .recv(&mut buf, Wait::For(Duration::from_secs(5)))
+        .unwrap();
+    assert_eq!(&buf[..n], b"y");
+}
+
+#[test]
 fn receive_modes_zero_copy_and_size_errors() {
     let fab = Fab::up("dgram_modes", 2);
     let f = Fabric::attach(&fab.name).unwrap();

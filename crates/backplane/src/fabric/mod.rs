@@ -404,6 +404,16 @@ impl Fabric {
         Ok((resp, fds))
     }
 
+    /// As [`Fabric::call`], made again while the window is full only of memory about to be
+    /// reusable (see [`while_room_comes`]): for requests a caller may wait for.
+    pub(crate) fn call_patiently(
+        &self,
+        req: &Request,
+    ) -> Result<(Response, Vec<OwnedFd>), FabricError> {
+        let until = std::time::Instant::now() + ROOM_PATIENCE;
+        while_room_comes(until, || self.call(req))
+    }
+
     /// One request to the service the supervisor hosts (the verbs registry), with `fds`
     /// passed along: `req` and the reply `R` are the service's messages, opaque to `fabric`
     /// (JSON inside `Request::Service`). Refusals become `Refused`; a reply that does not
@@ -416,24 +426,8 @@ impl Fabric {
         let body = serde_json::to_value(req)
             .map_err(|e| FabricError::Protocol(format!("cannot encode a service request: {e}")))?;
         let request = Request::Service(body);
-        // A window full of what a program that just ended freed is reusable within the
-        // quarantine: the request (which the supervisor refused whole) is made again until
-        // then, so a program started right after another (perftest's, the pingpongs' 16 QPs)
-        // does not fail for memory that is about to come back.
-        let t0 = std::time::Instant::now();
-        let (resp, fds) = loop {
-            match self.call_with_fds(&request, fds) {
-                Err(FabricError::Refused {
-                    kind: ErrorKind::NoSpace,
-                    message,
-                }) if message.contains(alloc::REUSABLE_SOON)
-                    && t0.elapsed() < alloc::QUARANTINE + Duration::from_millis(200) =>
-                {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                r => break r?,
-            }
-        };
+        let until = std::time::Instant::now() + ROOM_PATIENCE;
+        let (resp, fds) = while_room_comes(until, || self.call_with_fds(&request, fds))?;
         let Response::Service(body) = resp else {
             return Err(FabricError::Protocol(format!("{resp:?}")));
         };
@@ -647,9 +641,85 @@ fn scratch_off(idx: usize) -> Result<u64, FabricError> {
     Ok((wire::WIN_SCRATCH_OFF + idx * 4) as u64)
 }
 
+/// How long a request that may wait waits for memory a program just freed: the allocator's
+/// quarantine and a margin.
+pub(crate) const ROOM_PATIENCE: Duration =
+    alloc::QUARANTINE.saturating_add(Duration::from_millis(200));
+
+/// Runs `call` until it is not refused for a window full of memory freed less than the
+/// allocator's quarantine ago, or `until` passes (then with that refusal). Such memory is
+/// reusable within the quarantine and the supervisor refused the request whole (nothing of it
+/// was made), so a program started right after another — perftest's, the pingpongs' 16 QPs,
+/// `perf` run twice — does not fail for memory that is about to come back.
+pub(crate) fn while_room_comes<T>(
+    until: std::time::Instant,
+    mut call: impl FnMut() -> Result<T, FabricError>,
+) -> Result<T, FabricError> {
+    const STEP: Duration = Duration::from_millis(20);
+    loop {
+        match call() {
+            Err(FabricError::Refused {
+                kind: ErrorKind::NoSpace,
+                message,
+            }) if message.contains(alloc::REUSABLE_SOON)
+                && std::time::Instant::now() + STEP <= until =>
+            {
+                std::thread::sleep(STEP);
+            }
+            r => return r,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_caller_waits_only_for_memory_about_to_come_back_and_only_until_its_deadline() {
+        let refused = |message: &str| FabricError::Refused {
+            kind: ErrorKind::NoSpace,
+            message: message.into(),
+        };
+        let soon = format!(
+            "node 2's window is full (8 KiB {} 1 s ago ...)",
+            alloc::REUSABLE_SOON
+        );
+        let until = std::time::Instant::now() + Duration::from_secs(2);
+        // Refused twice for memory in quarantine, then made.
+        let mut calls = 0;
+        let r = while_room_comes(until, || {
+            calls += 1;
+            if calls < 3 {
+                Err(refused(&soon))
+            } else {
+                Ok(calls)
+            }
+        });
+        assert_eq!(r.unwrap(), 3);
+        // A window full for good, or another error: at once.
+        let other = || FabricError::NotRunning("f".into());
+        for e in [refused(&alloc::window_full(2)), other()] {
+            let mut calls = 0;
+            let r: Result<(), _> = while_room_comes(until, || {
+                calls += 1;
+                Err(match &e {
+                    FabricError::Refused { message, .. } => refused(message),
+                    _ => other(),
+                })
+            });
+            assert!(r.is_err());
+            assert_eq!(calls, 1, "{e}");
+        }
+        // A deadline that has passed: the refusal itself.
+        let mut calls = 0;
+        let r: Result<(), _> = while_room_comes(std::time::Instant::now(), || {
+            calls += 1;
+            Err(refused(&soon))
+        });
+        assert!(matches!(r, Err(FabricError::Refused { .. })));
+        assert_eq!(calls, 1);
+    }
 
     #[test]
     fn fabric_names_are_checked() {
