@@ -319,9 +319,6 @@ impl Ctx {
         })
     }
 
-    /// Nothing can have happened for `cq`: the fabric's epoch has not moved (no node came or
-    /// went) and every QP on it is [`QpEngine::quiet`].
-    #[inline]
     /// Whether a QP of `cq` still has send work outstanding (the program will poll for it).
     fn sends_outstanding(eng: &Engine, cq: usize) -> bool {
         eng.cqs.get(cq).and_then(|c| c.as_ref()).is_some_and(|c| {
@@ -331,6 +328,9 @@ impl Ctx {
         })
     }
 
+    /// Nothing can have happened for `cq`: the fabric's epoch has not moved (no node came or
+    /// went) and every QP on it is [`QpEngine::quiet`].
+    #[inline]
     pub(super) fn all_quiet(&self, eng: &Engine, cq: usize) -> bool {
         if self.node.fabric().epoch().load(Ordering::Relaxed) != eng.epoch {
             return false;

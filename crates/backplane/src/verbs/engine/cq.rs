@@ -50,11 +50,16 @@ impl CqRing {
             return None;
         }
         let wc = self.slots[self.head];
-        self.head += 1;
-        if self.head == self.slots.len() {
-            self.head = 0;
-        }
         self.len -= 1;
+        // Drained: the next completion goes to slot 0 again, so a program that takes each
+        // completion as it comes (a latency loop) writes and reads one slot that stays in
+        // the L1 cache, not a new one of the ring's each time (a slot's line missed L1 on
+        // every READ: that store was the fast path's costliest instruction).
+        self.head = if self.len == 0 || self.head + 1 == self.slots.len() {
+            0
+        } else {
+            self.head + 1
+        };
         Some(wc)
     }
 
@@ -151,5 +156,24 @@ mod tests {
         }
         assert_eq!(next_out, next_in);
         assert!(r.pop_front().is_none());
+    }
+
+    #[test]
+    fn a_drained_ring_starts_again_at_its_first_slot() {
+        let mut r = CqRing::with_capacity(8);
+        for id in 0..5 {
+            r.push_back(Wc {
+                wr_id: id,
+                ..Wc::default()
+            });
+            // One in, one out (a latency loop): always the same, first slot.
+            assert_eq!((r.head, r.len()), (0, 1));
+            assert_eq!(r.pop_front().map(|w| w.wr_id), Some(id));
+            assert_eq!(r.head, 0);
+        }
+        r.push_back(Wc::default());
+        r.push_back(Wc::default());
+        r.pop_front();
+        assert_eq!((r.head, r.len()), (1, 1), "not drained: the head moves on");
     }
 }
