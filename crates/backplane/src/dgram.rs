@@ -769,8 +769,9 @@ impl Endpoint {
             return Err(DgramError::TooBig(len));
         }
         self.check_open()?;
-        let mut i = self.tx_index_waiting(dst, wait)?;
+        // (Started first: waiting for room to open the route spends the same wait.)
         let deadline = deadline_of(wait);
+        let mut i = self.tx_index_waiting(dst, wait)?;
         let mut spins = 0u32;
         let mut reconnected = false;
         // Taken by the send that goes (a direct send that must wait leaves it).
