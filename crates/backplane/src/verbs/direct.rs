@@ -858,6 +858,7 @@ impl Inner {
                 m.answers.push_front(a);
                 return any;
             }
+            m.recycle(a);
             any = true;
         }
         // One-sided requests before the ring bytes published after them (the position is
@@ -1034,7 +1035,7 @@ impl Inner {
         match kind {
             KIND_QP => m.apply(body),
             KIND_RDMA => {
-                let mut out = Vec::new();
+                let mut out = m.answer_buf();
                 m.execute(&body[16..], &mut out);
                 if mirror::answer_is_write_ack(&out) {
                     PEER_WRITES.0.fetch_add(1, Ordering::Relaxed);

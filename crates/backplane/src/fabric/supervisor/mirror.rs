@@ -56,6 +56,9 @@ const REM_INV_REQ_ERR: u32 = 9;
 pub(crate) const ANSWER_HEAD: usize = 16 + 24;
 use crate::wire::RECORD_ALIGN;
 
+/// How many buffers of answers that went out a mirror keeps for the next ones.
+const SPARE_ANSWERS: usize = 8;
+
 /// At most this many ring bytes go in one message.
 pub(crate) const CHUNK: u64 = 256 * 1024;
 /// A mirror message's header (after the bridge's own): two QP keys, the words, where the
@@ -209,6 +212,8 @@ pub(crate) struct Mirror {
     regions: rustc_hash::FxHashMap<u32, Arc<ShmRegion>>,
     /// Answers to the other host's requests that UCX could not take yet.
     pub(crate) answers: VecDeque<Vec<u8>>,
+    /// Buffers of answers that went out, for the next ones ([`Mirror::answer_buf`]).
+    spare: Vec<Vec<u8>>,
     /// The id of the last request of the local QP shipped (answers must stay at or below it).
     asked_id: u64,
     /// The other bridge has this pair too: shipping may start.
@@ -284,6 +289,7 @@ impl Mirror {
             rdma,
             regions: rustc_hash::FxHashMap::default(),
             answers: VecDeque::new(),
+            spare: Vec::new(),
             asked_id: 0,
             ready: false,
             broken: None,
@@ -482,6 +488,24 @@ impl Mirror {
             self.asked_id = self.asked_id.max(id);
         }
         self.rdma.req.release(rec);
+    }
+
+    /// A buffer for the answer to a request ([`Mirror::execute`]): one that went out before
+    /// if there is one. An answer grew from nothing in three allocations, each on the way
+    /// from a request's arrival to its answer's departure.
+    pub(crate) fn answer_buf(&mut self) -> Vec<u8> {
+        self.spare
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(ANSWER_HEAD + 8))
+    }
+
+    /// An answer that went out: its buffer serves a later one (a few are kept, none larger
+    /// than a READ piece's answer).
+    pub(crate) fn recycle(&mut self, mut answer: Vec<u8>) {
+        if self.spare.len() < SPARE_ANSWERS && answer.capacity() <= ANSWER_HEAD + RDMA_PIECE {
+            answer.clear();
+            self.spare.push(answer);
+        }
     }
 
     /// A region of the local QP granted to the other host's QP.
@@ -948,6 +972,39 @@ mod tests {
         assert!(!answer_is_write_ack(&answer(0, RDMA_OP_READ)));
         assert!(!answer_is_write_ack(&answer(0, RDMA_OP_FETCH_ADD)));
         assert!(!answer_is_write_ack(&answer(0, RDMA_OP_WRITE)[..28]));
+    }
+
+    #[test]
+    fn an_answer_is_made_in_the_buffer_of_one_that_went_out() {
+        let (mut ma, _mb, _a, _b) = pair();
+        // A refused request (no region of that rkey): the whole answer, as `execute` makes it.
+        let mut req = vec![0u8; RDMA_REQ_HEAD];
+        req[0] = RDMA_OP_FETCH_ADD;
+        req[8..16].copy_from_slice(&5u64.to_le_bytes());
+        req[20..24].copy_from_slice(&8u32.to_le_bytes());
+        let mut out = ma.answer_buf();
+        assert!(
+            out.capacity() >= ANSWER_HEAD,
+            "made once, big enough for an atomic's"
+        );
+        ma.execute(&req, &mut out);
+        assert_eq!(out.len(), ANSWER_HEAD);
+        assert_eq!(u32_at(&out, 24), REM_ACCESS_ERR);
+        let at = out.as_ptr();
+        ma.recycle(out);
+        let again = ma.answer_buf();
+        assert_eq!(
+            (again.as_ptr(), again.len()),
+            (at, 0),
+            "the same buffer, emptied"
+        );
+        // At most SPARE_ANSWERS are kept, and none larger than a READ piece's answer.
+        for _ in 0..SPARE_ANSWERS + 3 {
+            ma.recycle(Vec::with_capacity(64));
+        }
+        ma.recycle(Vec::with_capacity(ANSWER_HEAD + RDMA_PIECE + 1));
+        assert_eq!(ma.spare.len(), SPARE_ANSWERS);
+        assert!(ma.spare.iter().all(|b| b.capacity() == 64));
     }
 
     #[test]
