@@ -274,6 +274,11 @@ struct Worker {
     me: Addr,
     nodes: u32,
     queue: VecDeque<Msg>,
+    /// Whether `queue` holds a datagram, readable without the worker's lock (set whenever
+    /// `queue` changes): a hint for a reader that takes only what already came, which right
+    /// after a look that read what came would otherwise lock the worker to find nothing
+    /// ([`Direct::may_have_queued`]).
+    has_queued: Arc<AtomicBool>,
     /// Bytes taken off the wire and not read yet: in `queue`, or held in `order` for an
     /// earlier datagram of their connection.
     queued: usize,
@@ -330,6 +335,7 @@ impl Worker {
             me: Addr::new(0, 0),
             nodes,
             queue: VecDeque::new(),
+            has_queued: Arc::new(AtomicBool::new(false)),
             queued: 0,
             held_bytes: 0,
             out: FxHashMap::default(),
@@ -786,6 +792,7 @@ impl Worker {
                 Event::Accepted(_) => {}
             }
         }
+        self.note_queue();
     }
 
     /// A message from a sender: queued if it is the next of its connection, held if an
@@ -900,7 +907,14 @@ impl Worker {
         if m.next >= m.items.len() {
             self.queued -= m.bytes.len();
             self.queue.pop_front();
+            self.note_queue();
         }
+    }
+
+    /// Publishes whether a datagram is queued (see `has_queued`).
+    fn note_queue(&self) {
+        self.has_queued
+            .store(!self.queue.is_empty(), Ordering::Relaxed);
     }
 
     /// Bytes the program can read now (in its senders' order), which [`QUEUE_MAX`] bounds.
@@ -944,6 +958,7 @@ impl Worker {
         let start = Instant::now();
         // The receive queue must not stop the worker now: nobody reads it any more.
         self.queue.clear();
+        self.note_queue();
         self.order.clear();
         self.queued = 0;
         self.held_bytes = 0;
@@ -1002,6 +1017,8 @@ pub(super) struct Direct {
     waker: Option<JoinHandle<()>>,
     /// Sends go at once, each its own message, never into a batch (see [`Direct::alone`]).
     alone: bool,
+    /// The worker's `has_queued`.
+    has_queued: Arc<AtomicBool>,
 }
 
 /// A direct endpoint's worker before the endpoint is bound.
@@ -1033,6 +1050,7 @@ impl Unbound {
             rustix::io::fcntl_dupfd_cloexec(worker.link.fd(), 0).map_err(|e| e.to_string())?;
         let ctl = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
             .map_err(|e| e.to_string())?;
+        let has_queued = worker.has_queued.clone();
         let shared = Arc::new(Shared {
             worker: Mutex::new(worker),
             modes: AtomicU32::new(0),
@@ -1049,6 +1067,7 @@ impl Unbound {
             shared: Some(shared),
             waker: Some(waker),
             alone: false,
+            has_queued,
         })
     }
 }
@@ -1239,6 +1258,13 @@ impl Direct {
             w.pop();
         }
         Some((len, out))
+    }
+
+    /// Whether a received datagram may wait, without the worker's lock: false only if none
+    /// did when the worker last changed its queue (one that another thread queued a moment
+    /// ago may be missed: the next look finds it).
+    pub(super) fn may_have_queued(&self) -> bool {
+        self.has_queued.load(Ordering::Relaxed)
     }
 
     /// Whether a received datagram waits.
@@ -1799,10 +1825,14 @@ mod tests {
         poll_until(&mut w, &mut raw, &mut in_place, &|_, n| n == 1);
         assert_eq!(in_place, [b"zero".to_vec()]);
         assert_eq!(w.front().map(|(_, p)| p.to_vec()), Some(b"one".to_vec()));
+        // The hint a reader looks at without the lock follows the queue.
+        let hint = |w: &Worker| w.has_queued.load(Ordering::Relaxed);
+        assert!(hint(&w), "a queued datagram is announced");
         // Behind a queued one, the next is queued too.
         send(&mut raw, 2, b"two");
         poll_until(&mut w, &mut raw, &mut in_place, &|w, _| w.queue.len() == 2);
         assert_eq!(read_queue(&mut w), [b"one".to_vec(), b"two".to_vec()]);
+        assert!(!hint(&w), "an emptied queue is announced");
         // Declined: queued, and the next after it too; then nothing is read in place.
         send(&mut raw, 3, b"no");
         poll_until(&mut w, &mut raw, &mut in_place, &|w, _| w.queue.len() == 1);
@@ -1815,5 +1845,6 @@ mod tests {
         poll_until(&mut w, &mut raw, &mut in_place, &|_, n| n == 2);
         assert_eq!(in_place[1], b"five");
         assert_eq!((w.queued, w.held_bytes, w.rejected), (0, 0, 0));
+        assert!(!hint(&w));
     }
 }
