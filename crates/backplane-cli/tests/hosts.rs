@@ -223,7 +223,12 @@ impl Hosts {
 
     fn status(&self, k: usize) -> serde_json::Value {
         let o = self.bp(k, &["status", "--name", &self.fabric, "--json"]);
-        assert!(o.status.success(), "status on h{k}: {}", stderr(&o));
+        assert!(
+            o.status.success(),
+            "status on h{k}: {}\n{}",
+            stderr(&o),
+            self.logs()
+        );
         serde_json::from_slice(&o.stdout).unwrap()
     }
 

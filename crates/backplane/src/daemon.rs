@@ -100,6 +100,9 @@ pub fn supervisor(name: &str, ready_fd: RawFd, options_fd: RawFd) -> Result<(), 
             source: e,
         })
         .inspect_err(|e| fail(&mut ready, e))?;
+    // The supervisor's own standard error goes to its log too (it was /dev/null): a panic's
+    // message and UCX's errors (its log goes to stderr) are what tells why a supervisor died.
+    let _ = rustix::stdio::dup2_stderr(&log);
     // The verbs registry lives with the verbs; the supervisor hosts it.
     let verbs = Box::new(crate::verbs::registry::Registry::new());
     supervisor::run(cfg, lock, Some(ready), log, verbs)?;
