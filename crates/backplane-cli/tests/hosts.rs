@@ -204,7 +204,12 @@ impl Hosts {
 
     fn up_ok(&self, k: usize, file: &std::path::Path) {
         let o = self.up(k, file, &[]);
-        assert!(o.status.success(), "up on h{k}: {}", stderr(&o));
+        assert!(
+            o.status.success(),
+            "up on h{k}: {}\n{}",
+            stderr(&o),
+            self.logs()
+        );
     }
 
     /// `kill -9` of host k's supervisor (the host stops answering at once).

@@ -124,6 +124,9 @@ typedef struct bpx_ep {
     struct bpx_link *link;
     int index;
     ucp_ep_h ep;
+    /* Being closed: the progress that completes a close may accept a connection, which must
+     * not take this slot (its events would be dropped as the closed endpoint's). */
+    int closing;
 } bpx_ep;
 
 typedef struct bpx_link {
@@ -166,7 +169,7 @@ static void push(bpx_link *l, bpx_event ev)
 static int free_index(bpx_link *l)
 {
     for (int i = 0; i < BPX_MAX_EPS; i++)
-        if (!l->eps[i].ep)
+        if (!l->eps[i].ep && !l->eps[i].closing)
             return i;
     return -1;
 }
@@ -707,11 +710,13 @@ void bpx_close(bpx_link *l, int index)
     p.flags = UCP_EP_CLOSE_FLAG_FORCE;
     ucs_status_ptr_t r = ucp_ep_close_nbx(l->eps[index].ep, &p);
     l->eps[index].ep = NULL;
+    l->eps[index].closing = 1;
     if (UCS_PTR_IS_PTR(r)) {
         while (ucp_request_check_status(r) == UCS_INPROGRESS)
             ucp_worker_progress(l->worker);
         ucp_request_free(r);
     }
+    l->eps[index].closing = 0;
     /* Events already queued for this index are stale now: drop them. */
     for (size_t i = 0; i < l->qlen; i++) {
         bpx_event *e = &l->q[(l->qhead + i) % l->qcap];
@@ -733,7 +738,8 @@ int bpx_close_flush(bpx_link *l, int index, long timeout_us)
     memset(&p, 0, sizeof p);
     ucs_status_ptr_t r = ucp_ep_close_nbx(l->eps[index].ep, &p);
     l->eps[index].ep = NULL;
-    int ok = !UCS_PTR_IS_ERR(r);
+    l->eps[index].closing = 1;
+    int ok = !UCS_PTR_IS_ERR(r), pending = 0;
     if (UCS_PTR_IS_PTR(r)) {
         struct timespec t0, t;
         clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -748,11 +754,15 @@ int bpx_close_flush(bpx_link *l, int index, long timeout_us)
         if (s == UCS_INPROGRESS) {
             l->half_closed = 1; /* the request stays UCX's */
             ok = 0;
+            pending = 1;
         } else {
             ok = s == UCS_OK;
             ucp_request_free(r);
         }
     }
+    /* A half-closed endpoint keeps its slot: UCX may still report on it, by this index. */
+    if (!pending)
+        l->eps[index].closing = 0;
     for (size_t i = 0; i < l->qlen; i++) {
         bpx_event *e = &l->q[(l->qhead + i) % l->qcap];
         if (e->ep == index)
