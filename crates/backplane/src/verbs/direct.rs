@@ -59,6 +59,9 @@ const NAP: Duration = Duration::from_millis(1);
 const SHORT_LOOK: Duration = Duration::from_micros(30);
 /// How long after a program thread last pumped a pair its own thread takes over.
 const APP_ACTIVE_NS: u64 = 200_000;
+/// How long after a program's last poll its posts count as the program at work
+/// ([`DirectQp::kick`]).
+const POSTER_POLLED_NS: u64 = 5_000_000;
 /// How often the pair's thread looks whether the program still polls.
 const APP_CHECK: Duration = Duration::from_millis(5);
 /// How long the pair's thread pauses when UCX is busy but nothing came or went.
@@ -192,6 +195,10 @@ struct Shared {
     /// When a program thread last pumped the pair (monotonic ns): while programs poll, the
     /// pair's own thread stays out of their way.
     app_ns: AtomicU64,
+    /// When a program thread last polled a completion queue (monotonic ns; 0: it went
+    /// elsewhere since): a post this soon after counts as the program at work too
+    /// ([`DirectQp::kick`]).
+    polled_ns: AtomicU64,
     /// The pair's thread rests because programs poll (on `rest_bell`, written by
     /// [`app_went_elsewhere`]: a program may now wait on memory or a channel).
     resting: AtomicBool,
@@ -255,6 +262,7 @@ impl DirectQp {
             }),
             stop: AtomicBool::new(false),
             app_ns: AtomicU64::new(0),
+            polled_ns: AtomicU64::new(0),
             resting: AtomicBool::new(false),
             rest_bell: rustix::event::eventfd(
                 0,
@@ -282,10 +290,26 @@ impl DirectQp {
     #[inline]
     pub(crate) fn kick(&self) {
         // Waits for a pump in progress elsewhere (it may be past its shipping), so nothing
-        // posted waits for a later look. (Posting says nothing of whether the program will
-        // poll: one that waits on memory for a peer's RDMA WRITE needs the pair's thread to
-        // take what comes, so this does not count as the program pumping.)
-        let mut g = self.shared.lock();
+        // posted waits for a later look.
+        //
+        // Posting alone says nothing of whether the program will poll (one that waits on
+        // memory for a peer's RDMA WRITE needs the pair's thread to take what comes), but a
+        // program that polls now and then and posts in between — a stream's sender, which
+        // polls only when its send queue is full, milliseconds apart — is at work while it
+        // posts: its posts keep the pair's thread resting as its polls do, for as long as it
+        // polled within [`POSTER_POLLED_NS`]. Otherwise the pair's thread took the program
+        // for gone 200 µs after its last poll and pumped beside it, the two taking turns on
+        // the pair's lock (`perf send-bw` 64 KiB between hosts: the pair's thread at 5-10 %
+        // of a CPU in its slow runs). A program that posts and then waits on memory without
+        // polling again has the pair's thread back that long after its last poll at most
+        // (one whose wait the library sees, `app_may_wait_for_write`, at once as before).
+        let s = &self.shared;
+        let now = crate::sync::now_ns();
+        let polled = s.polled_ns.load(Ordering::Relaxed);
+        if polled != 0 && now.saturating_sub(polled) < POSTER_POLLED_NS {
+            s.app_ns.store(now, Ordering::Relaxed);
+        }
+        let mut g = s.lock();
         let ep = g.ep.clone();
         let mut ep = ep.lock().unwrap_or_else(|e| e.into_inner());
         g.ship(&mut ep);
@@ -330,6 +354,7 @@ impl Shared {
     fn pumped_by_app(&self, polling: Option<u64>) {
         if let Some(now) = polling {
             self.app_ns.store(now, Ordering::Relaxed);
+            self.polled_ns.store(now, Ordering::Relaxed);
         }
         if let Ok(mut g) = self.inner.try_lock() {
             g.by_app = polling.is_some();
@@ -373,6 +398,7 @@ fn stamp_live() {
         let now = crate::sync::now_ns();
         for s in pairs.iter().filter_map(Weak::upgrade) {
             s.app_ns.store(now, Ordering::Relaxed);
+            s.polled_ns.store(now, Ordering::Relaxed);
         }
     });
 }
@@ -514,6 +540,7 @@ fn app_went_elsewhere() {
     };
     for s in live.iter().filter_map(Weak::upgrade) {
         // SYNC POINT pair-rest (app side): the stamp is cleared before `resting` is read.
+        s.polled_ns.store(0, Ordering::Relaxed);
         s.app_ns.store(0, Ordering::SeqCst);
         if s.resting.swap(false, Ordering::SeqCst) {
             if let Some(fd) = &s.rest_bell {
