@@ -303,11 +303,14 @@ impl DirectQp {
         // of a CPU in its slow runs). A program that posts and then waits on memory without
         // polling again has the pair's thread back that long after its last poll at most
         // (one whose wait the library sees, `app_may_wait_for_write`, at once as before).
+        // (The clock is read only for a program that polled at all.)
         let s = &self.shared;
-        let now = crate::sync::now_ns();
         let polled = s.polled_ns.load(Ordering::Relaxed);
-        if polled != 0 && now.saturating_sub(polled) < POSTER_POLLED_NS {
-            s.app_ns.store(now, Ordering::Relaxed);
+        if polled != 0 {
+            let now = crate::sync::now_ns();
+            if now.saturating_sub(polled) < POSTER_POLLED_NS {
+                s.app_ns.store(now, Ordering::Relaxed);
+            }
         }
         let mut g = s.lock();
         let ep = g.ep.clone();
