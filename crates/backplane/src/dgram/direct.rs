@@ -321,6 +321,13 @@ impl Worker {
         if let Some(w) = kept {
             return Ok(Self::with_link(w.link, ip, nodes));
         }
+        // A process in a node's network namespace (`exec` on a fabric with IP over it) does
+        // not have the host's address: UCX would fail to listen there, say so on the
+        // program's stderr, and the endpoint would go through the bridges anyway. Ask the
+        // kernel first, quietly.
+        if std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_err() {
+            return Err(format!("{ip} is not an address of this network namespace"));
+        }
         // No shared memory between hosts (see `Link::open_with`).
         let link =
             Link::open_with(Some(SocketAddr::new(ip, 0)), false).map_err(|e| e.to_string())?;

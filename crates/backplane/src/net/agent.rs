@@ -69,21 +69,26 @@ pub enum AgentError {
 /// Runs the agent of `cfg.slot` until the supervisor goes away.
 pub fn run(cfg: &AgentConfig) -> Result<(), AgentError> {
     let (name, slot) = (cfg.fabric.as_str(), cfg.slot);
-    // Enter the node's namespace before any thread exists (setns is per thread).
-    if cfg.net.is_some() {
-        net::enter_netns(&net::netns_name(name, slot))
-            .map_err(|source| AgentError::Netns { slot, source })?;
-    }
     let fabric = Fabric::attach_agent(name, slot)?;
     let window = fabric.raw_window(slot)?;
     let beat = window.u64_at(WIN_HEARTBEAT_OFF as u64)?;
     beat.fetch_add(1, Ordering::Relaxed);
-    let tap = match &cfg.net {
+    // Only bp0 lives in the node's namespace: it is made and configured there, and its
+    // counters' file opened there (it keeps showing that namespace); the agent's threads stay
+    // in the host's, so that on a fabric across hosts their endpoints listen on the host's
+    // address and reach the other hosts straight (from the node's namespace, which has only
+    // bp0 and lo, they could not: every frame to another host went through the bridges).
+    let (tap, mut dev_stats) = match &cfg.net {
         Some((subnet, mtu)) => {
             let plan = NetPlan::new(subnet, *mtu, fabric.nodes())?;
-            Some(Arc::new(setup_interface(slot, &plan)?))
+            let (tap, stats) = net::in_netns(&net::netns_name(name, slot), || {
+                let tap = setup_interface(slot, &plan)?;
+                Ok::<_, AgentError>((tap, std::fs::File::open("/proc/thread-self/net/dev").ok()))
+            })
+            .map_err(|source| AgentError::Netns { slot, source })??;
+            (Some(Arc::new(tap)), stats)
         }
-        None => None,
+        None => (None, None),
     };
     fabric.agent_ready(slot)?;
     if let Some(tap) = tap {
@@ -100,8 +105,8 @@ pub fn run(cfg: &AgentConfig) -> Result<(), AgentError> {
             return Ok(());
         }
         beat.fetch_add(1, Ordering::Relaxed);
-        if cfg.net.is_some() {
-            publish_ifstats(&window);
+        if let Some(f) = &mut dev_stats {
+            publish_ifstats(&window, f);
         }
     }
 }
@@ -117,12 +122,14 @@ fn setup_interface(slot: u32, plan: &NetPlan) -> Result<Tap, AgentError> {
     Ok(tap)
 }
 
-/// Copies the kernel's counters of bp0 into the window for `status`. `/proc/self/net/dev`
-/// follows this process's network namespace (unlike `/sys`, which is the host's here).
-fn publish_ifstats(window: &crate::mem::Region) {
-    let Ok(text) = std::fs::read_to_string("/proc/self/net/dev") else {
+/// Copies the kernel's counters of bp0 into the window for `status`, from `dev`: the node's
+/// `/proc/net/dev`, opened in its namespace (unlike `/sys`, which is the host's here).
+fn publish_ifstats(window: &crate::mem::Region, dev: &mut std::fs::File) {
+    use std::io::{Read, Seek};
+    let mut text = String::new();
+    if dev.rewind().is_err() || dev.read_to_string(&mut text).is_err() {
         return;
-    };
+    }
     let Some(v) = net::parse_net_dev(&text, net::IFNAME) else {
         return;
     };

@@ -125,8 +125,8 @@ impl Tap {
     }
 }
 
-/// Enters the network namespace mounted at `/run/netns/NAME` (calling thread only: call it
-/// before starting other threads).
+/// Moves the calling thread into the network namespace mounted at `/run/netns/NAME` (the
+/// process's other threads stay where they are; see [`in_netns`]).
 pub fn enter_netns(name: &str) -> std::io::Result<()> {
     use rustix::fs::{open, Mode, OFlags};
     let fd = open(
@@ -139,6 +139,25 @@ pub fn enter_netns(name: &str) -> std::io::Result<()> {
         Some(rustix::thread::LinkNameSpaceType::Network),
     )?;
     Ok(())
+}
+
+/// Runs `f` on the calling thread inside the network namespace mounted at `/run/netns/NAME`,
+/// then returns the thread to the namespace it was in (setns is per thread: the process's
+/// other threads never leave theirs, and threads `f` starts stay in `NAME`).
+pub fn in_netns<T>(name: &str, f: impl FnOnce() -> T) -> std::io::Result<T> {
+    use rustix::fs::{open, Mode, OFlags};
+    let here = open(
+        "/proc/thread-self/ns/net",
+        OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    enter_netns(name)?;
+    let out = f();
+    rustix::thread::move_into_link_name_space(
+        std::os::fd::AsFd::as_fd(&here),
+        Some(rustix::thread::LinkNameSpaceType::Network),
+    )?;
+    Ok(out)
 }
 
 /// Runs an `ip` command in the current namespace (the agent configuring its interface).
