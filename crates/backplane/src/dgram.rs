@@ -1169,6 +1169,34 @@ impl Endpoint {
         Some(out)
     }
 
+    /// Takes what one look at the network brings from other hosts, every datagram read by
+    /// `read` where UCX received it (see `direct::Direct::progress_take_all`); the number
+    /// taken (0 without a direct worker). What `read` declines with an error stays the next
+    /// datagram, and the error is returned. Rings and queued datagrams are left to the
+    /// other calls (`recv_taken_with`).
+    pub(crate) fn recv_direct_all_with(
+        &mut self,
+        read: impl FnMut(Addr, &[u8]) -> Result<(), DgramError>,
+    ) -> Result<usize, DgramError> {
+        self.check_open()?;
+        let Some(d) = self.direct.as_mut() else {
+            return Ok(0);
+        };
+        let (rejected, n, bytes, err) = d.progress_take_all(read);
+        if n != 0 {
+            self.direct_first = false;
+            self.stats.received += n as u64;
+            self.stats.received_bytes += bytes as u64;
+        }
+        if rejected != 0 {
+            self.stats.dropped += rejected;
+        }
+        if n != 0 || rejected != 0 {
+            self.publish_stats();
+        }
+        err.map_or(Ok(n), Err)
+    }
+
     /// A datagram of `len` bytes from another host was given to the reader (`taken`: and
     /// taken).
     fn took_direct(&mut self, len: usize, taken: bool) {

@@ -1245,6 +1245,42 @@ impl Direct {
         }
     }
 
+    /// Makes progress (see [`Worker::progress`]) and offers `read` every datagram the poll
+    /// brings, in order, where UCX received it, while nothing is queued and `read` takes them
+    /// ([`Direct::progress_take`] offers one a call: in a stream, the others of the same poll
+    /// were copied out of UCX's buffer into the queue, and out of it again). What `read`
+    /// declines (an error), and what comes after, is queued. The number of messages refused
+    /// since the last call, the datagrams taken and their bytes, and `read`'s error.
+    pub(super) fn progress_take_all<E>(
+        &mut self,
+        mut read: impl FnMut(Addr, &[u8]) -> Result<(), E>,
+    ) -> (u64, usize, usize, Option<E>) {
+        let mut w = self.lock();
+        if w.batching {
+            w.ship_all();
+        }
+        let (mut n, mut bytes, mut err) = (0, 0, None);
+        let mut offer = |src: Addr, payload: &[u8]| -> bool {
+            if err.is_some() {
+                return false;
+            }
+            match read(src, payload) {
+                Ok(()) => {
+                    n += 1;
+                    bytes += payload.len();
+                    true
+                }
+                Err(e) => {
+                    err = Some(e);
+                    false
+                }
+            }
+        };
+        w.poll_offering(Some(&mut offer));
+        let rejected = std::mem::take(&mut w.rejected);
+        (rejected, n, bytes, err)
+    }
+
     /// Gives the oldest received datagram to `read`; it is taken only if `read` returns `Ok`.
     /// `None` if none waits.
     pub(super) fn take<R, E>(

@@ -1023,8 +1023,25 @@ impl Inner {
 
     /// Applies what came from the peer's process (`look`: after one look at the network);
     /// true if anything did.
-    fn take(&mut self, ep: &mut Endpoint, mut look: bool) -> bool {
+    fn take(&mut self, ep: &mut Endpoint, look: bool) -> bool {
         let mut any = false;
+        if look {
+            // One look at the network, every message it brings applied in place.
+            let (m, peer) = (&mut self.m, self.peer);
+            match ep.recv_direct_all_with(|src, msg| {
+                Self::apply(m, peer, src, msg);
+                Ok(())
+            }) {
+                Ok(n) => any = n != 0,
+                Err(e) => {
+                    self.detail = Some(e.to_string());
+                    self.m.fail("the QP's endpoint closed");
+                    return false;
+                }
+            }
+        }
+        // Then what the look queued (a batch, or what came out of order) and the rings (a
+        // pair through the bridges), without another look.
         loop {
             // Read in place (a WRITE's data goes from the endpoint's message into the region).
             let (m, peer) = (&mut self.m, self.peer);
@@ -1032,11 +1049,7 @@ impl Inner {
                 Self::apply(m, peer, src, msg);
                 Ok(())
             };
-            let got = if std::mem::take(&mut look) {
-                ep.recv_with(Wait::Never, apply)
-            } else {
-                ep.recv_taken_with(apply)
-            };
+            let got = ep.recv_taken_with(apply);
             match got {
                 Ok(()) => any = true,
                 Err(DgramError::WouldBlock) => return any,
