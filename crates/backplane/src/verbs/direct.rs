@@ -1024,34 +1024,24 @@ impl Inner {
     /// Applies what came from the peer's process (`look`: after one look at the network);
     /// true if anything did.
     fn take(&mut self, ep: &mut Endpoint, look: bool) -> bool {
+        // Read in place (a WRITE's data goes from the endpoint's message into the region).
+        let (m, peer) = (&mut self.m, self.peer);
+        let mut apply = |src, msg: &[u8]| {
+            Self::apply(m, peer, src, msg);
+            Ok(())
+        };
+        // One look at the network, every message it brings applied; then what the look
+        // queued (a batch, or what came out of order) and the rings (a pair through the
+        // bridges), without another look.
+        let mut got = if look {
+            ep.recv_direct_all_with(&mut apply).map(|n| n != 0)
+        } else {
+            Ok(false)
+        };
         let mut any = false;
-        if look {
-            // One look at the network, every message it brings applied in place.
-            let (m, peer) = (&mut self.m, self.peer);
-            match ep.recv_direct_all_with(|src, msg| {
-                Self::apply(m, peer, src, msg);
-                Ok(())
-            }) {
-                Ok(n) => any = n != 0,
-                Err(e) => {
-                    self.detail = Some(e.to_string());
-                    self.m.fail("the QP's endpoint closed");
-                    return false;
-                }
-            }
-        }
-        // Then what the look queued (a batch, or what came out of order) and the rings (a
-        // pair through the bridges), without another look.
         loop {
-            // Read in place (a WRITE's data goes from the endpoint's message into the region).
-            let (m, peer) = (&mut self.m, self.peer);
-            let apply = |src, msg: &[u8]| {
-                Self::apply(m, peer, src, msg);
-                Ok(())
-            };
-            let got = ep.recv_taken_with(apply);
             match got {
-                Ok(()) => any = true,
+                Ok(took) => any |= took,
                 Err(DgramError::WouldBlock) => return any,
                 Err(e) => {
                     self.detail = Some(e.to_string());
@@ -1059,6 +1049,7 @@ impl Inner {
                     return any;
                 }
             }
+            got = ep.recv_taken_with(&mut apply).map(|()| true);
         }
     }
 
