@@ -1890,4 +1890,53 @@ mod tests {
         assert_eq!((w.queued, w.held_bytes, w.rejected), (0, 0, 0));
         assert!(!hint(&w));
     }
+
+    #[test]
+    fn one_look_takes_every_message_it_brought_in_place_until_the_reader_refuses_one() {
+        let region = Arc::new(crate::mem::Region::create("bp-direct-test", 4096).unwrap());
+        let bell = crate::mem::Word32::at(&region, 0).unwrap();
+        let un = Unbound::open("127.0.0.1".parse().unwrap(), 4).unwrap();
+        let to = SocketAddr::from(([127, 0, 0, 1], un.port()));
+        let mut d = un.bound(Addr::new(2, 7), bell).unwrap();
+        let mut raw = Link::open(None).unwrap();
+        let ep = raw.connect(to).unwrap();
+        let a = Addr::new(1, 9);
+        for (seq, body) in [&b"a"[..], b"b", b"no", b"d"].into_iter().enumerate() {
+            raw.send(ep, &message(MAGIC, a, 7, 11, seq as u64, body))
+                .unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // Taken in place, in order, over as many looks as UCX needs, up to the refused one.
+        let mut taken = Vec::new();
+        loop {
+            assert!(Instant::now() < deadline, "taken in place: {taken:?}");
+            let _ = raw.poll();
+            let (rejected, n, bytes, err) = d.progress_take_all(|src, p: &[u8]| {
+                assert_eq!(src, a);
+                if p == b"no" {
+                    return Err(());
+                }
+                taken.push(p.to_vec());
+                Ok(())
+            });
+            assert_eq!((rejected, bytes), (0, n));
+            if err.is_some() {
+                break;
+            }
+        }
+        assert_eq!(taken, [b"a".to_vec(), b"b".to_vec()]);
+        // The refused one stays the next datagram, and what came after waits behind it: no
+        // look offers anything in place while something is queued.
+        let mut rest = Vec::new();
+        while rest.len() < 2 {
+            assert!(Instant::now() < deadline, "queued: {rest:?}");
+            let _ = raw.poll();
+            let (_, n, _, _) = d.progress_take_all(|_, _| Err::<(), ()>(()));
+            assert_eq!(n, 0);
+            while let Some((_, Ok(p))) = d.take(|_, p: &[u8]| Ok::<_, ()>(p.to_vec())) {
+                rest.push(p);
+            }
+        }
+        assert_eq!(rest, [b"no".to_vec(), b"d".to_vec()]);
+    }
 }
