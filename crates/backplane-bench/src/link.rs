@@ -131,6 +131,30 @@ pub fn fabric_recv_msg(ep: &mut Endpoint, size: u64, wait: Wait) -> Result<u64, 
     }
 }
 
+/// Receives a stream of `count` messages of `size` bytes sent by [`fabric_send_msg`] (each
+/// one datagram, or `MAX_DGRAM`-byte ones and the rest), reading every byte in place, as many
+/// datagrams a call as are there ([`Endpoint::recv_many_with`]: from another host every
+/// datagram of a look, a batch's too, read where UCX received it); returns a checksum of
+/// what it read.
+pub fn fabric_recv_stream(
+    ep: &mut Endpoint,
+    size: u64,
+    count: u64,
+    wait: Wait,
+) -> Result<u64, DgramError> {
+    let mut left = size.div_ceil(MAX_DGRAM as u64).max(1) * count;
+    let mut sum = 0u64;
+    while left > 0 {
+        let max = usize::try_from(left).unwrap_or(usize::MAX);
+        let got = ep.recv_many_with(wait, max, |_, p| {
+            sum = sum.wrapping_add(touch(p));
+            Ok(())
+        })?;
+        left -= got as u64;
+    }
+    Ok(sum)
+}
+
 /// Fabric datagram endpoint connected to one peer address.
 pub struct FabricLink {
     ep: Endpoint,

@@ -743,14 +743,15 @@ pub fn run_peer(_: PeerArgs) -> anyhow::Result<()> {
         if size == 0 || size > MAX_SIZE {
             return Ok(());
         }
-        for _ in 0..count {
-            recv_msg(&mut ep, size)?;
-            if a.test == Test::DgramLat {
+        if a.test == Test::DgramBw {
+            // A stream: every datagram read in place, as many a call as are there.
+            backplane_bench::link::fabric_recv_stream(&mut ep, size, count, Wait::Forever)?;
+            ep.send_to(client, b"done")?;
+        } else {
+            for _ in 0..count {
+                recv_msg(&mut ep, size)?;
                 send_msg(&mut ep, client, &reply[..size as usize], Wait::Forever)?;
             }
-        }
-        if a.test == Test::DgramBw {
-            ep.send_to(client, b"done")?;
         }
     }
 }

@@ -295,6 +295,10 @@ struct Worker {
     senders: FxHashMap<EpId, (Addr, u64)>,
     /// Messages that were not ours or were malformed (counted as drops by the endpoint).
     rejected: u64,
+    /// Batches of the look under way whose first datagrams the reader took in place before it
+    /// declined one (sender, connection, number, how many taken): queued by [`Worker::take`]
+    /// from the first declined on.
+    partly_read: Vec<((Addr, u64), u64, usize)>,
     sends: u32,
     /// Some connection has a batch waiting.
     batching: bool,
@@ -349,6 +353,7 @@ impl Worker {
             order: FxHashMap::default(),
             senders: FxHashMap::default(),
             rejected: 0,
+            partly_read: Vec::new(),
             spare: Arc::default(),
             sends: 0,
             batching: false,
@@ -727,11 +732,12 @@ impl Worker {
         self.poll_offering(None);
     }
 
-    /// [`Worker::poll`]; while no datagram is queued, the next one in order (a datagram alone
-    /// in its message) is offered to `read` first, in place in UCX's receive buffer: one it
-    /// takes (returns true) is read without a copy (a 64 KiB stream between hosts copied
-    /// each datagram out of UCX's buffer into a queue, and out of the queue again). What
-    /// comes after one it declined is queued as before.
+    /// [`Worker::poll`]; while no datagram is queued, the next one in order is offered to
+    /// `read` first, in place in UCX's receive buffer: one it takes (returns true) is read
+    /// without a copy (a 64 KiB stream between hosts copied each datagram out of UCX's
+    /// buffer into a queue, and out of the queue again). A batch's datagrams are offered one
+    /// after another (a 1 MiB stream of `send_many`s copied every batch whole); what comes
+    /// after one it declined — the rest of a batch too — is queued as before.
     fn poll_offering(&mut self, read: Option<&mut InPlace<'_>>) {
         if self.readable() >= QUEUE_MAX {
             return;
@@ -748,6 +754,7 @@ impl Worker {
                     out,
                     order,
                     senders,
+                    partly_read,
                     ..
                 } = self;
                 let mut offer = |from: Option<EpId>, msg: &[u8]| -> bool {
@@ -755,12 +762,30 @@ impl Worker {
                     let Some(h) = Self::check_for(*me, *nodes, msg) else {
                         return false;
                     };
-                    if !h.items.is_empty() || !queue.is_empty() {
+                    if !queue.is_empty() {
                         return false;
                     }
                     let o = order.entry((h.src, h.conn)).or_default();
-                    if h.seq != o.next || !read(h.src, &msg[HEAD..]) {
+                    if h.seq != o.next {
                         return false;
+                    }
+                    if h.items.is_empty() {
+                        if !read(h.src, &msg[HEAD..]) {
+                            return false;
+                        }
+                    } else {
+                        // (The items lie inside the message: `check_for` made them so.)
+                        let took = h
+                            .items
+                            .iter()
+                            .take_while(|&&(at, len)| read(h.src, &msg[at..at + len]))
+                            .count();
+                        if took < h.items.len() {
+                            if took != 0 {
+                                partly_read.push(((h.src, h.conn), h.seq, took));
+                            }
+                            return false;
+                        }
                     }
                     o.passed(queue, held_bytes);
                     Self::note_sender(*me, out, senders, from, (h.src, h.conn));
@@ -771,6 +796,8 @@ impl Worker {
             _ => self.link.poll_some_into(&mut events),
         }
         self.handle(&mut events);
+        // (A batch read in part is among the events just handled, unless the link lost it.)
+        self.partly_read.clear();
         self.events = events;
     }
 
@@ -822,11 +849,20 @@ impl Worker {
         }
         Self::note_sender(self.me, &mut self.out, &mut self.senders, from, (src, conn));
         self.queued += msg.len();
+        // A batch whose first datagrams were read in place as it came: the rest only.
+        let next = match self
+            .partly_read
+            .iter()
+            .position(|&(k, s, _)| k == (src, conn) && s == seq)
+        {
+            Some(i) => self.partly_read.swap_remove(i).2.min(items.len()),
+            None => 0,
+        };
         let msg = Msg {
             src,
             bytes: msg,
             items,
-            next: 0,
+            next,
         };
         if seq > o.next {
             self.held_bytes += msg.bytes.len();
@@ -1938,5 +1974,77 @@ mod tests {
             }
         }
         assert_eq!(rest, [b"no".to_vec(), b"d".to_vec()]);
+    }
+
+    #[test]
+    fn a_batch_is_read_in_place_up_to_the_datagram_the_reader_refuses_and_the_rest_queued() {
+        let region = Arc::new(crate::mem::Region::create("bp-direct-test-b", 4096).unwrap());
+        let bell = crate::mem::Word32::at(&region, 0).unwrap();
+        let un = Unbound::open("127.0.0.1".parse().unwrap(), 4).unwrap();
+        let to = SocketAddr::from(([127, 0, 0, 1], un.port()));
+        let mut d = un.bound(Addr::new(2, 7), bell).unwrap();
+        let mut raw = Link::open(None).unwrap();
+        let ep = raw.connect(to).unwrap();
+        let a = Addr::new(1, 9);
+        let first = batch(&[b"a", b"", b"no", b"d"]);
+        raw.send(ep, &message(MAGIC_BATCH, a, 7, 11, 0, &first))
+            .unwrap();
+        raw.send(
+            ep,
+            &message(MAGIC_BATCH, a, 7, 11, 1, &batch(&[b"e", b"f"])),
+        )
+        .unwrap();
+        raw.send(ep, &message(MAGIC, a, 7, 11, 2, b"g")).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut taken = Vec::new();
+        loop {
+            assert!(Instant::now() < deadline, "taken in place: {taken:?}");
+            let _ = raw.poll();
+            let (rejected, n, bytes, err) = d.progress_take_all(|src, p: &[u8]| {
+                assert_eq!(src, a);
+                if p == b"no" {
+                    return Err(());
+                }
+                taken.push(p.to_vec());
+                Ok(())
+            });
+            assert_eq!(rejected, 0);
+            let _ = (n, bytes);
+            if err.is_some() {
+                break;
+            }
+        }
+        assert_eq!(taken, [b"a".to_vec(), Vec::new()]);
+        // The batch waits from the refused datagram on (nothing of it twice), and what came
+        // after it behind it, in order.
+        let mut rest = Vec::new();
+        while rest.len() < 5 {
+            assert!(Instant::now() < deadline, "queued: {rest:?}");
+            let _ = raw.poll();
+            let (_, n, _, _) = d.progress_take_all(|_, _| Err::<(), ()>(()));
+            assert_eq!(n, 0);
+            while let Some((_, Ok(p))) = d.take(|_, p: &[u8]| Ok::<_, ()>(p.to_vec())) {
+                rest.push(p);
+            }
+        }
+        let want: [&[u8]; 5] = [b"no", b"d", b"e", b"f", b"g"];
+        assert_eq!(rest, want.map(<[u8]>::to_vec));
+        // A batch taken whole in place is not queued at all.
+        raw.send(
+            ep,
+            &message(MAGIC_BATCH, a, 7, 11, 3, &batch(&[b"h", b"i"])),
+        )
+        .unwrap();
+        let mut whole = Vec::new();
+        while whole.len() < 2 {
+            assert!(Instant::now() < deadline, "whole: {whole:?}");
+            let _ = raw.poll();
+            d.progress_take_all(|_, p: &[u8]| {
+                whole.push(p.to_vec());
+                Ok::<(), ()>(())
+            });
+        }
+        assert_eq!(whole, [b"h".to_vec(), b"i".to_vec()]);
+        assert!(d.take(|_, _| Ok::<_, ()>(())).is_none(), "nothing queued");
     }
 }
