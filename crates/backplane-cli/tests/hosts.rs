@@ -593,6 +593,8 @@ fn dgram_of(seq: u64) -> Vec<u8> {
 
 const CROSS_PORT: u32 = 7000;
 const CROSS_COUNT: u64 = 3000;
+/// From this datagram on the receiver reads with `recv_many_with`.
+const MANY_FROM: u64 = 900;
 
 /// Whether this role's endpoints should take datagrams between hosts straight (the default)
 /// or through the bridges (`BACKPLANE_DIRECT=0`).
@@ -601,6 +603,7 @@ fn direct_wanted() -> bool {
 }
 
 fn cross_host_role(role: &str) {
+    use backplane::dgram::{DgramError, Wait};
     use backplane::fabric::Fabric;
     use backplane::transport::Addr;
     let fabric = Fabric::attach(&std::env::var("BP_FABRIC").unwrap()).unwrap();
@@ -610,7 +613,7 @@ fn cross_host_role(role: &str) {
             assert_eq!(ep.is_direct(), direct_wanted(), "the receiver's path");
             let mut buf = vec![0u8; 65536];
             let mut from = None;
-            for seq in 0..CROSS_COUNT {
+            for seq in 0..MANY_FROM {
                 let (n, src) = ep
                     .recv_from_timeout(&mut buf, Duration::from_secs(30))
                     .unwrap();
@@ -625,6 +628,32 @@ fn cross_host_role(role: &str) {
                     std::thread::sleep(Duration::from_millis(20));
                 }
             }
+            // The rest as a stream's reader takes it: as many a call as are there, read in
+            // place (at most 7: the sender's batches of ten split across calls), each once and
+            // in order; one refused once stays the next.
+            let (mut seq, mut refused) = (MANY_FROM, false);
+            while seq < CROSS_COUNT {
+                let r = ep.recv_many_with(Wait::For(Duration::from_secs(30)), 7, |src, p| {
+                    if seq == MANY_FROM + 505 && !refused {
+                        refused = true;
+                        return Err(DgramError::BufferTooSmall {
+                            have: 0,
+                            need: p.len(),
+                        });
+                    }
+                    assert_eq!(Some(src), from, "datagram {seq}'s sender");
+                    assert!(p == dgram_of(seq), "datagram {seq}'s bytes");
+                    seq += 1;
+                    Ok(())
+                });
+                match r {
+                    Ok(n) => assert!((1..=7).contains(&n), "{n} datagrams in one call"),
+                    // Refused as the first of a call.
+                    Err(DgramError::BufferTooSmall { .. }) => {}
+                    Err(e) => panic!("recv_many_with at datagram {seq}: {e}"),
+                }
+            }
+            assert!(refused);
             let src = from.unwrap();
             ep.send_to(src, format!("done:{CROSS_COUNT}").as_bytes())
                 .unwrap();

@@ -222,6 +222,61 @@ fn receive_modes_zero_copy_and_size_errors() {
 }
 
 #[test]
+fn recv_many_takes_what_is_there_up_to_its_limit_and_a_refused_datagram_stays_next() {
+    let fab = Fab::up("dgram_many", 2);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let mut rx = f.node(2).unwrap().bind(9).unwrap();
+    let mut tx = f.node(1).unwrap().bind(0).unwrap();
+    let to = Addr::new(2, 9);
+    assert!(matches!(
+        rx.recv_many_with(Wait::Never, 8, |_, _| Ok(())),
+        Err(DgramError::WouldBlock)
+    ));
+    for i in 0..5u8 {
+        tx.send_to(to, &[i; 3]).unwrap();
+    }
+    let mut got = Vec::new();
+    let mut take = |rx: &mut backplane::dgram::Endpoint, max, refuse: Option<u8>| {
+        rx.recv_many_with(Wait::Never, max, |from, p| {
+            assert_eq!(from, tx.local_addr());
+            if Some(p[0]) == refuse {
+                return Err(DgramError::BufferTooSmall {
+                    have: 0,
+                    need: p.len(),
+                });
+            }
+            got.push(p.to_vec());
+            Ok(())
+        })
+    };
+    // At most the limit; then up to the refused one (what came before it counts); the
+    // refused one first of a call is the error; then the rest.
+    assert_eq!(take(&mut rx, 2, None).unwrap(), 2);
+    assert_eq!(take(&mut rx, 8, Some(3)).unwrap(), 1);
+    assert!(matches!(
+        take(&mut rx, 8, Some(3)),
+        Err(DgramError::BufferTooSmall { have: 0, need: 3 })
+    ));
+    assert_eq!(take(&mut rx, 8, None).unwrap(), 2);
+    assert_eq!(got, (0..5u8).map(|i| vec![i; 3]).collect::<Vec<_>>());
+    // With nothing there it waits for the first.
+    let sender = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        tx.send_to(to, b"late").unwrap();
+        tx
+    });
+    let mut late = Vec::new();
+    let n = rx
+        .recv_many_with(Wait::For(Duration::from_secs(10)), 8, |_, p| {
+            late.push(p.to_vec());
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!((n, late), (1, vec![b"late".to_vec()]));
+    drop(sender.join().unwrap());
+}
+
+#[test]
 fn doorbells_and_scratchpads_work_between_nodes() {
     let fab = Fab::up("dgram_bells", 2);
     let f = Fabric::attach(&fab.name).unwrap();
