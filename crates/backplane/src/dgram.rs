@@ -952,7 +952,7 @@ impl Endpoint {
         wait: Wait,
         read: impl FnMut(Addr, &[u8]) -> Result<R, DgramError>,
     ) -> Result<R, DgramError> {
-        self.recv_inner(wait, true, read)
+        self.recv_inner(wait, true, false, read)
     }
 
     /// Receives what is there: at least one datagram (waiting for it as `wait` says) and at
@@ -995,7 +995,8 @@ impl Endpoint {
             r = self.drain_taken(&mut counted);
         }
         if r.is_ok() && n.get() == 0 {
-            r = self.recv_with(wait, &mut counted);
+            // (Waiting, each look still takes every datagram it brings in place.)
+            r = self.recv_inner(wait, true, true, &mut counted);
         }
         match r {
             Ok(()) => Ok(n.get()),
@@ -1037,13 +1038,16 @@ impl Endpoint {
             self.check_open()?;
             return Err(DgramError::WouldBlock);
         }
-        self.recv_inner(Wait::Never, false, read)
+        self.recv_inner(Wait::Never, false, false, read)
     }
 
+    /// `look`: at the network too (the endpoint's UCX worker); `many`: a look gives `read`
+    /// every datagram it brings (the value of the last is returned), not the first only.
     fn recv_inner<R>(
         &mut self,
         wait: Wait,
         look: bool,
+        many: bool,
         mut read: impl FnMut(Addr, &[u8]) -> Result<R, DgramError>,
     ) -> Result<R, DgramError> {
         let deadline = deadline_of(wait);
@@ -1054,7 +1058,7 @@ impl Endpoint {
             // The worker was looked at (and found nothing) with nothing else between.
             let mut direct_looked = false;
             if look && (self.direct_first || self.rx.is_empty()) {
-                if let Some(out) = self.look_direct(&mut read) {
+                if let Some(out) = self.look_direct(many, &mut read) {
                     return out;
                 }
                 direct_looked = true;
@@ -1119,7 +1123,7 @@ impl Endpoint {
                 continue;
             }
             if look && !direct_looked {
-                if let Some(out) = self.look_direct(&mut read) {
+                if let Some(out) = self.look_direct(many, &mut read) {
                     return out;
                 }
             } else if !(direct_looked && n == 0) {
@@ -1221,8 +1225,25 @@ impl Endpoint {
     /// waits, or the endpoint has no worker of its own).
     fn look_direct<R>(
         &mut self,
+        many: bool,
         read: &mut impl FnMut(Addr, &[u8]) -> Result<R, DgramError>,
     ) -> Option<Result<R, DgramError>> {
+        if many {
+            // Every datagram of the look, in place; the last one's value (some were taken
+            // before a refusal: the caller counted them).
+            let mut last = None;
+            let r = self.recv_direct_all_with(|src, p| {
+                last = Some(read(src, p)?);
+                Ok(())
+            });
+            return match (r, last) {
+                (_, Some(v)) => Some(Ok(v)),
+                // (A look takes nothing in place while the worker has datagrams queued: the
+                // oldest of those, then.)
+                (Ok(_), None) => self.recv_direct(read),
+                (Err(e), None) => Some(Err(e)),
+            };
+        }
         let (rejected, got) = self.direct.as_mut()?.progress_take(|src, p| read(src, p));
         if rejected != 0 {
             self.stats.dropped += rejected;
