@@ -74,12 +74,18 @@ impl QpEngine {
             if !cq_room(cqs, self.recv_cq) {
                 break;
             }
-            let r = ep.recv_with(Wait::Never, |src, payload| {
+            // Every datagram that is there, in place (from another host, every one a look at
+            // the network brings: one a call copied the others out of UCX's buffer first),
+            // while the completion queue has room; the one that finds it full stays next.
+            let r = ep.recv_many_with(Wait::Never, usize::MAX, |src, payload| {
+                if !cq_room(cqs, self.recv_cq) {
+                    return Err(DgramError::WouldBlock);
+                }
                 self.accept_datagram(src, payload, env, cqs);
                 Ok(())
             });
             match r {
-                Ok(()) => {}
+                Ok(_) => {}
                 Err(DgramError::WouldBlock) => break,
                 Err(DgramError::Closed(_)) => {
                     self.ud = Some(ep);
