@@ -1927,81 +1927,28 @@ mod tests {
         assert!(!hint(&w));
     }
 
-    #[test]
-    fn one_look_takes_every_message_it_brought_in_place_until_the_reader_refuses_one() {
-        let region = Arc::new(crate::mem::Region::create("bp-direct-test", 4096).unwrap());
-        let bell = crate::mem::Word32::at(&region, 0).unwrap();
+    /// A bound receiver (node 2, port 7, its doorbell in `region`) and a bare UCX link
+    /// connected to it, on which a test writes messages by hand.
+    fn direct_and_bare_sender(region: &Arc<crate::mem::Region>) -> (Direct, Link, EpId) {
+        let bell = crate::mem::Word32::at(region, 0).unwrap();
         let un = Unbound::open("127.0.0.1".parse().unwrap(), 4).unwrap();
         let to = SocketAddr::from(([127, 0, 0, 1], un.port()));
-        let mut d = un.bound(Addr::new(2, 7), bell).unwrap();
+        let d = un.bound(Addr::new(2, 7), bell).unwrap();
         let mut raw = Link::open(None).unwrap();
         let ep = raw.connect(to).unwrap();
-        let a = Addr::new(1, 9);
-        for (seq, body) in [&b"a"[..], b"b", b"no", b"d"].into_iter().enumerate() {
-            raw.send(ep, &message(MAGIC, a, 7, 11, seq as u64, body))
-                .unwrap();
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        // Taken in place, in order, over as many looks as UCX needs, up to the refused one.
-        let mut taken = Vec::new();
-        loop {
-            assert!(Instant::now() < deadline, "taken in place: {taken:?}");
-            let _ = raw.poll();
-            let (rejected, n, bytes, err) = d.progress_take_all(|src, p: &[u8]| {
-                assert_eq!(src, a);
-                if p == b"no" {
-                    return Err(());
-                }
-                taken.push(p.to_vec());
-                Ok(())
-            });
-            assert_eq!((rejected, bytes), (0, n));
-            if err.is_some() {
-                break;
-            }
-        }
-        assert_eq!(taken, [b"a".to_vec(), b"b".to_vec()]);
-        // The refused one stays the next datagram, and what came after waits behind it: no
-        // look offers anything in place while something is queued.
-        let mut rest = Vec::new();
-        while rest.len() < 2 {
-            assert!(Instant::now() < deadline, "queued: {rest:?}");
-            let _ = raw.poll();
-            let (_, n, _, _) = d.progress_take_all(|_, _| Err::<(), ()>(()));
-            assert_eq!(n, 0);
-            while let Some((_, Ok(p))) = d.take(|_, p: &[u8]| Ok::<_, ()>(p.to_vec())) {
-                rest.push(p);
-            }
-        }
-        assert_eq!(rest, [b"no".to_vec(), b"d".to_vec()]);
+        (d, raw, ep)
     }
 
-    #[test]
-    fn a_batch_is_read_in_place_up_to_the_datagram_the_reader_refuses_and_the_rest_queued() {
-        let region = Arc::new(crate::mem::Region::create("bp-direct-test-b", 4096).unwrap());
-        let bell = crate::mem::Word32::at(&region, 0).unwrap();
-        let un = Unbound::open("127.0.0.1".parse().unwrap(), 4).unwrap();
-        let to = SocketAddr::from(([127, 0, 0, 1], un.port()));
-        let mut d = un.bound(Addr::new(2, 7), bell).unwrap();
-        let mut raw = Link::open(None).unwrap();
-        let ep = raw.connect(to).unwrap();
-        let a = Addr::new(1, 9);
-        let first = batch(&[b"a", b"", b"no", b"d"]);
-        raw.send(ep, &message(MAGIC_BATCH, a, 7, 11, 0, &first))
-            .unwrap();
-        raw.send(
-            ep,
-            &message(MAGIC_BATCH, a, 7, 11, 1, &batch(&[b"e", b"f"])),
-        )
-        .unwrap();
-        raw.send(ep, &message(MAGIC, a, 7, 11, 2, b"g")).unwrap();
+    /// What looks take in place from `src`, in order, over as many looks as UCX needs, up to
+    /// the datagram `no`, which the reader refuses.
+    fn in_place_until_refused(d: &mut Direct, raw: &mut Link, src: Addr) -> Vec<Vec<u8>> {
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut taken = Vec::new();
         loop {
             assert!(Instant::now() < deadline, "taken in place: {taken:?}");
             let _ = raw.poll();
-            let (rejected, n, bytes, err) = d.progress_take_all(|src, p: &[u8]| {
-                assert_eq!(src, a);
+            let (rejected, _, _, err) = d.progress_take_all(|from, p: &[u8]| {
+                assert_eq!(from, src);
                 if p == b"no" {
                     return Err(());
                 }
@@ -2009,16 +1956,18 @@ mod tests {
                 Ok(())
             });
             assert_eq!(rejected, 0);
-            let _ = (n, bytes);
             if err.is_some() {
-                break;
+                return taken;
             }
         }
-        assert_eq!(taken, [b"a".to_vec(), Vec::new()]);
-        // The batch waits from the refused datagram on (nothing of it twice), and what came
-        // after it behind it, in order.
+    }
+
+    /// The next `count` datagrams, which must all be queued (no look offers anything in
+    /// place while something is).
+    fn queued(d: &mut Direct, raw: &mut Link, count: usize) -> Vec<Vec<u8>> {
+        let deadline = Instant::now() + Duration::from_secs(10);
         let mut rest = Vec::new();
-        while rest.len() < 5 {
+        while rest.len() < count {
             assert!(Instant::now() < deadline, "queued: {rest:?}");
             let _ = raw.poll();
             let (_, n, _, _) = d.progress_take_all(|_, _| Err::<(), ()>(()));
@@ -2027,6 +1976,42 @@ mod tests {
                 rest.push(p);
             }
         }
+        rest
+    }
+
+    #[test]
+    fn one_look_takes_every_message_it_brought_in_place_until_the_reader_refuses_one() {
+        let region = Arc::new(crate::mem::Region::create("bp-direct-test", 4096).unwrap());
+        let (mut d, mut raw, ep) = direct_and_bare_sender(&region);
+        let a = Addr::new(1, 9);
+        for (seq, body) in [&b"a"[..], b"b", b"no", b"d"].into_iter().enumerate() {
+            raw.send(ep, &message(MAGIC, a, 7, 11, seq as u64, body))
+                .unwrap();
+        }
+        let taken = in_place_until_refused(&mut d, &mut raw, a);
+        assert_eq!(taken, [b"a".to_vec(), b"b".to_vec()]);
+        // The refused one stays the next datagram, and what came after waits behind it.
+        let rest = queued(&mut d, &mut raw, 2);
+        assert_eq!(rest, [b"no".to_vec(), b"d".to_vec()]);
+    }
+
+    #[test]
+    fn a_batch_is_read_in_place_up_to_the_datagram_the_reader_refuses_and_the_rest_queued() {
+        let region = Arc::new(crate::mem::Region::create("bp-direct-test-b", 4096).unwrap());
+        let (mut d, mut raw, ep) = direct_and_bare_sender(&region);
+        let a = Addr::new(1, 9);
+        let first = batch(&[b"a", b"", b"no", b"d"]);
+        raw.send(ep, &message(MAGIC_BATCH, a, 7, 11, 0, &first))
+            .unwrap();
+        let second = batch(&[b"e", b"f"]);
+        raw.send(ep, &message(MAGIC_BATCH, a, 7, 11, 1, &second))
+            .unwrap();
+        raw.send(ep, &message(MAGIC, a, 7, 11, 2, b"g")).unwrap();
+        let taken = in_place_until_refused(&mut d, &mut raw, a);
+        assert_eq!(taken, [b"a".to_vec(), Vec::new()]);
+        // The batch waits from the refused datagram on (nothing of it twice), and what came
+        // after it behind it, in order.
+        let rest = queued(&mut d, &mut raw, 5);
         let want: [&[u8]; 5] = [b"no", b"d", b"e", b"f", b"g"];
         assert_eq!(rest, want.map(<[u8]>::to_vec));
         // A batch taken whole in place is not queued at all.
@@ -2035,6 +2020,7 @@ mod tests {
             &message(MAGIC_BATCH, a, 7, 11, 3, &batch(&[b"h", b"i"])),
         )
         .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
         let mut whole = Vec::new();
         while whole.len() < 2 {
             assert!(Instant::now() < deadline, "whole: {whole:?}");
