@@ -84,6 +84,22 @@ int bp_dgram_send(struct bp_endpoint *ep, struct bp_addr dst, const void *buf, s
  */
 ssize_t bp_dgram_recv(struct bp_endpoint *ep, void *buf, size_t len, struct bp_addr *src,
 		      size_t *needed, int timeout_ms);
+/*
+ * Called by bp_dgram_recv_many with each datagram in place (`payload`, `len` bytes, valid for
+ * the call only): returns 0 to take it, nonzero to leave it (it stays the next datagram).
+ * It must not call into the same endpoint.
+ */
+typedef int (*bp_dgram_reader)(void *ctx, const struct bp_addr *src, const void *payload,
+			       size_t len);
+/*
+ * Zero-copy receive of what is there: gives `read` at least one datagram (waiting up to
+ * `timeout_ms` for the first) and at most `max`, each in place, in each sender's order —
+ * from another host every datagram one look at the network brings, where bp_dgram_recv
+ * copies. Returns how many `read` took; -1 with errno if none: EAGAIN, ETIMEDOUT, ...,
+ * ECANCELED if `read` left the first (EINVAL: `read` NULL or `max` 0).
+ */
+ssize_t bp_dgram_recv_many(struct bp_endpoint *ep, size_t max, int timeout_ms,
+			   bp_dgram_reader read, void *ctx);
 /* Counters. */
 int bp_dgram_stats(const struct bp_endpoint *ep, struct bp_dgram_stats *stats);
 

@@ -24,6 +24,32 @@ static int passed, failed;
 
 #define EXPECT_ERR(call, err) CHECK((call) == -1 && errno == (err), #call " -> " #err)
 
+/* What bp_dgram_recv_many's reader saw. */
+struct seen {
+	int n;
+	size_t lens[8];
+	unsigned char first[8];
+	uint32_t src_node;
+};
+
+static int take_all(void *ctx, const struct bp_addr *src, const void *payload, size_t len)
+{
+	struct seen *s = ctx;
+	if (s && s->n < 8) {
+		s->lens[s->n] = len;
+		s->first[s->n] = len ? *(const unsigned char *)payload : 0;
+		s->src_node = src->node;
+		s->n++;
+	}
+	return 0;
+}
+
+static int leave_all(void *ctx, const struct bp_addr *src, const void *payload, size_t len)
+{
+	(void)ctx, (void)src, (void)payload, (void)len;
+	return 1;
+}
+
 int main(void)
 {
 	char buf[256];
@@ -83,6 +109,24 @@ int main(void)
 	CHECK(bp_dgram_stats(tx, &st) == 0 && st.sent == 1 && st.dropped == 1, "sender stats");
 	CHECK(bp_dgram_stats(rx, &st) == 0 && st.received == 1 && st.received_bytes == 200,
 	      "receiver stats");
+
+	/* Many at once, in place: at most `max`, a datagram left stays next. */
+	EXPECT_ERR(bp_dgram_recv_many(NULL, 4, BP_NO_WAIT, take_all, NULL), EBADF);
+	EXPECT_ERR(bp_dgram_recv_many(rx, 4, BP_NO_WAIT, NULL, NULL), EINVAL);
+	EXPECT_ERR(bp_dgram_recv_many(rx, 0, BP_NO_WAIT, take_all, NULL), EINVAL);
+	EXPECT_ERR(bp_dgram_recv_many(rx, 4, BP_NO_WAIT, take_all, NULL), EAGAIN);
+	for (int i = 1; i <= 3; i++) {
+		memset(buf, i, (size_t)i);
+		CHECK(bp_dgram_send(tx, a, buf, (size_t)i, BP_WAIT_FOREVER) == 0, "send for many");
+	}
+	struct seen s = { 0 };
+	CHECK(bp_dgram_recv_many(rx, 2, BP_NO_WAIT, take_all, &s) == 2 && s.n == 2 &&
+		      s.lens[0] == 1 && s.lens[1] == 2 && s.first[1] == 2,
+	      "recv_many: the first two, in order");
+	EXPECT_ERR(bp_dgram_recv_many(rx, 4, BP_NO_WAIT, leave_all, NULL), ECANCELED);
+	CHECK(bp_dgram_recv_many(rx, 4, 1000, take_all, &s) == 1 && s.n == 3 && s.lens[2] == 3 &&
+		      s.first[2] == 3 && s.src_node == 1,
+	      "recv_many: the one left, still next");
 
 	CHECK(bp_dgram_close(rx) == 0, "close");
 	EXPECT_ERR(bp_dgram_close(rx), EBADF); /* stale handle */

@@ -411,6 +411,63 @@ pub unsafe extern "C" fn bp_dgram_recv(
     })
 }
 
+/// `bp_dgram_reader`: takes (0) or leaves (nonzero) one datagram, given in place.
+pub type BpDgramReader = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    src: *const BpAddr,
+    payload: *const c_void,
+    len: usize,
+) -> c_int;
+
+/// `bp_dgram_recv_many`.
+///
+/// # Safety
+/// `read` is a valid function that may be called with `ctx` (passed through untouched) while
+/// this call lasts; it must not call into this endpoint.
+#[no_mangle]
+pub unsafe extern "C" fn bp_dgram_recv_many(
+    ep: *mut BpEndpoint,
+    max: usize,
+    timeout_ms: c_int,
+    read: Option<BpDgramReader>,
+    ctx: *mut c_void,
+) -> isize {
+    guard(-1, || {
+        let e = get_endpoint(ep)?;
+        let wait = wait_of(timeout_ms)?;
+        let Some(read) = read else {
+            return Err(CErr(libc::EINVAL, "read is NULL".into()));
+        };
+        if max == 0 {
+            return Err(CErr(libc::EINVAL, "max is 0".into()));
+        }
+        let mut left = false;
+        let mut g = e.ep.lock().unwrap_or_else(|p| p.into_inner());
+        let r = g.recv_many_with(wait, max, |from, payload| {
+            let src = BpAddr {
+                node: from.node,
+                port: from.port,
+            };
+            // SAFETY: the caller promises `read` may be called with `ctx`; `src` and the
+            // payload (`len` bytes, in ring or UCX memory) are valid for the call.
+            let took = unsafe { read(ctx, &src, payload.as_ptr().cast(), payload.len()) };
+            if took != 0 {
+                left = true;
+                return Err(DgramError::WouldBlock);
+            }
+            Ok(())
+        });
+        match r {
+            Ok(n) => Ok(n as isize),
+            Err(DgramError::WouldBlock) if left => Err(CErr(
+                libc::ECANCELED,
+                "the reader left the first datagram (it stays queued)".into(),
+            )),
+            Err(e) => Err(e.into()),
+        }
+    })
+}
+
 /// `bp_dgram_stats`.
 ///
 /// # Safety
