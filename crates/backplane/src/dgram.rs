@@ -1239,8 +1239,12 @@ impl Endpoint {
             return match (r, last) {
                 (_, Some(v)) => Some(Ok(v)),
                 // (A look takes nothing in place while the worker has datagrams queued: the
-                // oldest of those, then.)
-                (Ok(_), None) => self.recv_direct(read),
+                // oldest of those, then — the worker locked again only if some may be, not
+                // on every empty turn of a wait.)
+                (Ok(_), None) if self.direct.as_ref().is_some_and(|d| d.may_have_queued()) => {
+                    self.recv_direct(read)
+                }
+                (Ok(_), None) => None,
                 (Err(e), None) => Some(Err(e)),
             };
         }
