@@ -1369,6 +1369,63 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
         !logs.contains("Cannot assign requested address"),
         "an agent's endpoint could not listen on its host's address:\n{logs}"
     );
+    // `exec --host-net` runs in the host's namespace (the node's identity kept), plain
+    // `exec` in the node's.
+    let ns = |o: Output| String::from_utf8_lossy(&o.stdout).trim().to_string();
+    let host_ns = ns(h
+        .in_host(0)
+        .args(["readlink", "/proc/self/ns/net"])
+        .output()
+        .unwrap());
+    let node_ns = ns(exec(0, "1", &["readlink", "/proc/self/ns/net"]));
+    let o = h.bp(
+        0,
+        &[
+            "exec",
+            "--name",
+            &h.fabric,
+            "--host-net",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            "readlink /proc/self/ns/net; echo $BACKPLANE_NODE",
+        ],
+    );
+    assert!(o.status.success(), "exec --host-net: {}", stderr(&o));
+    assert_eq!(ns(o), format!("{host_ns}\n1"));
+    assert_ne!(node_ns, host_ns);
+    let o = h.bp(
+        0,
+        &[
+            "exec",
+            "--name",
+            &h.fabric,
+            "--host-net",
+            "--accel",
+            "1",
+            "--",
+            "true",
+        ],
+    );
+    assert!(
+        !o.status.success() && stderr(&o).contains("--accel"),
+        "{}",
+        stderr(&o)
+    );
+    // ... where a verbs program reaches the other host's (its peer's address is that host's).
+    if have("ibv_rc_pingpong") {
+        lib_built("libibverbs.so", "backplane-ibverbs");
+        let (c, s) = verbs_pair_with(
+            &h,
+            &["--host-net"],
+            "ibv_rc_pingpong",
+            "18799",
+            &["-n", "200"],
+        );
+        both_ended_well("ibv_rc_pingpong --host-net", &c, &s);
+        assert!(String::from_utf8_lossy(&c.stdout).contains("200 iters in"));
+    }
     // Each host removes only its own nodes' namespaces.
     h.down(1);
     assert!(std::path::Path::new(&format!("/run/netns/bp-{}-1", h.fabric)).exists());
@@ -1530,12 +1587,23 @@ fn unmodified_pingpongs_ud_rc_and_uc_run_between_nodes_of_two_hosts() {
 /// and node 1 (host h0, the client, retried until the server listens), with `-p port` and
 /// `args`; a hang fails after 60 s. The client's and the server's outputs.
 fn verbs_pair(h: &Hosts, prog: &str, port: &str, args: &[&str]) -> (Output, Output) {
+    verbs_pair_with(h, &[], prog, port, args)
+}
+
+/// [`verbs_pair`] with more `exec` flags.
+fn verbs_pair_with(
+    h: &Hosts,
+    flags: &[&str],
+    prog: &str,
+    port: &str,
+    args: &[&str],
+) -> (Output, Output) {
     // The programs exchange their addresses over TCP between the hosts' own addresses, then
     // talk through the fabric.
     let on = |node: &'static str| {
-        let mut a = vec![
-            "exec", "--name", &h.fabric, "--verbs", node, "--", "timeout", "60", prog, "-p", port,
-        ];
+        let mut a = vec!["exec", "--name", &h.fabric, "--verbs"];
+        a.extend_from_slice(flags);
+        a.extend_from_slice(&[node, "--", "timeout", "60", prog, "-p", port]);
         a.extend_from_slice(args);
         a
     };

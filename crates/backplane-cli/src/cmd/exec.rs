@@ -29,6 +29,15 @@ pub struct Args {
     /// `BACKPLANE_ACCEL_LOG=1` prints a line per connection.
     #[arg(long)]
     accel: bool,
+    /// Run the program in this host's network namespace instead of the node's (it keeps the
+    /// node's identity: `BACKPLANE_FABRIC`, `BACKPLANE_NODE`). On a fabric with IP over it that
+    /// spans hosts, a program in its node's namespace reaches other hosts through the
+    /// supervisors' bridges (UCX cannot reach the host's address from there); here its queue
+    /// pairs and endpoints to other hosts go straight between the processes — and its own
+    /// sockets use the host's addresses, not `bp0` (perftest's exchange then connects to the
+    /// other host's address). No effect on a fabric without IP (no node namespaces).
+    #[arg(long, conflicts_with = "accel")]
+    host_net: bool,
     /// Node (slot) to run in.
     node: u32,
     /// The program and its arguments.
@@ -47,7 +56,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         None
     };
     drop(fabric);
-    let mut cmd = if net::has_netns(name, a.node) {
+    let mut cmd = if !a.host_net && net::has_netns(name, a.node) {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &net::netns_name(name, a.node)]);
         c.args(&a.cmd);
