@@ -2,7 +2,8 @@
 //! (where `bp0` and the names `node1`..`nodeN` live), with `BACKPLANE_FABRIC` and
 //! `BACKPLANE_NODE` set so programs using the library know where they are. With `--verbs`,
 //! the program finds backplane's drop-in `libibverbs.so.1` first on its library search path,
-//! so unmodified libibverbs programs (ibverbs-utils, perftest) run on the fabric.
+//! so unmodified libibverbs programs (ibverbs-utils, perftest) run on the fabric. With
+//! `--host-net`, the program stays in the host's network namespace (see [`Args::host_net`]).
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
