@@ -1868,6 +1868,18 @@ fn rdma_role(role: &str) {
                 r
             };
             assert_eq!(say(b"ping", &mut take), b"pong");
+            for _ in 0..20 {
+                assert_eq!(say(b"ping", &mut take), b"pong");
+            }
+            // Carried by this process, the answers went from the messages that brought them
+            // straight into the posted receives (not through the QP's ring): a poll that found
+            // the queue empty pumped the pair and its engine took them.
+            if direct {
+                assert!(
+                    backplane::verbs::sends_delivered_in_place() > 0,
+                    "no SEND delivered in place"
+                );
+            }
             // READ across several pieces, every byte.
             let n = 300_000u32;
             qp.post_send(&[SendWr::read(1, &[mr.sge(0, n)], 4096, rkey).signaled()])

@@ -320,6 +320,48 @@ impl Consumer {
         }
     }
 
+    /// The record that starts the ring bytes `bytes`, which are to be written at index `at`
+    /// and are not in the data area yet (a QP's messages from another host, before the pair's
+    /// mirror writes them): the payload's offset in `bytes` and its length, and the record's
+    /// footprint — if `at` is where this consumer stands with nothing published unread, and the
+    /// record is a whole data record of the next sequence number that fits where it would lie.
+    /// Anything else (a pad record, a record cut at the end of `bytes`, a bad header) is `None`:
+    /// the bytes go into the ring and [`Consumer::peek`] judges them there.
+    pub fn record_ahead(
+        &self,
+        data_len: u64,
+        at: u64,
+        bytes: &[u8],
+    ) -> Option<(usize, usize, u64)> {
+        if at != self.head || self.tail_cache != self.head {
+            return None;
+        }
+        let h = bytes.get(..RECORD_HEADER_LEN as usize)?;
+        let rec = RecordRepr::parse(&RecordHeader::new_unchecked(h)).ok()?;
+        if rec.kind != RecordKind::Data || rec.seq != self.seq || rec.not_before_ns != 0 {
+            return None;
+        }
+        let len = rec.len as usize;
+        let foot = RecordRepr::footprint(len as u64);
+        let contiguous = data_len - wrap(at, data_len);
+        if len > MAX_DGRAM || foot > contiguous || foot > bytes.len() as u64 {
+            return None;
+        }
+        Some((RECORD_HEADER_LEN as usize, len, foot))
+    }
+
+    /// Consumes the record [`Consumer::record_ahead`] found, which was read where it came
+    /// (its bytes never enter the data area): the consumer index moves past it as after
+    /// [`Consumer::release`], and the producer index the consumer last saw with it (the
+    /// producer publishes at least as far before anything after it is read).
+    pub fn skip_ahead(&mut self, mem: &impl RingMemory, foot: u64) {
+        self.head += foot;
+        self.tail_cache = self.head;
+        self.seq += 1;
+        // SYNC POINT ring-release (release): as in `release`.
+        mem.store_head(self.head);
+    }
+
     /// Releases a record returned by [`Consumer::peek`]: its bytes may be overwritten.
     #[inline]
     pub fn release(&mut self, mem: &impl RingMemory, rec: Record) {
@@ -412,6 +454,41 @@ mod tests {
     use proptest::prelude::*;
 
     const LEN: usize = 256 * 1024;
+
+    #[test]
+    fn a_record_read_where_it_came_is_consumed_without_entering_the_ring() {
+        // What the other side wrote into its copy of the ring: the bytes a mirror ships.
+        let theirs = LocalRing::new(4096);
+        let mut p = Producer::new();
+        p.push(&theirs, b"first").unwrap();
+        p.push(&theirs, &[7u8; 100]).unwrap();
+        let tail = p.tail();
+        let bytes = theirs.data.borrow()[..tail as usize].to_vec();
+        let ours = LocalRing::new(4096);
+        let mut c = Consumer::new();
+        // Only where the consumer stands, and only a record whole in the bytes.
+        assert_eq!(c.record_ahead(4096, 64, &bytes[64..]), None);
+        assert_eq!(c.record_ahead(4096, 0, &bytes[..20]), None);
+        let (off, len, foot) = c.record_ahead(4096, 0, &bytes).unwrap();
+        assert_eq!(&bytes[off..off + len], b"first");
+        c.skip_ahead(&ours, foot);
+        assert_eq!(ours.load_head(), foot, "the room goes back as if read");
+        // The rest is written into the ring (as the mirror does) and read there, in order.
+        ours.write(foot, &bytes[foot as usize..]);
+        ours.store_tail(tail);
+        let mut buf = [0u8; 200];
+        assert_eq!(c.pop(&ours, &mut buf).unwrap(), Some(100));
+        assert_eq!(buf[..100], [7u8; 100]);
+        // A record out of sequence (the first one again) is not taken.
+        assert_eq!(c.record_ahead(4096, tail, &bytes), None);
+        // Nor one while records published before it wait unread.
+        let mut c2 = Consumer::new();
+        let ours2 = LocalRing::new(4096);
+        ours2.write(0, &bytes);
+        ours2.store_tail(tail);
+        assert!(c2.peek(&ours2).unwrap().is_some());
+        assert_eq!(c2.record_ahead(4096, 0, &bytes), None);
+    }
 
     #[test]
     fn ring_delivers_in_order_across_many_wraps() {

@@ -671,6 +671,17 @@ impl ShmReceiver {
         self.bell = Some(bell);
         self
     }
+
+    /// See [`Consumer::record_ahead`]: the whole record that starts ring bytes about to be
+    /// written at index `at`, if this receiver would read it next.
+    pub(crate) fn record_ahead(&self, at: u64, bytes: &[u8]) -> Option<(usize, usize, u64)> {
+        self.consumer.record_ahead(self.ring.data_len(), at, bytes)
+    }
+
+    /// See [`Consumer::skip_ahead`].
+    pub(crate) fn skip_ahead(&mut self, foot: u64) {
+        self.consumer.skip_ahead(&self.ring, foot)
+    }
 }
 
 impl RecvChannel for ShmReceiver {

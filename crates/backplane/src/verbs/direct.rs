@@ -44,6 +44,32 @@ use crate::transport::Addr;
 use crate::wire::verbs::RDMA_REQ_HEAD;
 use crate::wire::MAX_DGRAM;
 
+/// Who may take a whole SEND out of a message before the mirror writes it into its QP's
+/// ring: the local QP's key (node, QPN), the ring index and bytes (see
+/// `QpEngine::deliver_ahead`, and [`progress_all`]); the bytes taken.
+pub(crate) type Deliver<'a> = dyn FnMut((u32, u32), u64, &[u8]) -> usize + 'a;
+
+/// SENDs this process's QPs took straight from the message that brought them (see
+/// [`Deliver`]).
+static DELIVERED: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a SEND delivered straight from its message.
+pub(crate) fn delivered_one() {
+    DELIVERED.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many SENDs from QPs on other hosts this process's QPs took straight from the message
+/// that brought them into the posted receive, without the copy into their ring (for tests
+/// and diagnostics).
+pub fn sends_delivered_in_place() -> u64 {
+    DELIVERED.load(Ordering::Relaxed)
+}
+
+/// A [`Deliver`] that takes nothing (a pump outside the QP's context).
+fn no_delivery(_: (u32, u32), _: u64, _: &[u8]) -> usize {
+    0
+}
+
 /// A mirror message (ring bytes and words).
 const KIND_QP: u8 = 1;
 /// A one-sided request of the sender's QP.
@@ -354,14 +380,14 @@ impl Shared {
     /// queue (`polling`: the time), it will again, so the pair's thread stays out of its way
     /// for a while.
     #[inline]
-    fn pumped_by_app(&self, polling: Option<u64>) {
+    fn pumped_by_app(&self, polling: Option<u64>, deliver: &mut Deliver<'_>) {
         if let Some(now) = polling {
             self.app_ns.store(now, Ordering::Relaxed);
             self.polled_ns.store(now, Ordering::Relaxed);
         }
         if let Ok(mut g) = self.inner.try_lock() {
             g.by_app = polling.is_some();
-            g.pump();
+            g.pump_with(deliver);
             g.by_app = false;
         }
     }
@@ -376,9 +402,13 @@ pub(crate) fn carries_pairs() -> bool {
 /// Moves every direct pair of this process along (a completion queue was found empty);
 /// `polling`: the program polls in a loop (the pairs' threads stay out of its way).
 #[inline(always)]
-pub(crate) fn progress_all(polling: bool) {
+///
+/// `deliver`: the caller's engine, which may take a whole SEND for one of its QPs straight
+/// from the message that brought it (`QpEngine::deliver_ahead`; pairs of QPs it does not
+/// hold take nothing there).
+pub(crate) fn progress_all(polling: bool, deliver: &mut Deliver<'_>) {
     if LIVE_COUNT.0.load(Ordering::Relaxed) != 0 {
-        progress_live(polling);
+        progress_live(polling, deliver);
     }
 }
 
@@ -489,7 +519,7 @@ pub(crate) fn sleep_on_pairs(efd: std::os::fd::BorrowedFd<'_>, timeout: Duration
     drop(polled);
     // Take what came now, before anyone else looks.
     for s in &pairs {
-        s.pumped_by_app(None);
+        s.pumped_by_app(None, &mut no_delivery);
     }
     true
 }
@@ -576,11 +606,11 @@ thread_local! {
 
 #[cold]
 #[inline(never)]
-fn progress_live(polling: bool) {
+fn progress_live(polling: bool, deliver: &mut Deliver<'_>) {
     for_my_pairs(|pairs| {
         let stamp = polling.then(crate::sync::now_ns);
         for s in pairs.iter().filter_map(Weak::upgrade) {
-            s.pumped_by_app(stamp);
+            s.pumped_by_app(stamp, deliver);
         }
     });
 }
@@ -708,6 +738,11 @@ impl Inner {
     /// Ships what the local QP wrote and takes what came, until neither has anything; true if
     /// anything went or came.
     fn pump(&mut self) -> bool {
+        self.pump_with(&mut no_delivery)
+    }
+
+    /// [`Inner::pump`], offering whole SENDs that come to `deliver` (see [`progress_all`]).
+    fn pump_with(&mut self, deliver: &mut Deliver<'_>) -> bool {
         let ep = self.ep.clone();
         let mut ep = ep.lock().unwrap_or_else(|e| e.into_inner());
         let mut worked = false;
@@ -716,7 +751,7 @@ impl Inner {
             // The network is looked at once a pump (over TCP a system call, which found
             // nothing more after an arrival nearly always: ~0.4 us each on the way from a
             // message to its completion); later rounds take what that look brought.
-            let took = self.take(&mut ep, round == 0);
+            let took = self.take(&mut ep, round == 0, deliver);
             worked |= shipped || took;
             // Another round if something went (more may go, and sending may have taken
             // messages off the wire) or what came asks for answers. Not for what came alone:
@@ -1023,11 +1058,12 @@ impl Inner {
 
     /// Applies what came from the peer's process (`look`: after one look at the network);
     /// true if anything did.
-    fn take(&mut self, ep: &mut Endpoint, look: bool) -> bool {
-        // Read in place (a WRITE's data goes from the endpoint's message into the region).
+    fn take(&mut self, ep: &mut Endpoint, look: bool, deliver: &mut Deliver<'_>) -> bool {
+        // Read in place (a WRITE's data goes from the endpoint's message into the region, a
+        // SEND's into the posted receive when `deliver` takes it).
         let (m, peer) = (&mut self.m, self.peer);
         let mut apply = |src, msg: &[u8]| {
-            Self::apply(m, peer, src, msg);
+            Self::apply(m, peer, src, msg, deliver);
             Ok(())
         };
         // One look at the network, every message it brings applied; then what the look
@@ -1054,7 +1090,7 @@ impl Inner {
     }
 
     /// Applies one message `msg` from `src`, which must be the peer's process.
-    fn apply(m: &mut Mirror, peer: Addr, src: Addr, msg: &[u8]) {
+    fn apply(m: &mut Mirror, peer: Addr, src: Addr, msg: &[u8], deliver: &mut Deliver<'_>) {
         let Some((&kind, body)) = msg.split_first().filter(|_| src == peer) else {
             return; // not the peer's: no one else may write to the pair
         };
@@ -1067,7 +1103,10 @@ impl Inner {
             return;
         }
         match kind {
-            KIND_QP => m.apply(body),
+            KIND_QP => {
+                let key = m.local_key;
+                m.apply_with(body, &mut |at, bytes| deliver(key, at, bytes));
+            }
             KIND_RDMA => {
                 let mut out = m.answer_buf();
                 m.execute(&body[16..], &mut out);

@@ -49,6 +49,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 pub use channel::{CompChannel, CqEvent};
+pub use direct::sends_delivered_in_place;
 pub use types::*;
 
 use crate::fabric::{FabricError, Node};

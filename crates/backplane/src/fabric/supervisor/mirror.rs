@@ -814,6 +814,15 @@ impl Mirror {
     /// their positions, then the words (NAK before the consumer index, gone last), then rings
     /// the QP's bell. A bad message breaks the pair.
     pub(crate) fn apply(&mut self, body: &[u8]) {
+        self.apply_with(body, &mut |_, _| 0)
+    }
+
+    /// As [`Mirror::apply`], offering the ring bytes first to `deliver` (their ring index, the
+    /// bytes from there): it may take whole records from their front where they lie (the
+    /// local QP's engine delivering a SEND into its posted receive, `verbs::direct`) and says
+    /// how many bytes it took — those are not written into the ring, and the producer index
+    /// is published at least past them (the engine's consumer index moved there).
+    pub(crate) fn apply_with(&mut self, body: &[u8], deliver: &mut dyn FnMut(u64, &[u8]) -> usize) {
         if self.broken.is_some() {
             return;
         }
@@ -839,6 +848,15 @@ impl Mirror {
         let mut at = from;
         let mut rest = data;
         while !rest.is_empty() {
+            let n = deliver(at, rest).min(rest.len());
+            if n == 0 {
+                break;
+            }
+            at += n as u64;
+            rest = &rest[n..];
+        }
+        let delivered_to = at;
+        while !rest.is_empty() {
             let pos = at % len;
             let piece = ((len - pos) as usize).min(rest.len());
             // In bounds: pos + piece <= len.
@@ -858,6 +876,11 @@ impl Mirror {
         if whole {
             // SYNC POINT ring-publish (release): the bytes above before the index.
             self.local.tail.store(tail, Ordering::Release);
+        } else if delivered_to != from {
+            // The records delivered in place end on a record's boundary, where the consumer
+            // index now is: the producer index may not stay behind it.
+            // SYNC POINT ring-publish (release).
+            self.local.tail.store(delivered_to, Ordering::Release);
         }
         if gone != 0 {
             // SYNC POINT qp-peer-gone (release): the acks and NAKs above are seen first.
@@ -1065,6 +1088,40 @@ mod tests {
     }
 
     #[test]
+    fn bytes_a_deliverer_takes_skip_the_ring_and_the_producer_index_covers_them() {
+        let (mut ma, mut mb, a, b) = pair();
+        ma.ready = true;
+        mb.ready = true;
+        a.write((16 << 10) + QP_RING_OFF, &[5; 64]).unwrap();
+        a.write((16 << 10) + QP_RING_OFF + 64, &[6; 64]).unwrap();
+        a.u64_at((16 << 10) + QP_TAIL_OFF as u64)
+            .unwrap()
+            .store(128, Ordering::Release);
+        let mut buf = Vec::new();
+        let s = next(&mut ma, &mut buf).unwrap();
+        // The deliverer sees the bytes at their ring index and takes the first 64.
+        let mut seen = Vec::new();
+        mb.apply_with(&buf, &mut |at, bytes| {
+            seen.push((at, bytes.len()));
+            if at == 0 {
+                64
+            } else {
+                0
+            }
+        });
+        ma.shipped(s);
+        assert_eq!(mb.broken, None);
+        assert_eq!(seen, [(0, 128), (64, 64)]);
+        let mut got = [0u8; 64];
+        b.read(QP_RING_OFF, &mut got).unwrap();
+        assert_eq!(got, [0; 64], "taken bytes are not written into the ring");
+        b.read(QP_RING_OFF + 64, &mut got).unwrap();
+        assert_eq!(got, [6; 64]);
+        let tail = b.u64_at(QP_TAIL_OFF as u64).unwrap();
+        assert_eq!(tail.load(Ordering::Acquire), 128);
+    }
+
+    #[test]
     fn a_chunk_that_ends_inside_a_record_is_not_published_until_the_rest_is_there() {
         let big = 4 * CHUNK as usize;
         let a = Arc::new(Region::create("mirror-a", 4 * big).unwrap());
@@ -1101,10 +1158,16 @@ mod tests {
         shadow_tail.store(end, Ordering::Release);
         let mut buf = Vec::new();
         let s = next(&mut ma, &mut buf).unwrap();
-        mb.apply(&buf);
+        // (A deliverer that took the chunk's first 4 KiB moves the producer index there, where
+        // the consumer now stands; the rest waits as before.)
+        mb.apply_with(&buf, &mut |at, _| if at == 0 { 4096 } else { 0 });
         ma.shipped(s);
         let tail = b.u64_at(QP_TAIL_OFF as u64).unwrap();
-        assert_eq!(tail.load(Ordering::Acquire), 0, "a chunk inside a record");
+        assert_eq!(
+            tail.load(Ordering::Acquire),
+            4096,
+            "a chunk inside a record"
+        );
         carry(&mut ma, &mut mb);
         assert_eq!(tail.load(Ordering::Acquire), end);
         assert_eq!(mb.broken, None);

@@ -189,8 +189,31 @@ impl Ctx {
                 .and_then(|c| c.as_ref())
                 .is_some_and(|c| c.channel.is_some());
             if need == 0 {
-                // What came, what to ship.
-                crate::verbs::direct::progress_all(!sleeps_between);
+                // What came, what to ship; a whole SEND for one of this context's QPs goes
+                // from the message that brought it into the posted receive.
+                let slot = self.node.slot();
+                let Engine { mrs, cqs, qps, .. } = &mut *eng;
+                let env = CtxParts {
+                    node: &self.node,
+                    transport: &*self.transport,
+                    links: &self.links,
+                    mrs,
+                };
+                let mut deliver = |(node, qpn): (u32, u32), at: u64, bytes: &[u8]| {
+                    if node != slot {
+                        return 0;
+                    }
+                    let n = qps
+                        .iter_mut()
+                        .flatten()
+                        .find(|q| q.qpn == qpn)
+                        .map_or(0, |q| q.deliver_ahead(at, bytes, &env, cqs));
+                    if n != 0 {
+                        crate::verbs::direct::delivered_one();
+                    }
+                    n
+                };
+                crate::verbs::direct::progress_all(!sleeps_between, &mut deliver);
             } else if !sleeps_between {
                 crate::verbs::direct::app_polled();
             }
