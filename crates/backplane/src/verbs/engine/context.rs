@@ -123,6 +123,7 @@ impl Ctx {
             msgs_in: 0,
             msgs_out: 0,
             bell_pending: false,
+            took_ahead: false,
             peer_gone: false,
             gone_since: None,
             ud,

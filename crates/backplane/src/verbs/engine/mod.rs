@@ -461,6 +461,9 @@ pub(crate) struct QpEngine {
     msgs_in: u64,
     msgs_out: u64,
     bell_pending: bool,
+    /// A message was delivered since the last progress by the pair's pump
+    /// ([`QpEngine::deliver_ahead`]): that progress treats it as one its `drive_rx` took.
+    took_ahead: bool,
     peer_gone: bool,
     /// When this QP first saw its peer gone with work unacknowledged: that work completes
     /// with RETRY_EXC_ERR once the retries a NIC would make are spent (`fsm::retry_wait`).

@@ -20,6 +20,9 @@ impl QpEngine {
             self.drive_rx_ud(env, cqs);
         } else {
             self.drive_rx(env, cqs);
+            if std::mem::take(&mut self.took_ahead) {
+                self.idle = 0;
+            }
         }
         if self.idle > 0 {
             self.publish_credits();
