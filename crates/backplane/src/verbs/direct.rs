@@ -401,11 +401,11 @@ pub(crate) fn carries_pairs() -> bool {
 
 /// Moves every direct pair of this process along (a completion queue was found empty);
 /// `polling`: the program polls in a loop (the pairs' threads stay out of its way).
-#[inline(always)]
 ///
 /// `deliver`: the caller's engine, which may take a whole SEND for one of its QPs straight
 /// from the message that brought it (`QpEngine::deliver_ahead`; pairs of QPs it does not
 /// hold take nothing there).
+#[inline(always)]
 pub(crate) fn progress_all(polling: bool, deliver: &mut Deliver<'_>) {
     if LIVE_COUNT.0.load(Ordering::Relaxed) != 0 {
         progress_live(polling, deliver);

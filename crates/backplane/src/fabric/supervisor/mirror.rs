@@ -1123,6 +1123,19 @@ mod tests {
 
     #[test]
     fn a_chunk_that_ends_inside_a_record_is_not_published_until_the_rest_is_there() {
+        chunk_inside_a_record(0);
+    }
+
+    /// ... and one whose first 4 KiB a deliverer took is published that far, where the
+    /// consumer now stands.
+    #[test]
+    fn a_partial_chunk_is_published_as_far_as_a_deliverer_took_it() {
+        chunk_inside_a_record(4096);
+    }
+
+    /// A chunk that ends inside a record, its first `taken` bytes taken by a deliverer: the
+    /// producer index stays at `taken` until the rest comes.
+    fn chunk_inside_a_record(taken: usize) {
         let big = 4 * CHUNK as usize;
         let a = Arc::new(Region::create("mirror-a", 4 * big).unwrap());
         let b = Arc::new(Region::create("mirror-b", 4 * big).unwrap());
@@ -1158,14 +1171,12 @@ mod tests {
         shadow_tail.store(end, Ordering::Release);
         let mut buf = Vec::new();
         let s = next(&mut ma, &mut buf).unwrap();
-        // (A deliverer that took the chunk's first 4 KiB moves the producer index there, where
-        // the consumer now stands; the rest waits as before.)
-        mb.apply_with(&buf, &mut |at, _| if at == 0 { 4096 } else { 0 });
+        mb.apply_with(&buf, &mut |at, _| if at == 0 { taken } else { 0 });
         ma.shipped(s);
         let tail = b.u64_at(QP_TAIL_OFF as u64).unwrap();
         assert_eq!(
             tail.load(Ordering::Acquire),
-            4096,
+            taken as u64,
             "a chunk inside a record"
         );
         carry(&mut ma, &mut mb);

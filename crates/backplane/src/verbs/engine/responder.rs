@@ -188,9 +188,6 @@ impl QpEngine {
         }
     }
 
-    /// A whole message in one fragment, into a receive with one entry and room enough: the
-    /// common case, without the reassembly state. False: take the general way.
-    #[inline]
     /// A message of the peer QP on another host, in the datagram that brought it: `bytes`
     /// are ring bytes that the pair's mirror (`verbs::direct`, in the pump of a thread polling
     /// this QP's context) is about to write at ring index `at`. When they start with the
@@ -250,6 +247,9 @@ impl QpEngine {
         foot as usize
     }
 
+    /// A whole message in one fragment, into a receive with one entry and room enough: the
+    /// common case, without the reassembly state. False: take the general way.
+    #[inline]
     pub(super) fn rx_whole(
         &mut self,
         h: &MsgRepr,
