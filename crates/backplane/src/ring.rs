@@ -587,6 +587,64 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
 
+        /// A ring mirrored from another copy (as a QP's between hosts): records taken where
+        /// they came when the consumer may (`record_ahead`/`skip_ahead`), the rest written
+        /// into the ring and read there. Every payload arrives once, whole, in order, across
+        /// wraps and pad records, whatever the mix.
+        #[test]
+        fn records_taken_ahead_and_read_from_the_ring_arrive_once_in_order(
+            ops in proptest::collection::vec((0usize..1500, any::<bool>(), any::<bool>()), 1..200),
+        ) {
+            const L: u64 = 8192;
+            let (theirs, ours) = (LocalRing::new(L as usize), LocalRing::new(L as usize));
+            let (mut p, mut c) = (Producer::new(), Consumer::new());
+            let (mut shipped, mut got, mut buf) = (0u64, Vec::new(), vec![0u8; MAX_DGRAM]);
+            let payload = |i: usize, len: usize| -> Vec<u8> {
+                (0..len).map(|k| (k * 31 + i) as u8).collect()
+            };
+            let drain = |c: &mut Consumer, got: &mut Vec<Vec<u8>>, buf: &mut Vec<u8>| {
+                while let Some(n) = c.pop(&ours, buf).unwrap() {
+                    got.push(buf[..n].to_vec());
+                }
+                // The consumer index goes back to the producer's copy (the mirror's credits).
+                theirs.store_head(ours.load_head());
+            };
+            for (i, &(len, ahead, drain_first)) in ops.iter().enumerate() {
+                while p.push(&theirs, &payload(i, len)) == Err(RingError::Full) {
+                    drain(&mut c, &mut got, &mut buf);
+                }
+                if drain_first {
+                    drain(&mut c, &mut got, &mut buf);
+                }
+                // Ship what was published, a piece up to the ring's end at a time.
+                let tail = p.tail();
+                while shipped < tail {
+                    let pos = shipped % L;
+                    let end = (pos + (tail - shipped)).min(L);
+                    let bytes = theirs.data.borrow()[pos as usize..end as usize].to_vec();
+                    let mut at = 0usize;
+                    while ahead {
+                        let Some((off, n, foot)) =
+                            c.record_ahead(L, shipped + at as u64, &bytes[at..])
+                        else {
+                            break;
+                        };
+                        got.push(bytes[at + off..at + off + n].to_vec());
+                        c.skip_ahead(&ours, foot);
+                        at += foot as usize;
+                    }
+                    ours.write(pos + at as u64, &bytes[at..]);
+                    shipped += end - pos;
+                    ours.store_tail(shipped);
+                }
+            }
+            drain(&mut c, &mut got, &mut buf);
+            prop_assert_eq!(got.len(), ops.len());
+            for (i, (g, &(len, _, _))) in got.iter().zip(&ops).enumerate() {
+                prop_assert_eq!(g, &payload(i, len), "payload {}", i);
+            }
+        }
+
         /// Arbitrary bytes in the data area and arbitrary indices: the consumer never panics,
         /// never reads out of bounds (LocalRing slices would panic), and every record it
         /// returns lies inside the data area.
