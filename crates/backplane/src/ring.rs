@@ -623,12 +623,10 @@ mod tests {
                     let end = (pos + (tail - shipped)).min(L);
                     let bytes = theirs.data.borrow()[pos as usize..end as usize].to_vec();
                     let mut at = 0usize;
-                    while ahead {
-                        let Some((off, n, foot)) =
-                            c.record_ahead(L, shipped + at as u64, &bytes[at..])
-                        else {
-                            break;
-                        };
+                    while let Some((off, n, foot)) = ahead
+                        .then(|| c.record_ahead(L, shipped + at as u64, &bytes[at..]))
+                        .flatten()
+                    {
                         got.push(bytes[at + off..at + off + n].to_vec());
                         c.skip_ahead(&ours, foot);
                         at += foot as usize;
