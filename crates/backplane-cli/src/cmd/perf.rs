@@ -352,7 +352,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut ucx_note = ucx_path.as_ref().err().cloned();
     let mut perftest_note = match (a.perftest, perftest::unavailable(a.test)) {
         _ if remote.is_some() => {
-            Some("perftest is not run between hosts (start it with `exec --verbs` there)".into())
+            Some("perftest is not run between hosts (start it with `exec --verbs --host-net` on each host, the server's host address to the client)".into())
         }
         (_, None) => None,
         (UcxMode::Require, Some(why)) => bail!("{why}"),
