@@ -103,6 +103,12 @@ const SPARE_MAX: usize = 4;
 /// (never batched: longer than [`BATCH_SMALL`]; sent zero-copy by UCX: past its 16 KiB
 /// `ZCOPY_THRESH`, set by the shim).
 pub(super) const LENT_MIN: usize = BATCH_SMALL;
+/// A blocking `send` of a datagram this long goes in place even in a stream, a message of its
+/// own, rather than copied into a batch: the copy into the batch cost more than the system
+/// call it saves. `perf dgram-bw` between hosts, alternating pairs, lent / batched: 64 KiB
+/// median ~1.06 (14 pairs), 48 KiB ~1.17 (6); 40 KiB ~0.92 and 32 KiB ~0.83 (6 each: there
+/// batches win, several datagrams a system call).
+const STREAM_LENT_MIN: usize = 48 * 1024;
 /// A list of datagrams sent together holds at most this many bytes (one message, one of
 /// UCX's TCP segments: see [`BIG_BATCH_MAX`]).
 pub(super) const LIST_BYTES: usize = BIG_BATCH_MAX;
@@ -534,10 +540,11 @@ impl Worker {
     /// arrives is queued as [`Worker::poll`] queues it (past [`QUEUE_MAX`] by at most what
     /// arrives meanwhile); `alive` is asked every [`LENT_CHECK`] whether the receiver may
     /// still take it — false (its node or host is gone) closes the connection, and the send
-    /// fails once UCX let go. `Ok(false)`, nothing sent, for one datagram in a stream (a
-    /// batch waits for `to`, or the last send to it returned less than [`STREAM_GAP_NS`]
-    /// ago): [`Worker::send`] then puts it in a batch — large datagrams too, one message of
-    /// up to [`BIG_BATCH_MAX`] for several, whose copy costs less than a message each.
+    /// fails once UCX let go. `Ok(false)`, nothing sent, for one datagram while a batch
+    /// waits for `to`, or one shorter than [`STREAM_LENT_MIN`] in a stream (the last send to
+    /// `to` returned less than [`STREAM_GAP_NS`] ago): [`Worker::send`] then puts it in a
+    /// batch — one message of up to [`BIG_BATCH_MAX`] for several, whose copy costs less
+    /// than a message each.
     fn send_lent(
         &mut self,
         to: SocketAddr,
@@ -547,7 +554,11 @@ impl Worker {
     ) -> Result<bool, Blocked> {
         let o = self.out.get(&to).ok_or(Blocked::Failed)?;
         let stream = crate::sync::now_ns().saturating_sub(o.last_send) < STREAM_GAP_NS;
-        if list.is_empty() || list.len() > LIST_MAX || list.len() == 1 && (o.used != 0 || stream) {
+        // (A stream's datagram of `STREAM_LENT_MIN` or more goes in place too: see there.)
+        if list.is_empty()
+            || list.len() > LIST_MAX
+            || list.len() == 1 && (o.used != 0 || stream && list[0].len() < STREAM_LENT_MIN)
+        {
             return Ok(false);
         }
         self.may_send(to)?;
@@ -1623,6 +1634,50 @@ mod tests {
         m[HEAD..HEAD + 4].copy_from_slice(&2u32.to_le_bytes());
         m[HEAD + 4..HEAD + 8].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(list_items(&m), None, "a length past the end");
+    }
+
+    /// In a stream, a blocking send of a datagram of [`STREAM_LENT_MIN`] or more goes in
+    /// place as a message of its own; a shorter one, or any while a batch waits for the
+    /// receiver, is left to the batch (nothing sent); the receiver gets the lent one whole.
+    #[test]
+    fn a_streams_large_datagram_goes_in_place_unless_a_batch_waits() {
+        let (mut a, mut b, to_b) = connected_pair();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let big: Vec<u8> = (0..STREAM_LENT_MIN).map(|k| (k * 5) as u8).collect();
+        let short = vec![7u8; STREAM_LENT_MIN - 1];
+        let b_me = b.me;
+        let mut got = Vec::new();
+        let mut receive = || {
+            take_all(&mut b, &mut got);
+            true
+        };
+        let stream =
+            |a: &mut Worker| a.out.get_mut(&to_b).unwrap().last_send = crate::sync::now_ns();
+        stream(&mut a);
+        assert_eq!(a.send_lent(to_b, b_me, &[&short], &mut receive), Ok(false));
+        stream(&mut a);
+        let seq = a.out[&to_b].seq;
+        assert_eq!(a.send_lent(to_b, b_me, &[&big], &mut receive), Ok(true));
+        assert_eq!(a.out[&to_b].seq, seq + 1, "one message of its own");
+        // A batch waiting: the large one joins it (the order of the stream).
+        a.corked = true;
+        a.send(to_b, b_me, 1, (true, false), |buf| {
+            buf[0] = 1;
+            Some(1)
+        })
+        .unwrap();
+        a.corked = false;
+        assert_ne!(a.out[&to_b].used, 0);
+        stream(&mut a);
+        assert_eq!(a.send_lent(to_b, b_me, &[&big], &mut receive), Ok(false));
+        a.ship_all();
+        while got.len() < 2 {
+            assert!(Instant::now() < deadline, "got {} of 2", got.len());
+            a.progress();
+            take_all(&mut b, &mut got);
+        }
+        assert!(got[0] == big, "the lent datagram whole");
+        assert_eq!(got[1], [1]);
     }
 
     /// A stream of large datagrams shares messages of up to [`BIG_BATCH_MAX`], each batch's
