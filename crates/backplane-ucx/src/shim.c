@@ -144,6 +144,9 @@ typedef struct bpx_link {
     /* During bpx_progress_with: offered each message in place before it is copied (1: taken). */
     int (*deliver)(void *ctx, int from, const void *data, size_t len);
     void *deliver_ctx;
+    /* A small message's block that UCX sent at once (SPARE_CAP bytes of payload), kept for
+     * the next small message: see bpx_send_alloc. */
+    void *spare;
 } bpx_link;
 
 static void push(bpx_link *l, bpx_event ev)
@@ -437,6 +440,12 @@ static void sent(void *request, ucs_status_t status, void *user_data)
     ucp_request_free(request);
 }
 
+/* The payload capacity of a small message's block, which a link keeps one of between sends:
+ * most small messages (a queue pair's ring bytes, an answer, a latency test's datagram) go out
+ * at once, and a malloc and free each cost 85-210 cycles of a reply's turnaround between
+ * hosts (a quarter of what the datagram layer adds to UCX's there). */
+#define SPARE_CAP 2048
+
 /* A message of len bytes to fill and pass to bpx_send_ready (or bpx_send_cancel); NULL if it
  * cannot go now, with *status saying why (UCS_ERR_NO_RESOURCE: too much in flight). */
 void *bpx_send_alloc(bpx_link *l, int index, size_t len, int *status)
@@ -450,8 +459,15 @@ void *bpx_send_alloc(bpx_link *l, int index, size_t len, int *status)
         *status = UCS_ERR_NO_RESOURCE;
     if (*status != UCS_OK)
         return NULL;
-    /* The header, then the payload: the completion callback frees both. */
-    bpx_block *block = buf_alloc(sizeof(bpx_block) + len);
+    /* The header, then the payload: the completion callback frees both (a small one sent at
+     * once is kept as the link's spare instead). */
+    bpx_block *block;
+    if (len <= SPARE_CAP && l->spare) {
+        block = l->spare;
+        l->spare = NULL;
+    } else {
+        block = buf_alloc(sizeof(bpx_block) + (len <= SPARE_CAP ? SPARE_CAP : len));
+    }
     if (!block) {
         *status = UCS_ERR_NO_MEMORY;
         return NULL;
@@ -485,7 +501,11 @@ int bpx_send_ready(bpx_link *l, int index, void *payload, size_t len)
     p.user_data = block;
     ucs_status_ptr_t r = ucp_am_send_nbx(l->eps[index].ep, BPX_AM_ID, NULL, 0, payload, len, &p);
     if (r == NULL) {
-        buf_free(block);
+        /* (Sent: UCX holds nothing of it. buf_alloc gave a small block exactly SPARE_CAP.) */
+        if (!l->spare && ((buf_head *)block - 1)->cap == sizeof(bpx_block) + SPARE_CAP)
+            l->spare = block;
+        else
+            buf_free(block);
         return 0;
     }
     if (UCS_PTR_IS_ERR(r)) {
@@ -817,6 +837,7 @@ void bpx_close_all(bpx_link *l)
         ucp_cleanup(l->ctx);
     for (size_t i = 0; i < l->qlen; i++)
         buf_free(l->q[(l->qhead + i) % l->qcap].data);
+    buf_free(l->spare);
     free(l->q);
     free(l);
 }
