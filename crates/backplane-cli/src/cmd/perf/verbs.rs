@@ -378,7 +378,7 @@ impl End {
 
 /// A cheap timestamp for per-iteration latencies, as perftest's `get_cycles`: the TSC on
 /// x86_64 (calibrated against the monotonic clock), `Instant` elsewhere.
-struct Clock {
+pub(super) struct Clock {
     t0: Instant,
     #[cfg(target_arch = "x86_64")]
     c0: u64,
@@ -387,7 +387,7 @@ struct Clock {
 }
 
 impl Clock {
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         let t0 = Instant::now();
         #[cfg(target_arch = "x86_64")]
         {
@@ -409,7 +409,7 @@ impl Clock {
 
     /// A raw timestamp (cycles on x86_64); [`Clock::ns`] converts a difference.
     #[inline]
-    fn raw() -> u64 {
+    pub(super) fn raw() -> u64 {
         #[cfg(target_arch = "x86_64")]
         {
             tsc()
@@ -421,7 +421,7 @@ impl Clock {
     }
 
     /// Nanoseconds in a difference of raw timestamps.
-    fn ns(&self, d: u64) -> u64 {
+    pub(super) fn ns(&self, d: u64) -> u64 {
         #[cfg(target_arch = "x86_64")]
         {
             (d as f64 * self.ns_per_cycle) as u64
