@@ -1651,8 +1651,11 @@ mod tests {
             take_all(&mut b, &mut got);
             true
         };
-        let stream =
-            |a: &mut Worker| a.out.get_mut(&to_b).unwrap().last_send = crate::sync::now_ns();
+        // (The last send "ahead" of now: a stream however slowly this machine goes on to the
+        // next send — a loaded CI machine took more than STREAM_GAP_NS.)
+        let stream = |a: &mut Worker| {
+            a.out.get_mut(&to_b).unwrap().last_send = crate::sync::now_ns() + 60_000_000_000;
+        };
         stream(&mut a);
         assert_eq!(a.send_lent(to_b, b_me, &[&short], &mut receive), Ok(false));
         stream(&mut a);
