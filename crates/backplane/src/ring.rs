@@ -223,6 +223,22 @@ impl Producer {
     }
 }
 
+/// A record [`Consumer::take_ahead`] found in ring bytes before they are written: its
+/// payload at `off`, `len` bytes, in the bytes; `taken` of the bytes it (and a pad before it
+/// there) spans; `consumed`, what [`Consumer::skip_ahead`] moves the consumer by (a pad before
+/// it in the ring too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ahead {
+    /// The payload's offset in the bytes.
+    pub off: usize,
+    /// The payload's length.
+    pub len: usize,
+    /// How many of the bytes the record (and a pad at their front) spans.
+    pub taken: u64,
+    /// How far the consumer moves past it.
+    pub consumed: u64,
+}
+
 /// Consumer state, private to the receiver.
 #[derive(Debug, Clone, Default)]
 pub struct Consumer {
@@ -333,7 +349,70 @@ impl Consumer {
         at: u64,
         bytes: &[u8],
     ) -> Option<(usize, usize, u64)> {
-        if at != self.head || self.tail_cache != self.head {
+        self.record_ahead_past(data_len, at, 0, bytes)
+    }
+
+    /// [`Consumer::record_ahead`] past a pad record at the ring's end: a producer that wraps
+    /// writes a pad and publishes it with the record after it, and a mirror ships the ring's
+    /// bytes in chunks — the pad may come at the front of the bytes (`bytes` starts with it)
+    /// or in the message before (written into the ring but not published: a published index
+    /// may not stop at a pad's end, see [`Consumer::peek`]). Without this the record after
+    /// every pad, and all after it in the same look, went through the ring. A pad passes only
+    /// if its header reads right (kind, this consumer's sequence number, a length that reaches
+    /// the ring's end exactly) with nothing published unread.
+    pub fn take_ahead(&self, mem: &impl RingMemory, at: u64, bytes: &[u8]) -> Option<Ahead> {
+        let data_len = mem.data_len();
+        if self.tail_cache != self.head {
+            return None;
+        }
+        let contiguous = data_len - wrap(self.head, data_len);
+        let is_pad = |h: &[u8]| {
+            RecordRepr::parse(&RecordHeader::new_unchecked(h)).is_ok_and(|rec| {
+                rec.kind == RecordKind::Pad
+                    && rec.seq == self.seq
+                    && u64::from(rec.len) + RECORD_HEADER_LEN == contiguous
+            })
+        };
+        let header = RECORD_HEADER_LEN as usize;
+        // Where the pad lies: in the ring before `at`, at the front of `bytes`, or nowhere.
+        let (in_ring, in_bytes) = if at == self.head + contiguous {
+            // SYNC POINT ring-publish (acquire): nothing published unread.
+            let mut h = [0u8; RECORD_HEADER_LEN as usize];
+            mem.read(wrap(self.head, data_len), &mut h);
+            if mem.load_tail() != self.head || !is_pad(&h) {
+                return None;
+            }
+            (contiguous, 0)
+        } else if at == self.head
+            && bytes.len() as u64 > contiguous
+            && bytes.get(..header).is_some_and(is_pad)
+        {
+            (0, contiguous)
+        } else {
+            (0, 0)
+        };
+        // (In bounds: a pad in the bytes is shorter than they are.)
+        let rest = &bytes[in_bytes as usize..];
+        let (off, len, foot) =
+            self.record_ahead_past(data_len, at + in_bytes, in_ring + in_bytes, rest)?;
+        Some(Ahead {
+            off: off + in_bytes as usize,
+            len,
+            taken: in_bytes + foot,
+            consumed: in_ring + in_bytes + foot,
+        })
+    }
+
+    /// [`Consumer::record_ahead`] for ring bytes at `at` past `pad` bytes of a pad record: the
+    /// footprint returned does not count the pad.
+    fn record_ahead_past(
+        &self,
+        data_len: u64,
+        at: u64,
+        pad: u64,
+        bytes: &[u8],
+    ) -> Option<(usize, usize, u64)> {
+        if at != self.head + pad || self.tail_cache != self.head {
             return None;
         }
         let h = bytes.get(..RECORD_HEADER_LEN as usize)?;
@@ -353,7 +432,8 @@ impl Consumer {
     /// Consumes the record [`Consumer::record_ahead`] found, which was read where it came
     /// (its bytes never enter the data area): the consumer index moves past it as after
     /// [`Consumer::release`], and the producer index the consumer last saw with it (the
-    /// producer publishes at least as far before anything after it is read).
+    /// producer publishes at least as far before anything after it is read). `foot` counts a
+    /// pad passed before it too ([`Consumer::pad_ahead`]: a pad shares its record's number).
     pub fn skip_ahead(&mut self, mem: &impl RingMemory, foot: u64) {
         self.head += foot;
         self.tail_cache = self.head;
@@ -490,6 +570,82 @@ mod tests {
         assert_eq!(c2.record_ahead(4096, 0, &bytes), None);
     }
 
+    /// A record after a pad at the ring's end is taken where it came whether the pad comes at
+    /// the front of the same bytes or in the chunk before (written, not published); a pad
+    /// published at its own end, or one whose header does not read as this consumer's pad,
+    /// is not passed over.
+    #[test]
+    fn a_record_after_a_pad_is_taken_where_it_came() {
+        const L: u64 = 4096;
+        // Three records, then one that does not fit before the ring's end: a pad, then it.
+        let theirs = LocalRing::new(L as usize);
+        let mut p = Producer::new();
+        for i in 0..3u8 {
+            p.push(&theirs, &[i; 1200]).unwrap();
+        }
+        let pad_at = p.tail();
+        // (Before the fourth overwrites the first's place.)
+        let first = theirs.data.borrow()[..pad_at as usize].to_vec();
+        theirs.store_head(pad_at); // (read: room for the fourth)
+        p.push(&theirs, &[9u8; 600]).unwrap();
+        let tail = p.tail();
+        let contiguous = L - pad_at;
+        assert!(tail > L, "the fourth record went to the ring's start");
+        let bytes = |from: u64, to: u64| -> Vec<u8> {
+            (from..to)
+                .map(|x| theirs.data.borrow()[(x % L) as usize])
+                .collect()
+        };
+        // Ours with the three records read from the ring: the consumer stands at the pad.
+        let fresh = || {
+            let ours = LocalRing::new(L as usize);
+            ours.write(0, &first);
+            ours.store_tail(pad_at);
+            let mut c = Consumer::new();
+            let mut buf = vec![0u8; 2000];
+            for _ in 0..3 {
+                assert_eq!(c.pop(&ours, &mut buf).unwrap(), Some(1200));
+            }
+            (ours, c)
+        };
+        let foot = RecordRepr::footprint(600);
+        // The pad at the front of the bytes.
+        let (ours, mut c) = fresh();
+        let chunk = bytes(pad_at, tail);
+        let a = c.take_ahead(&ours, pad_at, &chunk).unwrap();
+        assert_eq!(&chunk[a.off..a.off + a.len], &[9u8; 600][..]);
+        assert_eq!(
+            (a.taken, a.consumed),
+            (contiguous + foot, contiguous + foot)
+        );
+        c.skip_ahead(&ours, a.consumed);
+        assert_eq!(ours.load_head(), tail, "pad and record released as read");
+        // The pad in the chunk before, written into the ring and not published.
+        let (ours, mut c) = fresh();
+        ours.write(pad_at, &bytes(pad_at, L));
+        let chunk = bytes(L, tail);
+        let a = c.take_ahead(&ours, L, &chunk).unwrap();
+        assert_eq!(&chunk[a.off..a.off + a.len], &[9u8; 600][..]);
+        assert_eq!((a.taken, a.consumed), (foot, contiguous + foot));
+        c.skip_ahead(&ours, a.consumed);
+        assert_eq!(ours.load_head(), tail);
+        // Not past a pad published at its own end (records unread may lie there), nor one
+        // whose header is not this consumer's pad.
+        let (ours, c) = fresh();
+        ours.write(pad_at, &bytes(pad_at, L));
+        ours.store_tail(L);
+        assert_eq!(c.take_ahead(&ours, L, &chunk), None);
+        let (ours, c) = fresh();
+        let mut pad = bytes(pad_at, L);
+        pad[..8].copy_from_slice(&[0xff; 8]);
+        ours.write(pad_at, &pad);
+        assert_eq!(c.take_ahead(&ours, L, &chunk), None);
+        let mut front = bytes(pad_at, tail);
+        front[..8].copy_from_slice(&[0xff; 8]);
+        let (ours, c) = fresh();
+        assert_eq!(c.take_ahead(&ours, pad_at, &front), None);
+    }
+
     #[test]
     fn ring_delivers_in_order_across_many_wraps() {
         let ring = LocalRing::new(LEN);
@@ -588,12 +744,18 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(512))]
 
         /// A ring mirrored from another copy (as a QP's between hosts): records taken where
-        /// they came when the consumer may (`record_ahead`/`skip_ahead`), the rest written
-        /// into the ring and read there. Every payload arrives once, whole, in order, across
-        /// wraps and pad records, whatever the mix.
+        /// they came when the consumer may (`take_ahead`/`skip_ahead`), the rest written
+        /// into the ring and read there. What was published ships as one chunk (across the
+        /// ring's end, as a mirror's message) or as two split at the ring's end — a pad
+        /// there then comes alone, written but not published, as a mirror leaves it. Every
+        /// payload arrives once, whole, in order, across wraps and pad records, whatever the
+        /// mix.
         #[test]
         fn records_taken_ahead_and_read_from_the_ring_arrive_once_in_order(
-            ops in proptest::collection::vec((0usize..1500, any::<bool>(), any::<bool>()), 1..200),
+            ops in proptest::collection::vec(
+                (0usize..1500, any::<bool>(), any::<bool>(), any::<bool>()),
+                1..200,
+            ),
         ) {
             const L: u64 = 8192;
             let (theirs, ours) = (LocalRing::new(L as usize), LocalRing::new(L as usize));
@@ -609,36 +771,46 @@ mod tests {
                 // The consumer index goes back to the producer's copy (the mirror's credits).
                 theirs.store_head(ours.load_head());
             };
-            for (i, &(len, ahead, drain_first)) in ops.iter().enumerate() {
+            for (i, &(len, ahead, drain_first, split)) in ops.iter().enumerate() {
                 while p.push(&theirs, &payload(i, len)) == Err(RingError::Full) {
                     drain(&mut c, &mut got, &mut buf);
                 }
                 if drain_first {
                     drain(&mut c, &mut got, &mut buf);
                 }
-                // Ship what was published, a piece up to the ring's end at a time.
                 let tail = p.tail();
                 while shipped < tail {
-                    let pos = shipped % L;
-                    let end = (pos + (tail - shipped)).min(L);
-                    let bytes = theirs.data.borrow()[pos as usize..end as usize].to_vec();
+                    // One chunk up to the tail, or (split) up to the ring's end first.
+                    let to_end = L - shipped % L;
+                    let end = if split && tail - shipped > to_end { shipped + to_end } else { tail };
+                    let bytes: Vec<u8> = (shipped..end)
+                        .map(|x| theirs.data.borrow()[(x % L) as usize])
+                        .collect();
                     let mut at = 0usize;
-                    while let Some((off, n, foot)) = ahead
-                        .then(|| c.record_ahead(L, shipped + at as u64, &bytes[at..]))
+                    while let Some(a) = ahead
+                        .then(|| c.take_ahead(&ours, shipped + at as u64, &bytes[at..]))
                         .flatten()
                     {
-                        got.push(bytes[at + off..at + off + n].to_vec());
-                        c.skip_ahead(&ours, foot);
-                        at += foot as usize;
+                        got.push(bytes[at + a.off..at + a.off + a.len].to_vec());
+                        c.skip_ahead(&ours, a.consumed);
+                        at += a.taken as usize;
                     }
-                    ours.write(pos + at as u64, &bytes[at..]);
-                    shipped += end - pos;
-                    ours.store_tail(shipped);
+                    for (k, &byte) in bytes.iter().enumerate().skip(at) {
+                        ours.write((shipped + k as u64) % L, &[byte]);
+                    }
+                    // Published as a mirror does: a whole chunk to its end, else past what
+                    // was taken (never at a pad's end alone).
+                    if end == tail {
+                        ours.store_tail(tail);
+                    } else if at != 0 {
+                        ours.store_tail(shipped + at as u64);
+                    }
+                    shipped = end;
                 }
             }
             drain(&mut c, &mut got, &mut buf);
             prop_assert_eq!(got.len(), ops.len());
-            for (i, (g, &(len, _, _))) in got.iter().zip(&ops).enumerate() {
+            for (i, (g, &(len, _, _, _))) in got.iter().zip(&ops).enumerate() {
                 prop_assert_eq!(g, &payload(i, len), "payload {}", i);
             }
         }

@@ -672,10 +672,11 @@ impl ShmReceiver {
         self
     }
 
-    /// See [`Consumer::record_ahead`]: the whole record that starts ring bytes about to be
-    /// written at index `at`, if this receiver would read it next.
-    pub(crate) fn record_ahead(&self, at: u64, bytes: &[u8]) -> Option<(usize, usize, u64)> {
-        self.consumer.record_ahead(self.ring.data_len(), at, bytes)
+    /// See [`Consumer::take_ahead`]: the whole record that starts ring bytes about to be
+    /// written at index `at` (past a pad at the ring's end), if this receiver would read it
+    /// next.
+    pub(crate) fn take_ahead(&self, at: u64, bytes: &[u8]) -> Option<crate::ring::Ahead> {
+        self.consumer.take_ahead(&self.ring, at, bytes)
     }
 
     /// See [`Consumer::skip_ahead`].

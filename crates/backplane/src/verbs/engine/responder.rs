@@ -213,11 +213,13 @@ impl QpEngine {
             return 0;
         }
         let Some(p) = &self.peer else { return 0 };
-        let Some((off, len, foot)) = p.inbound.record_ahead(at, bytes) else {
+        // (Past a pad at the ring's end, in the ring or at the front of `bytes`.)
+        let Some(a) = p.inbound.take_ahead(at, bytes) else {
             return 0;
         };
-        // (In bounds: `record_ahead` checked the record's footprint lies within `bytes`.)
-        let Some(rec) = bytes.get(off..off + len).filter(|r| r.len() >= HDR) else {
+        let len = a.len;
+        // (In bounds: `take_ahead` checked the record's footprint lies within `bytes`.)
+        let Some(rec) = bytes.get(a.off..a.off + len).filter(|r| r.len() >= HDR) else {
             return 0;
         };
         let Ok(h) = MsgRepr::parse(&MsgHeader::new_unchecked(&rec[..HDR]), len - HDR) else {
@@ -237,14 +239,14 @@ impl QpEngine {
             return 0;
         }
         if let Some(p) = &mut self.peer {
-            p.inbound.skip_ahead(foot);
+            p.inbound.skip_ahead(a.consumed);
         }
         // The ring room goes back with the pair's next message (or after its words' linger,
         // as drive_rx's release would: ringing the bell here had the next progress pump the
         // pair before the program saw this completion, `send-lat` 5 % slower); the next
         // progress takes this as a receive just completed (see `progress`).
         self.took_ahead = true;
-        foot as usize
+        a.taken as usize
     }
 
     /// A whole message in one fragment, into a receive with one entry and room enough: the
