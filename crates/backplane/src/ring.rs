@@ -376,10 +376,14 @@ impl Consumer {
         let header = RECORD_HEADER_LEN as usize;
         // Where the pad lies: in the ring before `at`, at the front of `bytes`, or nowhere.
         let (in_ring, in_bytes) = if at == self.head + contiguous {
-            // SYNC POINT ring-publish (acquire): nothing published unread.
+            // SYNC POINT ring-publish (acquire): nothing published unread (the pad's bytes
+            // were written by this pair's pump, not published).
+            if mem.load_tail() != self.head {
+                return None;
+            }
             let mut h = [0u8; RECORD_HEADER_LEN as usize];
             mem.read(wrap(self.head, data_len), &mut h);
-            if mem.load_tail() != self.head || !is_pad(&h) {
+            if !is_pad(&h) {
                 return None;
             }
             (contiguous, 0)
@@ -433,7 +437,7 @@ impl Consumer {
     /// (its bytes never enter the data area): the consumer index moves past it as after
     /// [`Consumer::release`], and the producer index the consumer last saw with it (the
     /// producer publishes at least as far before anything after it is read). `foot` counts a
-    /// pad passed before it too ([`Consumer::pad_ahead`]: a pad shares its record's number).
+    /// pad passed before it too ([`Consumer::take_ahead`]: a pad shares its record's number).
     pub fn skip_ahead(&mut self, mem: &impl RingMemory, foot: u64) {
         self.head += foot;
         self.tail_cache = self.head;
