@@ -442,8 +442,9 @@ static void sent(void *request, ucs_status_t status, void *user_data)
 
 /* The payload capacity of a small message's block, which a link keeps one of between sends:
  * most small messages (a queue pair's ring bytes, an answer, a latency test's datagram) go out
- * at once, and a malloc and free each cost 85-210 cycles of a reply's turnaround between
- * hosts (a quarter of what the datagram layer adds to UCX's there). */
+ * at once, and the malloc before each cost 85-210 cycles of a reply's turnaround between
+ * hosts (46-58 with the spare: session 39's probe of perf dgram-lat; its free came after the
+ * send). */
 #define SPARE_CAP 2048
 
 /* A message of len bytes to fill and pass to bpx_send_ready (or bpx_send_cancel); NULL if it
