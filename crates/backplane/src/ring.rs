@@ -338,28 +338,19 @@ impl Consumer {
 
     /// The record that starts the ring bytes `bytes`, which are to be written at index `at`
     /// and are not in the data area yet (a QP's messages from another host, before the pair's
-    /// mirror writes them): the payload's offset in `bytes` and its length, and the record's
-    /// footprint — if `at` is where this consumer stands with nothing published unread, and the
-    /// record is a whole data record of the next sequence number that fits where it would lie.
-    /// Anything else (a pad record, a record cut at the end of `bytes`, a bad header) is `None`:
-    /// the bytes go into the ring and [`Consumer::peek`] judges them there.
-    pub fn record_ahead(
-        &self,
-        data_len: u64,
-        at: u64,
-        bytes: &[u8],
-    ) -> Option<(usize, usize, u64)> {
-        self.record_ahead_past(data_len, at, 0, bytes)
-    }
-
-    /// [`Consumer::record_ahead`] past a pad record at the ring's end: a producer that wraps
-    /// writes a pad and publishes it with the record after it, and a mirror ships the ring's
-    /// bytes in chunks — the pad may come at the front of the bytes (`bytes` starts with it)
-    /// or in the message before (written into the ring but not published: a published index
-    /// may not stop at a pad's end, see [`Consumer::peek`]). Without this the record after
-    /// every pad, and all after it in the same look, went through the ring. A pad passes only
-    /// if its header reads right (kind, this consumer's sequence number, a length that reaches
-    /// the ring's end exactly) with nothing published unread.
+    /// mirror writes them) — if `at` is where this consumer stands with nothing published
+    /// unread, and the record is a whole data record of the next sequence number that fits
+    /// where it would lie. Anything else (a record cut at the end of `bytes`, a bad header) is
+    /// `None`: the bytes go into the ring and [`Consumer::peek`] judges them there.
+    ///
+    /// A pad record at the ring's end before it is passed over: a producer that wraps writes
+    /// a pad and publishes it with the record after it, and a mirror ships the ring's bytes in
+    /// chunks — the pad may come at the front of `bytes`, or in the message before (written
+    /// into the ring but not published: a published index may not stop at a pad's end, see
+    /// [`Consumer::peek`]). Without this the record after every pad, and all after it in the
+    /// same look, went through the ring. A pad passes only if its header reads right (kind,
+    /// this consumer's sequence number, a length that reaches the ring's end exactly) with
+    /// nothing published unread.
     pub fn take_ahead(&self, mem: &impl RingMemory, at: u64, bytes: &[u8]) -> Option<Ahead> {
         let data_len = mem.data_len();
         if self.tail_cache != self.head {
@@ -392,13 +383,14 @@ impl Consumer {
             && bytes.get(..header).is_some_and(is_pad)
         {
             (0, contiguous)
-        } else {
+        } else if at == self.head {
             (0, 0)
+        } else {
+            return None;
         };
         // (In bounds: a pad in the bytes is shorter than they are.)
         let rest = &bytes[in_bytes as usize..];
-        let (off, len, foot) =
-            self.record_ahead_past(data_len, at + in_bytes, in_ring + in_bytes, rest)?;
+        let (off, len, foot) = self.data_record(data_len, at + in_bytes, rest)?;
         Some(Ahead {
             off: off + in_bytes as usize,
             len,
@@ -407,18 +399,9 @@ impl Consumer {
         })
     }
 
-    /// [`Consumer::record_ahead`] for ring bytes at `at` past `pad` bytes of a pad record: the
-    /// footprint returned does not count the pad.
-    fn record_ahead_past(
-        &self,
-        data_len: u64,
-        at: u64,
-        pad: u64,
-        bytes: &[u8],
-    ) -> Option<(usize, usize, u64)> {
-        if at != self.head + pad || self.tail_cache != self.head {
-            return None;
-        }
+    /// The data record of this consumer's next number that starts `bytes`, to lie at ring
+    /// index `at` whole before the ring's end: its payload's offset and length, its footprint.
+    fn data_record(&self, data_len: u64, at: u64, bytes: &[u8]) -> Option<(usize, usize, u64)> {
         let h = bytes.get(..RECORD_HEADER_LEN as usize)?;
         let rec = RecordRepr::parse(&RecordHeader::new_unchecked(h)).ok()?;
         if rec.kind != RecordKind::Data || rec.seq != self.seq || rec.not_before_ns != 0 {
@@ -433,7 +416,7 @@ impl Consumer {
         Some((RECORD_HEADER_LEN as usize, len, foot))
     }
 
-    /// Consumes the record [`Consumer::record_ahead`] found, which was read where it came
+    /// Consumes the record [`Consumer::take_ahead`] found, which was read where it came
     /// (its bytes never enter the data area): the consumer index moves past it as after
     /// [`Consumer::release`], and the producer index the consumer last saw with it (the
     /// producer publishes at least as far before anything after it is read). `foot` counts a
@@ -551,9 +534,14 @@ mod tests {
         let ours = LocalRing::new(4096);
         let mut c = Consumer::new();
         // Only where the consumer stands, and only a record whole in the bytes.
-        assert_eq!(c.record_ahead(4096, 64, &bytes[64..]), None);
-        assert_eq!(c.record_ahead(4096, 0, &bytes[..20]), None);
-        let (off, len, foot) = c.record_ahead(4096, 0, &bytes).unwrap();
+        assert_eq!(c.take_ahead(&ours, 64, &bytes[64..]), None);
+        assert_eq!(c.take_ahead(&ours, 0, &bytes[..20]), None);
+        let Ahead {
+            off,
+            len,
+            consumed: foot,
+            ..
+        } = c.take_ahead(&ours, 0, &bytes).unwrap();
         assert_eq!(&bytes[off..off + len], b"first");
         c.skip_ahead(&ours, foot);
         assert_eq!(ours.load_head(), foot, "the room goes back as if read");
@@ -564,14 +552,14 @@ mod tests {
         assert_eq!(c.pop(&ours, &mut buf).unwrap(), Some(100));
         assert_eq!(buf[..100], [7u8; 100]);
         // A record out of sequence (the first one again) is not taken.
-        assert_eq!(c.record_ahead(4096, tail, &bytes), None);
+        assert_eq!(c.take_ahead(&ours, tail, &bytes), None);
         // Nor one while records published before it wait unread.
         let mut c2 = Consumer::new();
         let ours2 = LocalRing::new(4096);
         ours2.write(0, &bytes);
         ours2.store_tail(tail);
         assert!(c2.peek(&ours2).unwrap().is_some());
-        assert_eq!(c2.record_ahead(4096, 0, &bytes), None);
+        assert_eq!(c2.take_ahead(&ours2, 0, &bytes), None);
     }
 
     /// A record after a pad at the ring's end is taken where it came whether the pad comes at
