@@ -181,7 +181,8 @@ pub struct Args {
     /// Sweep sizes 8 B .. 1 MiB in powers of two.
     #[arg(short = 'a', long = "all")]
     all: bool,
-    /// Iterations per size (default: 20000 for latency; about 1 GiB of traffic for bandwidth).
+    /// Iterations per size (default: 20000 for latency — READ and atomic latency on one host:
+    /// a million, or about 1 GiB; about 1 GiB of traffic for bandwidth).
     #[arg(short = 'n', long = "iters")]
     iters: Option<u64>,
     /// Run `ucx_perftest` (UCX_TLS=posix,cma,self) with the same sizes in the same run.
@@ -308,11 +309,21 @@ fn sizes(a: &Args) -> anyhow::Result<Vec<u64>> {
 }
 
 fn iters_for(a: &Args, size: u64) -> u64 {
-    a.iters.unwrap_or(if a.test.is_lat() {
+    a.iters.unwrap_or(if one_sided_here(a) {
+        // A READ or an atomic on one host takes ~50 ns: 20 000 of them were one millisecond,
+        // which one hiccup of a shared VM moved by 2x (per-round ratios against `ucp_get`
+        // from 0.26 to 1.96 in one run); a million (or about 1 GiB) lasts tens of ms.
+        ((1u64 << 30) / size).clamp(20_000, 1_000_000)
+    } else if a.test.is_lat() {
         20_000
     } else {
         ((1u64 << 30) / size).clamp(1_000, 500_000)
     })
+}
+
+/// A READ or atomic latency test between nodes of this host (no `--peer-via`).
+fn one_sided_here(a: &Args) -> bool {
+    matches!(a.test, Test::ReadLat | Test::AtomicLat) && a.peer_via.is_none()
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
@@ -1116,5 +1127,35 @@ mod tests {
         assert!(text.contains("| median ratio 0.857 "), "{text}");
         assert!(text.contains("| ratio of medians 2.71 "), "{text}");
         assert!(text.contains("as good as UCX in 3 of 5 rounds"), "{text}");
+    }
+
+    #[test]
+    fn reads_and_atomics_on_one_host_run_long_enough_to_outlast_a_hiccup() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: Args,
+        }
+        let iters = |argv: &[&str], size: u64| {
+            let cli = <Cli as clap::Parser>::try_parse_from(
+                std::iter::once("perf").chain(argv.iter().copied()),
+            )
+            .unwrap();
+            iters_for(&cli.a, size)
+        };
+        assert_eq!(iters(&["read-lat"], 8), 1_000_000);
+        assert_eq!(iters(&["atomic-lat"], 8), 1_000_000);
+        // About 1 GiB for large READs, never fewer than the other latency tests.
+        assert_eq!(iters(&["read-lat"], 4096), 262_144);
+        assert_eq!(iters(&["read-lat"], 1 << 20), 20_000);
+        // Across hosts (a round trip of microseconds) and the two-sided tests: as before.
+        assert_eq!(
+            iters(&["read-lat", "--name", "f", "--peer-via", "ssh b"], 8),
+            20_000
+        );
+        assert_eq!(iters(&["write-lat"], 8), 20_000);
+        assert_eq!(iters(&["send-lat"], 8), 20_000);
+        // A count given is the count.
+        assert_eq!(iters(&["read-lat", "-n", "300"], 8), 300);
     }
 }

@@ -384,32 +384,25 @@ impl End {
 /// A cheap timestamp for per-iteration latencies, as perftest's `get_cycles`: the TSC on
 /// x86_64 (calibrated against the monotonic clock), `Instant` elsewhere.
 pub(super) struct Clock {
-    t0: Instant,
-    #[cfg(target_arch = "x86_64")]
-    c0: u64,
     #[cfg(target_arch = "x86_64")]
     ns_per_cycle: f64,
 }
 
 impl Clock {
     pub(super) fn new() -> Self {
-        let t0 = Instant::now();
         #[cfg(target_arch = "x86_64")]
         {
+            let t0 = Instant::now();
             let c0 = tsc();
             while t0.elapsed() < Duration::from_millis(20) {
                 std::hint::spin_loop();
             }
             let ns = t0.elapsed().as_nanos() as f64;
             let ns_per_cycle = ns / (tsc() - c0).max(1) as f64;
-            Self {
-                t0,
-                c0,
-                ns_per_cycle,
-            }
+            Self { ns_per_cycle }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        Self { t0 }
+        Self {}
     }
 
     /// A raw timestamp (cycles on x86_64); [`Clock::ns`] converts a difference.
@@ -434,19 +427,6 @@ impl Clock {
         #[cfg(not(target_arch = "x86_64"))]
         {
             d
-        }
-    }
-
-    /// Now, in nanoseconds since the clock was made.
-    #[inline]
-    fn now(&self) -> u64 {
-        #[cfg(target_arch = "x86_64")]
-        {
-            ((tsc() - self.c0) as f64 * self.ns_per_cycle) as u64
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            self.t0.elapsed().as_nanos() as u64
         }
     }
 }
@@ -659,7 +639,6 @@ fn lat(
     let mut h = backplane_bench::stats::new_histogram();
     let len = size as u32;
     let clock = Clock::new();
-    let _ = clock.t0;
     let mut samples = Vec::with_capacity(n as usize);
     if lp == Loop::Perftest {
         let raw = match test {
@@ -691,7 +670,7 @@ fn lat(
                 if size <= INLINE {
                     wr.send_flags = SendFlags::INLINE;
                 }
-                t0 = clock.now();
+                t0 = Clock::raw();
                 e.post(&wr)?;
                 while e.peek(size - 1) != s {
                     std::hint::spin_loop();
@@ -701,7 +680,7 @@ fn lat(
                 let sge = [e.mr.sge(SRC, len)];
                 let mut wr = e.send_wr(size);
                 wr.sg_list = &sge;
-                t0 = clock.now();
+                t0 = Clock::raw();
                 e.post(&wr)?;
                 if i > 0 {
                     // The receive the last answer used goes back while this message travels
@@ -712,18 +691,20 @@ fn lat(
             }
             Test::ReadLat => {
                 let sge = [e.mr.sge(SRC, len)];
-                t0 = clock.now();
+                t0 = Clock::raw();
                 e.qp.post_send(&[SendWr::read(i, &sge, 0, peer.rkey).signaled()])?;
                 e.wait_send(i)?;
             }
             _ => {
                 let sge = [e.mr.sge(SRC, 8)];
-                t0 = clock.now();
+                t0 = Clock::raw();
                 e.qp.post_send(&[SendWr::fetch_add(i, &sge, 0, peer.rkey, 1).signaled()])?;
                 e.wait_send(i)?;
             }
         }
-        let rtt = clock.now() - t0;
+        // (Raw cycles, converted after the loop: the conversion's float arithmetic in the loop
+        // was half of `perf read-lat`'s own time outside the library.)
+        let rtt = Clock::raw() - t0;
         if i >= warm {
             samples.push(rtt); // into the histogram after the loop: off the measured path
         }
@@ -732,7 +713,7 @@ fn lat(
         e.repost()?; // the last answer's receive
     }
     for s in samples {
-        h.record(s.max(1))?;
+        h.record(clock.ns(s).max(1))?;
     }
     Ok(Row::latency(&h, size, n, test.halved()))
 }
