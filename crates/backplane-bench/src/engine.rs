@@ -88,7 +88,7 @@ pub struct PathDef {
 
 impl PathDef {
     /// The largest message the path can carry, and why, for paths that have one: kernel UDP
-    /// sends a message as one datagram, and a datagram holds at most [`MAX_UDP`] bytes. (The
+    /// sends a message as one datagram, and a datagram holds at most [`MAX_UDP`](crate::link::MAX_UDP) bytes. (The
     /// fabric's own datagram path carries larger messages as several lossless datagrams.)
     pub fn largest_message(&self) -> Option<(u64, &'static str)> {
         matches!(self.name, "fabric-udp" | "udp-loopback" | "udp-veth").then_some((

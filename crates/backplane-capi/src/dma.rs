@@ -6,7 +6,7 @@
 //! alive, so no queue ever feeds engines that are gone.
 //!
 //! **Queues** (`DmaQueue`) are `!Send` (they use their verbs context), so they live in the
-//! verbs thread-local registry as one more object of their context ([`VObj::DmaQueue`]): the
+//! verbs thread-local registry as one more object of their context (`VObj::DmaQueue`): the
 //! same ownership rules (`EPERM` from another thread), the context cannot be closed under a
 //! queue (`EBUSY`), and a thread's queues go away with it.
 //!

@@ -19,7 +19,7 @@
 //! place ([`backplane::verbs::Pd::reg_user_mr`]) — completion channels, CQs, RC/UC/UD QPs,
 //! shared receive queues and address handles are the engine's; the header's inline data path
 //! (`ibv_post_send`, `ibv_post_recv`, `ibv_post_srq_recv`, `ibv_poll_cq`, `ibv_req_notify_cq`)
-//! jumps through the context's `ops`, one call at a time per context ([`lock`]).
+//! jumps through the context's `ops`, one call at a time per context (the `lock` module).
 //! Not offered (the program gets libibverbs' failure and stops with its own error): the
 //! extended API (`verbs_context` is not provided, so the header's `ibv_create_qp_ex` & co.
 //! answer `EOPNOTSUPP`), memory windows, multicast, ODP, `rdma_cm`.

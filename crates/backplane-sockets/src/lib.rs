@@ -3,14 +3,14 @@
 //!
 //! A TCP connection between two fabric nodes is made by the kernel, over `bp0`, exactly as
 //! without the library (ports, `accept`, addresses, errors are the kernel's). When both ends
-//! run with the library, they agree out of band (see [`setup`]) to carry the byte stream on a
-//! pair of shared-memory rings instead (see [`conn`], [`seg`]); the kernel's connection stays
+//! run with the library, they agree out of band (see the `setup` module) to carry the byte stream on a
+//! pair of shared-memory rings instead (see the `conn` and `seg` modules); the kernel's connection stays
 //! open beside it for the socket's options and names and to tell when the peer is gone. Any
 //! other descriptor, and any connection that does not agree, passes straight to the kernel.
 //!
 //! The library exports the socket and descriptor calls a program makes (`read`, `send`,
 //! `close`, `dup2`, `fcntl` …). For a descriptor that is not an accelerated connection each is
-//! one table look-up and the system call itself ([`sys`]: no `dlsym`, no recursion, nothing
+//! one table look-up and the system call itself (the `sys` module: no `dlsym`, no recursion, nothing
 //! that needs libc to be initialised). `poll`, `select` and `epoll` are not wrapped at all:
 //! an accelerated descriptor is a real socket whose readiness the library keeps true.
 

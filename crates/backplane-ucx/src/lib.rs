@@ -335,7 +335,7 @@ fn set_defaults() {
     });
 }
 
-/// Sets, in this process's environment, what a link asks of UCX (see [`set_defaults`]) — at
+/// Sets, in this process's environment, what a link asks of UCX (see `set_defaults`) — at
 /// once, not at the first link: for a program this process starts that must run UCX as the
 /// links do (`perf --peer-via` starts `ucx_perftest` beside its own links, on both hosts;
 /// otherwise it would inherit these settings only once the first link had opened).
@@ -344,20 +344,20 @@ pub fn environment_defaults() {
 }
 
 /// The iovs UCX's TCP transport may give one `sendmsg` (`UCX_TCP_MAX_IOV`, see
-/// [`set_defaults`]).
+/// `set_defaults`).
 pub const TCP_MAX_IOV: usize = 20;
 
 /// At most this many pieces in a message of [`Link::send_lent`].
 pub const MAX_PIECES: usize = 64;
 
-/// The TCP segment size a link asks of UCX (see [`set_defaults`]).
+/// The TCP segment size a link asks of UCX (see `set_defaults`).
 pub const TCP_SEGMENT: usize = 512 * 1024;
 
 impl Link {
     /// Opens a link, listening on `listen` if given (port 0: any free port).
     ///
     /// The first call sets UCX's address reuse and TCP segment sizes in the environment unless
-    /// they are set (see [`set_defaults`]): make it before starting threads that read the
+    /// they are set (see `set_defaults`): make it before starting threads that read the
     /// environment from C.
     pub fn open(listen: Option<SocketAddr>) -> Result<Self, Error> {
         Self::open_with(listen, true)

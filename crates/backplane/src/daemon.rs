@@ -1,7 +1,7 @@
 //! The fabric's own processes as library entry points: the supervisor (with the verbs registry
 //! it hosts) and the node agent (with the TAP data path). [`fabric::launch::start`] starts a
-//! supervisor from an executable whose `supervisor` and `agent` commands call [`supervisor`]
-//! and [`agent`]; both read a typed configuration (JSON), never argv.
+//! supervisor from an executable whose `supervisor` and `agent` commands call [`supervisor()`]
+//! and [`agent()`]; both read a typed configuration (JSON), never argv.
 //!
 //! Two executables do: `backplane` (the CLI), and `backplane-fabricd`, this crate's own small
 //! binary, which is what the library's integration tests start fabrics with (so the library

@@ -43,7 +43,7 @@ pub struct Args {
     /// Datagram size of the loss sweep and zero-loss search (16 B to 65507 B).
     #[arg(long, default_value = "1K", value_parser = parse_size)]
     loss_size: u64,
-    /// Report folder (default: bench-report/<UTC timestamp>/).
+    /// Report folder (default: `bench-report/<UTC timestamp>/`).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Print the JSON report (version 1) on stdout instead of the summary table.
