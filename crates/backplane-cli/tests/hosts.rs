@@ -1258,8 +1258,66 @@ fn a_distributed_topology_spans_hosts_forwarding_nodes_on_either_host() {
     h.assert_nothing_left();
 }
 
+/// The port of `ns_echo` (node 2).
+const NS_ECHO_PORT: u32 = 7100;
+
+/// Roles run in a node's network namespace (`bp0` and `lo`, no address of the host): by
+/// `exec`, their endpoints still go straight to the other host (UCX works from the
+/// supervisor's namespace); by `ip netns exec` (`BP_DIRECT=0`: /sys shows the node's
+/// interfaces, where UCX would find none to reach the host with), through the bridges. A
+/// datagram crosses each way either way.
+fn node_ns_role(role: &str) {
+    let direct = std::env::var("BP_DIRECT").map_or(true, |v| v != "0");
+    use backplane::dgram::Wait;
+    use backplane::fabric::Fabric;
+    use backplane::transport::Addr;
+    let fabric = Fabric::attach(&std::env::var("BP_FABRIC").unwrap()).unwrap();
+    let mut buf = [0u8; 64];
+    match role {
+        "ns_echo" => {
+            let mut ep = fabric.node(2).unwrap().bind(NS_ECHO_PORT).unwrap();
+            assert_eq!(ep.is_direct(), direct, "node 2's endpoint's path");
+            let (n, src) = ep
+                .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                .unwrap();
+            assert_eq!(&buf[..n], b"ping");
+            ep.send_to(src, b"echo").unwrap();
+            let (n, _) = ep
+                .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                .unwrap();
+            assert_eq!(&buf[..n], b"bye");
+        }
+        "ns_ping" => {
+            let mut ep = fabric.node(1).unwrap().bind(0).unwrap();
+            assert_eq!(ep.is_direct(), direct, "node 1's endpoint's path");
+            let to = Addr::new(2, NS_ECHO_PORT);
+            // (Until node 2's endpoint is bound.)
+            let t0 = Instant::now();
+            while let Err(e) = ep.send(to, b"ping", Wait::For(Duration::from_secs(5))) {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "no echo endpoint: {e}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let (n, src) = ep
+                .recv_from_timeout(&mut buf, Duration::from_secs(30))
+                .unwrap();
+            assert_eq!((&buf[..n], src), (&b"echo"[..], to));
+            ep.send_to(to, b"bye").unwrap();
+            // (What was sent leaves before the endpoint closes.)
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
 #[test]
 fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
+    if let Some(r) = role() {
+        node_ns_role(&r);
+        return;
+    }
     if !root() {
         return;
     }
@@ -1413,6 +1471,59 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
         "{}",
         stderr(&o)
     );
+    // A program in a node's namespace reaches the other host straight from its process too:
+    // its endpoints' UCX works from the supervisor's namespace (they went through the bridges
+    // before, 3-4x slower).
+    let test_fn = "ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified";
+    let exe = std::env::current_exe().unwrap();
+    let role_in_node = |k: usize, node: &str, role: &str| {
+        h.in_host(k)
+            .arg(format!("BACKPLANE_RUN_DIR={}", h.run_dir(k).display()))
+            .arg(BIN)
+            .args(["exec", "--name", &h.fabric, node, "--", "env"])
+            .arg(format!("BP_ROLE={role}"))
+            .arg(format!("BP_FABRIC={}", h.fabric))
+            .arg(&exe)
+            .args([test_fn, "--exact", "--nocapture", "--test-threads=1"])
+            .spawn()
+            .unwrap()
+    };
+    let echo = role_in_node(1, "2", "ns_echo");
+    let ping = role_in_node(0, "1", "ns_ping");
+    assert!(finish(ping, "ns_ping").success(), "ns_ping failed");
+    assert!(finish(echo, "ns_echo").success(), "ns_echo failed");
+    // Entered with `ip netns exec` (its own /sys: UCX could not reach the host from there),
+    // the same programs go through the bridges, and still cross.
+    let role_by_ip = |k: usize, node: u32, role: &str| {
+        h.in_host(k)
+            .arg(format!("BACKPLANE_RUN_DIR={}", h.run_dir(k).display()))
+            .args(["ip", "netns", "exec"])
+            .arg(format!("bp-{}-{node}", h.fabric))
+            .args(["env", "BP_DIRECT=0"])
+            .arg(format!("BP_ROLE={role}"))
+            .arg(format!("BP_FABRIC={}", h.fabric))
+            .arg(&exe)
+            .args([test_fn, "--exact", "--nocapture", "--test-threads=1"])
+            .spawn()
+            .unwrap()
+    };
+    let echo = role_by_ip(1, 2, "ns_echo");
+    let ping = role_by_ip(0, 1, "ns_ping");
+    assert!(
+        finish(ping, "ns_ping by ip").success(),
+        "ns_ping by ip netns exec failed"
+    );
+    assert!(
+        finish(echo, "ns_echo by ip").success(),
+        "ns_echo by ip netns exec failed"
+    );
+    // ... and so does an unmodified verbs program (its peer's address: the node's bp0).
+    if have("ibv_rc_pingpong") {
+        lib_built("libibverbs.so", "backplane-ibverbs");
+        let (c, s) = verbs_pair_node_ns(&h, "ibv_rc_pingpong", "18789", &["-n", "200", "-c"]);
+        both_ended_well("ibv_rc_pingpong in the nodes' namespaces", &c, &s);
+        assert!(String::from_utf8_lossy(&c.stdout).contains("200 iters in"));
+    }
     // ... where a verbs program reaches the other host's (its peer's address is that host's).
     if have("ibv_rc_pingpong") {
         lib_built("libibverbs.so", "backplane-ibverbs");
@@ -1598,6 +1709,22 @@ fn verbs_pair_with(
     port: &str,
     args: &[&str],
 ) -> (Output, Output) {
+    verbs_pair_to(h, flags, (prog, port, args), &h.addr(1))
+}
+
+/// [`verbs_pair`] between the nodes' own namespaces, the client reaching the server at its
+/// node's name (`bp0`, IP over the fabric across the hosts).
+fn verbs_pair_node_ns(h: &Hosts, prog: &str, port: &str, args: &[&str]) -> (Output, Output) {
+    verbs_pair_to(h, &[], (prog, port, args), "node2")
+}
+
+/// [`verbs_pair_with`], the client reaching the server's exchange at `addr`.
+fn verbs_pair_to(
+    h: &Hosts,
+    flags: &[&str],
+    (prog, port, args): (&str, &str, &[&str]),
+    addr: &str,
+) -> (Output, Output) {
     // The programs exchange their addresses over TCP between the hosts' own addresses, then
     // talk through the fabric.
     let on = |node: &'static str| {
@@ -1617,9 +1744,8 @@ fn verbs_pair_with(
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let addr = h.addr(1);
     let mut c = on("1");
-    c.push(&addr);
+    c.push(addr);
     let client = wait_for(Duration::from_secs(20), || {
         let o = h.bp(0, &c);
         // Until the server listens: the client's "Couldn't connect" (both kinds) or

@@ -99,6 +99,8 @@ mod ffi {
 
     extern "C" {
         pub fn bpx_open(ip: *const c_char, port: u16, no_shm: c_int, out: *mut *mut Link) -> c_int;
+        pub fn bpx_set_host_netns(fd: c_int) -> c_int;
+        pub fn bpx_addr_is_local(ip: *const c_char) -> c_int;
         pub fn bpx_listen_port(l: *mut Link) -> c_int;
         pub fn bpx_efd(l: *mut Link) -> c_int;
         pub fn bpx_connect(l: *mut Link, ip: *const c_char, port: u16) -> c_int;
@@ -341,6 +343,44 @@ fn set_defaults() {
 /// otherwise it would inherit these settings only once the first link had opened).
 pub fn environment_defaults() {
     set_defaults();
+}
+
+/// Links opened from now on make their sockets in network namespace `ns` (an open
+/// `/proc/PID/ns/net` of a process there), not in the calling thread's: for a program in a
+/// node's namespace on a fabric across hosts (`bp0` and `lo` only), whose links must reach the
+/// other hosts from the host's namespace. Each call that makes sockets — opening a link,
+/// connecting, accepting, and the progress that wires a new endpoint's lanes — moves the
+/// thread there and back (`setns`, which needs `CAP_SYS_ADMIN`); the rest runs as before (a
+/// socket keeps the namespace it was made in). Call it before the first link opens, once.
+pub fn use_network_namespace(ns: std::os::fd::OwnedFd) {
+    use std::os::fd::IntoRawFd;
+    // SAFETY: the shim takes the fd (it closes the one it held, if any); no link is open yet
+    // (caller), so no thread is inside a move.
+    unsafe {
+        ffi::bpx_set_host_netns(ns.into_raw_fd());
+    }
+}
+
+/// Links make their sockets in the calling thread's namespace again (see
+/// [`use_network_namespace`]; before any link opens).
+pub fn forget_network_namespace() {
+    // SAFETY: -1 is "none"; the shim closes the fd it held. No link is open (caller).
+    unsafe {
+        ffi::bpx_set_host_netns(-1);
+    }
+}
+
+/// Whether `ip` is an address of the namespace links make their sockets in (see
+/// [`use_network_namespace`]) that UCX can use: a UDP socket binds to it there, and — in a
+/// namespace set with [`use_network_namespace`] — its interface is in `/sys/class/net` as
+/// there (UCX looks for its devices in `/sys`, whose view `ip netns exec` changes to the
+/// node's).
+pub fn address_is_local(ip: IpAddr) -> bool {
+    let Ok(c) = ipv4(ip) else {
+        return false;
+    };
+    // SAFETY: c is a valid C string for the call.
+    unsafe { ffi::bpx_addr_is_local(c.as_ptr()) == 1 }
 }
 
 /// The iovs UCX's TCP transport may give one `sendmsg` (`UCX_TCP_MAX_IOV`, see

@@ -17,6 +17,12 @@
 #include <time.h>
 #include <stdarg.h>
 #include <pthread.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/socket.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <unistd.h>
 #include <ucp/api/ucp.h>
 #include <ucs/debug/log_def.h>
 
@@ -127,6 +133,9 @@ typedef struct bpx_ep {
     /* Being closed: the progress that completes a close may accept a connection, which must
      * not take this slot (its events would be dropped as the closed endpoint's). */
     int closing;
+    /* Its lanes are being wired (a flush asked after it was made has not completed): the
+     * link's progress runs in the host's namespace meanwhile (see host_ns). */
+    int settling;
 } bpx_ep;
 
 typedef struct bpx_link {
@@ -141,6 +150,7 @@ typedef struct bpx_link {
     int half_closed;
     int efd;
     int flushing; /* a worker flush is in flight (bpx_idle) */
+    int settling; /* endpoints whose lanes are being wired (bpx_ep.settling) */
     /* During bpx_progress_with: offered each message in place before it is copied (1: taken). */
     int (*deliver)(void *ctx, int from, const void *data, size_t len);
     void *deliver_ctx;
@@ -148,6 +158,117 @@ typedef struct bpx_link {
      * the next small message: see bpx_send_alloc. */
     void *spare;
 } bpx_link;
+
+
+/* The network namespace UCX's sockets belong in, when the process runs in another (-1: the
+ * thread's own). A program in a node's namespace (bp0 and lo) on a fabric across hosts cannot
+ * reach the other hosts from there; its endpoints' UCX works in the host's namespace instead:
+ * the calls that make sockets - the context and its listener, connecting, accepting, and the
+ * progress that wires a new endpoint's lanes (UCX makes their sockets there: "Network is
+ * unreachable" from the node's namespace) - run with the thread moved into the host's
+ * namespace and back (setns: ~1.7 us a pair here), every other call as it is. A socket keeps
+ * the namespace it was made in, so what flows later needs no move. */
+static int host_ns = -1;
+
+/* Sets the host's namespace (an fd the shim keeps; -1: none). 0 or -errno. */
+int bpx_set_host_netns(int fd)
+{
+    if (host_ns >= 0)
+        close(host_ns);
+    host_ns = fd;
+    return 0;
+}
+
+/* Moves this thread into the host's namespace: the fd of its own to come back with, -1 when
+ * there is no host's namespace to go to, -2 when the move failed (errno). */
+static int enter_host(void)
+{
+    if (host_ns < 0)
+        return -1;
+    int own = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+    if (own < 0)
+        return -2;
+    if (setns(host_ns, CLONE_NEWNET)) {
+        close(own);
+        return -2;
+    }
+    return own;
+}
+
+/* Back from enter_host (what it returned). */
+static void leave_host(int own)
+{
+    if (own >= 0) {
+        (void)setns(own, CLONE_NEWNET);
+        close(own);
+    }
+}
+
+/* The interface holding IPv4 address a in this thread's namespace: its index and name (0:
+ * none). */
+static unsigned interface_of(const struct in_addr *a, char name[IF_NAMESIZE])
+{
+    struct ifaddrs *all;
+    if (getifaddrs(&all))
+        return 0;
+    unsigned index = 0;
+    for (struct ifaddrs *i = all; i && !index; i = i->ifa_next) {
+        if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET)
+            continue;
+        if (((struct sockaddr_in *)i->ifa_addr)->sin_addr.s_addr != a->s_addr)
+            continue;
+        snprintf(name, IF_NAMESIZE, "%s", i->ifa_name);
+        index = if_nametoindex(name);
+    }
+    freeifaddrs(all);
+    return index;
+}
+
+/* The index /sys/class/net/NAME/ifindex gives (0: none). */
+static unsigned sysfs_index(const char *name)
+{
+    char path[64 + IF_NAMESIZE];
+    snprintf(path, sizeof path, "/sys/class/net/%s/ifindex", name);
+    FILE *f = fopen(path, "re");
+    if (!f)
+        return 0;
+    unsigned index = 0;
+    if (fscanf(f, "%u", &index) != 1)
+        index = 0;
+    fclose(f);
+    return index;
+}
+
+/* 1 if ip (IPv4) is an address of the namespace UCX's sockets are made in (a UDP socket binds
+ * there) that UCX can use, 0 if not, a negative status on a bad address. */
+int bpx_addr_is_local(const char *ip)
+{
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    if (inet_pton(AF_INET, ip, &sa.sin_addr) != 1)
+        return UCS_ERR_INVALID_PARAM;
+    int own = enter_host();
+    if (own == -2)
+        return 0;
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    char name[IF_NAMESIZE] = "";
+    unsigned index = 0;
+    if (own >= 0)
+        index = interface_of(&sa.sin_addr, name);
+    leave_host(own);
+    if (fd < 0)
+        return 0;
+    int ok = bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+    close(fd);
+    /* UCX finds its interfaces in /sys/class/net, which shows the namespace of whoever
+     * mounted it: after `ip netns exec` into a node's namespace, the node's (bp0, lo), and UCX
+     * working from the host's would find lo alone there, listen all the same and never reach
+     * the other host. Only when the host's interface is there as in the host's namespace. */
+    if (ok && own >= 0)
+        ok = index && sysfs_index(name) == index;
+    return ok;
+}
 
 static void push(bpx_link *l, bpx_event ev)
 {
@@ -193,6 +314,52 @@ static void set_err_handling(ucp_ep_params_t *p, bpx_ep *e)
     p->err_handler.arg = e;
 }
 
+/* The endpoint no longer settles (its lanes are wired, or it is closed). */
+static void unsettle(bpx_ep *e)
+{
+    if (e->settling) {
+        e->settling = 0;
+        e->link->settling--;
+    }
+}
+
+static void settled(void *request, ucs_status_t status, void *user_data)
+{
+    (void)status;
+    unsettle(user_data);
+    ucp_request_free(request);
+}
+
+/* A new endpoint's lanes are wired by later progress, which makes their sockets: with a host's
+ * namespace, that progress runs there until a flush of the endpoint completes (it waits for
+ * the lanes). */
+static void settle(bpx_ep *e)
+{
+    if (host_ns < 0 || !e->ep)
+        return;
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof p);
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = settled;
+    p.user_data = e;
+    ucs_status_ptr_t r = ucp_ep_flush_nbx(e->ep, &p);
+    if (UCS_PTR_IS_PTR(r) && !e->settling) {
+        e->settling = 1;
+        e->link->settling++;
+    }
+}
+
+/* ucp_worker_progress, in the host's namespace while an endpoint settles. */
+static unsigned progress(bpx_link *l)
+{
+    if (!l->settling)
+        return ucp_worker_progress(l->worker);
+    int own = enter_host();
+    unsigned n = ucp_worker_progress(l->worker);
+    leave_host(own);
+    return n;
+}
+
 static void on_conn_request(ucp_conn_request_h req, void *arg)
 {
     bpx_link *l = arg;
@@ -207,9 +374,13 @@ static void on_conn_request(ucp_conn_request_h req, void *arg)
     p.conn_request = req;
     set_err_handling(&p, &l->eps[i]);
     ucp_ep_h ep;
-    if (ucp_ep_create(l->worker, &p, &ep) != UCS_OK)
+    int own = enter_host();
+    ucs_status_t s = ucp_ep_create(l->worker, &p, &ep);
+    leave_host(own);
+    if (s != UCS_OK)
         return;
     l->eps[i].ep = ep;
+    settle(&l->eps[i]);
     bpx_event ev = {BPX_EV_ACCEPTED, i, 0, 0, NULL};
     push(l, ev);
 }
@@ -300,7 +471,20 @@ void bpx_close_all(bpx_link *l);
  * the send completes, instead of a copy into UCX's): 64 KiB datagrams between two hosts
  * 1.10-1.27x (8 alternating pairs, median 1.12). (Set in this context's configuration, not
  * the environment, which programs we start - ucx_perftest beside perf - would inherit.) */
+static int open_link(const char *ip, uint16_t port, int no_shm, bpx_link **out);
 int bpx_open(const char *ip, uint16_t port, int no_shm, bpx_link **out)
+{
+    /* (The context finds its devices, the worker and listener make their sockets, in the
+     * host's namespace; UCX's progress thread, if this starts it, lives there too.) */
+    int own = enter_host();
+    if (own == -2)
+        return UCS_ERR_IO_ERROR;
+    int r = open_link(ip, port, no_shm, out);
+    leave_host(own);
+    return r;
+}
+
+static int open_link(const char *ip, uint16_t port, int no_shm, bpx_link **out)
 {
     bpx_link *l = calloc(1, sizeof *l);
     if (!l)
@@ -417,10 +601,13 @@ int bpx_connect(bpx_link *l, const char *ip, uint16_t port)
     p.sockaddr.addrlen = sizeof sa;
     set_err_handling(&p, &l->eps[i]);
     ucp_ep_h ep;
+    int own = enter_host();
     s = ucp_ep_create(l->worker, &p, &ep);
+    leave_host(own);
     if (s != UCS_OK)
         return s;
     l->eps[i].ep = ep;
+    settle(&l->eps[i]);
     return i;
 }
 
@@ -677,7 +864,7 @@ int bpx_send_zc(bpx_link *l, int index, const void *head, size_t hlen, const voi
 /* Makes progress; returns how much happened (0: nothing). */
 int bpx_progress(bpx_link *l)
 {
-    return (int)ucp_worker_progress(l->worker);
+    return (int)progress(l);
 }
 
 /* bpx_progress, offering each message that comes while no event waits to `deliver` in place
@@ -686,7 +873,7 @@ int bpx_progress_with(bpx_link *l, int (*deliver)(void *, int, const void *, siz
 {
     l->deliver = deliver;
     l->deliver_ctx = ctx;
-    int n = (int)ucp_worker_progress(l->worker);
+    int n = (int)progress(l);
     l->deliver = NULL;
     l->deliver_ctx = NULL;
     return n;
@@ -734,10 +921,11 @@ void bpx_close(bpx_link *l, int index)
     l->eps[index].closing = 1;
     if (UCS_PTR_IS_PTR(r)) {
         while (ucp_request_check_status(r) == UCS_INPROGRESS)
-            ucp_worker_progress(l->worker);
+            progress(l);
         ucp_request_free(r);
     }
     l->eps[index].closing = 0;
+    unsettle(&l->eps[index]);
     /* Events already queued for this index are stale now: drop them. */
     for (size_t i = 0; i < l->qlen; i++) {
         bpx_event *e = &l->q[(l->qhead + i) % l->qcap];
@@ -766,7 +954,7 @@ int bpx_close_flush(bpx_link *l, int index, long timeout_us)
         clock_gettime(CLOCK_MONOTONIC, &t0);
         ucs_status_t s;
         while ((s = ucp_request_check_status(r)) == UCS_INPROGRESS) {
-            ucp_worker_progress(l->worker);
+            progress(l);
             clock_gettime(CLOCK_MONOTONIC, &t);
             long us = (t.tv_sec - t0.tv_sec) * 1000000L + (t.tv_nsec - t0.tv_nsec) / 1000;
             if (us > timeout_us)
@@ -784,6 +972,7 @@ int bpx_close_flush(bpx_link *l, int index, long timeout_us)
     /* A half-closed endpoint keeps its slot: UCX may still report on it, by this index. */
     if (!pending)
         l->eps[index].closing = 0;
+    unsettle(&l->eps[index]);
     for (size_t i = 0; i < l->qlen; i++) {
         bpx_event *e = &l->q[(l->qhead + i) % l->qcap];
         if (e->ep == index)
@@ -817,7 +1006,7 @@ void bpx_reset(bpx_link *l)
 {
     for (int i = 0; i < BPX_MAX_EPS; i++)
         bpx_close(l, i);
-    while (ucp_worker_progress(l->worker))
+    while (progress(l))
         ;
     for (size_t i = 0; i < l->qlen; i++)
         buf_free(l->q[(l->qhead + i) % l->qcap].data);

@@ -250,6 +250,31 @@ fn direct_wanted() -> bool {
     std::env::var_os("BACKPLANE_DIRECT").is_none_or(|v| v != "0")
 }
 
+/// A process in a node's network namespace (`exec` on a fabric with IP over it: `bp0` and
+/// `lo`) does not have its host's address, `ip`, where UCX would listen and connect: its
+/// endpoints' UCX works in the namespace of this host's supervisor instead, which has it
+/// (`backplane_ucx::use_network_namespace`; moving a thread there needs `CAP_SYS_ADMIN`,
+/// which a program `exec` starts as root has, and UCX must find the host's interfaces in
+/// `/sys`, which `exec` leaves as the host's on a fabric across hosts). Decided once a process, at its first endpoint
+/// that may go direct; without it, such a process's datagrams and queue pairs to other hosts
+/// went through the supervisors' bridges (`ib_send_lat` 8.2 µs one way from the host's
+/// namespace, 125 from a node's).
+fn reach_hosts_from(fabric: &crate::fabric::Fabric, ip: std::net::IpAddr) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if backplane_ucx::address_is_local(ip) {
+            return;
+        }
+        if let Some(ns) = fabric.supervisor_netns() {
+            backplane_ucx::use_network_namespace(ns);
+            // (Not where /sys shows the node's interfaces, not the host's: `ip netns exec`.)
+            if !backplane_ucx::address_is_local(ip) {
+                backplane_ucx::forget_network_namespace();
+            }
+        }
+    });
+}
+
 impl Node {
     /// Binds a datagram endpoint to `port` on this node (0 picks a free port ≥ 49152).
     pub fn bind(&self, port: u32) -> Result<Endpoint, DgramError> {
@@ -262,7 +287,10 @@ impl Node {
         // through the bridges, only slower. Made before the bind so that no sender on another
         // host connects in between and goes through the bridges for good.
         let direct = match self.fabric.inner.direct_ip.filter(|_| direct) {
-            Some(ip) => direct::Unbound::open(ip, self.fabric.nodes()).ok(),
+            Some(ip) => {
+                reach_hosts_from(&self.fabric, ip);
+                direct::Unbound::open(ip, self.fabric.nodes()).ok()
+            }
             None => None,
         };
         let (resp, _) = self.fabric.call_patiently(&Request::Bind {

@@ -56,8 +56,21 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else {
         None
     };
+    let across_hosts = fabric.spans_hosts();
     drop(fabric);
-    let mut cmd = if !a.host_net && net::has_netns(name, a.node) {
+    let mut cmd = if !a.host_net && net::has_netns(name, a.node) && across_hosts {
+        // On a fabric across hosts the program's endpoints and queue pairs reach the other
+        // hosts straight from its process, with UCX working in the host's namespace
+        // (`dgram::reach_hosts_from`), which finds the host's interfaces in /sys/class/net:
+        // the node's namespace, but /sys left as the host's.
+        let mut c = Command::new(&a.cmd[0]);
+        c.args(&a.cmd[1..]);
+        let ns_name = net::netns_name(name, a.node);
+        let ns = std::fs::File::open(format!("/run/netns/{ns_name}"))
+            .with_context(|| format!("cannot open node {}'s network namespace", a.node))?;
+        crate::sys::child_in_netns(&mut c, ns.into(), etc_binds(&ns_name));
+        c
+    } else if !a.host_net && net::has_netns(name, a.node) {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &net::netns_name(name, a.node)]);
         c.args(&a.cmd);
@@ -92,6 +105,25 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         std::process::exit(128 + sig);
     }
     bail!("'{}' ended abnormally", a.cmd[0])
+}
+
+/// The files of a node's `/etc/netns/NAME` (its `hosts`) and the `/etc` files they go over,
+/// as `ip netns exec` binds them.
+fn etc_binds(ns_name: &str) -> Vec<(std::ffi::CString, std::ffi::CString)> {
+    let dir = std::path::Path::new("/etc/netns").join(ns_name);
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            use std::os::unix::ffi::OsStrExt;
+            let file = std::ffi::CString::new(e.path().as_os_str().as_bytes()).ok()?;
+            let over = std::path::Path::new("/etc").join(e.file_name());
+            let over = std::ffi::CString::new(over.as_os_str().as_bytes()).ok()?;
+            Some((file, over))
+        })
+        .collect()
 }
 
 /// A library built beside this executable (by the workspace's crate `krate`), or the error

@@ -332,10 +332,11 @@ impl Worker {
             return Ok(Self::with_link(w.link, ip, nodes));
         }
         // A process in a node's network namespace (`exec` on a fabric with IP over it) does
-        // not have the host's address: UCX would fail to listen there, say so on the
-        // program's stderr, and the endpoint would go through the bridges anyway. Ask the
-        // kernel first, quietly.
-        if std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_err() {
+        // not have the host's address unless its links work from the supervisor's namespace
+        // (`dgram::reach_hosts_from`): UCX would fail to listen, say so on the program's
+        // stderr, and the endpoint would go through the bridges anyway. Ask the kernel first,
+        // quietly, in the namespace the links make their sockets in.
+        if !backplane_ucx::address_is_local(ip) {
             return Err(format!("{ip} is not an address of this network namespace"));
         }
         // No shared memory between hosts (see `Link::open_with`).

@@ -496,6 +496,20 @@ impl Fabric {
         Ok(())
     }
 
+    /// The network namespace of this host's supervisor (an open `/proc/PID/ns/net`), if it is
+    /// not this thread's: a process in a node's namespace (`bp0` and `lo`) reaches the other
+    /// hosts of a fabric across hosts from there (see `dgram::Node::bind`).
+    pub(crate) fn supervisor_netns(&self) -> Option<OwnedFd> {
+        let pid = {
+            let sock = self.inner.sock.lock().unwrap_or_else(|p| p.into_inner());
+            rustix::net::sockopt::socket_peercred(&*sock).ok()?.pid
+        };
+        let theirs = std::fs::File::open(format!("/proc/{}/ns/net", pid.as_raw_nonzero())).ok()?;
+        let mine = rustix::fs::stat("/proc/thread-self/ns/net").ok()?;
+        let st = rustix::fs::fstat(&theirs).ok()?;
+        (st.st_dev != mine.st_dev || st.st_ino != mine.st_ino).then(|| theirs.into())
+    }
+
     /// True if the supervisor closed our control connection (it exited). Holds the control
     /// socket for up to `timeout`: other threads' control calls wait meanwhile, so keep it
     /// short (zero) in processes with several threads.
