@@ -4,6 +4,9 @@
 //! the program finds backplane's drop-in `libibverbs.so.1` first on its library search path,
 //! so unmodified libibverbs programs (ibverbs-utils, perftest) run on the fabric. With
 //! `--host-net`, the program stays in the host's network namespace (see [`Args::host_net`]).
+//! On a fabric across hosts, `exec` enters the node's namespace itself rather than through
+//! `ip netns exec`, leaving `/sys` the host's (where the library's UCX finds the host's
+//! interfaces: see `backplane::dgram`'s `reach_hosts_from`).
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
@@ -31,12 +34,12 @@ pub struct Args {
     #[arg(long)]
     accel: bool,
     /// Run the program in this host's network namespace instead of the node's (it keeps the
-    /// node's identity: `BACKPLANE_FABRIC`, `BACKPLANE_NODE`). On a fabric with IP over it that
-    /// spans hosts, a program in its node's namespace reaches other hosts through the
-    /// supervisors' bridges (UCX cannot reach the host's address from there); here its queue
-    /// pairs and endpoints to other hosts go straight between the processes — and its own
-    /// sockets use the host's addresses, not `bp0` (perftest's exchange then connects to the
-    /// other host's address). No effect on a fabric without IP (no node namespaces).
+    /// node's identity: `BACKPLANE_FABRIC`, `BACKPLANE_NODE`); its own sockets use the host's
+    /// addresses, not `bp0` (perftest's exchange then connects to the other host's address).
+    /// Its queue pairs and endpoints to other hosts go straight between the processes, as
+    /// they do from the node's namespace on a fabric across hosts (the library's UCX makes its
+    /// sockets in the host's namespace). No effect on a fabric without IP (no node
+    /// namespaces).
     #[arg(long, conflicts_with = "accel")]
     host_net: bool,
     /// Node (slot) to run in.
