@@ -133,9 +133,10 @@ typedef struct bpx_ep {
     /* Being closed: the progress that completes a close may accept a connection, which must
      * not take this slot (its events would be dropped as the closed endpoint's). */
     int closing;
-    /* Its lanes are being wired (a flush asked after it was made has not completed): the
-     * link's progress runs in the host's namespace meanwhile (see host_ns). */
+    /* Its lanes are being wired (a flush asked after it was made, this request, has not
+     * completed): the link's progress runs in the host's namespace meanwhile (see host_ns). */
     int settling;
+    void *settle_req;
 } bpx_ep;
 
 typedef struct bpx_link {
@@ -170,7 +171,7 @@ typedef struct bpx_link {
  * the namespace it was made in, so what flows later needs no move. */
 static int host_ns = -1;
 
-/* Sets the host's namespace (an fd the shim keeps; -1: none). 0 or -errno. */
+/* Sets the host's namespace (an fd the shim keeps; -1: none); before any link opens. 0. */
 int bpx_set_host_netns(int fd)
 {
     if (host_ns >= 0)
@@ -319,14 +320,18 @@ static void unsettle(bpx_ep *e)
 {
     if (e->settling) {
         e->settling = 0;
+        e->settle_req = NULL;
         e->link->settling--;
     }
 }
 
 static void settled(void *request, ucs_status_t status, void *user_data)
 {
+    bpx_ep *e = user_data;
     (void)status;
-    unsettle(user_data);
+    /* (A flush of a closed endpoint whose slot a new one took is not the new one's.) */
+    if (e->settle_req == request)
+        unsettle(e);
     ucp_request_free(request);
 }
 
@@ -345,6 +350,7 @@ static void settle(bpx_ep *e)
     ucs_status_ptr_t r = ucp_ep_flush_nbx(e->ep, &p);
     if (UCS_PTR_IS_PTR(r) && !e->settling) {
         e->settling = 1;
+        e->settle_req = r;
         e->link->settling++;
     }
 }
@@ -375,6 +381,10 @@ static void on_conn_request(ucp_conn_request_h req, void *arg)
     set_err_handling(&p, &l->eps[i]);
     ucp_ep_h ep;
     int own = enter_host();
+    if (own == -2) {
+        ucp_listener_reject(l->listener, req);
+        return;
+    }
     ucs_status_t s = ucp_ep_create(l->worker, &p, &ep);
     leave_host(own);
     if (s != UCS_OK)
@@ -602,6 +612,8 @@ int bpx_connect(bpx_link *l, const char *ip, uint16_t port)
     set_err_handling(&p, &l->eps[i]);
     ucp_ep_h ep;
     int own = enter_host();
+    if (own == -2)
+        return UCS_ERR_IO_ERROR;
     s = ucp_ep_create(l->worker, &p, &ep);
     leave_host(own);
     if (s != UCS_OK)

@@ -61,7 +61,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let across_hosts = fabric.spans_hosts();
     drop(fabric);
-    let mut cmd = if !a.host_net && net::has_netns(name, a.node) && across_hosts {
+    let in_node_ns = !a.host_net && net::has_netns(name, a.node);
+    let mut cmd = if in_node_ns && across_hosts {
         // On a fabric across hosts the program's endpoints and queue pairs reach the other
         // hosts straight from its process, with UCX working in the host's namespace
         // (`dgram::reach_hosts_from`), which finds the host's interfaces in /sys/class/net:
@@ -73,7 +74,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             .with_context(|| format!("cannot open node {}'s network namespace", a.node))?;
         crate::sys::child_in_netns(&mut c, ns.into(), etc_binds(&ns_name));
         c
-    } else if !a.host_net && net::has_netns(name, a.node) {
+    } else if in_node_ns {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &net::netns_name(name, a.node)]);
         c.args(&a.cmd);
