@@ -363,7 +363,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let mut ucx_note = ucx_path.as_ref().err().cloned();
     let mut perftest_note = match (a.perftest, perftest::unavailable(a.test)) {
         _ if remote.is_some() => {
-            Some("perftest is not run between hosts (start it with `exec --verbs --host-net` on each host, the server's host address to the client)".into())
+            Some("perftest is not run between hosts (start it with `exec --verbs` on each host, the server's node name, `nodeN`, to the client on a fabric with IP, its host's address otherwise)".into())
         }
         (_, None) => None,
         (UcxMode::Require, Some(why)) => bail!("{why}"),
