@@ -99,9 +99,17 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         cmd.envs(env);
     }
     crate::sys::child_default_sigpipe(&mut cmd);
-    let status = cmd
-        .status()
-        .with_context(|| format!("cannot run '{}'", a.cmd[0]))?;
+    let status = cmd.status().map_err(|e| {
+        // (Entering the node's namespaces needs root: say so rather than blame the program.)
+        if in_node_ns && across_hosts && e.raw_os_error() == Some(libc::EPERM) {
+            anyhow::anyhow!(
+                "cannot enter node {}'s network namespace: {e} (exec into a node needs root)",
+                a.node
+            )
+        } else {
+            anyhow::Error::new(e).context(format!("cannot run '{}'", a.cmd[0]))
+        }
+    })?;
     if let Some(code) = status.code() {
         std::process::exit(code);
     }
