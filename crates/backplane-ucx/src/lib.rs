@@ -31,6 +31,22 @@ pub unsafe trait InPlace: Send {
     fn bytes(&self) -> (*const u8, usize);
 }
 
+/// A piece of a message sent with [`Link::send_pieces`]: bytes UCX reads in place, or owned
+/// bytes (which UCX reads where they are too).
+pub enum MsgPiece {
+    Lent(Box<dyn InPlace>),
+    Owned(Vec<u8>),
+}
+
+impl MsgPiece {
+    fn range(&self) -> (*const u8, usize) {
+        match self {
+            MsgPiece::Lent(b) => b.bytes(),
+            MsgPiece::Owned(v) => (v.as_ptr(), v.len()),
+        }
+    }
+}
+
 /// The first `len` bytes of an owned buffer, handed to UCX in place ([`Link::send_zc`]); once
 /// UCX let go of them the buffer goes to `recycle` (a sender that fills one buffer after
 /// another reuses them: no allocation, no page faults, no zeroing per message).
@@ -513,6 +529,80 @@ impl Link {
             )
         };
         check(r, || format!("cannot send to endpoint {}", ep.0))
+    }
+
+    /// As [`Link::send_zc`] with the message's middle made of `pieces` (at most
+    /// [`MAX_PIECES`]; within [`TCP_MAX_IOV`] less UCX's, `head` and `tail`, one `sendmsg`
+    /// over TCP), which UCX reads where they are until it lets go of them (then they are
+    /// dropped). Refused at once, the pieces come back with the error; `NoResource` (status
+    /// -2) when too many sends are in flight.
+    pub fn send_pieces(
+        &mut self,
+        ep: EpId,
+        head: &[u8],
+        pieces: Vec<MsgPiece>,
+        tail: &[u8],
+    ) -> Result<(), (Error, Vec<MsgPiece>)> {
+        extern "C" fn release(token: *mut c_void) {
+            // SAFETY: token is the Arc::into_raw below, handed back exactly once by the shim.
+            drop(unsafe {
+                std::sync::Arc::from_raw(
+                    token.cast_const().cast::<std::sync::Mutex<Vec<MsgPiece>>>(),
+                )
+            });
+        }
+        if pieces.len() > MAX_PIECES {
+            let e = Error {
+                status: -5, // UCS_ERR_INVALID_PARAM
+                what: format!(
+                    "{} pieces in one message (at most {MAX_PIECES})",
+                    pieces.len()
+                ),
+            };
+            return Err((e, pieces));
+        }
+        // (A mutex only to make the shared list `Sync`: the shim may drop its reference on
+        // another thread.)
+        let pieces = std::sync::Arc::new(std::sync::Mutex::new(pieces));
+        let list: Vec<ffi::Piece> = pieces
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|p| {
+                let (buf, len) = p.range();
+                ffi::Piece {
+                    buf: buf.cast(),
+                    len,
+                }
+            })
+            .collect();
+        let token = std::sync::Arc::into_raw(pieces.clone())
+            .cast_mut()
+            .cast::<c_void>();
+        // SAFETY: raw is live; head, tail and the list are copied before the call returns;
+        // the pieces' bytes stay readable and unchanged while the token's reference lives
+        // (the Vec is shared, never changed: `InPlace`'s contract for lent ones, owned
+        // buffers' heap bytes for the others), and the shim calls `release` exactly once.
+        let r = unsafe {
+            ffi::bpx_send_iov(
+                self.raw,
+                ep.0,
+                head.as_ptr().cast(),
+                head.len(),
+                list.as_ptr(),
+                list.len(),
+                tail.as_ptr().cast(),
+                tail.len(),
+                release,
+                token,
+            )
+        };
+        check(r, || format!("cannot send to endpoint {}", ep.0)).map_err(|e| {
+            let back = std::sync::Arc::try_unwrap(pieces)
+                .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()))
+                .unwrap_or_default();
+            (e, back)
+        })
     }
 
     /// Sends one message made of `head` (copied) then `pieces` — at most [`MAX_PIECES`] —

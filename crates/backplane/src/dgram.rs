@@ -603,6 +603,20 @@ impl Endpoint {
         (head, tail): (&[u8], &[u8]),
         (body, off, len): (&crate::mem::Span, u64, usize),
     ) -> Result<bool, DgramError> {
+        self.send_span_held(dst, (head, tail), (body, off, len), false)
+    }
+
+    /// [`Endpoint::send_span`]; `hold`: `body` stays readable and unchanged until the
+    /// datagram is long gone (a queue pair's SEND, whose buffer is the pair's until it
+    /// completes), so in a stream of large ones it may wait a little for the next ones to
+    /// share its message (see `direct::Worker::send_zc_held`).
+    pub(crate) fn send_span_held(
+        &mut self,
+        dst: Addr,
+        (head, tail): (&[u8], &[u8]),
+        (body, off, len): (&crate::mem::Span, u64, usize),
+        hold: bool,
+    ) -> Result<bool, DgramError> {
         let total = head.len() + len + tail.len();
         if total > MAX_DGRAM {
             return Err(DgramError::TooBig(total));
@@ -616,7 +630,17 @@ impl Endpoint {
             self.direct.as_mut(),
             crate::mem::SpanBytes::new(body, off, len),
         ) {
-            match d.send_zc(to, dst, (head, Box::new(bytes), tail)) {
+            let msg = (
+                head,
+                Box::new(bytes) as Box<dyn backplane_ucx::InPlace>,
+                tail,
+            );
+            let r = if hold {
+                d.send_zc_held(to, dst, msg)
+            } else {
+                d.send_zc(to, dst, msg)
+            };
+            match r {
                 Ok(()) => {
                     self.count_sent(1, total);
                     return Ok(true);

@@ -65,7 +65,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use backplane_ucx::{Bytes, EpId, Event, Link};
+use backplane_ucx::{Bytes, EpId, Event, Link, MsgPiece};
 use rustc_hash::FxHashMap;
 use rustix::event::{PollFd, PollFlags};
 
@@ -109,6 +109,38 @@ pub(super) const LENT_MIN: usize = BATCH_SMALL;
 /// median ~1.06 (14 pairs), 48 KiB ~1.17 (6); 40 KiB ~0.92 and 32 KiB ~0.83 (6 each: there
 /// batches win, several datagrams a system call).
 const STREAM_LENT_MIN: usize = 48 * 1024;
+/// How many large datagrams of a stream whose payloads go in place ([`Worker::send_zc_held`]:
+/// a queue pair's SENDs) share one message at most: one `sendmsg` for them all over TCP, and
+/// one message for UCX and the receiver (`perf send-bw` 64 KiB between hosts, alternating
+/// runs against one a message: see `SENDS_TOGETHER` in the README's journal).
+/// `BACKPLANE_SENDS_TOGETHER` (1 to 4) sets it; 1 holds none.
+fn sends_together() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("BACKPLANE_SENDS_TOGETHER")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(SENDS_TOGETHER)
+            .clamp(1, HELD_PIECES / 2 - 1)
+    })
+}
+/// [`sends_together`]'s default.
+const SENDS_TOGETHER: usize = 4;
+/// At most this many pieces in a message of held datagrams. (Seven 64 KiB SENDs a message,
+/// 14 pieces and the header, broke the pair at once — the message never arrived whole —
+/// where six, 12 pieces, went: kept well below.)
+const HELD_PIECES: usize = 10;
+/// Held datagrams leave at the next progress once the first of them waited this long, even
+/// in a stream that goes on...
+const HELD_LINGER_NS: u64 = 100_000;
+/// ... or once no other came for this long (the stream paused: a program that posts a
+/// stream of SENDs and polls in between keeps them; one that polls for their completions
+/// has them sent this soon).
+const HELD_GAP_NS: u64 = 20_000;
+/// How often the waker looks at held datagrams (for a program that went elsewhere: one that
+/// polls sends them itself). Not [`DRAIN_EVERY`]: a waker woken every 50 µs through a
+/// stream took its receiver's core thousands of times a second.
+const HELD_LOOK: Duration = Duration::from_millis(1);
 /// A list of datagrams sent together holds at most this many bytes (one message, one of
 /// UCX's TCP segments: see [`BIG_BATCH_MAX`]).
 pub(super) const LIST_BYTES: usize = BIG_BATCH_MAX;
@@ -164,6 +196,17 @@ struct Out {
     used: usize,
     /// When its first datagram came.
     batch_since: u64,
+    /// Large datagrams of a stream whose payloads UCX will read in place, waiting for the next
+    /// ones to share their message (a list): [`Worker::send_zc_held`]. Never both this and a
+    /// batch: each ships before the other takes a datagram.
+    held: Vec<MsgPiece>,
+    /// Their lengths (one each).
+    held_lens: Vec<usize>,
+    /// Their bytes.
+    held_len: usize,
+    /// When the first of them came, and the last.
+    held_since: u64,
+    held_last: u64,
 }
 
 /// What a received message's header says (checked).
@@ -404,6 +447,11 @@ impl Worker {
                 batch: Vec::new(),
                 used: 0,
                 batch_since: 0,
+                held: Vec::new(),
+                held_lens: Vec::new(),
+                held_len: 0,
+                held_since: 0,
+                held_last: 0,
             },
         );
         Ok(())
@@ -439,7 +487,7 @@ impl Worker {
         let now = crate::sync::now_ns();
         let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
         let streaming = now.saturating_sub(o.last_send) < STREAM_GAP_NS;
-        let pending = o.used != 0;
+        let pending = o.used != 0 || !o.held.is_empty();
         let big = len > BATCH_SMALL;
         let (cap, linger) = if big {
             (BIG_BATCH_MAX, BIG_LINGER_NS)
@@ -451,7 +499,10 @@ impl Worker {
         // or not) go straight into a message, one copy, as before.
         let batch = batch && !(big && (self.corked || !big_ok));
         if pending
-            && (!batch || o.used + 4 + len > cap || now.saturating_sub(o.batch_since) > linger)
+            && (!o.held.is_empty()
+                || !batch
+                || o.used + 4 + len > cap
+                || now.saturating_sub(o.batch_since) > linger)
         {
             // What came before goes first.
             self.ship(to)?;
@@ -532,6 +583,104 @@ impl Worker {
         head(&mut h, MAGIC, self.me, dst.port, conn, seq);
         h.extend_from_slice(head_bytes);
         let r = self.link.send_zc(ep, &h, body, tail);
+        self.after_send(to, r.map(|()| 1))
+    }
+
+    /// As [`Worker::send_zc`], for a datagram whose payload stays readable until UCX lets go
+    /// of it however long that is (a queue pair's SEND: its buffer is the pair's until the
+    /// SEND completes): in a stream of large ones it waits for the next ones to share its
+    /// message, a list read in place — until [`sends_together`] of them wait, another
+    /// datagram goes to `to`, or the next progress (the endpoint's thread's, or the waker's
+    /// within [`DRAIN_EVERY`]) finds it there [`HELD_LINGER_NS`] or its stream over.
+    fn send_zc_held(
+        &mut self,
+        to: SocketAddr,
+        dst: Addr,
+        (head_bytes, body, tail): (&[u8], Box<dyn backplane_ucx::InPlace>, &[u8]),
+    ) -> Result<(), Blocked> {
+        let together = sends_together();
+        let body_len = body.bytes().1;
+        let len = head_bytes.len() + body_len + tail.len();
+        // (At most 3 pieces more: within what one message may have, see `HELD_PIECES`.)
+        let room = |o: &Out| {
+            o.held_lens.len() < together
+                && o.held.len() + 3 <= HELD_PIECES
+                && HEAD + 4 + 4 * LIST_MAX + o.held_len + len <= LIST_BYTES
+        };
+        let o = self.out.get(&to).ok_or(Blocked::Failed)?;
+        if together < 2 || body_len < STREAM_LENT_MIN || o.dst != dst {
+            return self.send_zc(to, dst, (head_bytes, body, tail));
+        }
+        self.may_send(to)?;
+        let now = crate::sync::now_ns();
+        let o = self.out.get(&to).ok_or(Blocked::Failed)?;
+        if o.used != 0 || !o.held.is_empty() && !room(o) {
+            // What came before goes first.
+            self.ship(to)?;
+        }
+        let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
+        let stream = now.saturating_sub(o.last_send.max(o.held_last)) < STREAM_GAP_NS;
+        if !room(o) || !stream && o.held.is_empty() {
+            return self.send_zc(to, dst, (head_bytes, body, tail));
+        }
+        if o.held.is_empty() {
+            o.held_since = now;
+        }
+        // (Its pieces as the message will have them: one `sendmsg` reads them all. Its head
+        // joins the bytes before it: the pieces are the message's iovs, and they are few.)
+        match o.held.last_mut() {
+            _ if head_bytes.is_empty() => {}
+            Some(MsgPiece::Owned(before)) => before.extend_from_slice(head_bytes),
+            _ => o.held.push(MsgPiece::Owned(head_bytes.to_vec())),
+        }
+        o.held.push(MsgPiece::Lent(body));
+        if !tail.is_empty() {
+            o.held.push(MsgPiece::Owned(tail.to_vec()));
+        }
+        o.held_lens.push(len);
+        o.held_len += len;
+        o.held_last = now;
+        self.batching = true;
+        if o.held_lens.len() >= together {
+            // (Refused for now: it stays, and goes at a later progress.)
+            match self.ship(to) {
+                Ok(()) | Err(Blocked::Full) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends what [`Worker::send_zc_held`] holds for `to` as one message: a plain datagram
+    /// for one, a list for several. Refused for now (`Full`), they stay.
+    fn ship_held(&mut self, to: SocketAddr) -> Result<(), Blocked> {
+        let me = self.me;
+        let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
+        let pieces = std::mem::take(&mut o.held);
+        let lens = std::mem::take(&mut o.held_lens);
+        let held_len = std::mem::take(&mut o.held_len);
+        let (ep, conn, seq) = (o.ep, o.conn, o.seq);
+        let mut h = Vec::with_capacity(HEAD + 4 + 4 * lens.len());
+        h.resize(HEAD, 0);
+        if let [_] = lens[..] {
+            head(&mut h, MAGIC, me, o.dst.port, conn, seq);
+        } else {
+            head(&mut h, MAGIC_LIST, me, o.dst.port, conn, seq);
+            h.extend_from_slice(&(lens.len() as u32).to_le_bytes());
+            for &n in &lens {
+                h.extend_from_slice(&(n as u32).to_le_bytes());
+            }
+        }
+        let r = match self.link.send_pieces(ep, &h, pieces, &[]) {
+            Ok(()) => Ok(()),
+            Err((e, back)) => {
+                // Refused (UCX let go of them at once): they wait for another try.
+                if let Some(o) = self.out.get_mut(&to) {
+                    (o.held, o.held_lens, o.held_len) = (back, lens, held_len);
+                }
+                Err(e)
+            }
+        };
         self.after_send(to, r.map(|()| 1))
     }
 
@@ -649,6 +798,9 @@ impl Worker {
 
     /// Sends the batch waiting for `to`, if any.
     fn ship(&mut self, to: SocketAddr) -> Result<(), Blocked> {
+        if self.out.get(&to).is_some_and(|o| !o.held.is_empty()) {
+            return self.ship_held(to);
+        }
         let me = self.me;
         let Some(o) = self.out.get_mut(&to).filter(|o| o.used != 0) else {
             return Ok(());
@@ -714,29 +866,50 @@ impl Worker {
     fn ship_all(&mut self) {
         // (Nearly always one: no list made for it.)
         let mut tried = 0;
+        let waits = |o: &Out| (o.used != 0 || !o.held.is_empty()) && !o.failed;
         while let Some(to) = self
             .out
             .iter()
-            .filter(|(_, o)| o.used != 0 && !o.failed)
+            .filter(|(_, o)| waits(o))
             .map(|(&to, _)| to)
             .nth(tried)
         {
             let _ = self.ship(to);
             // One that is still waiting (UCX full) is passed over now.
-            if self.out.get(&to).is_some_and(|o| o.used != 0 && !o.failed) {
+            if self.out.get(&to).is_some_and(waits) {
                 tried += 1;
             }
         }
-        self.batching = self.out.values().any(|o| o.used != 0 && !o.failed);
+        self.batching = self.out.values().any(waits);
     }
 
     /// Makes progress: sends go out, received datagrams are queued in their senders' order
     /// (while fewer than [`QUEUE_MAX`] bytes wait), failures are noted.
     fn progress(&mut self) {
-        if self.batching {
+        if self.batching && self.any_due() {
             self.ship_all();
         }
         self.poll();
+    }
+
+    /// Whether a batch waits, or held datagrams whose stream paused ([`HELD_GAP_NS`]) or
+    /// that waited [`HELD_LINGER_NS`] (those of a stream going on wait for the next ones).
+    fn any_due(&self) -> bool {
+        let now = crate::sync::now_ns();
+        self.out.values().any(|o| {
+            !o.failed
+                && (o.used != 0
+                    || !o.held.is_empty()
+                        && (now.saturating_sub(o.held_last) > HELD_GAP_NS
+                            || now.saturating_sub(o.held_since) > HELD_LINGER_NS))
+        })
+    }
+
+    /// Whether all the worker keeps back is held datagrams (no batch, nothing in UCX).
+    fn holds_only_held(&mut self) -> bool {
+        self.link.in_flight_bytes() == 0
+            && self.out.values().all(|o| o.used == 0 || o.failed)
+            && self.link.idle()
     }
 
     /// [`Worker::progress`] without sending the batches.
@@ -1047,6 +1220,8 @@ const LENT_CHECK: Duration = Duration::from_millis(50);
 /// What the waker is asked to do (bits of [`Shared::modes`]).
 const ARMED: u32 = 1;
 const DRAIN: u32 = 2;
+/// Held datagrams only (see [`HELD_LOOK`]).
+const HELD: u32 = 4;
 /// How often the waker looks at a worker that holds unsent messages or a batch.
 const DRAIN_EVERY: Duration = Duration::from_nanos(LINGER_NS);
 /// ... and how seldom, at most, while nothing leaves (its receiver does not read).
@@ -1226,12 +1401,29 @@ impl Direct {
         self.sending(|w| w.send_zc(to, dst, msg))
     }
 
+    /// As [`Direct::send`] for [`Worker::send_zc_held`].
+    pub(super) fn send_zc_held(
+        &mut self,
+        to: SocketAddr,
+        dst: Addr,
+        msg: (&[u8], Box<dyn backplane_ucx::InPlace>, &[u8]),
+    ) -> Result<(), Blocked> {
+        self.sending(|w| w.send_zc_held(to, dst, msg))
+    }
+
     /// Whatever UCX still holds (a batch, a queued message, bytes in a transport's buffer)
     /// leaves even if this thread goes elsewhere now: the waker sees to it.
     fn drain_later(&self) {
-        if self.lock().holds() {
-            self.ask(DRAIN);
-        }
+        let mode = {
+            let mut w = self.lock();
+            match (w.holds(), w.batching) {
+                (false, _) => return,
+                // Held datagrams alone: a slow look is enough (see `HELD_LOOK`).
+                (true, true) if w.holds_only_held() => HELD,
+                _ => DRAIN,
+            }
+        };
+        self.ask(mode);
     }
 
     /// From here to [`Direct::uncork`], small datagrams to one receiver share messages: a
@@ -1438,7 +1630,15 @@ fn watch(efd: &OwnedFd, s: &Shared) {
             tv_sec: 0,
             tv_nsec: every.as_nanos() as i64,
         };
-        let timeout = (modes & DRAIN != 0).then_some(&tick);
+        let look = rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: HELD_LOOK.as_nanos() as i64,
+        };
+        let timeout = if modes & DRAIN != 0 {
+            Some(&tick)
+        } else {
+            (modes & HELD != 0).then_some(&look)
+        };
         match rustix::event::poll(&mut fds[..n], timeout) {
             Ok(_) | Err(rustix::io::Errno::INTR) => {}
             Err(_) => return,
@@ -1462,6 +1662,10 @@ fn watch(efd: &OwnedFd, s: &Shared) {
                 if sent {
                     // Under the lock: a send after it asks again (and is seen then).
                     s.modes.fetch_and(!DRAIN, Ordering::AcqRel);
+                } else if w.holds_only_held() {
+                    // Held datagrams alone are left: a slow look (their sender sends them).
+                    s.modes.fetch_or(HELD, Ordering::AcqRel);
+                    s.modes.fetch_and(!DRAIN, Ordering::AcqRel);
                 }
                 let got = w.queue.len() != had;
                 drop(w);
@@ -1470,6 +1674,21 @@ fn watch(efd: &OwnedFd, s: &Shared) {
                 } else {
                     (every * 2).min(DRAIN_MAX)
                 };
+                if got {
+                    crate::sync::ring(&s.bell);
+                }
+            }
+        }
+        if modes & (DRAIN | HELD) == HELD {
+            if let Ok(mut w) = s.worker.try_lock() {
+                let had = w.queue.len();
+                w.progress();
+                if !w.batching {
+                    // Under the lock, as above.
+                    s.modes.fetch_and(!HELD, Ordering::AcqRel);
+                }
+                let got = w.queue.len() != had;
+                drop(w);
                 if got {
                     crate::sync::ring(&s.bell);
                 }
@@ -1682,6 +1901,110 @@ mod tests {
         }
         assert!(got[0] == big, "the lent datagram whole");
         assert_eq!(got[1], [1]);
+    }
+
+    /// A payload for [`Worker::send_zc_held`] (an owned buffer: the test's stand-in for a
+    /// queue pair's region).
+    fn lent(bytes: &[u8]) -> Box<dyn backplane_ucx::InPlace> {
+        Box::new(backplane_ucx::OwnedBytes::new(
+            bytes.to_vec(),
+            bytes.len(),
+            Box::new(|_| {}),
+        ))
+    }
+
+    /// Large datagrams of a stream whose payloads stay the sender's until sent (a queue pair's
+    /// SENDs) wait for the next ones: [`sends_together`] of them go as one message, each
+    /// whole (its head, payload and tail), in order; a datagram of another kind sends those
+    /// held before it first; one alone, out of a stream, goes at once; held ones left when
+    /// the stream pauses leave at the next progress.
+    #[test]
+    fn a_streams_held_datagrams_share_a_message_whole_and_in_order() {
+        let (mut a, mut b, to_b) = connected_pair();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let n = sends_together();
+        assert!(n >= 2, "held datagrams share messages by default");
+        let part = |i: usize, what: u8, len: usize| -> Vec<u8> {
+            (0..len).map(|k| (k * 3 + i * 7) as u8 ^ what).collect()
+        };
+        let whole = |i: usize| -> Vec<u8> {
+            let (h, p, t) = (
+                part(i, 1, 9 + i),
+                part(i, 2, STREAM_LENT_MIN + i),
+                part(i, 3, i),
+            );
+            [h, p, t].concat()
+        };
+        let b_me = b.me;
+        let stream = |a: &mut Worker| {
+            a.out.get_mut(&to_b).unwrap().last_send = crate::sync::now_ns() + 60_000_000_000;
+        };
+        let send_held = |a: &mut Worker, i: usize| {
+            let (h, p, t) = (
+                part(i, 1, 9 + i),
+                part(i, 2, STREAM_LENT_MIN + i),
+                part(i, 3, i),
+            );
+            a.send_zc_held(to_b, b_me, (&h, lent(&p), &t))
+        };
+        // Out of a stream: at once.
+        let seq = a.out[&to_b].seq;
+        send_held(&mut a, 0).unwrap();
+        assert_eq!(a.out[&to_b].seq, seq + 1, "a lone one goes at once");
+        // A stream: the first n - 1 wait, the n-th sends them all, one message.
+        for i in 1..n {
+            stream(&mut a);
+            send_held(&mut a, i).unwrap();
+            assert_eq!(a.out[&to_b].held_lens.len(), i, "held");
+            assert_eq!(a.out[&to_b].seq, seq + 1, "nothing sent while they wait");
+        }
+        stream(&mut a);
+        send_held(&mut a, n).unwrap();
+        assert!(a.out[&to_b].held.is_empty());
+        assert_eq!(a.out[&to_b].seq, seq + 2, "one message for {n}");
+        // Two held, then a small datagram: they go before it.
+        for i in n + 1..n + 3 {
+            stream(&mut a);
+            send_held(&mut a, i).unwrap();
+        }
+        a.send(to_b, b_me, 1, (false, false), |buf| {
+            buf[0] = 0xee;
+            Some(1)
+        })
+        .unwrap();
+        assert!(a.out[&to_b].held.is_empty(), "held ones went first");
+        // One held, the stream pauses: the next progress sends it.
+        stream(&mut a);
+        send_held(&mut a, n + 3).unwrap();
+        assert_eq!(a.out[&to_b].held_lens.len(), 1);
+        a.out.get_mut(&to_b).unwrap().held_last = 0; // (long ago)
+        a.progress();
+        assert!(
+            a.out[&to_b].held.is_empty(),
+            "a paused stream's held ones leave"
+        );
+        let mut want: Vec<Vec<u8>> = (0..n + 3).map(whole).collect();
+        want.push(vec![0xee]);
+        want.push(whole(n + 3));
+        let mut got = Vec::new();
+        while got.len() < want.len() {
+            assert!(
+                Instant::now() < deadline,
+                "got {} of {}",
+                got.len(),
+                want.len()
+            );
+            a.progress();
+            take_all(&mut b, &mut got);
+        }
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                g == w,
+                "datagram {i}: {} bytes, {} expected",
+                g.len(),
+                w.len()
+            );
+        }
     }
 
     /// A stream of large datagrams shares messages of up to [`BIG_BATCH_MAX`], each batch's

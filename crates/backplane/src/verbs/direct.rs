@@ -1012,7 +1012,9 @@ impl Inner {
                     else {
                         break; // not published yet (or the pair broke)
                     };
-                    let r = ep.send_span(peer, (head, trailer), (&span, off, len));
+                    // (Its buffer is the QP's until the SEND completes: in a stream it may
+                    // wait for the next SENDs to share its message.)
+                    let r = ep.send_span_held(peer, (head, trailer), (&span, off, len), true);
                     if !Self::outcome(m, (detail, no_room_since), r) {
                         break;
                     }
