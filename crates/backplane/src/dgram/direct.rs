@@ -112,7 +112,7 @@ const STREAM_LENT_MIN: usize = 48 * 1024;
 /// How many large datagrams of a stream whose payloads go in place ([`Worker::send_zc_held`]:
 /// a queue pair's SENDs) share one message at most: one `sendmsg` for them all over TCP, and
 /// one message for UCX and the receiver (`perf send-bw` 64 KiB between hosts, alternating
-/// runs against one a message: see `SENDS_TOGETHER` in the README's journal).
+/// runs against one a message: `docs/multi-host-journal.md`, session 41).
 /// `BACKPLANE_SENDS_TOGETHER` (1 to 4) sets it; 1 holds none.
 fn sends_together() -> usize {
     static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
