@@ -595,21 +595,10 @@ impl Endpoint {
     /// bytes of `body` at `off` and `tail`: over a direct connection (another host) UCX reads
     /// those bytes in place — no copy into a message; a clone of `body` keeps them mapped
     /// until the send completes — else they are copied as `send_with_max` does. The caller
-    /// leaves them unchanged until the peer answered (a QP's RDMA WRITE source, which the
-    /// program may not touch before its completion).
-    pub(crate) fn send_span(
-        &mut self,
-        dst: Addr,
-        (head, tail): (&[u8], &[u8]),
-        (body, off, len): (&crate::mem::Span, u64, usize),
-    ) -> Result<bool, DgramError> {
-        self.send_span_held(dst, (head, tail), (body, off, len), false)
-    }
-
-    /// [`Endpoint::send_span`]; `hold`: `body` stays readable and unchanged until the
-    /// datagram is long gone (a queue pair's SEND, whose buffer is the pair's until it
-    /// completes), so in a stream of large ones it may wait a little for the next ones to
-    /// share its message (see `direct::Worker::send_zc_held`).
+    /// leaves them unchanged until the peer answered (a QP's RDMA WRITE source or SEND
+    /// payload, which the program may not touch before its completion). `hold`: so in a
+    /// stream of large ones the datagram may wait a little for the next ones to share its
+    /// message (see `direct::Worker::send_zc_held`).
     pub(crate) fn send_span_held(
         &mut self,
         dst: Addr,

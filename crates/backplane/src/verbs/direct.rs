@@ -942,7 +942,9 @@ impl Inner {
                 let mut msg_head = [0u8; 1 + 16 + RDMA_REQ_HEAD];
                 msg_head[0] = KIND_RDMA;
                 msg_head[1..].copy_from_slice(&head);
-                let r = ep.send_span(peer, (&msg_head, &[]), (&d.span, d.off, d.len));
+                // (Its buffer is the QP's until the WRITE completes, which its answer says:
+                // in a stream it may wait for the next pieces to share its message.)
+                let r = ep.send_span_held(peer, (&msg_head, &[]), (&d.span, d.off, d.len), true);
                 drop(q);
                 if !Self::outcome(m, (detail, no_room_since), r) {
                     return any;
