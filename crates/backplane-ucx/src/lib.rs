@@ -531,6 +531,40 @@ impl Link {
         check(r, || format!("cannot send to endpoint {}", ep.0))
     }
 
+    /// `bpx_send_iov` on this link: one message of `head`, the `list`'s pieces and `tail`
+    /// (head, tail and the list are copied before the call returns; the pieces are read in
+    /// place). `release(token)` is called exactly once: at once if the message is refused,
+    /// else when UCX lets go of the pieces.
+    ///
+    /// # Safety
+    ///
+    /// The pieces' bytes stay readable and unchanged until `release` is called.
+    unsafe fn send_iov(
+        &mut self,
+        ep: EpId,
+        (head, list, tail): (&[u8], &[ffi::Piece], &[u8]),
+        release: extern "C" fn(*mut c_void),
+        token: *mut c_void,
+    ) -> Result<(), Error> {
+        // SAFETY: raw is live; head, tail and the list are copied before the call returns;
+        // the pieces are the caller's promise.
+        let r = unsafe {
+            ffi::bpx_send_iov(
+                self.raw,
+                ep.0,
+                head.as_ptr().cast(),
+                head.len(),
+                list.as_ptr(),
+                list.len(),
+                tail.as_ptr().cast(),
+                tail.len(),
+                release,
+                token,
+            )
+        };
+        check(r, || format!("cannot send to endpoint {}", ep.0))
+    }
+
     /// As [`Link::send_zc`] with the message's middle made of `pieces` (at most
     /// [`MAX_PIECES`]; within [`TCP_MAX_IOV`] less UCX's, `head` and `tail`, one `sendmsg`
     /// over TCP), which UCX reads where they are until it lets go of them (then they are
@@ -579,25 +613,11 @@ impl Link {
         let token = std::sync::Arc::into_raw(pieces.clone())
             .cast_mut()
             .cast::<c_void>();
-        // SAFETY: raw is live; head, tail and the list are copied before the call returns;
-        // the pieces' bytes stay readable and unchanged while the token's reference lives
-        // (the Vec is shared, never changed: `InPlace`'s contract for lent ones, owned
-        // buffers' heap bytes for the others), and the shim calls `release` exactly once.
-        let r = unsafe {
-            ffi::bpx_send_iov(
-                self.raw,
-                ep.0,
-                head.as_ptr().cast(),
-                head.len(),
-                list.as_ptr(),
-                list.len(),
-                tail.as_ptr().cast(),
-                tail.len(),
-                release,
-                token,
-            )
-        };
-        check(r, || format!("cannot send to endpoint {}", ep.0)).map_err(|e| {
+        // SAFETY: the pieces' bytes stay readable and unchanged while the token's reference
+        // lives (the Vec is shared, never changed: `InPlace`'s contract for lent ones, owned
+        // buffers' heap bytes for the others), which `release` drops.
+        let r = unsafe { self.send_iov(ep, (head, &list, tail), release, token) };
+        r.map_err(|e| {
             let back = std::sync::Arc::try_unwrap(pieces)
                 .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()))
                 .unwrap_or_default();
@@ -660,25 +680,11 @@ impl Link {
         let token = std::sync::Arc::into_raw(done.clone())
             .cast_mut()
             .cast::<c_void>();
-        // SAFETY: raw is live; head and the list are copied before the call returns; the
-        // pieces stay readable and unchanged until `release` sets `done` (this function
-        // does not return nor unwind before: `Wait`), which the shim calls exactly once.
-        let r = unsafe {
-            ffi::bpx_send_iov(
-                self.raw,
-                ep.0,
-                head.as_ptr().cast(),
-                head.len(),
-                list.as_ptr(),
-                list.len(),
-                std::ptr::null(),
-                0,
-                release,
-                token,
-            )
-        };
+        // SAFETY: the pieces stay readable and unchanged until `release` sets `done` (this
+        // function does not return nor unwind before: `Wait`).
+        let r = unsafe { self.send_iov(ep, (head, &list, &[]), release, token) };
         // (On an error the shim released it already: nothing to wait for.)
-        check(r, || format!("cannot send to endpoint {}", ep.0))?;
+        r?;
         let wait = Wait(&done);
         let mut closed = false;
         while !done.load(Ordering::Acquire) {
