@@ -591,7 +591,8 @@ impl Worker {
     /// SEND completes): in a stream of large ones it waits for the next ones to share its
     /// message, a list read in place — until [`sends_together`] of them wait, another
     /// datagram goes to `to`, or the next progress (the endpoint's thread's, or the waker's
-    /// within [`DRAIN_EVERY`]) finds it there [`HELD_LINGER_NS`] or its stream over.
+    /// within [`HELD_LOOK`]) finds the first there [`HELD_LINGER_NS`] or the stream paused
+    /// [`HELD_GAP_NS`].
     fn send_zc_held(
         &mut self,
         to: SocketAddr,
