@@ -596,15 +596,14 @@ impl Endpoint {
     /// those bytes in place — no copy into a message; a clone of `body` keeps them mapped
     /// until the send completes — else they are copied as `send_with_max` does. The caller
     /// leaves them unchanged until the peer answered (a QP's RDMA WRITE source or SEND
-    /// payload, which the program may not touch before its completion). `hold`: so in a
-    /// stream of large ones the datagram may wait a little for the next ones to share its
-    /// message (see `direct::Worker::send_zc_held`).
-    pub(crate) fn send_span_held(
+    /// payload, which the program may not touch before its completion): so in a stream of
+    /// large ones the datagram may wait a little for the next ones to share its message
+    /// (see `direct::Worker::send_zc_held`).
+    pub(crate) fn send_span(
         &mut self,
         dst: Addr,
         (head, tail): (&[u8], &[u8]),
         (body, off, len): (&crate::mem::Span, u64, usize),
-        hold: bool,
     ) -> Result<bool, DgramError> {
         let total = head.len() + len + tail.len();
         if total > MAX_DGRAM {
@@ -619,17 +618,7 @@ impl Endpoint {
             self.direct.as_mut(),
             crate::mem::SpanBytes::new(body, off, len),
         ) {
-            let msg = (
-                head,
-                Box::new(bytes) as Box<dyn backplane_ucx::InPlace>,
-                tail,
-            );
-            let r = if hold {
-                d.send_zc_held(to, dst, msg)
-            } else {
-                d.send_zc(to, dst, msg)
-            };
-            match r {
+            match d.send_zc_held(to, dst, (head, Box::new(bytes), tail)) {
                 Ok(()) => {
                     self.count_sent(1, total);
                     return Ok(true);

@@ -1392,16 +1392,6 @@ impl Direct {
         self.sending(|w| w.send_lent(to, dst, list, alive))
     }
 
-    /// As [`Direct::send`] for [`Worker::send_zc`].
-    pub(super) fn send_zc(
-        &mut self,
-        to: SocketAddr,
-        dst: Addr,
-        msg: (&[u8], Box<dyn backplane_ucx::InPlace>, &[u8]),
-    ) -> Result<(), Blocked> {
-        self.sending(|w| w.send_zc(to, dst, msg))
-    }
-
     /// As [`Direct::send`] for [`Worker::send_zc_held`].
     pub(super) fn send_zc_held(
         &mut self,

@@ -944,7 +944,7 @@ impl Inner {
                 msg_head[1..].copy_from_slice(&head);
                 // (Its buffer is the QP's until the WRITE completes, which its answer says:
                 // in a stream it may wait for the next pieces to share its message.)
-                let r = ep.send_span_held(peer, (&msg_head, &[]), (&d.span, d.off, d.len), true);
+                let r = ep.send_span(peer, (&msg_head, &[]), (&d.span, d.off, d.len));
                 drop(q);
                 if !Self::outcome(m, (detail, no_room_since), r) {
                     return any;
@@ -1016,7 +1016,7 @@ impl Inner {
                     };
                     // (Its buffer is the QP's until the SEND completes: in a stream it may
                     // wait for the next SENDs to share its message.)
-                    let r = ep.send_span_held(peer, (head, trailer), (&span, off, len), true);
+                    let r = ep.send_span(peer, (head, trailer), (&span, off, len));
                     if !Self::outcome(m, (detail, no_room_since), r) {
                         break;
                     }
