@@ -483,9 +483,16 @@ impl Worker {
         (batch, big_ok): (bool, bool),
         fill: impl FnOnce(&mut [u8]) -> Option<usize>,
     ) -> Result<Option<usize>, Blocked> {
-        self.may_send(to)?;
-        let now = crate::sync::now_ns();
-        let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
+        // (One look-up of the connection where nothing waits: `may_send` looks it up too, so
+        // only when UCX holds a window's worth — a send's look-ups were ~200 instructions.)
+        if self.link.in_flight_bytes() >= WINDOW {
+            self.may_send(to)?;
+        }
+        let now = crate::sync::fast_ns();
+        let mut o = match self.out.get_mut(&to) {
+            Some(o) if !o.failed => o,
+            _ => return Err(Blocked::Failed),
+        };
         let streaming = now.saturating_sub(o.last_send) < STREAM_GAP_NS;
         let pending = o.used != 0 || !o.held.is_empty();
         let big = len > BATCH_SMALL;
@@ -506,8 +513,8 @@ impl Worker {
         {
             // What came before goes first.
             self.ship(to)?;
+            o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
         }
-        let o = self.out.get_mut(&to).ok_or(Blocked::Failed)?;
         // (A batch shipped above for lingering too long ended its stream unless this send
         // still is one.)
         if batch && (o.used != 0 || streaming || self.corked && !big) {
@@ -553,13 +560,21 @@ impl Worker {
         to: SocketAddr,
         r: Result<u64, backplane_ucx::Error>,
     ) -> Result<(), Blocked> {
-        self.sent(to, r)?;
+        let n = match r {
+            Ok(n) => n,
+            Err(e) => return self.sent(to, Err(e)),
+        };
+        // ([`Worker::sent`]'s count and the stream's clock in one look-up.)
+        if let Some(o) = self.out.get_mut(&to) {
+            o.seq += n;
+            o.last_send = crate::sync::fast_ns();
+        }
         self.sends = self.sends.wrapping_add(1);
         if self.link.in_flight_bytes() != 0 || self.sends.is_multiple_of(64) {
             self.poll();
-        }
-        if let Some(o) = self.out.get_mut(&to) {
-            o.last_send = crate::sync::now_ns();
+            if let Some(o) = self.out.get_mut(&to) {
+                o.last_send = crate::sync::fast_ns();
+            }
         }
         Ok(())
     }
@@ -613,7 +628,7 @@ impl Worker {
             return self.send_zc(to, dst, (head_bytes, body, tail));
         }
         self.may_send(to)?;
-        let now = crate::sync::now_ns();
+        let now = crate::sync::fast_ns();
         let o = self.out.get(&to).ok_or(Blocked::Failed)?;
         if o.used != 0 || !o.held.is_empty() && !room(o) {
             // What came before goes first.
@@ -704,7 +719,7 @@ impl Worker {
         alive: &mut dyn FnMut() -> bool,
     ) -> Result<bool, Blocked> {
         let o = self.out.get(&to).ok_or(Blocked::Failed)?;
-        let stream = crate::sync::now_ns().saturating_sub(o.last_send) < STREAM_GAP_NS;
+        let stream = crate::sync::fast_ns().saturating_sub(o.last_send) < STREAM_GAP_NS;
         // (A stream's datagram of `STREAM_LENT_MIN` or more goes in place too: see there.)
         if list.is_empty()
             || list.len() > LIST_MAX
@@ -858,6 +873,18 @@ impl Worker {
         self.sent(to, r.map(|()| 1))
     }
 
+    /// How the waker should look after what UCX or a batch still holds, if anything: after a
+    /// send, whatever is left (a batch, a queued message, bytes in a transport's buffer)
+    /// leaves even if the sending thread goes elsewhere now.
+    fn drain_mode(&mut self) -> Option<u32> {
+        match (self.holds(), self.batching) {
+            (false, _) => None,
+            // Held datagrams alone: a slow look is enough (see `HELD_LOOK`).
+            (true, true) if self.holds_only_held() => Some(HELD),
+            _ => Some(DRAIN),
+        }
+    }
+
     /// Whether UCX or a batch still holds something to send.
     fn holds(&mut self) -> bool {
         self.batching || self.link.in_flight_bytes() != 0 || !self.link.idle()
@@ -896,7 +923,7 @@ impl Worker {
     /// Whether a batch waits, or held datagrams whose stream paused ([`HELD_GAP_NS`]) or
     /// that waited [`HELD_LINGER_NS`] (those of a stream going on wait for the next ones).
     fn any_due(&self) -> bool {
-        let now = crate::sync::now_ns();
+        let now = crate::sync::fast_ns();
         self.out.values().any(|o| {
             !o.failed
                 && (o.used != 0
@@ -1374,9 +1401,11 @@ impl Direct {
         let r = send(&mut w);
         let corked = w.corked;
         w.sent_corked |= corked;
+        // (Under the same lock: a second one for the look cost ~190 instructions a send.)
+        let mode = if corked { None } else { w.drain_mode() };
         drop(w);
-        if !corked {
-            self.drain_later();
+        if let Some(mode) = mode {
+            self.ask(mode);
         }
         r
     }
@@ -1400,21 +1429,6 @@ impl Direct {
         msg: (&[u8], Box<dyn backplane_ucx::InPlace>, &[u8]),
     ) -> Result<(), Blocked> {
         self.sending(|w| w.send_zc_held(to, dst, msg))
-    }
-
-    /// Whatever UCX still holds (a batch, a queued message, bytes in a transport's buffer)
-    /// leaves even if this thread goes elsewhere now: the waker sees to it.
-    fn drain_later(&self) {
-        let mode = {
-            let mut w = self.lock();
-            match (w.holds(), w.batching) {
-                (false, _) => return,
-                // Held datagrams alone: a slow look is enough (see `HELD_LOOK`).
-                (true, true) if w.holds_only_held() => HELD,
-                _ => DRAIN,
-            }
-        };
-        self.ask(mode);
     }
 
     /// From here to [`Direct::uncork`], small datagrams to one receiver share messages: a
@@ -1865,7 +1879,7 @@ mod tests {
         // (The last send "ahead" of now: a stream however slowly this machine goes on to the
         // next send — a loaded CI machine took more than STREAM_GAP_NS.)
         let stream = |a: &mut Worker| {
-            a.out.get_mut(&to_b).unwrap().last_send = crate::sync::now_ns() + 60_000_000_000;
+            a.out.get_mut(&to_b).unwrap().last_send = crate::sync::fast_ns() + 60_000_000_000;
         };
         stream(&mut a);
         assert_eq!(a.send_lent(to_b, b_me, &[&short], &mut receive), Ok(false));
@@ -1928,7 +1942,7 @@ mod tests {
         };
         let b_me = b.me;
         let stream = |a: &mut Worker| {
-            a.out.get_mut(&to_b).unwrap().last_send = crate::sync::now_ns() + 60_000_000_000;
+            a.out.get_mut(&to_b).unwrap().last_send = crate::sync::fast_ns() + 60_000_000_000;
         };
         let send_held = |a: &mut Worker, i: usize| {
             let (h, p, t) = (
@@ -2014,7 +2028,7 @@ mod tests {
             // A stream, whatever this machine's pace (a corked sender's large datagrams go
             // one to a message), and one that never lingers.
             let o = a.out.get_mut(&to_b).unwrap();
-            (o.last_send, o.batch_since) = (crate::sync::now_ns(), crate::sync::now_ns());
+            (o.last_send, o.batch_since) = (crate::sync::fast_ns(), crate::sync::fast_ns());
             while a
                 .send(to_b, b.me, d.len(), (true, true), |buf| {
                     buf[..d.len()].copy_from_slice(&d);

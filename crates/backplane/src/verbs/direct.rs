@@ -333,7 +333,7 @@ impl DirectQp {
         let s = &self.shared;
         let polled = s.polled_ns.load(Ordering::Relaxed);
         if polled != 0 {
-            let now = crate::sync::now_ns();
+            let now = crate::sync::fast_ns();
             if now.saturating_sub(polled) < POSTER_POLLED_NS {
                 s.app_ns.store(now, Ordering::Relaxed);
             }
@@ -428,7 +428,7 @@ pub(crate) fn app_polled() {
 #[inline(never)]
 fn stamp_live() {
     for_my_pairs(|pairs| {
-        let now = crate::sync::now_ns();
+        let now = crate::sync::fast_ns();
         for s in pairs.iter().filter_map(Weak::upgrade) {
             s.app_ns.store(now, Ordering::Relaxed);
             s.polled_ns.store(now, Ordering::Relaxed);
@@ -444,7 +444,7 @@ fn stamp_live() {
 #[inline(always)]
 pub(crate) fn app_arms_channel() {
     if LIVE_COUNT.0.load(Ordering::Relaxed) != 0
-        && crate::sync::now_ns().saturating_sub(WAITED_NS.load(Ordering::Relaxed)) >= APP_ACTIVE_NS
+        && crate::sync::fast_ns().saturating_sub(WAITED_NS.load(Ordering::Relaxed)) >= APP_ACTIVE_NS
     {
         app_went_elsewhere();
     }
@@ -472,7 +472,7 @@ pub(crate) fn sleep_on_pairs(efd: std::os::fd::BorrowedFd<'_>, timeout: Duration
     struct Leave;
     impl Drop for Leave {
         fn drop(&mut self) {
-            WAITED_NS.store(crate::sync::now_ns(), Ordering::Relaxed);
+            WAITED_NS.store(crate::sync::fast_ns(), Ordering::Relaxed);
             WAITERS.0.fetch_sub(1, Ordering::SeqCst);
         }
     }
@@ -643,7 +643,7 @@ fn watch(s: &Shared) {
     while !s.stop.load(Ordering::Acquire) {
         // A program thread polled a moment ago: it will again (waking here for every
         // message would take its core); look again when it may have stopped.
-        let quiet = crate::sync::now_ns().saturating_sub(s.app_ns.load(Ordering::Relaxed));
+        let quiet = crate::sync::fast_ns().saturating_sub(s.app_ns.load(Ordering::Relaxed));
         if quiet < APP_ACTIVE_NS || WAITERS.0.load(Ordering::SeqCst) != 0 {
             // (Not a short timer in a loop: thousands of wake-ups a second from these
             // starved the machine's timer and softirq work — the nodes' agents overslept a
@@ -656,7 +656,7 @@ fn watch(s: &Shared) {
             let waiter = WAITERS.0.load(Ordering::SeqCst) != 0;
             match &s.rest_bell {
                 Some(fd)
-                    if waiter || crate::sync::now_ns().saturating_sub(stamp) < APP_ACTIVE_NS =>
+                    if waiter || crate::sync::fast_ns().saturating_sub(stamp) < APP_ACTIVE_NS =>
                 {
                     let ts = rustix::time::Timespec {
                         tv_sec: 0,
@@ -680,14 +680,14 @@ fn watch(s: &Shared) {
             // READs or atomics one after another, its peer's program never polling): look
             // for it a while before going to sleep, with the pair unlocked for the programs.
             drop(g);
-            let mut last = crate::sync::now_ns();
+            let mut last = crate::sync::fast_ns();
             loop {
                 // (A few PAUSEs: 64 of them took ~3 us here and delayed every look by half
                 // that: atomic-lat 1.31 -> 1.24x `ucp_fadd`.)
                 for _ in 0..4 {
                     std::hint::spin_loop();
                 }
-                let now = crate::sync::now_ns();
+                let now = crate::sync::fast_ns();
                 if s.stop.load(Ordering::Acquire)
                     || now.saturating_sub(last) > PAIR_LINGER_NS
                     || now.saturating_sub(s.app_ns.load(Ordering::Relaxed)) < APP_ACTIVE_NS
@@ -696,7 +696,7 @@ fn watch(s: &Shared) {
                 }
                 if let Ok(mut g) = s.inner.try_lock() {
                     if g.pump() {
-                        last = crate::sync::now_ns();
+                        last = crate::sync::fast_ns();
                     }
                 }
             }
@@ -825,7 +825,7 @@ impl Inner {
             Err(DgramError::Fabric(FabricError::Refused {
                 kind: ErrorKind::NoSpace,
                 ..
-            })) if crate::sync::now_ns()
+            })) if crate::sync::fast_ns()
                 .saturating_sub(*no_room.get_or_insert_with(crate::sync::now_ns))
                 < NO_ROOM_PATIENCE_NS =>
             {
@@ -902,7 +902,7 @@ impl Inner {
             && !m.has_urgent_news()
             && m.answers.iter().all(|a| mirror::answer_is_write_ack(a))
             && {
-                let now = crate::sync::now_ns();
+                let now = crate::sync::fast_ns();
                 now.saturating_sub(*answers_since.get_or_insert(now)) < ANSWER_LINGER_NS
             };
         if !hold {
@@ -984,7 +984,7 @@ impl Inner {
         // Acks and credits alone wait a little for a message to go with (a reply carries its
         // request's ack): every message is a system call on each side over TCP.
         if !m.has_urgent_news() && m.has_news() {
-            let now = crate::sync::now_ns();
+            let now = crate::sync::fast_ns();
             let since = *words_since.get_or_insert(now);
             if now.saturating_sub(since) < WORDS_LINGER_NS {
                 return any;
