@@ -133,7 +133,7 @@ pub fn now_ns() -> u64 {
 /// A clock in nanoseconds for one process's own bookkeeping — stamps compared only with this
 /// clock's other readings in the same process, never with [`now_ns`] nor across processes:
 /// the time-stamp counter scaled to nanoseconds once it is calibrated against
-/// CLOCK_MONOTONIC (its first [`CAL_SPAN_NS`] it *is* [`now_ns`]), where the kernel keeps
+/// CLOCK_MONOTONIC (its first 20 ms it *is* [`now_ns`]), where the kernel keeps
 /// time with the TSC itself (so it runs at one rate on every CPU); [`now_ns`] elsewhere.
 ///
 /// Why not [`now_ns`]: a queue pair between hosts read the clock two or three times a turn
