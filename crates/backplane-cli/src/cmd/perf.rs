@@ -1119,6 +1119,24 @@ fn tcp_congestion_control() -> Option<String> {
 mod tests {
     use super::*;
 
+    /// A report of `test` on one host: these median rows (backplane, UCX) and rounds.
+    fn report_of(test: Test, (backplane, ucx): (Vec<Row>, Vec<Row>), rounds: Vec<Round>) -> Report {
+        Report {
+            version: 1,
+            test,
+            fabric: "t".into(),
+            loop_: Loop::Native,
+            backplane,
+            ucx: Some(ucx),
+            ucx_note: None,
+            ucx_where: "UCX_TLS=posix,cma,self".into(),
+            tcp_congestion_control: None,
+            perftest: None,
+            perftest_note: None,
+            rounds,
+        }
+    }
+
     #[test]
     fn the_paired_ratio_is_not_fooled_by_which_side_drew_more_slow_rounds() {
         let row = |t: f64| Row {
@@ -1146,20 +1164,14 @@ mod tests {
             .collect();
         let bp: Vec<Vec<Row>> = rounds.iter().map(|r| r.backplane.clone()).collect();
         let ux: Vec<Vec<Row>> = rounds.iter().map(|r| r.ucx.clone().unwrap()).collect();
-        let r = Report {
-            version: 1,
-            test: Test::WriteLat,
-            fabric: "t".into(),
-            loop_: Loop::Native,
-            backplane: median_rows(&bp.iter().map(|v| &v[..]).collect::<Vec<_>>()),
-            ucx: Some(median_rows(&ux.iter().map(|v| &v[..]).collect::<Vec<_>>())),
-            ucx_note: None,
-            ucx_where: "UCX_TLS=posix,cma,self".into(),
-            tcp_congestion_control: None,
-            perftest: None,
-            perftest_note: None,
+        let r = report_of(
+            Test::WriteLat,
+            (
+                median_rows(&bp.iter().map(|v| &v[..]).collect::<Vec<_>>()),
+                median_rows(&ux.iter().map(|v| &v[..]).collect::<Vec<_>>()),
+            ),
             rounds,
-        };
+        );
         let text = render_rounds(&r);
         // Per round: 0.857 0.731 2.71 0.231 2.71 -> median 0.857; medians 19 / 7 = 2.71.
         assert!(text.contains("| median ratio 0.857 "), "{text}");
@@ -1192,20 +1204,14 @@ mod tests {
                     perftest: None,
                 })
                 .collect();
-            Report {
-                version: 1,
-                test: Test::ReadLat,
-                fabric: "t".into(),
-                loop_: Loop::Native,
-                backplane: vec![row(0.03 * scale, 0.031 * scale)],
-                ucx: Some(vec![row(0.02 * scale, 0.025 * scale)]),
-                ucx_note: None,
-                ucx_where: "UCX_TLS=posix,cma,self".into(),
-                tcp_congestion_control: None,
-                perftest: None,
-                perftest_note: None,
+            report_of(
+                Test::ReadLat,
+                (
+                    vec![row(0.03 * scale, 0.031 * scale)],
+                    vec![row(0.02 * scale, 0.025 * scale)],
+                ),
                 rounds,
-            }
+            )
         };
         // Under 0.1 µs, the means: 1.19 1.20 1.28.
         let text = render_rounds(&report(1.0));

@@ -549,15 +549,23 @@ fn send_pingpong_perftest(
     Ok(t.windows(2).map(|w| w[1] - w[0]).collect())
 }
 
-/// perftest's `run_iter_lat` for READ and atomics, step for step: a clock read, the request
-/// posted signaled, polled until its completion (no PAUSE). The times are the differences of
-/// consecutive clock reads, the whole iteration, as perftest computes them.
-fn one_sided_perftest(
+/// READ or FETCH_AND_ADD latency: the request built once and posted signaled, then its
+/// completion taken, one clock read per iteration; the samples are the differences of
+/// consecutive reads, the whole iteration, as `ucx_perftest` and perftest take them.
+///
+/// `Loop::Perftest` is perftest's `run_iter_lat` step for step: polled without PAUSE, the
+/// timestamps' memory touched as the loop goes (as perftest's `malloc` leaves it). The fabric's
+/// own loop waits as it does elsewhere and touches that memory before the loop (its page faults,
+/// one every 512 operations, fell inside the timed iterations). Before session 42 it read the
+/// clock before each post and after its completion and counted only that: the read after a
+/// locked FETCH_AND_ADD may execute before the operation is done, and the loop's own work fell
+/// outside — a FETCH_AND_ADD on one host timed ~40 % short.
+fn one_sided(
     e: &mut End,
     test: Test,
     rkey: u32,
     size: u64,
-    count: u64,
+    (count, lp): (u64, Loop),
 ) -> anyhow::Result<Vec<u64>> {
     let read = test == Test::ReadLat;
     let sge = [e.mr.sge(SRC, if read { size as u32 } else { 8 })];
@@ -567,42 +575,16 @@ fn one_sided_perftest(
         (SendWr::fetch_add(0, &sge, 0, rkey, 1), WcOpcode::FetchAdd)
     };
     let wr = [wr.signaled()];
-    let mut t = vec![0u64; count as usize + 1];
-    for slot in t.iter_mut().take(count as usize) {
-        *slot = Clock::raw();
-        e.qp.post_send(&wr)?;
-        e.poll_one(op)?;
-    }
-    t[count as usize] = Clock::raw();
-    Ok(t.windows(2).map(|w| w[1] - w[0]).collect())
-}
-
-/// READ or FETCH_AND_ADD latency on the fabric's own loop: the time between consecutive
-/// iteration ends, one clock read per iteration, as `ucx_perftest` and perftest take it (two
-/// reads around each operation counted one more read than they do: here a TSC read is ~10 ns
-/// beside a ~30 ns READ). The samples' memory is touched before the loop: its page faults
-/// (one every 512 operations) fell inside the timed iterations.
-fn one_sided(
-    e: &mut End,
-    test: Test,
-    rkey: u32,
-    size: u64,
-    count: u64,
-) -> anyhow::Result<Vec<u64>> {
-    let read = test == Test::ReadLat;
-    let sge = [e.mr.sge(SRC, if read { size as u32 } else { 8 })];
-    // (The request built once, as perftest does: each waits for its own completion.)
-    let wr = [if read {
-        SendWr::read(0, &sge, 0, rkey)
-    } else {
-        SendWr::fetch_add(0, &sge, 0, rkey, 1)
-    }
-    .signaled()];
-    let mut t = vec![u64::MAX; count as usize + 1];
+    let perftest = lp == Loop::Perftest;
+    let mut t = vec![if perftest { 0 } else { u64::MAX }; count as usize + 1];
     t[0] = Clock::raw();
     for slot in &mut t[1..] {
         e.qp.post_send(&wr)?;
-        e.wait_send(0)?;
+        if perftest {
+            e.poll_one(op)?;
+        } else {
+            e.wait_send(0)?;
+        }
         *slot = Clock::raw();
     }
     Ok(t.windows(2).map(|w| w[1] - w[0]).collect())
@@ -675,7 +657,7 @@ fn lat(
         let raw = match test {
             Test::WriteLat => write_pingpong_perftest(e, peer.rkey, size, warm + n, true)?,
             Test::SendLat => send_pingpong_perftest(e, size, warm + n, true)?,
-            _ => one_sided_perftest(e, test, peer.rkey, size, warm + n)?,
+            _ => one_sided(e, test, peer.rkey, size, (warm + n, lp))?,
         };
         for r in raw.iter().skip(warm as usize) {
             h.record(clock.ns(*r).max(1))?;
@@ -690,7 +672,7 @@ fn lat(
         return Ok(Row::latency(&h, size, n, true));
     }
     if matches!(test, Test::ReadLat | Test::AtomicLat) {
-        let raw = one_sided(e, test, peer.rkey, size, warm + n)?;
+        let raw = one_sided(e, test, peer.rkey, size, (warm + n, lp))?;
         for r in &raw[warm as usize..] {
             h.record(clock.ns(*r).max(1))?;
         }
