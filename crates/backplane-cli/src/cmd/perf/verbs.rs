@@ -678,39 +678,20 @@ fn lat(
         }
         return Ok(Row::latency(&h, size, n, false));
     }
+    // SEND latency (the others returned above).
+    debug_assert_eq!(test, Test::SendLat);
     for i in 0..warm + n {
-        let t0;
-        match test {
-            Test::WriteLat => {
-                let s = stamp(i);
-                e.stamp_src(size, s);
-                let mut wr = SendWr::write(0, &[], 0, peer.rkey);
-                let sge = [e.mr.sge(SRC, len)];
-                wr.sg_list = &sge;
-                if size <= INLINE {
-                    wr.send_flags = SendFlags::INLINE;
-                }
-                t0 = Clock::raw();
-                e.post(&wr)?;
-                while e.peek(size - 1) != s {
-                    std::hint::spin_loop();
-                }
-            }
-            Test::SendLat => {
-                let sge = [e.mr.sge(SRC, len)];
-                let mut wr = e.send_wr(size);
-                wr.sg_list = &sge;
-                t0 = Clock::raw();
-                e.post(&wr)?;
-                if i > 0 {
-                    // The receive the last answer used goes back while this message travels
-                    // (plenty are posted ahead of it), not between an answer and the next send.
-                    e.repost()?;
-                }
-                e.take_recv()?;
-            }
-            _ => unreachable!("one-sided latency is timed by `one_sided`"),
+        let sge = [e.mr.sge(SRC, len)];
+        let mut wr = e.send_wr(size);
+        wr.sg_list = &sge;
+        let t0 = Clock::raw();
+        e.post(&wr)?;
+        if i > 0 {
+            // The receive the last answer used goes back while this message travels (plenty
+            // are posted ahead of it), not between an answer and the next send.
+            e.repost()?;
         }
+        e.take_recv()?;
         // (Raw cycles, converted after the loop: the conversion's float arithmetic in the loop
         // was half of `perf read-lat`'s own time outside the library.)
         let rtt = Clock::raw() - t0;
@@ -718,7 +699,7 @@ fn lat(
             samples.push(rtt); // into the histogram after the loop: off the measured path
         }
     }
-    if test == Test::SendLat && warm + n > 0 {
+    if warm + n > 0 {
         e.repost()?; // the last answer's receive
     }
     for s in samples {
