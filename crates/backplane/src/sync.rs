@@ -219,7 +219,7 @@ fn calibrate() -> u64 {
         // (0.1 to 20 GHz, or not a counter to trust.)
         let sane = (1u128 << 32) / 20..=(10u128 << 32);
         let m = if sane.contains(&mult) { mult as u64 } else { 1 };
-        let _ = TSC_MULT.compare_exchange(0, m.max(1), Ordering::AcqRel, Ordering::Acquire);
+        let _ = TSC_MULT.compare_exchange(0, m, Ordering::AcqRel, Ordering::Acquire);
     }
     now
 }
