@@ -188,7 +188,8 @@ impl Adopted {
         .map_err(|e| map_err(len, e))?;
         // SAFETY: `at..at+len` is mapped and readable (checked above) and may change backing
         // (the caller's contract); `tmp` is our fresh writable mapping of `len` bytes.
-        unsafe { copy_and_swap(tmp, at, len, &prots) }.map_err(|e| map_err(len, e))?;
+        unsafe { copy_and_swap(tmp, at, len, &prots, Backing::Memfd(region.fd(), off)) }
+            .map_err(|e| map_err(len, e))?;
         Ok(Self {
             at,
             len,
@@ -249,7 +250,7 @@ impl Drop for Adopted {
         };
         // SAFETY: `at..at+len` is our readable mapping (made readable above), which the
         // program gave up with the registration; `tmp` a fresh writable one.
-        if unsafe { copy_and_swap(tmp, self.at, len, &self.prots) }.is_err() {
+        if unsafe { copy_and_swap(tmp, self.at, len, &self.prots, Backing::Anon) }.is_err() {
             for &(s, e, p) in &self.prots {
                 // SAFETY: part of the range, still the shared pages; the protection the
                 // program gave it.
@@ -259,19 +260,37 @@ impl Drop for Adopted {
     }
 }
 
+/// What `tmp` maps in [`copy_and_swap`]: what to map at the pages' addresses where the
+/// kernel (or a tool such as valgrind, which refuses `mremap(MREMAP_FIXED)`) will not move it.
+#[derive(Clone, Copy)]
+enum Backing<'a> {
+    /// The region's memfd at this offset (registration).
+    Memfd(std::os::fd::BorrowedFd<'a>, u64),
+    /// Private anonymous memory (deregistration).
+    Anon,
+}
+
 /// Copies the `len` bytes at `at` into `tmp` and moves `tmp` onto `at` in one step (the
 /// pages change backing, their addresses and bytes stay), then gives each part of the range
 /// in `prots` its protection back (the new pages are read-write). On failure `tmp` is
 /// unmapped and the pages at `at` are as they were.
 ///
+/// Where `mremap(MREMAP_FIXED)` is refused with `EINVAL` (a program run under valgrind,
+/// which does not emulate it), `backing` is mapped over the pages with `MAP_FIXED` instead:
+/// for a memfd the same one-step replacement (its bytes are the copy already); for
+/// anonymous memory the fresh pages are zero until the copy back, a moment in which the
+/// program, which gave the range up with the deregistration, must not read it.
+///
 /// # Safety
 /// `at..at+len` is mapped and readable by this process and may change backing; `tmp` is a
-/// mapping of ours, writable, `len` bytes, aliased by nothing, not used after the call.
+/// mapping of ours, writable, `len` bytes, aliased by nothing, not used after the call, and
+/// it maps `backing` (from its start).
 unsafe fn copy_and_swap(
     tmp: *mut std::ffi::c_void,
     at: usize,
     len: usize,
     prots: &[(usize, usize, rustix::mm::MprotectFlags)],
+    backing: Backing<'_>,
 ) -> rustix::io::Result<()> {
     use rustix::mm::{mprotect, mremap_fixed, MprotectFlags, MremapFlags};
     // SAFETY: both ranges are `len` readable/writable bytes (caller) and do not overlap
@@ -280,6 +299,12 @@ unsafe fn copy_and_swap(
     // SAFETY: moves our mapping onto the caller's pages, replacing them atomically; the
     // caller allows the pages to change backing; `tmp` is not used after.
     let moved = unsafe { mremap_fixed(tmp, len, len, MremapFlags::MAYMOVE, at as *mut _) };
+    let moved = match moved {
+        // SAFETY: as for the move: the caller's pages may change backing; `tmp` is only
+        // read (anonymous) or unmapped after.
+        Err(rustix::io::Errno::INVAL) => unsafe { map_over(tmp, at, len, backing) },
+        other => other.map(drop),
+    };
     if let Err(e) = moved {
         // SAFETY: our own temporary mapping, not moved.
         let _ = unsafe { rustix::mm::munmap(tmp, len) };
@@ -291,6 +316,48 @@ unsafe fn copy_and_swap(
             let _ = unsafe { mprotect(s as *mut std::ffi::c_void, e - s, p) };
         }
     }
+    Ok(())
+}
+
+/// [`copy_and_swap`]'s way where `mremap(MREMAP_FIXED)` is refused: maps `backing` over
+/// `at..at+len` with `MAP_FIXED` (anonymous memory then gets `tmp`'s bytes) and unmaps `tmp`.
+/// On failure `tmp` is still mapped and the pages at `at` are as they were.
+///
+/// # Safety
+/// As [`copy_and_swap`]'s, with `tmp` holding the pages' bytes.
+unsafe fn map_over(
+    tmp: *mut std::ffi::c_void,
+    at: usize,
+    len: usize,
+    backing: Backing<'_>,
+) -> rustix::io::Result<()> {
+    use rustix::mm::{mmap, mmap_anonymous, MapFlags, ProtFlags};
+    let rw = ProtFlags::READ | ProtFlags::WRITE;
+    match backing {
+        // SAFETY: replaces the caller's pages (which may change backing) with the memfd's,
+        // which hold their bytes (copied through `tmp`, a mapping of the same range).
+        Backing::Memfd(fd, off) => unsafe {
+            mmap(
+                at as *mut _,
+                len,
+                rw,
+                MapFlags::SHARED | MapFlags::FIXED,
+                fd,
+                off,
+            )
+        }
+        .map(drop)?,
+        Backing::Anon => {
+            // SAFETY: replaces the caller's pages with fresh private ones, then gives them
+            // the bytes kept in `tmp` (a separate mapping of `len` readable bytes).
+            unsafe {
+                mmap_anonymous(at as *mut _, len, rw, MapFlags::PRIVATE | MapFlags::FIXED)?;
+                std::ptr::copy_nonoverlapping(tmp.cast::<u8>(), at as *mut u8, len);
+            }
+        }
+    };
+    // SAFETY: our own temporary mapping, no longer needed.
+    let _ = unsafe { rustix::mm::munmap(tmp, len) };
     Ok(())
 }
 
@@ -411,5 +478,54 @@ mod tests {
             // SAFETY: the placeholder mapped above, ours alone.
             unsafe { rustix::mm::munmap(h, PAGE).unwrap() };
         }
+    }
+
+    #[test]
+    fn where_pages_cannot_be_moved_the_backing_is_mapped_over_them_with_their_bytes() {
+        use rustix::mm::{mmap, mmap_anonymous, MapFlags, ProtFlags};
+        let rw = ProtFlags::READ | ProtFlags::WRITE;
+        let r = Arc::new(Region::create("bp-test-adopt", 2 * PAGE).unwrap());
+        let p = anon(PAGE);
+        // SAFETY: our fresh page.
+        unsafe { std::ptr::write_bytes(p, 0x6b, PAGE) };
+        // What `Adopted::new` does before the move: a mapping of the memfd with the bytes.
+        // SAFETY: a fresh kernel-chosen mapping of the region's memfd.
+        let tmp = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                PAGE,
+                rw,
+                MapFlags::SHARED,
+                r.fd(),
+                PAGE as u64,
+            )
+        }
+        .unwrap();
+        // SAFETY: both our own mappings of a page each.
+        unsafe { std::ptr::copy_nonoverlapping(p, tmp.cast(), PAGE) };
+        // SAFETY: the test's own page, which may change backing; `tmp` maps the memfd there.
+        unsafe { map_over(tmp, p as usize, PAGE, Backing::Memfd(r.fd(), PAGE as u64)) }.unwrap();
+        assert_eq!(
+            byte(&r, PAGE as u64 + 3),
+            0x6b,
+            "the bytes are the region's"
+        );
+        r.write(PAGE as u64 + 4, &[7]).unwrap();
+        // SAFETY: our page, now the region's.
+        assert_eq!(unsafe { *p.add(4) }, 7, "region writes reach the program");
+        // And back, as a drop does.
+        // SAFETY: a fresh private mapping.
+        let back =
+            unsafe { mmap_anonymous(std::ptr::null_mut(), PAGE, rw, MapFlags::PRIVATE) }.unwrap();
+        // SAFETY: both our own mappings of a page each.
+        unsafe { std::ptr::copy_nonoverlapping(p, back.cast(), PAGE) };
+        // SAFETY: as above; `back` holds the bytes.
+        unsafe { map_over(back, p as usize, PAGE, Backing::Anon) }.unwrap();
+        r.write(PAGE as u64 + 5, &[9]).unwrap();
+        // SAFETY: our page, private again.
+        let (b4, b5) = unsafe { (*p.add(4), *p.add(5)) };
+        assert_eq!((b4, b5), (7, 0x6b), "private again, with the bytes it had");
+        let segs = covering(p as usize, PAGE).unwrap();
+        assert!(segs.iter().all(|s| s.perms[3] == b'p'), "a private mapping");
     }
 }
