@@ -164,6 +164,12 @@ fn the_pingpong_examples_run_rc_uc_ud_and_srq_with_their_data_checks() {
         ("ibv_rc_pingpong", &["-n", "300", "-c"][..]),
         ("ibv_rc_pingpong", &["-n", "100", "-c", "-s", "65536"][..]),
         ("ibv_rc_pingpong", &["-n", "100", "-c", "-e"][..]),
+        // The extended post API (`ibv_create_qp_ex`, `ibv_wr_send`, `ibv_wr_set_sge`).
+        ("ibv_rc_pingpong", &["-n", "300", "-c", "-N"][..]),
+        (
+            "ibv_rc_pingpong",
+            &["-n", "100", "-c", "-N", "-e", "-s", "65536"][..],
+        ),
         ("ibv_uc_pingpong", &["-n", "300", "-c"][..]),
         ("ibv_ud_pingpong", &["-n", "300", "-c"][..]),
         // 16 RC QPs on one shared receive queue; then 4 QPs, 64 KiB, an SRQ of 8.
@@ -231,7 +237,7 @@ fn what_is_not_offered_stops_the_program_with_its_own_error_not_a_crash() {
             &["ib_write_bw", "-R"][..],
             "Unable to create RDMA_CM resources",
         ),
-        (&["ibv_rc_pingpong", "--new_send"][..], "Couldn't create QP"),
+        (&["ibv_rc_pingpong", "-t"][..], "timestamp"),
         (&["ibv_rc_pingpong", "-o"][..], "ODP"),
     ] {
         let o = exec_verbs(&fab, 1, args);
@@ -367,6 +373,24 @@ fn threads_sharing_one_context_take_turns_and_every_byte_arrives() {
         "{}",
         text(&out)
     );
+}
+
+/// The extended post API as `ibv_wr_post(3)` documents it (`tests/c/ibv_wr_api.c`, one
+/// process, QPs connected to each other): every builder and setter the fabric offers moves
+/// the right bytes (WRITE from a gather entry and inline, READ, both atomics, a batch of a
+/// two-entry SEND, a WRITE_WITH_IMM and an inline-list SEND_WITH_IMM completing in order, a UD
+/// SEND), the errors `ibv_wr_complete` answers post nothing (no region, a setter first, an
+/// operation the QP was not made for, one not offered, an abort), and the QPs that cannot be
+/// made are refused with `EOPNOTSUPP`.
+#[test]
+fn the_extended_post_api_moves_the_right_bytes_and_answers_its_errors() {
+    lib_built();
+    let (dir, exe) = compile_c("tests/c/ibv_wr_api.c", "ibv_wr_api");
+    let fab = Fab::up("ibv_wrapi", 1, &[]);
+    let out = exec_verbs(&fab, 1, &[&exe]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("all as documented"), "{}", text(&out));
 }
 
 /// `examples/c/perftest_loops.c` — perftest's latency and bandwidth loops over plain

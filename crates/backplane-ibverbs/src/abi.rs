@@ -70,9 +70,11 @@ pub struct IbvContextOps {
     pub _compat_async_event: *const c_void,
 }
 
-/// `struct ibv_context`. `abi_compat` is not `__VERBS_ABI_IS_EXTENDED`, so the header's
-/// inline wrappers of extended operations (`ibv_query_port`, `ibv_query_device_ex`) fall back
-/// to the exported functions and the others (`ibv_create_qp_ex`, …) answer `EOPNOTSUPP`.
+/// `struct ibv_context`. `abi_compat` is `__VERBS_ABI_IS_EXTENDED`: the context is the last
+/// field of a `struct verbs_context` ([`VerbsContextHead`] before it), whose only operation
+/// set is `create_qp_ex`; the header's inline wrappers of the other extended operations
+/// (`ibv_query_port`, `ibv_query_device_ex`) find theirs null and fall back to the exported
+/// functions, or answer `EOPNOTSUPP` (`ibv_create_cq_ex`, …).
 #[repr(C)]
 pub struct IbvContext {
     pub device: *mut IbvDevice,
@@ -82,6 +84,36 @@ pub struct IbvContext {
     pub num_comp_vectors: c_int,
     pub mutex: libc::pthread_mutex_t,
     pub abi_compat: *mut c_void,
+}
+
+/// `__VERBS_ABI_IS_EXTENDED`: `abi_compat` of a context that is a `verbs_context`'s.
+pub const VERBS_ABI_IS_EXTENDED: *mut c_void = usize::MAX as *mut c_void;
+
+/// How many operation slots `struct verbs_context` has before `create_qp_ex` (`query_port`
+/// … `open_qp`, the two ABI placeholders included).
+pub const VCTX_OPS_BEFORE_CREATE_QP_EX: usize = 33;
+
+/// The part of `struct verbs_context` before its `struct ibv_context context` (rdma-core 44):
+/// the extended operations ("grows up": new ones are added at the front), then `sz`. Only
+/// `create_qp_ex` is set; a null slot is an operation not offered.
+#[repr(C)]
+pub struct VerbsContextHead {
+    pub ops: [*const c_void; VCTX_OPS_BEFORE_CREATE_QP_EX],
+    pub create_qp_ex: *const c_void,
+    pub get_srq_num: *const c_void,
+    pub create_srq_ex: *const c_void,
+    pub open_xrcd: *const c_void,
+    pub close_xrcd: *const c_void,
+    pub _abi_placeholder3: u64,
+    pub sz: usize,
+}
+
+/// `struct verbs_context`: the layout checked against the header (the library's `Ctx` puts
+/// a [`VerbsContextHead`] right before its [`IbvContext`] the same way).
+#[repr(C)]
+pub struct VerbsContext {
+    pub head: VerbsContextHead,
+    pub context: IbvContext,
 }
 
 /// `struct ibv_device_attr`.
@@ -317,6 +349,94 @@ pub struct IbvQpInitAttr {
     pub cap: IbvQpCap,
     pub qp_type: c_int,
     pub sq_sig_all: c_int,
+}
+
+/// `IBV_QP_INIT_ATTR_PD`.
+pub const QP_INIT_ATTR_PD: u32 = 1 << 0;
+/// `IBV_QP_INIT_ATTR_SEND_OPS_FLAGS`.
+pub const QP_INIT_ATTR_SEND_OPS_FLAGS: u32 = 1 << 6;
+
+/// `IBV_QP_EX_WITH_*`: the work requests a QP made with `send_ops_flags` may post through the
+/// `ibv_wr_*` calls.
+pub mod qp_ex_with {
+    pub const RDMA_WRITE: u64 = 1 << 0;
+    pub const RDMA_WRITE_WITH_IMM: u64 = 1 << 1;
+    pub const SEND: u64 = 1 << 2;
+    pub const SEND_WITH_IMM: u64 = 1 << 3;
+    pub const RDMA_READ: u64 = 1 << 4;
+    pub const ATOMIC_CMP_AND_SWP: u64 = 1 << 5;
+    pub const ATOMIC_FETCH_AND_ADD: u64 = 1 << 6;
+}
+
+/// `struct ibv_qp_init_attr_ex` (the fields after `sq_sig_all` are read only as far as
+/// `comp_mask` says they are valid).
+#[repr(C)]
+pub struct IbvQpInitAttrEx {
+    pub qp_context: *mut c_void,
+    pub send_cq: *mut IbvCq,
+    pub recv_cq: *mut IbvCq,
+    pub srq: *mut c_void,
+    pub cap: IbvQpCap,
+    pub qp_type: c_int,
+    pub sq_sig_all: c_int,
+    pub comp_mask: u32,
+    pub pd: *mut IbvPd,
+    pub xrcd: *mut c_void,
+    pub create_flags: u32,
+    pub max_tso_header: u16,
+    pub rwq_ind_tbl: *mut c_void,
+    pub rx_hash_function: u8,
+    pub rx_hash_key_len: u8,
+    pub rx_hash_key: *mut u8,
+    pub rx_hash_fields_mask: u64,
+    pub source_qpn: u32,
+    pub send_ops_flags: u64,
+}
+
+/// `struct ibv_data_buf` (`ibv_wr_set_inline_data_list`).
+#[repr(C)]
+pub struct IbvDataBuf {
+    pub addr: *mut c_void,
+    pub length: usize,
+}
+
+/// `struct ibv_qp_ex` after its `struct ibv_qp qp_base`: the request's id and flags the
+/// program sets before each builder, and the `ibv_wr_*` table the header's inline calls jump
+/// through (a null slot: a builder the QP was not made for).
+#[repr(C)]
+pub struct IbvQpExTail {
+    pub comp_mask: u64,
+    pub wr_id: u64,
+    pub wr_flags: u32,
+    pub wr_atomic_cmp_swp: *const c_void,
+    pub wr_atomic_fetch_add: *const c_void,
+    pub wr_bind_mw: *const c_void,
+    pub wr_local_inv: *const c_void,
+    pub wr_rdma_read: *const c_void,
+    pub wr_rdma_write: *const c_void,
+    pub wr_rdma_write_imm: *const c_void,
+    pub wr_send: *const c_void,
+    pub wr_send_imm: *const c_void,
+    pub wr_send_inv: *const c_void,
+    pub wr_send_tso: *const c_void,
+    pub wr_set_ud_addr: *const c_void,
+    pub wr_set_xrc_srqn: *const c_void,
+    pub wr_set_inline_data: *const c_void,
+    pub wr_set_inline_data_list: *const c_void,
+    pub wr_set_sge: *const c_void,
+    pub wr_set_sge_list: *const c_void,
+    pub wr_start: *const c_void,
+    pub wr_complete: *const c_void,
+    pub wr_abort: *const c_void,
+    pub wr_atomic_write: *const c_void,
+}
+
+/// `struct ibv_qp_ex`: the layout checked against the header (the library's QP object puts
+/// an [`IbvQpExTail`] right after its [`IbvQp`] the same way).
+#[repr(C)]
+pub struct IbvQpEx {
+    pub qp_base: IbvQp,
+    pub tail: IbvQpExTail,
 }
 
 /// `union ibv_gid` (16 bytes, 8-aligned: it also holds two `__be64`).

@@ -20,9 +20,12 @@
 //! shared receive queues and address handles are the engine's; the header's inline data path
 //! (`ibv_post_send`, `ibv_post_recv`, `ibv_post_srq_recv`, `ibv_poll_cq`, `ibv_req_notify_cq`)
 //! jumps through the context's `ops`, one call at a time per context (the `lock` module).
-//! Not offered (the program gets libibverbs' failure and stops with its own error): the
-//! extended API (`verbs_context` is not provided, so the header's `ibv_create_qp_ex` & co.
-//! answer `EOPNOTSUPP`), memory windows, multicast, ODP, `rdma_cm`.
+//! A context is a `struct verbs_context` whose one extended operation is `create_qp_ex`: a QP
+//! made with `send_ops_flags` posts through the `ibv_wr_*` calls too (the `wr` module).
+//! Not offered (the program gets libibverbs' failure and stops with its own error): the rest
+//! of the extended API (`ibv_create_cq_ex`, `ibv_query_device_ex`'s extended part: the header's
+//! wrappers find the slots null and fall back or answer `EOPNOTSUPP`), memory windows,
+//! multicast, ODP, `rdma_cm`.
 
 pub mod abi;
 mod lock;
@@ -30,6 +33,7 @@ mod objects;
 mod qp;
 mod srq;
 mod stubs;
+mod wr;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr::null_mut;
@@ -55,9 +59,11 @@ unsafe impl Sync for Dev {}
 /// across `ibv_get_device_list` calls, and a device must outlive the lists it was in.
 static DEVICES: Mutex<Vec<&'static Dev>> = Mutex::new(Vec::new());
 
-/// An open context: the public struct first, so a `*mut IbvContext` is a `*mut Ctx`.
+/// An open context: a `struct verbs_context` first (its operations, then the public
+/// `struct ibv_context`), so a `*mut IbvContext` is a `*mut Ctx` [`Ctx::of_ibv`] bytes on.
 #[repr(C)]
 struct Ctx {
+    head: VerbsContextHead,
     ibv: IbvContext,
     ctx: Context,
     fabric: Fabric,
@@ -72,7 +78,18 @@ struct Ctx {
     objects: std::sync::atomic::AtomicUsize,
 }
 
+// The head and the context sit as in `struct verbs_context` (whose layout `build.rs` checks).
+const _: () = assert!(std::mem::offset_of!(Ctx, head) == 0);
+const _: () =
+    assert!(std::mem::offset_of!(Ctx, ibv) == std::mem::offset_of!(VerbsContext, context));
+
 impl Ctx {
+    /// The `Ctx` a context pointer this library handed out (`&ctx.ibv`) belongs to; only
+    /// address arithmetic, nothing is read.
+    fn of_ibv(p: *mut IbvContext) -> *mut Ctx {
+        p.wrapping_byte_sub(std::mem::offset_of!(Ctx, ibv)).cast()
+    }
+
     /// Waits for the context's engine to be free and holds it.
     #[inline]
     fn lock(&self) -> lock::Held<'_> {
@@ -397,7 +414,18 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         _compat_detach_mcast: null,
         _compat_async_event: null,
     };
+    let null_ops = [null; VCTX_OPS_BEFORE_CREATE_QP_EX];
     let c = Box::new(Ctx {
+        head: VerbsContextHead {
+            ops: null_ops,
+            create_qp_ex: qp::create_qp_ex as *const c_void,
+            get_srq_num: null,
+            create_srq_ex: null,
+            open_xrcd: null,
+            close_xrcd: null,
+            _abi_placeholder3: 0,
+            sz: std::mem::size_of::<VerbsContext>(),
+        },
         ibv: IbvContext {
             device: std::ptr::from_ref(&d.ibv).cast_mut(),
             ops,
@@ -405,7 +433,7 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
             async_fd,
             num_comp_vectors: 1,
             mutex: libc::PTHREAD_MUTEX_INITIALIZER,
-            abi_compat: null_mut(),
+            abi_compat: VERBS_ABI_IS_EXTENDED,
         },
         gid: gid_of(&d.fabric, slot),
         ctx,
@@ -417,10 +445,12 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         objects: std::sync::atomic::AtomicUsize::new(0),
     });
     let p = Box::into_raw(c);
+    // SAFETY: a live box; only the field's address is taken.
+    let ibv = unsafe { &raw mut (*p).ibv };
     OPEN.lock()
         .unwrap_or_else(|e| e.into_inner())
-        .push(p as usize);
-    Ok(p.cast())
+        .push(ibv as usize);
+    Ok(ibv)
 }
 
 /// Contexts open now (their addresses): a pointer that is not one is refused with EINVAL.
@@ -432,9 +462,9 @@ fn ctx_of<'a>(context: *mut IbvContext) -> Option<&'a Ctx> {
     if !open.contains(&(context as usize)) {
         return None;
     }
-    // SAFETY: the pointer is a live `Box<Ctx>` (in OPEN until `ibv_close_device` frees it);
-    // `ibv` is its first field.
-    Some(unsafe { &*context.cast::<Ctx>() })
+    // SAFETY: the pointer is a live `Box<Ctx>`'s `ibv` (in OPEN until `ibv_close_device`
+    // frees it).
+    Some(unsafe { &*Ctx::of_ibv(context) })
 }
 
 /// `ibv_close_device`: 0, or -1 with errno.
@@ -447,7 +477,7 @@ pub extern "C" fn bp_ibv_close_device(context: *mut IbvContext) -> c_int {
     };
     open.swap_remove(i);
     // SAFETY: a live `Box<Ctx>` (it was in OPEN).
-    let c = unsafe { &*context.cast::<Ctx>() };
+    let c = unsafe { &*Ctx::of_ibv(context) };
     let left = c.objects.load(Ordering::Relaxed);
     // SAFETY: our eventfd, closed once (the context is out of OPEN).
     unsafe { libc::close(c.ibv.async_fd) };
@@ -459,7 +489,7 @@ pub extern "C" fn bp_ibv_close_device(context: *mut IbvContext) -> c_int {
     }
     // SAFETY: it was a live `Box<Ctx>` from `ibv_open_device`, now out of OPEN, with no
     // object pointing at it.
-    drop(unsafe { Box::from_raw(context.cast::<Ctx>()) });
+    drop(unsafe { Box::from_raw(Ctx::of_ibv(context)) });
     0
 }
 abi::symver!(bp_ibv_close_device, "ibv_close_device@@IBVERBS_1.1");

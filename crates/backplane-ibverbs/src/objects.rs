@@ -42,7 +42,7 @@ fn ctx_of_obj<'a, T>(p: *mut T) -> &'a Ctx {
     // SAFETY: `p` is one of this module's boxes, whose first field is the public struct,
     // whose first field is the context pointer; a context is freed only with no objects left
     // (`ibv_close_device` keeps it otherwise).
-    unsafe { &*(*p.cast::<*mut IbvContext>()).cast::<Ctx>() }
+    unsafe { &*Ctx::of_ibv(*p.cast::<*mut IbvContext>()) }
 }
 
 /// Records a new object (a leaked box of kind `k`).

@@ -14,12 +14,23 @@ use crate::objects::*;
 use crate::Ctx;
 use backplane::wire::verbs::QP_MIN_RING;
 
+/// A QP as handed out: `struct ibv_qp`, then the rest of a `struct ibv_qp_ex` (used when the
+/// QP was made with `send_ops_flags`: `ibv_qp_to_qp_ex`), then ours.
 #[repr(C)]
 pub(crate) struct QpObj {
     pub(crate) ibv: IbvQp,
+    pub(crate) ex: IbvQpExTail,
     pub(crate) qp: Qp,
     pub(crate) ctx: *const Ctx,
+    /// The `IBV_QP_EX_WITH_*` operations it was made for (0: a QP of `ibv_create_qp`).
+    pub(crate) send_ops: u64,
+    /// The `ibv_wr_*` batch being built (see `crate::wr`).
+    pub(crate) batch: crate::wr::Region,
 }
+
+// `ibv_qp_to_qp_ex` hands out the object as a `struct ibv_qp_ex` (layout checked by build.rs).
+const _: () = assert!(std::mem::offset_of!(QpObj, ibv) == 0);
+const _: () = assert!(std::mem::offset_of!(QpObj, ex) == std::mem::offset_of!(IbvQpEx, tail));
 
 fn qp_type_in(v: c_int) -> Option<QpType> {
     QpType::from_ibv(v as u32)
@@ -135,16 +146,120 @@ fn smaller_rings_once(bytes: u32, wanted: u32) {
 #[no_mangle]
 pub unsafe extern "C" fn bp_ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAttr) -> *mut IbvQp {
     let call = "ibv_create_qp";
-    let Some(p) = obj::<PdObj>(pd.cast(), Kind::Pd) else {
-        fail(call, libc::EINVAL, "not a live PD");
-        return null_mut();
-    };
     if attr.is_null() {
         fail(call, libc::EINVAL, "attr is NULL");
         return null_mut();
     }
-    // SAFETY: non-null; the caller promises it is readable.
+    // SAFETY: non-null; the caller promises it is readable and writable.
+    create(call, pd, unsafe { &mut *attr }, 0)
+}
+crate::abi::symver!(bp_ibv_create_qp, "ibv_create_qp@@IBVERBS_1.1");
+
+/// `verbs_context.create_qp_ex` (the header's inline `ibv_create_qp_ex` when `comp_mask` is
+/// more than `IBV_QP_INIT_ATTR_PD`): a QP as `ibv_create_qp` makes it, with the `ibv_wr_*`
+/// calls for the operations `send_ops_flags` names. XRC, creation flags, TSO, RSS and the
+/// other extended attributes are refused (`EOPNOTSUPP`), as are operations the QP type cannot
+/// carry (READ and atomics on UC, anything but SEND on UD) and memory windows, invalidation,
+/// TSO and atomic writes.
+///
+/// # Safety
+/// `attr` is NULL or readable and writable (the granted `cap` is written back).
+pub(crate) unsafe extern "C" fn create_qp_ex(
+    context: *mut IbvContext,
+    attr: *mut IbvQpInitAttrEx,
+) -> *mut IbvQp {
+    use crate::abi::qp_ex_with as w;
+    let call = "ibv_create_qp_ex";
+    if attr.is_null() {
+        fail(call, libc::EINVAL, "attr is NULL");
+        return null_mut();
+    }
+    // SAFETY: non-null; the caller promises it is readable and writable.
     let a = unsafe { &mut *attr };
+    let known = QP_INIT_ATTR_PD | QP_INIT_ATTR_SEND_OPS_FLAGS;
+    if a.comp_mask & !known != 0 {
+        fail(
+            call,
+            libc::EOPNOTSUPP,
+            format!(
+                "comp_mask {:#x}: only IBV_QP_INIT_ATTR_PD and IBV_QP_INIT_ATTR_SEND_OPS_FLAGS \
+                 are offered (no XRC, creation flags, TSO or RSS)",
+                a.comp_mask
+            ),
+        );
+        return null_mut();
+    }
+    if a.comp_mask & QP_INIT_ATTR_PD == 0 {
+        fail(call, libc::EINVAL, "comp_mask lacks IBV_QP_INIT_ATTR_PD");
+        return null_mut();
+    }
+    let ops = if a.comp_mask & QP_INIT_ATTR_SEND_OPS_FLAGS != 0 {
+        a.send_ops_flags
+    } else {
+        0
+    };
+    let ty = QpType::from_ibv(a.qp_type as u32);
+    let offered = match ty {
+        Some(QpType::Rc) => {
+            w::RDMA_WRITE
+                | w::RDMA_WRITE_WITH_IMM
+                | w::SEND
+                | w::SEND_WITH_IMM
+                | w::RDMA_READ
+                | w::ATOMIC_CMP_AND_SWP
+                | w::ATOMIC_FETCH_AND_ADD
+        }
+        Some(QpType::Uc) => w::RDMA_WRITE | w::RDMA_WRITE_WITH_IMM | w::SEND | w::SEND_WITH_IMM,
+        Some(QpType::Ud) => w::SEND | w::SEND_WITH_IMM,
+        // `create` refuses the type with its own message.
+        _ => u64::MAX,
+    };
+    if ops & !offered != 0 {
+        fail(
+            call,
+            libc::EOPNOTSUPP,
+            format!(
+                "send_ops_flags {ops:#x}: {:#x} not offered on a{} QP (RC: WRITE, \
+                 WRITE_WITH_IMM, SEND, SEND_WITH_IMM, READ, the two atomics; UC: the WRITEs and \
+                 SENDs; UD: the SENDs; no memory windows, invalidation, TSO or atomic write)",
+                ops & !offered,
+                match ty {
+                    Some(QpType::Rc) => "n RC",
+                    Some(QpType::Uc) => " UC",
+                    _ => " UD",
+                }
+            ),
+        );
+        return null_mut();
+    }
+    // The PD must be of this context (`create` refuses a PD that is not live).
+    if let Some(p) = obj::<PdObj>(a.pd.cast(), Kind::Pd) {
+        if p.ibv.context != context {
+            fail(call, libc::EINVAL, "the PD belongs to another context");
+            return null_mut();
+        }
+    }
+    let mut legacy = IbvQpInitAttr {
+        qp_context: a.qp_context,
+        send_cq: a.send_cq,
+        recv_cq: a.recv_cq,
+        srq: a.srq,
+        cap: a.cap,
+        qp_type: a.qp_type,
+        sq_sig_all: a.sq_sig_all,
+    };
+    let qp = create(call, a.pd, &mut legacy, ops);
+    a.cap = legacy.cap;
+    qp
+}
+
+/// Makes a QP of `pd` as `a` asks (the granted `cap` is written back into it); `send_ops`
+/// non-zero gives it the `ibv_wr_*` table for those operations.
+fn create(call: &str, pd: *mut IbvPd, a: &mut IbvQpInitAttr, send_ops: u64) -> *mut IbvQp {
+    let Some(p) = obj::<PdObj>(pd.cast(), Kind::Pd) else {
+        fail(call, libc::EINVAL, "not a live PD");
+        return null_mut();
+    };
     let srq = match crate::srq::srq_of(a.srq) {
         Ok(s) => s,
         Err(e) => {
@@ -223,13 +338,26 @@ pub unsafe extern "C" fn bp_ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAt
             cond: libc::PTHREAD_COND_INITIALIZER,
             events_completed: 0,
         },
+        ex: crate::wr::table(send_ops),
         qp,
         ctx: p.ctx,
+        send_ops,
+        batch: crate::wr::Region::default(),
     }));
     add_live(q, Kind::Qp);
     q.cast()
 }
-crate::abi::symver!(bp_ibv_create_qp, "ibv_create_qp@@IBVERBS_1.1");
+
+/// `ibv_qp_to_qp_ex`: the QP as a `struct ibv_qp_ex` if it was made with `send_ops_flags`
+/// (`ibv_create_qp_ex`), else NULL (as rdma-core answers for a QP without the extended API).
+#[no_mangle]
+pub extern "C" fn bp_ibv_qp_to_qp_ex(qp: *mut IbvQp) -> *mut IbvQpEx {
+    match obj::<QpObj>(qp.cast(), Kind::Qp) {
+        Some(q) if q.send_ops != 0 => qp.cast(),
+        _ => null_mut(),
+    }
+}
+crate::abi::symver!(bp_ibv_qp_to_qp_ex, "ibv_qp_to_qp_ex@@IBVERBS_1.6");
 
 /// `ibv_destroy_qp`.
 #[no_mangle]
@@ -501,7 +629,7 @@ unsafe fn sges<'a>(sg: *const IbvSge, n: c_int) -> &'a [Sge] {
 /// `w` is a readable request whose `sg_list` holds `num_sge` readable entries, and, if
 /// INLINE, whose entries name readable memory.
 #[inline(always)]
-unsafe fn send_in<'a>(
+pub(crate) unsafe fn send_in<'a>(
     w: &'a IbvSendWr,
     ud: bool,
     inline: &'a mut Vec<u8>,

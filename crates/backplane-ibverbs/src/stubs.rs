@@ -372,11 +372,6 @@ pub extern "C" fn bp_ibv_get_sysfs_path() -> *const std::ffi::c_char {
     c"/sys".as_ptr()
 }
 crate::abi::symver!(bp_ibv_get_sysfs_path, "ibv_get_sysfs_path@@IBVERBS_1.0");
-null!(
-    bp_stub_ibv_qp_to_qp_ex,
-    "ibv_qp_to_qp_ex",
-    "ibv_qp_to_qp_ex@@IBVERBS_1.6"
-);
 fail!(
     bp_stub_ibv_query_ece,
     "ibv_query_ece",
