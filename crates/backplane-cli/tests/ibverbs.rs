@@ -164,11 +164,17 @@ fn the_pingpong_examples_run_rc_uc_ud_and_srq_with_their_data_checks() {
         ("ibv_rc_pingpong", &["-n", "300", "-c"][..]),
         ("ibv_rc_pingpong", &["-n", "100", "-c", "-s", "65536"][..]),
         ("ibv_rc_pingpong", &["-n", "100", "-c", "-e"][..]),
-        // The extended post API (`ibv_create_qp_ex`, `ibv_wr_send`, `ibv_wr_set_sge`).
+        // The extended API: posting (`ibv_create_qp_ex`, `ibv_wr_send`, `ibv_wr_set_sge`),
+        // polling with completion timestamps (`ibv_create_cq_ex`, `ibv_start_poll`, …).
         ("ibv_rc_pingpong", &["-n", "300", "-c", "-N"][..]),
         (
             "ibv_rc_pingpong",
             &["-n", "100", "-c", "-N", "-e", "-s", "65536"][..],
+        ),
+        ("ibv_rc_pingpong", &["-n", "300", "-c", "-t"][..]),
+        (
+            "ibv_rc_pingpong",
+            &["-n", "100", "-c", "-t", "-e", "-N"][..],
         ),
         ("ibv_uc_pingpong", &["-n", "300", "-c"][..]),
         ("ibv_ud_pingpong", &["-n", "300", "-c"][..]),
@@ -186,6 +192,13 @@ fn the_pingpong_examples_run_rc_uc_ud_and_srq_with_their_data_checks() {
         both_succeed(&format!("{prog} {extra:?}"), &r);
         let out = String::from_utf8_lossy(&r.1.stdout).into_owned();
         assert!(out.contains("iters in"), "{prog}: {out}");
+        if extra.contains(&"-t") {
+            // Printed only when receive completions came with timestamps.
+            assert!(
+                out.contains("Average receive completion clock cycles"),
+                "{prog} {extra:?}: {out}"
+            );
+        }
         assert!(out.contains("remote address: LID 0x0001"), "{prog}: {out}");
         // Nothing they call is missing (each looks up its device's index).
         for o in [&r.0, &r.1] {
@@ -237,7 +250,7 @@ fn what_is_not_offered_stops_the_program_with_its_own_error_not_a_crash() {
             &["ib_write_bw", "-R"][..],
             "Unable to create RDMA_CM resources",
         ),
-        (&["ibv_rc_pingpong", "-t"][..], "timestamp"),
+        (&["ibv_rc_pingpong", "-j"][..], "dm allocation"),
         (&["ibv_rc_pingpong", "-o"][..], "ODP"),
     ] {
         let o = exec_verbs(&fab, 1, args);
@@ -375,18 +388,20 @@ fn threads_sharing_one_context_take_turns_and_every_byte_arrives() {
     );
 }
 
-/// The extended post API as `ibv_wr_post(3)` documents it (`tests/c/ibv_wr_api.c`, one
-/// process, QPs connected to each other): every builder and setter the fabric offers moves
-/// the right bytes (WRITE from a gather entry and inline, READ, both atomics, a batch of a
-/// two-entry SEND, a WRITE_WITH_IMM and an inline-list SEND_WITH_IMM completing in order, a UD
-/// SEND), the errors `ibv_wr_complete` answers post nothing (no region, a setter first, an
-/// operation the QP was not made for, one not offered, an abort), and the QPs that cannot be
-/// made are refused with `EOPNOTSUPP`.
+/// The extended API as rdma-core documents it (`tests/c/ibv_extended.c`, one process, QPs
+/// connected to each other). Posting (`ibv_wr_post(3)`): every builder and setter the fabric
+/// offers moves the right bytes (WRITE from a gather entry and inline, READ, both atomics, a
+/// batch of a two-entry SEND, a WRITE_WITH_IMM and an inline-list SEND_WITH_IMM completing in
+/// order, a UD SEND), the errors `ibv_wr_complete` answers post nothing (no region, a setter
+/// first, an operation the QP was not made for, one not offered, an abort), and the QPs that
+/// cannot be made are refused with `EOPNOTSUPP`. Polling (`ibv_create_cq_ex(3)`): a CQ with
+/// completion timestamps read field by field, `ENOENT` when empty, timestamps on
+/// `ibv_query_device_ex`'s clock within the run, unoffered fields refused.
 #[test]
-fn the_extended_post_api_moves_the_right_bytes_and_answers_its_errors() {
+fn the_extended_api_moves_the_right_bytes_and_answers_its_errors() {
     lib_built();
-    let (dir, exe) = compile_c("tests/c/ibv_wr_api.c", "ibv_wr_api");
-    let fab = Fab::up("ibv_wrapi", 1, &[]);
+    let (dir, exe) = compile_c("tests/c/ibv_extended.c", "ibv_extended");
+    let fab = Fab::up("ibv_extapi", 1, &[]);
     let out = exec_verbs(&fab, 1, &[&exe]);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(out.status.success(), "{}", text(&out));

@@ -94,11 +94,15 @@ pub const VERBS_ABI_IS_EXTENDED: *mut c_void = usize::MAX as *mut c_void;
 pub const VCTX_OPS_BEFORE_CREATE_QP_EX: usize = 33;
 
 /// The part of `struct verbs_context` before its `struct ibv_context context` (rdma-core 44):
-/// the extended operations ("grows up": new ones are added at the front), then `sz`. Only
-/// `create_qp_ex` is set; a null slot is an operation not offered.
+/// the extended operations ("grows up": new ones are added at the front), then `sz`. Set:
+/// `create_cq_ex`, `query_device_ex`, `create_qp_ex`; a null slot is an operation not offered.
 #[repr(C)]
 pub struct VerbsContextHead {
-    pub ops: [*const c_void; VCTX_OPS_BEFORE_CREATE_QP_EX],
+    pub ops_a: [*const c_void; 25],
+    pub create_cq_ex: *const c_void,
+    pub priv_: *const c_void,
+    pub query_device_ex: *const c_void,
+    pub ops_b: [*const c_void; VCTX_OPS_BEFORE_CREATE_QP_EX - 28],
     pub create_qp_ex: *const c_void,
     pub get_srq_num: *const c_void,
     pub create_srq_ex: *const c_void,
@@ -349,6 +353,80 @@ pub struct IbvQpInitAttr {
     pub cap: IbvQpCap,
     pub qp_type: c_int,
     pub sq_sig_all: c_int,
+}
+
+/// `struct ibv_device_attr_ex`, as far as this library fills it (the rest zero).
+#[repr(C)]
+pub struct IbvDeviceAttrEx {
+    pub orig_attr: IbvDeviceAttr,
+    pub comp_mask: u32,
+    pub _pad: u32,
+    pub _odp_caps: [u8; 24],
+    pub completion_timestamp_mask: u64,
+    pub hca_core_clock: u64,
+    pub _rest: [u8; 120],
+}
+
+/// `IBV_WC_EX_WITH_*`: what the completions of a CQ of `ibv_create_cq_ex` carry.
+pub mod wc_ex_with {
+    /// `IBV_WC_STANDARD_FLAGS`: byte_len, imm, qp_num, src_qp, slid, sl, dlid_path_bits.
+    pub const STANDARD: u64 = 0x7f;
+    pub const COMPLETION_TIMESTAMP: u64 = 1 << 7;
+    pub const COMPLETION_TIMESTAMP_WALLCLOCK: u64 = 1 << 11;
+}
+
+/// `IBV_CQ_INIT_ATTR_MASK_FLAGS`.
+pub const CQ_INIT_ATTR_MASK_FLAGS: u32 = 1 << 0;
+/// `IBV_CREATE_CQ_ATTR_SINGLE_THREADED`.
+pub const CREATE_CQ_ATTR_SINGLE_THREADED: u32 = 1 << 0;
+
+/// `struct ibv_cq_init_attr_ex`.
+#[repr(C)]
+pub struct IbvCqInitAttrEx {
+    pub cqe: u32,
+    pub cq_context: *mut c_void,
+    pub channel: *mut IbvCompChannel,
+    pub comp_vector: u32,
+    pub wc_flags: u64,
+    pub comp_mask: u32,
+    pub flags: u32,
+    pub parent_domain: *mut IbvPd,
+}
+
+/// `struct ibv_cq_ex` after the fields it shares with `struct ibv_cq`: the current
+/// completion's status and id, and the polling table the header's inline `ibv_start_poll`,
+/// `ibv_next_poll`, `ibv_end_poll` and `ibv_wc_read_*` jump through.
+#[repr(C)]
+pub struct IbvCqExTail {
+    pub comp_mask: u32,
+    pub status: c_int,
+    pub wr_id: u64,
+    pub start_poll: *const c_void,
+    pub next_poll: *const c_void,
+    pub end_poll: *const c_void,
+    pub read_opcode: *const c_void,
+    pub read_vendor_err: *const c_void,
+    pub read_byte_len: *const c_void,
+    pub read_imm_data: *const c_void,
+    pub read_qp_num: *const c_void,
+    pub read_src_qp: *const c_void,
+    pub read_wc_flags: *const c_void,
+    pub read_slid: *const c_void,
+    pub read_sl: *const c_void,
+    pub read_dlid_path_bits: *const c_void,
+    pub read_completion_ts: *const c_void,
+    pub read_cvlan: *const c_void,
+    pub read_flow_tag: *const c_void,
+    pub read_tm_info: *const c_void,
+    pub read_completion_wallclock_ns: *const c_void,
+}
+
+/// `struct ibv_cq_ex`: the layout checked against the header (the library's CQ object puts
+/// an [`IbvCqExTail`] right after its [`IbvCq`] the same way).
+#[repr(C)]
+pub struct IbvCqEx {
+    pub base: IbvCq,
+    pub tail: IbvCqExTail,
 }
 
 /// `IBV_QP_INIT_ATTR_PD`.

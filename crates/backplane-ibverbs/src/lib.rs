@@ -28,11 +28,13 @@
 //! multicast, ODP, `rdma_cm`.
 
 pub mod abi;
+mod cq_ex;
 mod lock;
 mod objects;
 mod qp;
 mod srq;
 mod stubs;
+mod turn;
 mod wr;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -414,10 +416,13 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         _compat_detach_mcast: null,
         _compat_async_event: null,
     };
-    let null_ops = [null; VCTX_OPS_BEFORE_CREATE_QP_EX];
     let c = Box::new(Ctx {
         head: VerbsContextHead {
-            ops: null_ops,
+            ops_a: [null; 25],
+            create_cq_ex: cq_ex::create_cq_ex as *const c_void,
+            priv_: null,
+            query_device_ex: query_device_ex as *const c_void,
+            ops_b: [null; VCTX_OPS_BEFORE_CREATE_QP_EX - 28],
             create_qp_ex: qp::create_qp_ex as *const c_void,
             get_srq_num: null,
             create_srq_ex: null,
@@ -543,6 +548,45 @@ pub unsafe extern "C" fn bp_ibv_query_device(
     0
 }
 abi::symver!(bp_ibv_query_device, "ibv_query_device@@IBVERBS_1.1");
+
+/// How many of the device's clock ticks make a millisecond (`hca_core_clock`, kHz): the
+/// completion timestamps of `ibv_create_cq_ex` CQs are nanoseconds (a 1 GHz clock).
+const CORE_CLOCK_KHZ: u64 = 1_000_000;
+
+/// `verbs_context.query_device_ex` (the header's inline `ibv_query_device_ex`): the legacy
+/// attributes, and the completion timestamps' clock (`completion_timestamp_mask`: all 64
+/// bits, `hca_core_clock`: 1 GHz); everything else (ODP, TSO, RSS, packet pacing, …) zero,
+/// as a device without them reports. 0 or an errno.
+///
+/// # Safety
+/// `attr` is NULL or `attr_size` writable bytes.
+unsafe extern "C" fn query_device_ex(
+    context: *mut IbvContext,
+    input: *const c_void,
+    attr: *mut IbvDeviceAttrEx,
+    attr_size: usize,
+) -> c_int {
+    let _ = input; // its comp_mask is checked 0 by the inline wrapper
+    if attr.is_null() || attr_size < std::mem::size_of::<IbvDeviceAttr>() {
+        return libc::EINVAL;
+    }
+    // SAFETY: `attr_size` writable bytes (caller).
+    unsafe { std::ptr::write_bytes(attr.cast::<u8>(), 0, attr_size) };
+    // SAFETY: the legacy attributes are the first part (checked size above).
+    let rc = unsafe { bp_ibv_query_device(context, attr.cast()) };
+    if rc != 0 {
+        return rc;
+    }
+    let end = std::mem::offset_of!(IbvDeviceAttrEx, hca_core_clock) + 8;
+    if attr_size >= end {
+        // SAFETY: within the `attr_size` writable bytes.
+        unsafe {
+            (*attr).completion_timestamp_mask = u64::MAX;
+            (*attr).hca_core_clock = CORE_CLOCK_KHZ;
+        }
+    }
+    0
+}
 
 /// `ibv_query_port` (what the header's inline wrapper calls when the context has no extended
 /// `query_port`): fills rdma-core's compat prefix of `ibv_port_attr`; 0 or an errno.

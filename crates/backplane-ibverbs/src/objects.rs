@@ -378,12 +378,21 @@ crate::abi::symver!(
     "ibv_destroy_comp_channel@@IBVERBS_1.0"
 );
 
+/// A CQ as handed out: `struct ibv_cq`, then the rest of a `struct ibv_cq_ex` (used when the
+/// CQ was made by `ibv_create_cq_ex`), then ours.
 #[repr(C)]
 pub(crate) struct CqObj {
     pub(crate) ibv: IbvCq,
+    pub(crate) ex: IbvCqExTail,
     pub(crate) cq: Cq,
     pub(crate) ctx: *const Ctx,
+    /// The completion `ibv_start_poll`/`ibv_next_poll` took (see `crate::cq_ex`).
+    pub(crate) current: crate::cq_ex::Current,
 }
+
+// `ibv_create_cq_ex` hands out the object as a `struct ibv_cq_ex` (layout checked by build.rs).
+const _: () = assert!(std::mem::offset_of!(CqObj, ibv) == 0);
+const _: () = assert!(std::mem::offset_of!(CqObj, ex) == std::mem::offset_of!(IbvCqEx, tail));
 
 /// `ibv_create_cq`.
 #[no_mangle]
@@ -394,7 +403,19 @@ pub extern "C" fn bp_ibv_create_cq(
     channel: *mut IbvCompChannel,
     comp_vector: c_int,
 ) -> *mut IbvCq {
-    let call = "ibv_create_cq";
+    let ask = (cqe, cq_context, channel, comp_vector);
+    create_cq("ibv_create_cq", context, ask, None)
+}
+crate::abi::symver!(bp_ibv_create_cq, "ibv_create_cq@@IBVERBS_1.1");
+
+/// Makes a CQ of `context` with (cqe, cq_context, channel, comp_vector); with `ex` (the
+/// `wc_flags` of `ibv_create_cq_ex`) it polls through the extended API too.
+pub(crate) fn create_cq(
+    call: &str,
+    context: *mut IbvContext,
+    (cqe, cq_context, channel, comp_vector): (c_int, *mut c_void, *mut IbvCompChannel, c_int),
+    ex: Option<u64>,
+) -> *mut IbvCq {
     let Some(c) = ctx_of(context) else {
         fail(call, libc::EINVAL, "not an open context");
         return null_mut();
@@ -447,8 +468,10 @@ pub extern "C" fn bp_ibv_create_cq(
             comp_events_completed: 0,
             async_events_completed: 0,
         },
+        ex: crate::cq_ex::table(ex),
         cq,
         ctx: c,
+        current: crate::cq_ex::Current::default(),
     }));
     if let Some(ch) = ch {
         ch.ibv.refcnt += 1;
@@ -460,7 +483,6 @@ pub extern "C" fn bp_ibv_create_cq(
     add_live(p, Kind::Cq);
     p.cast()
 }
-crate::abi::symver!(bp_ibv_create_cq, "ibv_create_cq@@IBVERBS_1.1");
 
 /// `ibv_destroy_cq`.
 #[no_mangle]
@@ -600,7 +622,7 @@ pub(crate) unsafe extern "C" fn poll_cq(
     n as c_int
 }
 
-fn wc_out(w: &backplane::verbs::Wc) -> IbvWc {
+pub(crate) fn wc_out(w: &backplane::verbs::Wc) -> IbvWc {
     IbvWc {
         wr_id: w.wr_id,
         status: w.status as c_int,

@@ -13,13 +13,13 @@
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use backplane::verbs::{SendFlags, SendWr, Sge, WrDetail, WrOpcode};
 
 use crate::abi::{qp_ex_with as with, *};
 use crate::objects::{errno_of, obj, AhObj, Kind};
 use crate::qp::QpObj;
+use crate::turn::Turn;
 
 /// What a request of the batch does, besides its data.
 #[derive(Clone, Copy)]
@@ -61,25 +61,13 @@ struct Batch {
 /// A QP's critical region and the batch built in it.
 #[derive(Default)]
 pub(crate) struct Region {
-    /// The thread inside the region (its token), 0 when none.
-    owner: AtomicUsize,
-    /// Touched only by the thread whose token is in `owner`.
+    turn: Turn,
+    /// Touched only by the thread inside `turn`.
     batch: UnsafeCell<Batch>,
 }
 
-// SAFETY: `batch` is reached only by the thread that holds the region (`owner`, taken with a
-// compare-exchange and given back with a release store), one at a time.
+// SAFETY: `batch` is reached only by the thread inside the region (`turn`), one at a time.
 unsafe impl Sync for Region {}
-
-thread_local! {
-    static TOKEN: u8 = const { 0 };
-}
-
-/// This thread's token: the address of its thread-local byte (non-zero, unique among live
-/// threads).
-fn me() -> usize {
-    TOKEN.with(|t| std::ptr::from_ref(t) as usize)
-}
 
 /// The QP and its batch, if the calling thread is inside the QP's region.
 ///
@@ -89,10 +77,10 @@ unsafe fn held<'a>(qpx: *mut IbvQpEx) -> Option<(&'a QpObj, &'a mut Batch)> {
     // SAFETY: caller contract: the pointer is a live `QpObj` (its first fields are the
     // `struct ibv_qp_ex`).
     let q = unsafe { &*qpx.cast::<QpObj>() };
-    if q.batch.owner.load(Ordering::Acquire) != me() {
+    if !q.batch.turn.held() {
         return None;
     }
-    // SAFETY: this thread holds the region, so nobody else touches the batch.
+    // SAFETY: this thread is inside the region, so nobody else touches the batch.
     Some((q, unsafe { &mut *q.batch.batch.get() }))
 }
 
@@ -158,23 +146,12 @@ unsafe fn not_offered(qpx: *mut IbvQpEx) {
 unsafe extern "C" fn wr_start(qp: *mut IbvQpEx) {
     // SAFETY: a live `QpObj` (the table's contract).
     let q = unsafe { &*qp.cast::<QpObj>() };
-    let me = me();
-    if q.batch.owner.load(Ordering::Relaxed) == me {
-        // Started again without completing: the region stays ours, the batch goes on.
-        return;
+    if q.batch.turn.enter() {
+        // SAFETY: the region is ours now.
+        let b = unsafe { &mut *q.batch.batch.get() };
+        b.wrs.clear();
+        b.err = 0;
     }
-    while q
-        .batch
-        .owner
-        .compare_exchange_weak(0, me, Ordering::Acquire, Ordering::Relaxed)
-        .is_err()
-    {
-        std::thread::yield_now();
-    }
-    // SAFETY: the region is ours now.
-    let b = unsafe { &mut *q.batch.batch.get() };
-    b.wrs.clear();
-    b.err = 0;
 }
 
 unsafe extern "C" fn wr_abort(qp: *mut IbvQpEx) {
@@ -182,7 +159,7 @@ unsafe extern "C" fn wr_abort(qp: *mut IbvQpEx) {
     if let Some((q, b)) = unsafe { held(qp) } {
         b.wrs.clear();
         b.err = 0;
-        q.batch.owner.store(0, Ordering::Release);
+        q.batch.turn.leave();
     }
 }
 
@@ -195,7 +172,7 @@ unsafe extern "C" fn wr_complete(qp: *mut IbvQpEx) -> c_int {
     let rc = if b.err != 0 { b.err } else { post(q, &b.wrs) };
     b.wrs.clear();
     b.err = 0;
-    q.batch.owner.store(0, Ordering::Release);
+    q.batch.turn.leave();
     rc
 }
 

@@ -1,9 +1,12 @@
-/* The extended post API (ibv_create_qp_ex with send_ops_flags, ibv_qp_to_qp_ex, ibv_wr_*) as
- * rdma-core documents it (ibv_wr_post(3)), in one process: a pair of RC QPs connected to each
- * other (this node to itself) made with every operation the fabric offers, and a pair of UD
- * QPs. Each builder and setter moves the right bytes; a batch of several requests completes
- * in order; the errors are the documented ones (ibv_wr_complete answers what a builder or
- * setter met and posts nothing; the QPs that cannot be made are refused with EOPNOTSUPP).
+/* The extended API as rdma-core documents it, in one process.
+ * The post API (ibv_create_qp_ex with send_ops_flags, ibv_qp_to_qp_ex, ibv_wr_*; see
+ * ibv_wr_post(3)): a pair of RC QPs connected to each other (this node to itself) made with
+ * every operation the fabric offers, and a pair of UD QPs. Each builder and setter moves the
+ * right bytes; a batch of several requests completes in order; the errors are the documented
+ * ones (ibv_wr_complete answers what a builder or setter met and posts nothing; the QPs that
+ * cannot be made are refused with EOPNOTSUPP).
+ * The poll API (ibv_create_cq_ex, ibv_start_poll/next_poll/end_poll, ibv_wc_read_*; see
+ * ibv_create_cq_ex(3)) with completion timestamps (ibv_query_device_ex's clock).
  * Exit 0 and one line when everything held; otherwise the first failure on stderr. */
 #include <errno.h>
 #include <infiniband/verbs.h>
@@ -11,10 +14,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <arpa/inet.h>
 
 #define SIZE 256
-#define FAIL(...) do { fprintf(stderr, "ibv_wr_api: " __VA_ARGS__); fputc('\n', stderr); exit(1); } while (0)
+#define FAIL(...) do { fprintf(stderr, "ibv_extended: " __VA_ARGS__); fputc('\n', stderr); exit(1); } while (0)
 
 static struct ibv_context *ctx;
 static struct ibv_pd *pd;
@@ -98,6 +102,35 @@ static void check(const unsigned char *p, unsigned char v, int n, const char *wh
 	for (int k = 0; k < n; k++)
 		if (p[k] != v)
 			FAIL("%s: byte %d is %u, not %u", what, k, p[k], v);
+}
+
+/* Reads the current completion of an extended CQ field by field: the SEND (wr_id 301) of
+ * QP `from` or the receive (wr_id 300) on QP `to` of its 100 bytes with immediate 77; each
+ * counted, the timestamps never going back. */
+static void read_ex(struct ibv_cq_ex *cqx, uint32_t from, uint32_t to, int *sends, int *recvs,
+		    uint64_t *last_ts)
+{
+	if (cqx->status != IBV_WC_SUCCESS)
+		FAIL("extended CQ: status %s", ibv_wc_status_str(cqx->status));
+	uint64_t ts = ibv_wc_read_completion_ts(cqx);
+	if (ts < *last_ts || !ibv_wc_read_completion_wallclock_ns(cqx))
+		FAIL("extended CQ: timestamp %llu after %llu", (unsigned long long)ts,
+		     (unsigned long long)*last_ts);
+	*last_ts = ts;
+	if (cqx->wr_id == 301) {
+		if (ibv_wc_read_opcode(cqx) != IBV_WC_SEND || ibv_wc_read_qp_num(cqx) != from)
+			FAIL("extended CQ: the SEND's completion reads wrong");
+		++*sends;
+	} else if (cqx->wr_id == 300) {
+		if (ibv_wc_read_opcode(cqx) != IBV_WC_RECV || ibv_wc_read_byte_len(cqx) != 100 ||
+		    !(ibv_wc_read_wc_flags(cqx) & IBV_WC_WITH_IMM) ||
+		    ntohl(ibv_wc_read_imm_data(cqx)) != 77 || ibv_wc_read_qp_num(cqx) != to ||
+		    ibv_wc_read_src_qp(cqx) != from || ibv_wc_read_slid(cqx) != lid)
+			FAIL("extended CQ: the receive's completion reads wrong (len %u imm %u)",
+			     ibv_wc_read_byte_len(cqx), ntohl(ibv_wc_read_imm_data(cqx)));
+		++*recvs;
+	} else
+		FAIL("extended CQ: wr_id %llu", (unsigned long long)cqx->wr_id);
 }
 
 int main(void)
@@ -336,13 +369,76 @@ int main(void)
 		FAIL("UD RECV: %u bytes (want 64 and the 40-byte GRH)", wc.byte_len);
 	check(buf + 2 * SIZE + 40, 0x55, 64, "UD SEND");
 
+	/* The poll API: a CQ with timestamps, two QPs on it, three completions read field by
+	 * field between ibv_start_poll and ibv_end_poll. */
+	struct ibv_device_attr_ex dx;
+	if (ibv_query_device_ex(ctx, NULL, &dx) || !dx.completion_timestamp_mask || !dx.hca_core_clock)
+		FAIL("ibv_query_device_ex: no completion timestamp clock");
+	if (dx.orig_attr.max_qp_wr <= 0)
+		FAIL("ibv_query_device_ex: the legacy attributes are missing");
+	struct ibv_cq_init_attr_ex cx = { .cqe = 16,
+		.wc_flags = IBV_WC_STANDARD_FLAGS | IBV_WC_EX_WITH_COMPLETION_TIMESTAMP |
+			    IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK };
+	struct ibv_cq_ex *cqx = ibv_create_cq_ex(ctx, &cx);
+	if (!cqx)
+		FAIL("ibv_create_cq_ex: %s", strerror(errno));
+	struct ibv_cq_init_attr_ex bad_cx = { .cqe = 16, .wc_flags = IBV_WC_EX_WITH_CVLAN };
+	errno = 0;
+	if (ibv_create_cq_ex(ctx, &bad_cx) || errno != EOPNOTSUPP)
+		FAIL("ibv_create_cq_ex with CVLAN: not refused with EOPNOTSUPP (errno %d)", errno);
+	struct ibv_poll_cq_attr pattr = {};
+	if (ibv_start_poll(cqx, &pattr) != ENOENT)
+		FAIL("ibv_start_poll on an empty CQ is not ENOENT");
+	struct ibv_qp_init_attr_ex ci = { .send_cq = ibv_cq_ex_to_cq(cqx), .recv_cq = ibv_cq_ex_to_cq(cqx),
+		.qp_type = IBV_QPT_RC, .cap = { .max_send_wr = 8, .max_recv_wr = 8, .max_send_sge = 1,
+		.max_recv_sge = 1 }, .comp_mask = IBV_QP_INIT_ATTR_PD, .pd = pd };
+	struct ibv_qp *c1 = ibv_create_qp_ex(ctx, &ci), *c2 = ibv_create_qp_ex(ctx, &ci);
+	if (!c1 || !c2 || connect_rc(c1, c2->qp_num) || connect_rc(c2, c1->qp_num))
+		FAIL("cannot make and connect the QPs on the extended CQ");
+	struct ibv_sge rs = { base + 1024, SIZE, mr->lkey }, ss = { base, 100, mr->lkey };
+	struct ibv_recv_wr cr = { .wr_id = 300, .sg_list = &rs, .num_sge = 1 };
+	struct ibv_send_wr cs = { .wr_id = 301, .sg_list = &ss, .num_sge = 1,
+		.opcode = IBV_WR_SEND_WITH_IMM, .send_flags = IBV_SEND_SIGNALED,
+		.imm_data = htonl(77) }, *sbad;
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	if (ibv_post_recv(c2, &cr, &rbad) || ibv_post_send(c1, &cs, &sbad))
+		FAIL("post on the extended CQ");
+	int ret, seen_send = 0, seen_recv = 0;
+	uint64_t last_ts = 0;
+	while ((ret = ibv_start_poll(cqx, &pattr)) == ENOENT)
+		;
+	for (;;) {
+		if (ret)
+			FAIL("extended CQ: poll failed %d", ret);
+		read_ex(cqx, c1->qp_num, c2->qp_num, &seen_send, &seen_recv, &last_ts);
+		if (seen_send + seen_recv == 2)
+			break;
+		/* The other completion may not be made yet: poll on within the region. */
+		while ((ret = ibv_next_poll(cqx)) == ENOENT)
+			;
+	}
+	ibv_end_poll(cqx);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	if (seen_send != 1 || seen_recv != 1)
+		FAIL("extended CQ: %d SEND and %d receive completions (want one each)", seen_send, seen_recv);
+	uint64_t lo = t0.tv_sec * 1000000000ull + t0.tv_nsec, hi = t1.tv_sec * 1000000000ull + t1.tv_nsec;
+	if (last_ts < lo || last_ts > hi)
+		FAIL("extended CQ: timestamp %llu outside the run [%llu, %llu] (1 GHz, CLOCK_MONOTONIC)",
+		     (unsigned long long)last_ts, (unsigned long long)lo, (unsigned long long)hi);
+	if (ibv_next_poll(cqx) != EINVAL)
+		FAIL("ibv_next_poll after ibv_end_poll is not EINVAL");
+	if (ibv_destroy_qp(c1) || ibv_destroy_qp(c2) || ibv_destroy_cq(ibv_cq_ex_to_cq(cqx)))
+		FAIL("cannot tear the extended CQ down");
+
 	if (ibv_destroy_qp(a) || ibv_destroy_qp(b) || ibv_destroy_qp(u) || ibv_destroy_qp(v) ||
 	    ibv_destroy_qp(legacy) || ibv_destroy_ah(ah) || ibv_destroy_cq(cq) || ibv_dereg_mr(mr) ||
 	    ibv_dealloc_pd(pd) || ibv_close_device(ctx))
 		FAIL("cannot tear down");
 	ibv_free_device_list(dl);
 	free(buf);
-	printf("ibv_wr_api: WRITE, inline WRITE, READ, FETCH_AND_ADD, CMP_AND_SWP, a batch of SEND, "
-	       "WRITE_WITH_IMM and inline SEND_WITH_IMM, UD SEND, and the errors: all as documented\n");
+	printf("ibv_extended: ibv_wr_* WRITE, inline WRITE, READ, FETCH_AND_ADD, CMP_AND_SWP, a batch "
+	       "of SEND, WRITE_WITH_IMM and inline SEND_WITH_IMM, UD SEND, the errors; an extended CQ "
+	       "with timestamps: all as documented\n");
 	return 0;
 }
