@@ -719,12 +719,14 @@ fn no_receive_on_rc_retries_rnr_rnr_retry_times_then_fails() {
     // times: the error comes after about 4 x 1.28 ms.
     ready_rnr(&a.qp, &info(&b), 14, 3);
     ready_rnr(&b.qp, &info(&a), 14, 3);
+    // Timed from before the post: the first try (and the first wait) starts inside it (a
+    // stamp taken after it was 20 us short of 4 x 1.28 ms on a loaded CI machine).
+    let t0 = Instant::now();
     a.qp.post_send(&[
         SendWr::send(1, &[a.mr.sge(0, 8)]).signaled(),
         SendWr::send(2, &[a.mr.sge(0, 8)]),
     ])
     .unwrap();
-    let t0 = Instant::now();
     let mut p = Pump::new(&[&a.cq, &b.cq]);
     let w = p.next(0);
     let took = t0.elapsed();
