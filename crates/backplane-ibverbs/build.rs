@@ -81,6 +81,11 @@ const LAYOUTS: &[Layout] = &[
         ],
     ),
     (
+        "struct ibv_async_event",
+        "IbvAsyncEvent",
+        &[("element", "element"), ("event_type", "event_type")],
+    ),
+    (
         "struct ibv_device_attr_ex",
         "IbvDeviceAttrEx",
         &[

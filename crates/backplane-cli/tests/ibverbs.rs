@@ -265,6 +265,83 @@ fn what_is_not_offered_stops_the_program_with_its_own_error_not_a_crash() {
     }
 }
 
+/// `ibv_asyncwatch` (ibverbs-utils) sees what an HCA reports: its node's agent killed, the
+/// port goes down and comes back with the node's restart (`IBV_EVENT_PORT_ERR`, then
+/// `IBV_EVENT_PORT_ACTIVE`); the supervisor killed, the device is gone
+/// (`IBV_EVENT_DEVICE_FATAL`). (Before session 43 the program did not even start: "symbol
+/// lookup error: ibv_ack_async_event".)
+#[test]
+fn asynchronous_events_report_the_port_and_the_device_as_an_hca_does() {
+    use rustix::process::{kill_process, Pid, Signal};
+    use std::time::{Duration, Instant};
+    if !have("ibv_asyncwatch") {
+        return;
+    }
+    lib_built();
+    let fab = Fab::up("ibv_async", 2, &["--restart-delay-ms", "200"]);
+    let dev = format!("bp_{}", fab.name);
+    let (name, d) = (fab.name.clone(), dev.clone());
+    let watch = std::thread::spawn(move || {
+        exec_verbs_in(&name, 1, &["timeout", "60", "ibv_asyncwatch", "-d", &d])
+    });
+    let slot1 = |fab: &Fab| fab.status()["slots"][0].clone();
+    let until = |what: &str, ok: &dyn Fn() -> bool| {
+        let t0 = Instant::now();
+        while !ok() {
+            assert!(t0.elapsed() < Duration::from_secs(20), "never: {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    // The program in node 1 (its process counted), its context open (a moment more).
+    until("ibv_asyncwatch runs in node 1", &|| {
+        assert!(!watch.is_finished(), "ibv_asyncwatch ended early");
+        slot1(&fab)["procs"].as_u64() >= Some(1)
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let agent = slot1(&fab)["pid"].as_i64().unwrap() as i32;
+    kill_process(Pid::from_raw(agent).unwrap(), Signal::KILL).unwrap();
+    until("node 1 back in generation 2", &|| {
+        let s = slot1(&fab);
+        s["state"] == "READY" && s["generation"].as_u64() == Some(2)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    kill_process(Pid::from_raw(fab.supervisor_pid()).unwrap(), Signal::KILL).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    // It waits for more events for ever: end it.
+    for (pid, _) in procs_of_with("ibv_asyncwatch", &dev) {
+        let _ = kill_process(Pid::from_raw(pid).unwrap(), Signal::TERM);
+    }
+    let out = watch.join().unwrap();
+    let t = text(&out);
+    let lines: Vec<&str> = t.lines().filter(|l| l.contains("event_type")).collect();
+    assert_eq!(
+        lines,
+        [
+            "  event_type IBV_EVENT_PORT_ERR (10), port 1",
+            "  event_type IBV_EVENT_PORT_ACTIVE (9), port 1",
+            "  event_type IBV_EVENT_DEVICE_FATAL (8), port 0",
+        ],
+        "{t}"
+    );
+    assert!(t.contains(&format!("{dev}: async event FD")), "{t}");
+}
+
+/// Processes running `prog` with `arg` among their arguments.
+fn procs_of_with(prog: &str, arg: &str) -> Vec<(i32, bool)> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).filter(|a| !a.is_empty()).collect();
+            let ours = args.first().is_some_and(|a| a.ends_with(prog.as_bytes()))
+                && args.contains(&arg.as_bytes());
+            ours.then_some((pid, false))
+        })
+        .collect()
+}
+
 #[test]
 fn exec_verbs_refuses_an_unknown_node_with_one_line() {
     lib_built();

@@ -429,6 +429,33 @@ pub struct IbvCqEx {
     pub tail: IbvCqExTail,
 }
 
+/// `struct ibv_async_event`: the object it concerns (a CQ, QP, SRQ pointer, or the port number
+/// in the union's first bytes) and `enum ibv_event_type`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IbvAsyncEvent {
+    pub element: usize,
+    pub event_type: c_int,
+}
+
+impl IbvAsyncEvent {
+    /// An event of port `port` (or of the device, with 0).
+    pub fn port(event_type: u32, port: c_int) -> Self {
+        Self {
+            element: port as u32 as usize,
+            event_type: event_type as c_int,
+        }
+    }
+
+    /// An event of the object at `p` (a CQ, QP or SRQ of this library).
+    pub fn of<T>(event_type: u32, p: *mut T) -> Self {
+        Self {
+            element: p as usize,
+            event_type: event_type as c_int,
+        }
+    }
+}
+
 /// `IBV_QP_INIT_ATTR_PD`.
 pub const QP_INIT_ATTR_PD: u32 = 1 << 0;
 /// `IBV_QP_INIT_ATTR_SEND_OPS_FLAGS`.

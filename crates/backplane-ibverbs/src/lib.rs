@@ -28,6 +28,7 @@
 //! multicast, ODP, `rdma_cm`.
 
 pub mod abi;
+mod async_events;
 mod cq_ex;
 mod lock;
 mod objects;
@@ -76,6 +77,8 @@ struct Ctx {
     /// from several threads, so calls are made one at a time here (biased towards the first
     /// thread: see [`lock::EngineLock`]).
     engine: lock::EngineLock,
+    /// Its asynchronous events and `async_fd`.
+    events: std::sync::Arc<async_events::Events>,
     /// PDs, MRs, channels, CQs, QPs and AHs made on it and not destroyed yet.
     objects: std::sync::atomic::AtomicUsize,
 }
@@ -371,16 +374,13 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         .node(slot)
         .map_err(|e| (libc::ENODEV, e.to_string()))?;
     let ctx = Context::open(&node).map_err(|e| (libc::ENODEV, e.to_string()))?;
-    // SAFETY: plain syscall; the fd is checked.
-    let async_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-    if async_fd < 0 {
-        return Err((
-            std::io::Error::last_os_error()
-                .raw_os_error()
-                .unwrap_or(libc::EMFILE),
-            "cannot make the asynchronous event descriptor".into(),
-        ));
-    }
+    let events = async_events::Events::new().map_err(|e| {
+        (
+            e.raw_os_error().unwrap_or(libc::EMFILE),
+            format!("cannot make the asynchronous event descriptor: {e}"),
+        )
+    })?;
+    async_events::watch(&events, fabric.clone(), slot);
     let null = std::ptr::null::<c_void>();
     let ops = IbvContextOps {
         _compat_query_device: null,
@@ -435,7 +435,7 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
             device: std::ptr::from_ref(&d.ibv).cast_mut(),
             ops,
             cmd_fd: -1,
-            async_fd,
+            async_fd: events.raw_fd(),
             num_comp_vectors: 1,
             mutex: libc::PTHREAD_MUTEX_INITIALIZER,
             abi_compat: VERBS_ABI_IS_EXTENDED,
@@ -444,6 +444,7 @@ fn open(d: &'static Dev) -> Result<*mut IbvContext, (c_int, String)> {
         ctx,
         fabric,
         slot,
+        events,
         engine: lock::EngineLock::new(
             std::env::var("BACKPLANE_VERBS_SINGLE_THREADED").is_ok_and(|v| v == "1"),
         ),
@@ -484,8 +485,8 @@ pub extern "C" fn bp_ibv_close_device(context: *mut IbvContext) -> c_int {
     // SAFETY: a live `Box<Ctx>` (it was in OPEN).
     let c = unsafe { &*Ctx::of_ibv(context) };
     let left = c.objects.load(Ordering::Relaxed);
-    // SAFETY: our eventfd, closed once (the context is out of OPEN).
-    unsafe { libc::close(c.ibv.async_fd) };
+    // The watcher ends within a second; the eventfd closes with its last reference.
+    c.events.close();
     if left > 0 {
         // libibverbs closes a context whatever is left of it (the kernel cleans up after a
         // program that does not destroy everything — perftest's `ib_send_bw` client keeps

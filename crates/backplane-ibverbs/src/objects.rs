@@ -388,6 +388,8 @@ pub(crate) struct CqObj {
     pub(crate) ctx: *const Ctx,
     /// The completion `ibv_start_poll`/`ibv_next_poll` took (see `crate::cq_ex`).
     pub(crate) current: crate::cq_ex::Current,
+    /// Its overrun was reported as `IBV_EVENT_CQ_ERR`.
+    pub(crate) overrun_said: std::sync::atomic::AtomicBool,
 }
 
 // `ibv_create_cq_ex` hands out the object as a `struct ibv_cq_ex` (layout checked by build.rs).
@@ -472,6 +474,7 @@ pub(crate) fn create_cq(
         cq,
         ctx: c,
         current: crate::cq_ex::Current::default(),
+        overrun_said: std::sync::atomic::AtomicBool::new(false),
     }));
     if let Some(ch) = ch {
         ch.ibv.refcnt += 1;
@@ -617,6 +620,14 @@ pub(crate) unsafe extern "C" fn poll_cq(
     });
     // An overrun CQ is in error (as after IBV_EVENT_CQ_ERR): said when it has nothing left.
     if n == 0 && c.cq.overruns() > 0 {
+        if !c
+            .overrun_said
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            let ev = IbvAsyncEvent::of(crate::async_events::kind::CQ_ERR, cq);
+            // SAFETY: the context outlives its CQs.
+            unsafe { &*c.ctx }.events.push(ev);
+        }
         return -1;
     }
     n as c_int

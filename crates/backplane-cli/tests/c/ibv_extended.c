@@ -9,6 +9,7 @@
  * ibv_create_cq_ex(3)) with completion timestamps (ibv_query_device_ex's clock).
  * Exit 0 and one line when everything held; otherwise the first failure on stderr. */
 #include <errno.h>
+#include <fcntl.h>
 #include <infiniband/verbs.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -431,6 +432,44 @@ int main(void)
 	if (ibv_destroy_qp(c1) || ibv_destroy_qp(c2) || ibv_destroy_cq(ibv_cq_ex_to_cq(cqx)))
 		FAIL("cannot tear the extended CQ down");
 
+	/* Asynchronous events: none yet (async_fd made non-blocking: EAGAIN), then a CQ that
+	 * overruns (one entry, four signaled WRITEs) reports IBV_EVENT_CQ_ERR for itself. */
+	fcntl(ctx->async_fd, F_SETFL, fcntl(ctx->async_fd, F_GETFL) | O_NONBLOCK);
+	struct ibv_async_event aev;
+	errno = 0;
+	if (ibv_get_async_event(ctx, &aev) != -1 || errno != EAGAIN)
+		FAIL("ibv_get_async_event with no event on a non-blocking async_fd: errno %d", errno);
+	struct ibv_cq *small = ibv_create_cq(ctx, 1, NULL, NULL, 0);
+	struct ibv_qp_init_attr oi = { .send_cq = small, .recv_cq = cq, .qp_type = IBV_QPT_RC,
+		.cap = { .max_send_wr = 8, .max_recv_wr = 1, .max_send_sge = 1, .max_recv_sge = 1 } };
+	struct ibv_qp *o1 = small ? ibv_create_qp(pd, &oi) : NULL, *o2 = small ? ibv_create_qp(pd, &oi) : NULL;
+	if (!o1 || !o2 || connect_rc(o1, o2->qp_num) || connect_rc(o2, o1->qp_num))
+		FAIL("cannot make the overrun's QPs");
+	for (int i = 0; i < 4; i++) {
+		struct ibv_send_wr ow = { .wr_id = 400 + i, .sg_list = &ss, .num_sge = 1,
+			.opcode = IBV_WR_RDMA_WRITE, .send_flags = IBV_SEND_SIGNALED }, *obad;
+		ow.wr.rdma.remote_addr = base + SIZE;
+		ow.wr.rdma.rkey = mr->rkey;
+		if (ibv_post_send(o1, &ow, &obad))
+			FAIL("post for the overrun");
+	}
+	int polled = 0, r = 0;
+	for (int i = 0; i < 100000 && r >= 0; i++) {
+		struct ibv_wc w;
+		r = ibv_poll_cq(small, 1, &w);
+		polled += r > 0;
+	}
+	if (r != -1)
+		FAIL("the overrun CQ never answered -1 (%d completions taken)", polled);
+	if (ibv_get_async_event(ctx, &aev) || aev.event_type != IBV_EVENT_CQ_ERR || aev.element.cq != small)
+		FAIL("no IBV_EVENT_CQ_ERR for the overrun CQ (errno %d, event %d)", errno, aev.event_type);
+	ibv_ack_async_event(&aev);
+	errno = 0;
+	if (ibv_get_async_event(ctx, &aev) != -1 || errno != EAGAIN)
+		FAIL("a second event after the CQ error: %d", aev.event_type);
+	if (ibv_destroy_qp(o1) || ibv_destroy_qp(o2) || ibv_destroy_cq(small))
+		FAIL("cannot tear the overrun down");
+
 	if (ibv_destroy_qp(a) || ibv_destroy_qp(b) || ibv_destroy_qp(u) || ibv_destroy_qp(v) ||
 	    ibv_destroy_qp(legacy) || ibv_destroy_ah(ah) || ibv_destroy_cq(cq) || ibv_dereg_mr(mr) ||
 	    ibv_dealloc_pd(pd) || ibv_close_device(ctx))
@@ -439,6 +478,6 @@ int main(void)
 	free(buf);
 	printf("ibv_extended: ibv_wr_* WRITE, inline WRITE, READ, FETCH_AND_ADD, CMP_AND_SWP, a batch "
 	       "of SEND, WRITE_WITH_IMM and inline SEND_WITH_IMM, UD SEND, the errors; an extended CQ "
-	       "with timestamps: all as documented\n");
+	       "with timestamps; a CQ overrun's asynchronous event: all as documented\n");
 	return 0;
 }
