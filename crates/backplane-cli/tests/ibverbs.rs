@@ -308,7 +308,10 @@ fn asynchronous_events_report_the_port_and_the_device_as_an_hca_does() {
     kill_process(Pid::from_raw(fab.supervisor_pid()).unwrap(), Signal::KILL).unwrap();
     std::thread::sleep(Duration::from_millis(1500));
     // It waits for more events for ever: end it.
-    for (pid, _) in procs_of_with("ibv_asyncwatch", &dev) {
+    for (pid, _) in running("ibv_asyncwatch")
+        .into_iter()
+        .filter(|(_, args)| args.contains(&dev))
+    {
         let _ = kill_process(Pid::from_raw(pid).unwrap(), Signal::TERM);
     }
     let out = watch.join().unwrap();
@@ -326,22 +329,6 @@ fn asynchronous_events_report_the_port_and_the_device_as_an_hca_does() {
     assert!(t.contains(&format!("{dev}: async event FD")), "{t}");
 }
 
-/// Processes running `prog` with `arg` among their arguments.
-fn procs_of_with(prog: &str, arg: &str) -> Vec<(i32, bool)> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| {
-            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
-            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).filter(|a| !a.is_empty()).collect();
-            let ours = args.first().is_some_and(|a| a.ends_with(prog.as_bytes()))
-                && args.contains(&arg.as_bytes());
-            ours.then_some((pid, false))
-        })
-        .collect()
-}
-
 #[test]
 fn exec_verbs_refuses_an_unknown_node_with_one_line() {
     lib_built();
@@ -355,18 +342,27 @@ fn exec_verbs_refuses_an_unknown_node_with_one_line() {
 /// client (it names the server host last).
 fn procs_of(prog: &str, port: u16) -> Vec<(i32, bool)> {
     let p = port.to_string();
+    running(prog)
+        .into_iter()
+        .filter(|(_, args)| args.windows(2).any(|w| w[0] == "-p" && w[1] == p))
+        .map(|(pid, args)| (pid, args.last().is_some_and(|a| a == "localhost")))
+        .collect()
+}
+
+/// Processes running `prog` (its path ends so): pid and arguments.
+fn running(prog: &str) -> Vec<(i32, Vec<String>)> {
     std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
         .filter_map(|e| {
             let pid: i32 = e.file_name().to_str()?.parse().ok()?;
             let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
-            let args: Vec<&[u8]> = cmd.split(|&b| b == 0).filter(|a| !a.is_empty()).collect();
-            let ours = args.first().is_some_and(|a| a.ends_with(prog.as_bytes()))
-                && args
-                    .windows(2)
-                    .any(|w| w[0] == b"-p" && w[1] == p.as_bytes());
-            ours.then(|| (pid, args.last() == Some(&&b"localhost"[..])))
+            let args: Vec<String> = cmd
+                .split(|&b| b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            args.first()?.ends_with(prog).then_some((pid, args))
         })
         .collect()
 }

@@ -21,29 +21,14 @@ use crate::objects::{errno_of, obj, AhObj, Kind};
 use crate::qp::QpObj;
 use crate::turn::Turn;
 
-/// What a request of the batch does, besides its data.
-#[derive(Clone, Copy)]
-enum Detail {
-    None,
-    Rdma {
-        remote_addr: u64,
-        rkey: u32,
-    },
-    Atomic {
-        remote_addr: u64,
-        rkey: u32,
-        compare_add: u64,
-        swap: u64,
-    },
-}
-
 /// One request being built.
 struct Pending {
     wr_id: u64,
     opcode: WrOpcode,
     flags: SendFlags,
     imm: u32,
-    detail: Detail,
+    /// The remote part (never `Ud`: that is `ud`, checked at `ibv_wr_complete`).
+    detail: WrDetail<'static>,
     sges: Vec<Sge>,
     inline: Vec<u8>,
     /// The UD address (`ibv_wr_set_ud_addr`): the AH as the program gave it, checked at
@@ -89,7 +74,13 @@ unsafe fn held<'a>(qpx: *mut IbvQpEx) -> Option<(&'a QpObj, &'a mut Batch)> {
 ///
 /// # Safety
 /// As [`held`].
-unsafe fn build(qpx: *mut IbvQpEx, opcode: WrOpcode, with: u64, imm: u32, detail: Detail) {
+unsafe fn build(
+    qpx: *mut IbvQpEx,
+    opcode: WrOpcode,
+    with: u64,
+    imm: u32,
+    detail: WrDetail<'static>,
+) {
     // SAFETY: caller contract.
     let Some((q, b)) = (unsafe { held(qpx) }) else {
         return;
@@ -182,8 +173,8 @@ fn post(q: &QpObj, wrs: &[Pending]) -> c_int {
     let mut out = Vec::with_capacity(wrs.len());
     for w in wrs {
         let inline = w.flags.contains(SendFlags::INLINE);
-        let wr = match (w.detail, w.ud) {
-            (Detail::None, Some((ah, remote_qpn, remote_qkey))) if ud => {
+        let wr = match w.ud {
+            Some((ah, remote_qpn, remote_qkey)) if ud => {
                 let Some(a) = obj::<AhObj>(ah, Kind::Ah) else {
                     return libc::EINVAL;
                 };
@@ -195,22 +186,7 @@ fn post(q: &QpObj, wrs: &[Pending]) -> c_int {
             }
             // A UD request needs its address.
             _ if ud => return libc::EINVAL,
-            (Detail::None, _) => WrDetail::None,
-            (Detail::Rdma { remote_addr, rkey }, _) => WrDetail::Rdma { remote_addr, rkey },
-            (
-                Detail::Atomic {
-                    remote_addr,
-                    rkey,
-                    compare_add,
-                    swap,
-                },
-                _,
-            ) => WrDetail::Atomic {
-                remote_addr,
-                compare_add,
-                swap,
-                rkey,
-            },
+            _ => w.detail,
         };
         out.push(SendWr {
             wr_id: w.wr_id,
@@ -232,7 +208,7 @@ fn post(q: &QpObj, wrs: &[Pending]) -> c_int {
 
 unsafe extern "C" fn wr_send(qp: *mut IbvQpEx) {
     // SAFETY: the table's contract.
-    unsafe { build(qp, WrOpcode::Send, with::SEND, 0, Detail::None) }
+    unsafe { build(qp, WrOpcode::Send, with::SEND, 0, WrDetail::None) }
 }
 
 unsafe extern "C" fn wr_send_imm(qp: *mut IbvQpEx, imm_be: u32) {
@@ -244,32 +220,32 @@ unsafe extern "C" fn wr_send_imm(qp: *mut IbvQpEx, imm_be: u32) {
             WrOpcode::SendWithImm,
             with::SEND_WITH_IMM,
             imm,
-            Detail::None,
+            WrDetail::None,
         )
     }
 }
 
 unsafe extern "C" fn wr_rdma_write(qp: *mut IbvQpEx, rkey: u32, remote_addr: u64) {
-    let d = Detail::Rdma { remote_addr, rkey };
+    let d = WrDetail::Rdma { remote_addr, rkey };
     // SAFETY: the table's contract.
     unsafe { build(qp, WrOpcode::RdmaWrite, with::RDMA_WRITE, 0, d) }
 }
 
 unsafe extern "C" fn wr_rdma_write_imm(qp: *mut IbvQpEx, rkey: u32, remote_addr: u64, imm_be: u32) {
-    let d = Detail::Rdma { remote_addr, rkey };
+    let d = WrDetail::Rdma { remote_addr, rkey };
     let (op, w) = (WrOpcode::RdmaWriteWithImm, with::RDMA_WRITE_WITH_IMM);
     // SAFETY: the table's contract.
     unsafe { build(qp, op, w, u32::from_be(imm_be), d) }
 }
 
 unsafe extern "C" fn wr_rdma_read(qp: *mut IbvQpEx, rkey: u32, remote_addr: u64) {
-    let d = Detail::Rdma { remote_addr, rkey };
+    let d = WrDetail::Rdma { remote_addr, rkey };
     // SAFETY: the table's contract.
     unsafe { build(qp, WrOpcode::RdmaRead, with::RDMA_READ, 0, d) }
 }
 
 unsafe extern "C" fn wr_atomic_fetch_add(qp: *mut IbvQpEx, rkey: u32, remote_addr: u64, add: u64) {
-    let d = Detail::Atomic {
+    let d = WrDetail::Atomic {
         remote_addr,
         rkey,
         compare_add: add,
@@ -287,7 +263,7 @@ unsafe extern "C" fn wr_atomic_cmp_swp(
     compare: u64,
     swap: u64,
 ) {
-    let d = Detail::Atomic {
+    let d = WrDetail::Atomic {
         remote_addr,
         rkey,
         compare_add: compare,

@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "connect_rc.h"
 #include <time.h>
 #include <arpa/inet.h>
 
@@ -25,33 +27,6 @@ static struct ibv_context *ctx;
 static struct ibv_pd *pd;
 static struct ibv_cq *cq;
 static uint16_t lid;
-
-static int connect_rc(struct ibv_qp *qp, uint32_t dest)
-{
-	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1,
-		.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |
-				   IBV_ACCESS_REMOTE_ATOMIC };
-	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
-		return -1;
-	memset(&a, 0, sizeof a);
-	a.qp_state = IBV_QPS_RTR;
-	a.path_mtu = IBV_MTU_1024;
-	a.dest_qp_num = dest;
-	a.max_dest_rd_atomic = 1;
-	a.min_rnr_timer = 12;
-	a.ah_attr.dlid = lid;
-	a.ah_attr.port_num = 1;
-	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-			  IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
-		return -1;
-	a.qp_state = IBV_QPS_RTS;
-	a.timeout = 14;
-	a.retry_cnt = 7;
-	a.rnr_retry = 7;
-	a.max_rd_atomic = 1;
-	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-			     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
-}
 
 static int ready_ud(struct ibv_qp *qp)
 {
@@ -157,7 +132,7 @@ int main(void)
 		IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_SEND_WITH_IMM | IBV_QP_EX_WITH_RDMA_READ |
 		IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP | IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD;
 	struct ibv_qp *a = make_qp(IBV_QPT_RC, all), *b = make_qp(IBV_QPT_RC, IBV_QP_EX_WITH_SEND);
-	if (!a || !b || connect_rc(a, b->qp_num) || connect_rc(b, a->qp_num))
+	if (!a || !b || connect_rc(a, b->qp_num, lid) || connect_rc(b, a->qp_num, lid))
 		FAIL("cannot make and connect the RC QPs: %s", strerror(errno));
 	struct ibv_qp_ex *x = ibv_qp_to_qp_ex(a), *y = ibv_qp_to_qp_ex(b);
 	if (!x || !y)
@@ -394,7 +369,7 @@ int main(void)
 		.qp_type = IBV_QPT_RC, .cap = { .max_send_wr = 8, .max_recv_wr = 8, .max_send_sge = 1,
 		.max_recv_sge = 1 }, .comp_mask = IBV_QP_INIT_ATTR_PD, .pd = pd };
 	struct ibv_qp *c1 = ibv_create_qp_ex(ctx, &ci), *c2 = ibv_create_qp_ex(ctx, &ci);
-	if (!c1 || !c2 || connect_rc(c1, c2->qp_num) || connect_rc(c2, c1->qp_num))
+	if (!c1 || !c2 || connect_rc(c1, c2->qp_num, lid) || connect_rc(c2, c1->qp_num, lid))
 		FAIL("cannot make and connect the QPs on the extended CQ");
 	struct ibv_sge rs = { base + 1024, SIZE, mr->lkey }, ss = { base, 100, mr->lkey };
 	struct ibv_recv_wr cr = { .wr_id = 300, .sg_list = &rs, .num_sge = 1 };
@@ -443,7 +418,7 @@ int main(void)
 	struct ibv_qp_init_attr oi = { .send_cq = small, .recv_cq = cq, .qp_type = IBV_QPT_RC,
 		.cap = { .max_send_wr = 8, .max_recv_wr = 1, .max_send_sge = 1, .max_recv_sge = 1 } };
 	struct ibv_qp *o1 = small ? ibv_create_qp(pd, &oi) : NULL, *o2 = small ? ibv_create_qp(pd, &oi) : NULL;
-	if (!o1 || !o2 || connect_rc(o1, o2->qp_num) || connect_rc(o2, o1->qp_num))
+	if (!o1 || !o2 || connect_rc(o1, o2->qp_num, lid) || connect_rc(o2, o1->qp_num, lid))
 		FAIL("cannot make the overrun's QPs");
 	for (int i = 0; i < 4; i++) {
 		struct ibv_send_wr ow = { .wr_id = 400 + i, .sg_list = &ss, .num_sge = 1,

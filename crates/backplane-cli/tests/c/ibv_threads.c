@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "connect_rc.h"
+
 #define SIZE 256
 
 static struct ibv_context *ctx;
@@ -21,32 +23,6 @@ static struct ibv_pd *pd;
 static uint16_t lid;
 static long iters;
 static pthread_barrier_t start;
-
-static int connect_qp(struct ibv_qp *qp, uint32_t dest)
-{
-	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1,
-		.qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ };
-	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
-		return -1;
-	memset(&a, 0, sizeof a);
-	a.qp_state = IBV_QPS_RTR;
-	a.path_mtu = IBV_MTU_1024;
-	a.dest_qp_num = dest;
-	a.max_dest_rd_atomic = 1;
-	a.min_rnr_timer = 12;
-	a.ah_attr.dlid = lid;
-	a.ah_attr.port_num = 1;
-	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-			  IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
-		return -1;
-	a.qp_state = IBV_QPS_RTS;
-	a.timeout = 14;
-	a.retry_cnt = 7;
-	a.rnr_retry = 7;
-	a.max_rd_atomic = 1;
-	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-			     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
-}
 
 /* Waits for one completion of `op` on `cq`; anything else is a failure. */
 static int wait_one(struct ibv_cq *cq, enum ibv_wc_opcode op, long id)
@@ -80,7 +56,7 @@ static void *run(void *arg)
 	struct ibv_qp_init_attr ia = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC,
 		.cap = { .max_send_wr = 16, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1 } };
 	struct ibv_qp *a = ibv_create_qp(pd, &ia), *b = ibv_create_qp(pd, &ia);
-	if (!a || !b || connect_qp(a, b->qp_num) || connect_qp(b, a->qp_num)) {
+	if (!a || !b || connect_rc(a, b->qp_num, lid) || connect_rc(b, a->qp_num, lid)) {
 		fprintf(stderr, "ibv_threads: thread %ld: cannot connect its QPs\n", t);
 		exit(1);
 	}
