@@ -12,8 +12,8 @@
 //!
 //! The port and device events come from a thread per context that sleeps on the fabric's
 //! epoch word (futex-woken on every node state change) and looks at the supervisor at least
-//! every second; it ends within a second of `ibv_close_device` (its own reference keeps the
-//! eventfd open until then, so the number is never reused under it).
+//! every second; `ibv_close_device` wakes it to end (its own reference keeps the eventfd
+//! open until it has, so the number is never reused under it).
 
 use std::collections::VecDeque;
 use std::ffi::c_int;
@@ -98,6 +98,8 @@ pub(crate) fn watch(events: &Arc<Events>, fabric: Fabric, slot: u32) {
     let (mut up, mut generation) = ready(&fabric);
     let spawned = std::thread::Builder::new()
         .name("bp-ibv-async".into())
+        // It holds little: a small stack (a program may open many contexts).
+        .stack_size(256 << 10)
         .spawn(move || loop {
             if ev.closed.load(Ordering::Relaxed) {
                 return;

@@ -8,6 +8,7 @@
  * The poll API (ibv_create_cq_ex, ibv_start_poll/next_poll/end_poll, ibv_wc_read_*; see
  * ibv_create_cq_ex(3)) with completion timestamps (ibv_query_device_ex's clock).
  * Exit 0 and one line when everything held; otherwise the first failure on stderr. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <infiniband/verbs.h>
@@ -18,6 +19,7 @@
 
 #include "connect_rc.h"
 #include <time.h>
+#include <unistd.h>
 #include <arpa/inet.h>
 
 #define SIZE 256
@@ -107,6 +109,19 @@ static void read_ex(struct ibv_cq_ex *cqx, uint32_t from, uint32_t to, int *send
 		++*recvs;
 	} else
 		FAIL("extended CQ: wr_id %llu", (unsigned long long)cqx->wr_id);
+}
+
+/* This process's threads. */
+static int threads(void)
+{
+	int n = 0;
+	DIR *d = opendir("/proc/self/task");
+	struct dirent *e;
+	while (d && (e = readdir(d)))
+		n += e->d_name[0] != '.';
+	if (d)
+		closedir(d);
+	return n;
 }
 
 int main(void)
@@ -449,10 +464,19 @@ int main(void)
 	    ibv_destroy_qp(legacy) || ibv_destroy_ah(ah) || ibv_destroy_cq(cq) || ibv_dereg_mr(mr) ||
 	    ibv_dealloc_pd(pd) || ibv_close_device(ctx))
 		FAIL("cannot tear down");
+	/* Each context has a thread for its asynchronous events: closing it ends the thread. */
+	for (int i = 0; i < 50; i++) {
+		struct ibv_context *c = ibv_open_device(dl[0]);
+		if (!c || ibv_close_device(c))
+			FAIL("open and close %d", i);
+	}
+	usleep(200000);
+	if (threads() != 1)
+		FAIL("%d threads left after the contexts were closed (want 1)", threads());
 	ibv_free_device_list(dl);
 	free(buf);
 	printf("ibv_extended: ibv_wr_* WRITE, inline WRITE, READ, FETCH_AND_ADD, CMP_AND_SWP, a batch "
 	       "of SEND, WRITE_WITH_IMM and inline SEND_WITH_IMM, UD SEND, the errors; an extended CQ "
-	       "with timestamps; a CQ overrun's asynchronous event: all as documented\n");
+	       "with timestamps; a CQ overrun's asynchronous event; no thread left: all as documented\n");
 	return 0;
 }
