@@ -4,8 +4,8 @@
 //! time, as providers lock it), takes the next completion from the engine and makes it the
 //! current one (its `status` and `wr_id` in the `struct ibv_cq_ex`, the rest read through
 //! the `read_*` calls); `ibv_next_poll` takes the next; `ENOENT` when there is none
-//! (`ibv_start_poll` then leaves the region itself, as the man page says); `ibv_end_poll`
-//! leaves it. The CQ is an ordinary one too (`ibv_cq_ex_to_cq`: `ibv_poll_cq`, events,
+//! (`EOVERFLOW` when the CQ overran and is in error; `ibv_start_poll` then leaves the region
+//! itself, as the man page says); `ibv_end_poll` leaves it. The CQ is an ordinary one too (`ibv_cq_ex_to_cq`: `ibv_poll_cq`, events,
 //! `ibv_destroy_cq`).
 //!
 //! Completion timestamps: the fabric has no NIC clock; a completion's timestamp is the time
@@ -118,7 +118,12 @@ unsafe fn take(cq: *mut IbvCqEx) -> c_int {
         c.cq.poll_each(1, |_, w| got = Some(*w));
     }
     let Some(w) = got else {
-        return libc::ENOENT;
+        // An overrun CQ is in error (as `ibv_poll_cq` answers -1 then).
+        return if c.overrun(cq) {
+            libc::EOVERFLOW
+        } else {
+            libc::ENOENT
+        };
     };
     let stamp = |clock| {
         rustix::time::clock_gettime(clock)

@@ -392,6 +392,25 @@ pub(crate) struct CqObj {
     pub(crate) overrun_said: std::sync::atomic::AtomicBool,
 }
 
+impl CqObj {
+    /// True if the CQ overran (it is in error, as after `IBV_EVENT_CQ_ERR`), which is then
+    /// reported once as that event. `cq` is this object's pointer (the event's element).
+    pub(crate) fn overrun<T>(&self, cq: *mut T) -> bool {
+        if self.cq.overruns() == 0 {
+            return false;
+        }
+        if !self
+            .overrun_said
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            let ev = IbvAsyncEvent::of(crate::async_events::kind::CQ_ERR, cq);
+            // SAFETY: the context outlives its CQs.
+            unsafe { &*self.ctx }.events.push(ev);
+        }
+        true
+    }
+}
+
 // `ibv_create_cq_ex` hands out the object as a `struct ibv_cq_ex` (layout checked by build.rs).
 const _: () = assert!(std::mem::offset_of!(CqObj, ibv) == 0);
 const _: () = assert!(std::mem::offset_of!(CqObj, ex) == std::mem::offset_of!(IbvCqEx, tail));
@@ -619,15 +638,7 @@ pub(crate) unsafe extern "C" fn poll_cq(
         unsafe { wc.add(i).write(wc_out(w)) };
     });
     // An overrun CQ is in error (as after IBV_EVENT_CQ_ERR): said when it has nothing left.
-    if n == 0 && c.cq.overruns() > 0 {
-        if !c
-            .overrun_said
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
-            let ev = IbvAsyncEvent::of(crate::async_events::kind::CQ_ERR, cq);
-            // SAFETY: the context outlives its CQs.
-            unsafe { &*c.ctx }.events.push(ev);
-        }
+    if n == 0 && c.overrun(cq) {
         return -1;
     }
     n as c_int

@@ -4,7 +4,8 @@
 //! `ibv_wr_complete` / `ibv_wr_abort` (a critical region per QP, one thread at a time, as
 //! providers lock it) each builder starts a request with the `wr_id` and `wr_flags` the
 //! program set in the `struct ibv_qp_ex`, the setters give the last one its data (a gather
-//! list or inline bytes) and, on UD, its address; `ibv_wr_complete` posts the batch through
+//! list, or inline bytes: the setter used decides, not `IBV_SEND_INLINE` in `wr_flags`, as
+//! on mlx5) and, on UD, its address; `ibv_wr_complete` posts the batch through
 //! the engine as `ibv_post_send` posts a list. The builders return nothing: an error (a setter
 //! before any builder, an operation the QP was not made for, one not offered) is kept and
 //! `ibv_wr_complete` answers it — `EINVAL`, or `EOPNOTSUPP` — posting nothing. A batch the
@@ -279,6 +280,7 @@ unsafe extern "C" fn wr_set_sge(qp: *mut IbvQpEx, lkey: u32, addr: u64, length: 
     unsafe {
         last(qp, |w| {
             w.sges.clear();
+            w.flags.remove(SendFlags::INLINE);
             w.sges.push(Sge { addr, length, lkey });
         })
     }
@@ -295,6 +297,7 @@ unsafe extern "C" fn wr_set_sge_list(qp: *mut IbvQpEx, n: usize, list: *const Ib
     unsafe {
         last(qp, |w| {
             w.sges.clear();
+            w.flags.remove(SendFlags::INLINE);
             w.sges.extend_from_slice(sges);
         })
     }

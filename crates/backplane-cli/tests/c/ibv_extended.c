@@ -182,6 +182,19 @@ int main(void)
 	check(buf + SIZE, 0x22, sizeof in, "inline WRITE");
 	check(buf + SIZE + sizeof in, 0x11, SIZE - sizeof in, "inline WRITE (the rest)");
 
+	/* The setter decides what is sent, not IBV_SEND_INLINE in wr_flags (as on mlx5): a gather
+	 * entry with the flag set sends the entry's bytes. */
+	memset(buf, 0x12, 16);
+	ibv_wr_start(x);
+	x->wr_id = 6;
+	x->wr_flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE;
+	ibv_wr_rdma_write(x, mr->rkey, base + 3 * SIZE + 64);
+	ibv_wr_set_sge(x, mr->lkey, base, 16);
+	if (ibv_wr_complete(x))
+		FAIL("WRITE with the INLINE flag and a gather entry: ibv_wr_complete failed");
+	one(IBV_WC_RDMA_WRITE, 6, "WRITE with the INLINE flag and a gather entry");
+	check(buf + 3 * SIZE + 64, 0x12, 16, "WRITE with the INLINE flag and a gather entry");
+
 	/* RDMA READ back into [2 SIZE, 3 SIZE). */
 	memset(buf + 2 * SIZE, 0, SIZE);
 	ibv_wr_start(x);
