@@ -20,12 +20,14 @@
 //! shared receive queues and address handles are the engine's; the header's inline data path
 //! (`ibv_post_send`, `ibv_post_recv`, `ibv_post_srq_recv`, `ibv_poll_cq`, `ibv_req_notify_cq`)
 //! jumps through the context's `ops`, one call at a time per context (the `lock` module).
-//! A context is a `struct verbs_context` whose one extended operation is `create_qp_ex`: a QP
-//! made with `send_ops_flags` posts through the `ibv_wr_*` calls too (the `wr` module).
-//! Not offered (the program gets libibverbs' failure and stops with its own error): the rest
-//! of the extended API (`ibv_create_cq_ex`, `ibv_query_device_ex`'s extended part: the header's
-//! wrappers find the slots null and fall back or answer `EOPNOTSUPP`), memory windows,
-//! multicast, ODP, `rdma_cm`.
+//! A context is a `struct verbs_context` with three extended operations: `create_qp_ex` (a QP
+//! made with `send_ops_flags` posts through the `ibv_wr_*` calls too: the `wr` module),
+//! `create_cq_ex` (polled through `ibv_start_poll` & co., with completion timestamps: the
+//! `cq_ex` module) and `query_device_ex` (the timestamps' clock); the header's wrappers of the
+//! others find their slots null and fall back or answer `EOPNOTSUPP`. Asynchronous events
+//! (port, device, CQ errors) come through `async_fd` (the `async_events` module).
+//! Not offered (the program gets libibverbs' failure and stops with its own error): memory
+//! windows, multicast, XRC, device memory, ODP, `rdma_cm`.
 
 pub mod abi;
 mod async_events;
