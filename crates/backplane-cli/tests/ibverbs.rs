@@ -329,6 +329,78 @@ fn asynchronous_events_report_the_port_and_the_device_as_an_hca_does() {
     assert!(t.contains(&format!("{dev}: async event FD")), "{t}");
 }
 
+/// Every libibverbs symbol (with its version) that the installed programs and libraries which
+/// load ours import is exported: ibverbs-utils, perftest, the rdma-core providers perftest
+/// links, and UCX's verbs transports (`libuct_ib`, which found no `ibv_fork_init`,
+/// `ibv_event_type_str` or `ibv_node_type_str` before session 43: "symbol lookup error").
+/// A program then fails, if at all, with its own error, never with the dynamic linker's.
+#[test]
+fn every_libibverbs_symbol_the_installed_programs_import_is_exported() {
+    lib_built();
+    let nm = |args: &[&str], file: &std::path::Path| -> Option<String> {
+        let o = Command::new("nm").args(args).arg(file).output().ok()?;
+        o.status
+            .success()
+            .then(|| String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    let lib = std::path::Path::new(BIN).with_file_name("libibverbs.so");
+    let Some(ours) = nm(&["-D", "--defined-only"], &lib) else {
+        eprintln!("skipped: no nm");
+        return;
+    };
+    let ours: std::collections::HashSet<String> = ours
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2))
+        .map(|s| s.replace("@@", "@"))
+        .collect();
+    let mut importers: Vec<std::path::PathBuf> = [
+        "ibv_asyncwatch",
+        "ibv_devices",
+        "ibv_devinfo",
+        "ibv_rc_pingpong",
+        "ibv_srq_pingpong",
+        "ibv_uc_pingpong",
+        "ibv_ud_pingpong",
+        "ibv_xsrq_pingpong",
+        "ib_write_bw",
+        "ib_write_lat",
+        "ib_read_bw",
+        "ib_read_lat",
+        "ib_send_bw",
+        "ib_send_lat",
+        "ib_atomic_bw",
+        "ib_atomic_lat",
+    ]
+    .iter()
+    .map(|p| std::path::Path::new("/usr/bin").join(p))
+    .collect();
+    let libdir = std::path::Path::new("/usr/lib/x86_64-linux-gnu");
+    importers.extend(
+        ["ucx/libuct_ib.so.0", "libmlx5.so.1", "libefa.so.1"]
+            .iter()
+            .map(|l| libdir.join(l)),
+    );
+    let mut checked = 0;
+    let mut missing = Vec::new();
+    for f in importers.iter().filter(|f| f.exists()) {
+        let Some(imports) = nm(&["-D", "--undefined-only"], f) else {
+            continue;
+        };
+        checked += 1;
+        for sym in imports
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .filter(|s| s.contains("@IBVERBS_"))
+        {
+            if !ours.contains(sym) {
+                missing.push(format!("{}: {sym}", f.display()));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "not exported: {missing:#?}");
+    eprintln!("{checked} programs and libraries: every libibverbs symbol they import is exported");
+}
+
 #[test]
 fn exec_verbs_refuses_an_unknown_node_with_one_line() {
     lib_built();

@@ -802,6 +802,80 @@ pub extern "C" fn bp_ibv_wc_status_str(status: c_int) -> *const c_char {
 }
 abi::symver!(bp_ibv_wc_status_str, "ibv_wc_status_str@@IBVERBS_1.1");
 
+/// A static C string's pointer for the enum value `v` from `names`, or `unknown`.
+fn name_of(names: &[&'static CStr], v: c_int) -> *const c_char {
+    usize::try_from(v)
+        .ok()
+        .and_then(|i| names.get(i))
+        .unwrap_or(&c"unknown")
+        .as_ptr()
+}
+
+/// `ibv_event_type_str`: rdma-core's text for an asynchronous event type.
+#[no_mangle]
+pub extern "C" fn bp_ibv_event_type_str(event: c_int) -> *const c_char {
+    const NAMES: [&CStr; 20] = [
+        c"CQ error",
+        c"local work queue catastrophic error",
+        c"invalid request local work queue error",
+        c"local access violation work queue error",
+        c"communication established",
+        c"send queue drained",
+        c"path migrated",
+        c"path migration request error",
+        c"local catastrophic error",
+        c"port active",
+        c"port error",
+        c"LID change",
+        c"P_Key change",
+        c"SM change",
+        c"SRQ catastrophic error",
+        c"SRQ limit reached",
+        c"last WQE reached",
+        c"client reregistration",
+        c"GID table change",
+        c"WQ fatal",
+    ];
+    name_of(&NAMES, event)
+}
+abi::symver!(bp_ibv_event_type_str, "ibv_event_type_str@@IBVERBS_1.1");
+
+/// `ibv_node_type_str`: rdma-core's text for a node type (`IBV_NODE_CA` is 1).
+#[no_mangle]
+pub extern "C" fn bp_ibv_node_type_str(node_type: c_int) -> *const c_char {
+    const NAMES: [&CStr; 8] = [
+        c"unknown",
+        c"InfiniBand channel adapter",
+        c"InfiniBand switch",
+        c"InfiniBand router",
+        c"iWARP NIC",
+        c"usNIC",
+        c"usNIC UDP",
+        c"unspecified",
+    ];
+    name_of(&NAMES, node_type)
+}
+abi::symver!(bp_ibv_node_type_str, "ibv_node_type_str@@IBVERBS_1.1");
+
+/// `ibv_fork_init`: 0. Fabric memory is not pinned by a device (a registration is a shared
+/// mapping, see `backplane::mem::adopt`), so a forked child breaks no registration and there
+/// is nothing to prepare; `ibv_is_fork_initialized` says so.
+#[no_mangle]
+pub extern "C" fn bp_ibv_fork_init() -> c_int {
+    0
+}
+abi::symver!(bp_ibv_fork_init, "ibv_fork_init@@IBVERBS_1.1");
+
+/// `ibv_is_fork_initialized`: `IBV_FORK_UNNEEDED` (see [`bp_ibv_fork_init`]).
+#[no_mangle]
+pub extern "C" fn bp_ibv_is_fork_initialized() -> c_int {
+    2
+}
+abi::symver!(
+    bp_ibv_is_fork_initialized,
+    "ibv_is_fork_initialized@@IBVERBS_1.13"
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;
