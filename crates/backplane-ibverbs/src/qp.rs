@@ -629,7 +629,7 @@ unsafe fn sges<'a>(sg: *const IbvSge, n: c_int) -> &'a [Sge] {
 /// `w` is a readable request whose `sg_list` holds `num_sge` readable entries, and, if
 /// INLINE, whose entries name readable memory.
 #[inline(always)]
-pub(crate) unsafe fn send_in<'a>(
+unsafe fn send_in<'a>(
     w: &'a IbvSendWr,
     ud: bool,
     inline: &'a mut Vec<u8>,
