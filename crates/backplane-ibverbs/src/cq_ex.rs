@@ -134,12 +134,12 @@ unsafe fn take(cq: *mut IbvCqEx) -> c_int {
     };
     let mono = stamp(rustix::time::ClockId::Monotonic);
     let wall = stamp(rustix::time::ClockId::Realtime);
-    // SAFETY: inside the region (caller), so the current completion is this thread's; the
-    // `struct ibv_cq_ex` is the program's, alive.
+    // SAFETY: inside the region (caller), so the current completion and the tail's fields
+    // for it (cells, which the program only reads) are this thread's to write.
     unsafe {
         *c.current.wc.get() = (w, mono, wall);
-        (*cq).tail.status = w.status as c_int;
-        (*cq).tail.wr_id = w.wr_id;
+        (*c.ex.get()).status = w.status as c_int;
+        (*c.ex.get()).wr_id = w.wr_id;
     }
     0
 }

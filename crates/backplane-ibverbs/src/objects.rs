@@ -383,7 +383,9 @@ crate::abi::symver!(
 #[repr(C)]
 pub(crate) struct CqObj {
     pub(crate) ibv: IbvCq,
-    pub(crate) ex: IbvCqExTail,
+    /// In a cell: the polling API writes the current completion's `status` and `wr_id` there,
+    /// which the program reads through its pointer.
+    pub(crate) ex: std::cell::UnsafeCell<IbvCqExTail>,
     pub(crate) cq: Cq,
     pub(crate) ctx: *const Ctx,
     /// The completion `ibv_start_poll`/`ibv_next_poll` took (see `crate::cq_ex`).
@@ -489,7 +491,7 @@ pub(crate) fn create_cq(
             comp_events_completed: 0,
             async_events_completed: 0,
         },
-        ex: crate::cq_ex::table(ex),
+        ex: std::cell::UnsafeCell::new(crate::cq_ex::table(ex)),
         cq,
         ctx: c,
         current: crate::cq_ex::Current::default(),

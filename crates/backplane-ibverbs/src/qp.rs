@@ -19,7 +19,9 @@ use backplane::wire::verbs::QP_MIN_RING;
 #[repr(C)]
 pub(crate) struct QpObj {
     pub(crate) ibv: IbvQp,
-    pub(crate) ex: IbvQpExTail,
+    /// In a cell: the program writes `wr_id` and `wr_flags` through its pointer while other
+    /// threads may hold references to the object.
+    pub(crate) ex: std::cell::UnsafeCell<IbvQpExTail>,
     pub(crate) qp: Qp,
     pub(crate) ctx: *const Ctx,
     /// The `IBV_QP_EX_WITH_*` operations it was made for (0: a QP of `ibv_create_qp`).
@@ -338,7 +340,7 @@ fn create(call: &str, pd: *mut IbvPd, a: &mut IbvQpInitAttr, send_ops: u64) -> *
             cond: libc::PTHREAD_COND_INITIALIZER,
             events_completed: 0,
         },
-        ex: crate::wr::table(send_ops),
+        ex: std::cell::UnsafeCell::new(crate::wr::table(send_ops)),
         qp,
         ctx: p.ctx,
         send_ops,

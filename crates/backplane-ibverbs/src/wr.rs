@@ -91,8 +91,9 @@ unsafe fn build(
         b.err = b.err.max(libc::EINVAL);
         return;
     }
-    // SAFETY: the program's `struct ibv_qp_ex`, alive; it set these before the call.
-    let (wr_id, flags) = unsafe { ((*qpx).tail.wr_id, (*qpx).tail.wr_flags) };
+    // SAFETY: the QP's `struct ibv_qp_ex` tail (a cell), alive; the program set these before
+    // the call.
+    let (wr_id, flags) = unsafe { ((*q.ex.get()).wr_id, (*q.ex.get()).wr_flags) };
     b.wrs.push(Pending {
         wr_id,
         opcode,
