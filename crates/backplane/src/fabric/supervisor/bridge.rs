@@ -1036,6 +1036,14 @@ impl Worker {
         let Some((theirs, ours)) = mirror::keys(body) else {
             return;
         };
+        if kind == KIND_RDMA {
+            // The region a request names was granted by this supervisor, which queued it here
+            // (`Cmd::AddMr`) before it answered the other host; the requester posted only
+            // after that answer, but this thread may have looked at its commands before the
+            // grant and only now at the request (preempted in between: a READ across hosts
+            // failed with REM_ACCESS_ERR under a loaded CI run). Take the commands first.
+            self.commands();
+        }
         let m = self
             .mirrors
             .get_mut(&ours)
