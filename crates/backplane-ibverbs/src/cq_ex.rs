@@ -125,12 +125,13 @@ unsafe fn take(cq: *mut IbvCqEx) -> c_int {
             libc::ENOENT
         };
     };
+    // One reading per clock: seconds and nanoseconds of the same instant.
     let stamp = |clock| {
-        rustix::time::clock_gettime(clock)
-            .tv_sec
+        let t = rustix::time::clock_gettime(clock);
+        t.tv_sec
             .unsigned_abs()
             .saturating_mul(1_000_000_000)
-            .saturating_add(rustix::time::clock_gettime(clock).tv_nsec.unsigned_abs())
+            .saturating_add(t.tv_nsec.unsigned_abs())
     };
     let mono = stamp(rustix::time::ClockId::Monotonic);
     let wall = stamp(rustix::time::ClockId::Realtime);

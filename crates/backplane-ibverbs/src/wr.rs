@@ -44,6 +44,21 @@ struct Batch {
     err: c_int,
 }
 
+impl Batch {
+    /// Keeps `e` unless an error was met already.
+    fn fail(&mut self, e: c_int) {
+        if self.err == 0 {
+            self.err = e;
+        }
+    }
+
+    /// Empty again (a new region, or the end of one).
+    fn reset(&mut self) {
+        self.wrs.clear();
+        self.err = 0;
+    }
+}
+
 /// A QP's critical region and the batch built in it.
 #[derive(Default)]
 pub(crate) struct Region {
@@ -88,7 +103,7 @@ unsafe fn build(
     };
     if q.send_ops & with == 0 {
         // Not among the operations the QP was made for (mlx5 refuses them the same way).
-        b.err = b.err.max(libc::EINVAL);
+        b.fail(libc::EINVAL);
         return;
     }
     // SAFETY: the QP's `struct ibv_qp_ex` tail (a cell), alive; the program set these before
@@ -117,7 +132,7 @@ unsafe fn last(qpx: *mut IbvQpEx, f: impl FnOnce(&mut Pending)) {
     };
     match b.wrs.last_mut() {
         Some(w) => f(w),
-        None => b.err = b.err.max(libc::EINVAL),
+        None => b.fail(libc::EINVAL),
     }
 }
 
@@ -128,7 +143,7 @@ unsafe fn last(qpx: *mut IbvQpEx, f: impl FnOnce(&mut Pending)) {
 unsafe fn not_offered(qpx: *mut IbvQpEx) {
     // SAFETY: caller contract.
     if let Some((_, b)) = unsafe { held(qpx) } {
-        b.err = libc::EOPNOTSUPP;
+        b.fail(libc::EOPNOTSUPP);
     }
 }
 
@@ -141,17 +156,14 @@ unsafe extern "C" fn wr_start(qp: *mut IbvQpEx) {
     let q = unsafe { &*qp.cast::<QpObj>() };
     if q.batch.turn.enter() {
         // SAFETY: the region is ours now.
-        let b = unsafe { &mut *q.batch.batch.get() };
-        b.wrs.clear();
-        b.err = 0;
+        unsafe { &mut *q.batch.batch.get() }.reset();
     }
 }
 
 unsafe extern "C" fn wr_abort(qp: *mut IbvQpEx) {
     // SAFETY: the table's contract.
     if let Some((q, b)) = unsafe { held(qp) } {
-        b.wrs.clear();
-        b.err = 0;
+        b.reset();
         q.batch.turn.leave();
     }
 }
@@ -163,8 +175,7 @@ unsafe extern "C" fn wr_complete(qp: *mut IbvQpEx) -> c_int {
         return libc::EINVAL;
     };
     let rc = if b.err != 0 { b.err } else { post(q, &b.wrs) };
-    b.wrs.clear();
-    b.err = 0;
+    b.reset();
     q.batch.turn.leave();
     rc
 }
