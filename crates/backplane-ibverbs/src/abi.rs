@@ -226,8 +226,8 @@ pub const PORT_ACTIVE: c_int = 4;
 pub const MTU_4096: c_int = 5;
 /// `IBV_LINK_LAYER_INFINIBAND`.
 pub const LINK_LAYER_INFINIBAND: u8 = 1;
-/// `IBV_ATOMIC_GLOB`.
-pub const ATOMIC_GLOB: c_int = 2;
+/// `IBV_ATOMIC_HCA`.
+pub const ATOMIC_HCA: c_int = 1;
 /// `IBV_GID_TYPE_ROCE_V2` (`ibv_gid_entry`) and `IBV_GID_TYPE_SYSFS_ROCE_V2` (the private
 /// `ibv_query_gid_type`).
 pub const GID_TYPE_ROCE_V2: u32 = 2;

@@ -104,7 +104,7 @@ impl Ctx {
     }
 }
 
-fn set_errno(e: c_int) {
+pub(crate) fn set_errno(e: c_int) {
     // SAFETY: errno is this thread's; writing it is what every libc function does.
     unsafe { *libc::__errno_location() = e };
 }
@@ -541,7 +541,10 @@ pub unsafe extern "C" fn bp_ibv_query_device(
         max_qp_rd_atom: d.max_qp_rd_atom as c_int,
         max_res_rd_atom: (d.max_qp_rd_atom as c_int) << 16,
         max_qp_init_rd_atom: d.max_qp_rd_atom as c_int,
-        atomic_cap: ATOMIC_GLOB,
+        // What NICs report. The atomics are CPU atomics on the word, so they hold against the
+        // CPU's too (`IBV_ATOMIC_GLOB` would be true), but UCX's verbs transport offers
+        // hardware atomics only on a device that says HCA (and emulates them otherwise).
+        atomic_cap: ATOMIC_HCA,
         max_ah: 1 << 16,
         max_pkeys: 1,
         phys_port_cnt: d.phys_port_cnt,

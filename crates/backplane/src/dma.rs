@@ -1313,11 +1313,11 @@ impl DmaQueue {
                 me.check_current().map_err(|_| DmaStatus::NodeDown)?;
                 self.ctx.with_local_mr(lkey, |mr| {
                     let mr = mr.ok_or(DmaStatus::InvalidRegion)?;
-                    let state = Word32::at(mr.data.region(), MR_STATE_OFF as u64)
+                    let state = Word32::at(&mr.header, MR_STATE_OFF as u64)
                         .map_err(|_| DmaStatus::InvalidRegion)?;
                     // fstat of a memfd we hold does not fail; if it did, the mapping's address
                     // stands in (unique, so two such mappings are never seen as one region).
-                    let ident = rustix::fs::fstat(mr.data.region().fd())
+                    let ident = rustix::fs::fstat(mr.header.fd())
                         .map(|s| (s.st_dev, s.st_ino))
                         .unwrap_or((u64::MAX, mr.data.addr(0) as u64));
                     Ok(Mapping {

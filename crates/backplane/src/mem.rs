@@ -11,7 +11,7 @@
 //! nobody changes them, which no process sharing a window can promise.
 
 mod adopt;
-pub use adopt::Adopted;
+pub use adopt::{shared_backing, Adopted, SharedBacking};
 
 use std::ops::Deref;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -94,15 +94,24 @@ impl Region {
     /// Maps the first `max` bytes of a region (all of it if it is shorter): for a process that
     /// needs only a region's header.
     pub fn map_prefix(fd: OwnedFd, max: usize, writable: bool) -> Result<Self, MemError> {
+        Self::map_range(fd, 0, max, writable)
+    }
+
+    /// Maps `max` bytes of a file from offset `off` (page-aligned), fewer if the file ends
+    /// sooner: the data of a region registered over memory another object backs (a shared
+    /// mapping's file). Offsets into the mapping count from `off`.
+    pub fn map_range(fd: OwnedFd, off: u64, max: usize, writable: bool) -> Result<Self, MemError> {
         use rustix::mm::{mmap, MapFlags, ProtFlags};
-        let len = (rustix::fs::fstat(&fd)
+        let size = rustix::fs::fstat(&fd)
             .map_err(|e| MemError::Create {
                 name: "received fd".into(),
                 source: e.into(),
             })?
-            .st_size as usize)
+            .st_size as u64;
+        let len = usize::try_from(size.saturating_sub(off))
+            .unwrap_or(usize::MAX)
             .min(max);
-        if len == 0 {
+        if len == 0 || !off.is_multiple_of(4096) {
             return Err(MemError::Map {
                 len,
                 source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
@@ -115,7 +124,7 @@ impl Region {
         };
         // SAFETY: we map a fresh range chosen by the kernel (null hint), so no existing Rust
         // object is aliased; the mapping stays valid until `Drop` unmaps it.
-        let ptr = unsafe { mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, &fd, 0) }
+        let ptr = unsafe { mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, &fd, off) }
             .map_err(|e| MemError::Map {
                 len,
                 source: e.into(),

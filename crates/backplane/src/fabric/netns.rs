@@ -189,9 +189,49 @@ pub fn create_node_netns(
     Ok(())
 }
 
+/// Where libibverbs programs look for the character device of fabric `fabric`'s verbs device
+/// (`ibv_device.dev_name` under `/dev/infiniband`, as the kernel's `uverbsN`).
+pub fn verbs_device_node(fabric: &str) -> PathBuf {
+    PathBuf::from("/dev/infiniband").join(format!("uverbs_bp_{fabric}"))
+}
+
+/// Makes the fabric's verbs device node (the drop-in `libibverbs.so.1` names the device
+/// `uverbs_bp_FABRIC`). Nothing opens it — the library reaches the fabric through its
+/// supervisor — but UCX offers an InfiniBand device only if `/dev/infiniband/<dev_name>` is a
+/// character device it may read and write. It is `/dev/null`'s (1:3, mode 0666): opening it
+/// does nothing. Best effort (it needs root, as the namespaces do); [`cleanup`] removes it.
+pub fn create_verbs_device_node(fabric: &str) -> std::io::Result<()> {
+    use rustix::fs::{mknodat, FileType, Mode, CWD};
+    let node = verbs_device_node(fabric);
+    let dir = node.parent().expect("a path with a directory");
+    std::fs::create_dir_all(dir)?;
+    let made = mknodat(
+        CWD,
+        &node,
+        FileType::CharacterDevice,
+        Mode::from_raw_mode(0o666),
+        rustix::fs::makedev(1, 3),
+    );
+    match made {
+        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+        Err(e) => return Err(e.into()),
+    }
+    // (mknod applies the umask.)
+    std::fs::set_permissions(&node, std::os::unix::fs::PermissionsExt::from_mode(0o666))
+}
+
 /// Removes every namespace and `/etc/netns` directory of fabric `fabric` (also those a
-/// crashed supervisor left behind). Best effort; safe to call when there are none.
+/// crashed supervisor left behind), and its verbs device node (with `/dev/infiniband` if
+/// that is left empty). Best effort; safe to call when there are none.
 pub fn cleanup(fabric: &str) {
+    let node = verbs_device_node(fabric);
+    if std::fs::symlink_metadata(&node)
+        .is_ok_and(|m| std::os::unix::fs::FileTypeExt::is_char_device(&m.file_type()))
+    {
+        let _ = std::fs::remove_file(&node);
+        // Fails (and is left) unless empty: another fabric's node, or a real device.
+        let _ = std::fs::remove_dir(node.parent().expect("a path with a directory"));
+    }
     let prefix = format!("bp-{fabric}-");
     let own = own_slots(fabric);
     let ours = |name: &str| {

@@ -299,6 +299,8 @@ fn run_inner(
                 });
             }
         }
+        // For UCX's InfiniBand transports over the drop-in libibverbs (see the function).
+        let _ = net::create_verbs_device_node(&sup.cfg.name);
     }
     for slot in 1..=sup.cfg.nodes {
         sup.write_entry(slot, DownReason::None);
@@ -662,8 +664,8 @@ impl Sup {
             Err((ErrorKind::Invalid, "first message must be hello".into()))
         };
         match result {
-            Ok((resp, fd)) => {
-                let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
+            Ok((resp, fds)) => {
+                let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
                 self.reply(id, &Response::Service(resp), &fds);
                 true
             }

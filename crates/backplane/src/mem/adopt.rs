@@ -18,8 +18,13 @@
 //! What the program must know (as with pinning on a NIC): bytes another thread writes into the
 //! buffer's pages *while* `ibv_reg_mr` runs may be lost; after `fork()` the child shares the
 //! registered pages with the parent instead of copying them (libibverbs' `ibv_fork_init`
-//! problem, the other way round); and pages already shared (a `MAP_SHARED` mapping, or a page
-//! of another live registration) are refused rather than silently split.
+//! problem, the other way round).
+//!
+//! Pages that are shared already — a `MAP_SHARED` mapping (memfd, SysV segment, POSIX shared
+//! memory, shared anonymous memory), or pages of another live registration — are not moved
+//! (other processes, or the other registration's peers, share them): [`shared_backing`] finds
+//! the object under them, and the region's data is that object's file from that offset, with
+//! a header page of its own.
 
 use std::sync::Arc;
 
@@ -44,7 +49,11 @@ struct Segment {
     start: usize,
     end: usize,
     perms: [u8; 4],
+    /// The file offset of `start`.
+    off: u64,
     dev_ino: (u64, u64),
+    /// The whole mapping's bounds (`start`/`end` may be clipped to a range).
+    whole: (usize, usize),
 }
 
 fn segments() -> std::io::Result<Vec<Segment>> {
@@ -56,15 +65,21 @@ fn parse_segment(l: &str) -> Option<Segment> {
     let mut w = l.split_whitespace();
     let (s, e) = w.next()?.split_once('-')?;
     let p = w.next()?.as_bytes();
-    let _off = w.next()?;
+    let off = u64::from_str_radix(w.next()?, 16).ok()?;
     let (maj, min) = w.next()?.split_once(':')?;
     let ino = w.next()?.parse::<u64>().ok()?;
     let dev = (u64::from_str_radix(maj, 16).ok()? << 8) | u64::from_str_radix(min, 16).ok()?;
+    let (start, end) = (
+        usize::from_str_radix(s, 16).ok()?,
+        usize::from_str_radix(e, 16).ok()?,
+    );
     Some(Segment {
-        start: usize::from_str_radix(s, 16).ok()?,
-        end: usize::from_str_radix(e, 16).ok()?,
+        start,
+        end,
         perms: p.get(..4)?.try_into().ok()?,
+        off,
         dev_ino: (dev, ino),
+        whole: (start, end),
     })
 }
 
@@ -79,9 +94,11 @@ fn covering(at: usize, len: usize) -> Result<Vec<Segment>, String> {
             break;
         }
         next = s.end;
+        let start = s.start.max(at);
         out.push(Segment {
-            start: s.start.max(at),
+            start,
             end: s.end.min(end),
+            off: s.off + (start - s.start) as u64,
             ..s
         });
     }
@@ -118,6 +135,105 @@ fn dev_as_maps(dev: u64) -> u64 {
     let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
     let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
     (major << 8) | minor
+}
+
+/// The regions this process put under its own pages (weakly: a region lives as long as its
+/// registration): where a range already inside one is registered again, the new region
+/// reaches the same memfd without `/proc/self/map_files` (which needs privilege).
+static ADOPTING: std::sync::Mutex<Vec<std::sync::Weak<Region>>> = std::sync::Mutex::new(Vec::new());
+
+/// A region of this process whose memfd is the file `dev_ino` (as `/proc/self/maps` prints it).
+fn adopting_region(dev_ino: (u64, u64)) -> Option<Arc<Region>> {
+    let mut all = ADOPTING.lock().unwrap_or_else(|e| e.into_inner());
+    all.retain(|w| w.strong_count() > 0);
+    all.iter().filter_map(|w| w.upgrade()).find(|r| {
+        let (dev, ino) = memfd_ident(r);
+        (dev_as_maps(dev), ino) == dev_ino
+    })
+}
+
+/// The shared object under a range of this process's memory: its file (open read-write if
+/// every page of the range is mapped writable, else read-only) and the file offset of the
+/// range's first byte.
+#[derive(Debug)]
+pub struct SharedBacking {
+    /// The object's file.
+    pub fd: std::os::fd::OwnedFd,
+    /// Where the range starts in it (page-aligned).
+    pub off: u64,
+    /// Whether every page of the range is mapped writable (and `fd` open for writing).
+    pub writable: bool,
+}
+
+/// What backs the pages `[at, at + len)` (page-aligned): `None` if they are all private
+/// memory (put them under a region with [`Adopted::new`]); the object if one shared object
+/// backs all of them, contiguously — a `MAP_SHARED` mapping (memfd, SysV segment, POSIX shared
+/// memory, shared anonymous memory) or pages of another region of this process. Such memory
+/// is registered where it is: a region's data is that object, from that offset. A range
+/// that mixes private and shared pages or two objects, or is not all mapped, is an error.
+///
+/// The object's file comes from this process's own regions, else from
+/// `/proc/self/map_files/`, which needs `CAP_SYS_ADMIN` or `CAP_CHECKPOINT_RESTORE`.
+pub fn shared_backing(at: usize, len: usize) -> Result<Option<SharedBacking>, String> {
+    let segs = covering(at, len)?;
+    if let Some(s) = segs.iter().find(|s| s.perms[0] != b'r') {
+        return Err(format!("{:#x}..{:#x} is not readable", s.start, s.end));
+    }
+    let shared = segs.iter().filter(|s| s.perms[3] == b's').count();
+    if shared == 0 {
+        return Ok(None);
+    }
+    let first = &segs[0];
+    if shared < segs.len() {
+        return Err(format!(
+            "{at:#x}+{len} mixes private and shared memory: register them separately"
+        ));
+    }
+    let mut expect = first.off;
+    for s in &segs {
+        if s.dev_ino != first.dev_ino || s.off != expect {
+            return Err(format!(
+                "{at:#x}+{len} spans two shared mappings: register them separately"
+            ));
+        }
+        expect += (s.end - s.start) as u64;
+    }
+    let writable = segs.iter().all(|s| s.perms[1] == b'w');
+    let fd = match adopting_region(first.dev_ino) {
+        Some(r) => r
+            .fd()
+            .try_clone_to_owned()
+            .map_err(|e| format!("cannot share the region under {at:#x}: {e}"))?,
+        None => {
+            use rustix::fs::{open, Mode, OFlags};
+            let path = format!(
+                "/proc/self/map_files/{:x}-{:x}",
+                first.whole.0, first.whole.1
+            );
+            let mode = if writable {
+                OFlags::RDWR
+            } else {
+                OFlags::RDONLY
+            };
+            open(&path, mode | OFlags::CLOEXEC, Mode::empty()).map_err(|e| {
+                if e == rustix::io::Errno::PERM || e == rustix::io::Errno::ACCESS {
+                    format!(
+                        "{at:#x}+{len} is shared memory (a MAP_SHARED mapping): registering it \
+                         where it is needs its file from {path}, which needs CAP_SYS_ADMIN or \
+                         CAP_CHECKPOINT_RESTORE; register private memory (malloc, \
+                         MAP_PRIVATE) instead"
+                    )
+                } else {
+                    format!("cannot open {path} for the shared memory at {at:#x}: {e}")
+                }
+            })?
+        }
+    };
+    Ok(Some(SharedBacking {
+        fd,
+        off: first.off,
+        writable,
+    }))
 }
 
 fn map_err(len: usize, e: impl Into<std::io::Error>) -> MemError {
@@ -190,6 +306,11 @@ impl Adopted {
         // (the caller's contract); `tmp` is our fresh writable mapping of `len` bytes.
         unsafe { copy_and_swap(tmp, at, len, &prots, Backing::Memfd(region.fd(), off)) }
             .map_err(|e| map_err(len, e))?;
+        {
+            let mut all = ADOPTING.lock().unwrap_or_else(|e| e.into_inner());
+            all.retain(|w| w.strong_count() > 0);
+            all.push(Arc::downgrade(region));
+        }
         Ok(Self {
             at,
             len,

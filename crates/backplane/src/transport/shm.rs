@@ -93,8 +93,9 @@ impl Transport for ShmTransport {
                 len,
                 access,
                 writable,
+                data_off,
             } => Some(Arc::new(ShmRegion::from_fd(
-                fds.into_iter().next()?,
+                RegionFds::from_message(fds, data_off)?,
                 len,
                 access,
                 writable,
@@ -353,40 +354,118 @@ pub struct ShmRegion {
     ident: (u64, u64),
 }
 
+/// The descriptors of a region, as the supervisor holds and grants them: one memfd (the
+/// header page, then the data) or, for a region over memory another object backs (a shared
+/// mapping's file, another region's memfd), a one-page header memfd and that object's file
+/// with the offset its data starts at.
+#[derive(Debug)]
+pub struct RegionFds {
+    /// The region's memfd (its header page first).
+    pub header: std::os::fd::OwnedFd,
+    /// The data's file and the page-aligned offset the data starts at (the header's `skew`
+    /// then applies), if not the header's memfd.
+    pub data: Option<(std::os::fd::OwnedFd, u64)>,
+}
+
+impl RegionFds {
+    /// The descriptors of a message (one, or two when `data_off` is set); `None` if their
+    /// number does not match.
+    pub fn from_message(fds: Vec<std::os::fd::OwnedFd>, data_off: Option<u64>) -> Option<Self> {
+        let mut it = fds.into_iter();
+        let header = it.next()?;
+        let data = match data_off {
+            Some(off) => Some((it.next()?, off)),
+            None => None,
+        };
+        it.next().is_none().then_some(Self { header, data })
+    }
+
+    /// The descriptors to send and the `data_off` that says how many.
+    pub fn into_message(self) -> (Vec<std::os::fd::OwnedFd>, Option<u64>) {
+        match self.data {
+            Some((d, off)) => (vec![self.header, d], Some(off)),
+            None => (vec![self.header], None),
+        }
+    }
+}
+
+/// A region's mappings in this process: its header page and its data, which begins at
+/// `data_off` of `data` (then the header's `skew`). A region in one memfd has the same
+/// mapping for both, with its data at [`MR_DATA_OFF`].
+#[derive(Debug, Clone)]
+pub struct RegionMaps {
+    /// The mapping with the header at offset 0.
+    pub header: Arc<Region>,
+    /// The mapping that holds the data.
+    pub data: Arc<Region>,
+    /// Where the data area starts in `data`.
+    pub data_off: u64,
+}
+
+impl RegionMaps {
+    /// A region in one memfd.
+    pub fn single(region: Arc<Region>) -> Self {
+        Self {
+            header: region.clone(),
+            data: region,
+            data_off: MR_DATA_OFF,
+        }
+    }
+}
+
 impl ShmRegion {
-    /// Maps a granted region's memfd (read-only unless `writable`), populated, its header
-    /// checked against the grant (`len`), its state VALID; `None` if anything fails a check.
-    /// The supervisor's bridge maps the regions it is granted for another host this way.
-    pub fn from_fd(
-        fd: std::os::fd::OwnedFd,
-        len: u64,
-        access: u32,
-        writable: bool,
-    ) -> Option<Self> {
-        let region = Arc::new(Region::map(fd, writable).ok()?);
-        region.populate(writable);
-        Self::from_region(region, len, access)
+    /// Maps a granted region (read-only unless `writable`; a separate header always
+    /// read-only), populated, its header checked against the grant (`len`), its state VALID;
+    /// `None` if anything fails a check. The supervisor's bridge maps the regions it is
+    /// granted for another host this way.
+    pub fn from_fd(fds: RegionFds, len: u64, access: u32, writable: bool) -> Option<Self> {
+        let maps = match fds.data {
+            None => RegionMaps::single(Arc::new(Region::map(fds.header, writable).ok()?)),
+            Some((data, off)) => {
+                let header = Arc::new(Region::map_prefix(fds.header, 4096, false).ok()?);
+                let skew = Self::header_of(&header, u64::MAX)?.skew;
+                let want = usize::try_from(u64::from(skew).checked_add(len)?).ok()?;
+                let data = Region::map_range(data, off, want, writable).ok()?;
+                RegionMaps {
+                    header,
+                    data: Arc::new(data),
+                    data_off: 0,
+                }
+            }
+        };
+        maps.data.populate(writable);
+        Self::from_region(maps, len, access)
+    }
+
+    /// The header of a region mapping, checked against `mapped` bytes of data area (plus
+    /// [`MR_DATA_OFF`]).
+    fn header_of(header: &Region, mapped: u64) -> Option<MrRepr> {
+        let mut h = [0u8; 64];
+        header.read(0, &mut h).ok()?;
+        MrRepr::parse(&MrHeader::new_unchecked(&h[..]), mapped).ok()
     }
 
     /// A region already mapped here (a process's own, for the requests of a peer on another
     /// host that its process carries itself, `verbs::direct`), with the checks of
     /// [`ShmRegion::from_fd`].
-    pub fn from_region(region: Arc<Region>, len: u64, access: u32) -> Option<Self> {
-        let mut h = [0u8; 64];
-        region.read(0, &mut h).ok()?;
-        let repr = MrRepr::parse(&MrHeader::new_unchecked(&h[..]), region.len() as u64).ok()?;
+    pub fn from_region(maps: RegionMaps, len: u64, access: u32) -> Option<Self> {
+        // The data area's mapped length, counted as if it followed a header page.
+        let area = (maps.data.len() as u64).checked_sub(maps.data_off)?;
+        let repr = Self::header_of(&maps.header, area.checked_add(MR_DATA_OFF)?)?;
         if repr.len != len {
             return None;
         }
-        let state = Word32::at(&region, MR_STATE_OFF as u64).ok()?;
+        let state = Word32::at(&maps.header, MR_STATE_OFF as u64).ok()?;
         // SYNC POINT mr-state (acquire): a region deregistered before we mapped it is refused.
         if state.load(Ordering::Acquire) != MR_STATE_VALID {
             return None;
         }
-        // fstat of a memfd we hold does not fail; if it did, the mapping's address stands in
-        // (unique, so two such mappings are never seen as one region).
-        let data = Span::new(&region, MR_DATA_OFF + u64::from(repr.skew), len).ok()?;
-        let ident = rustix::fs::fstat(region.fd())
+        let data = Span::new(&maps.data, maps.data_off + u64::from(repr.skew), len).ok()?;
+        // Names the region: its header's memfd (one per registration; two registrations over
+        // the same shared memory are told apart, so DMA's overlap check does not see them as
+        // one). fstat of a memfd we hold does not fail; if it did, the mapping's address
+        // stands in (unique, so two such mappings are never seen as one region).
+        let ident = rustix::fs::fstat(maps.header.fd())
             .map(|s| (s.st_dev, s.st_ino))
             .unwrap_or((u64::MAX, data.addr(0) as u64));
         Some(Self {

@@ -62,6 +62,10 @@ impl Armed {
 struct Inner {
     events: VecDeque<u32>,
     armed: Vec<Armed>,
+    /// The eventfd's count is not zero (written since the last drain): a read of it now
+    /// returns at once. The fd is blocking unless the program makes it non-blocking (as
+    /// libibverbs' own), so a read must never find it at zero.
+    signaled: bool,
 }
 
 /// State shared by a channel's owner, its CQs and its watcher thread.
@@ -86,7 +90,8 @@ impl ChannelShared {
         inner.events.extend(cqs);
         self.armed_count.store(inner.armed.len(), Ordering::Relaxed);
         let one = 1u64.to_ne_bytes();
-        let _ = rustix::io::write(&self.efd, &one);
+        // (A count below the eventfd's maximum never blocks the write.)
+        inner.signaled |= rustix::io::write(&self.efd, &one).is_ok();
         // A thread asleep in `get_cq_event` sleeps on `wake`, not on the fd.
         self.wake.fetch_add(1, Ordering::Release);
         futex_wake(&self.wake);
@@ -338,8 +343,9 @@ impl CompChannel {
     ) -> Result<Self, VerbsError> {
         use crate::wire::verbs::{EV_ARMED_OFF, EV_BELL_OFF};
         use rustix::event::{eventfd, EventfdFlags};
-        let efd = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
-            .map_err(std::io::Error::from)?;
+        // Blocking, as libibverbs' channel fd: a program that wants EAGAIN from
+        // `ibv_get_cq_event` sets O_NONBLOCK itself (UCX does).
+        let efd = eventfd(0, EventfdFlags::CLOEXEC).map_err(std::io::Error::from)?;
         let shared = Arc::new(ChannelShared {
             efd,
             inner: Mutex::new(Inner::default()),
@@ -400,9 +406,11 @@ impl CompChannel {
     pub fn try_get_cq_event(&self) -> Option<CqEvent> {
         let mut g = self.shared.lock();
         let e = g.events.pop_front()?;
-        if g.events.is_empty() {
+        if g.events.is_empty() && g.signaled {
             let mut b = [0u8; 8];
-            let _ = rustix::io::read(&self.shared.efd, &mut b); // drain: fd no longer readable
+            // Drain (the fd is no longer readable); the count is not zero, so this returns.
+            let _ = rustix::io::read(&self.shared.efd, &mut b);
+            g.signaled = false;
         }
         Some(CqEvent { cq_id: e })
     }

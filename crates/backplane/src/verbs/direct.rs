@@ -37,9 +37,8 @@ use crate::dgram::{DgramError, Endpoint, Wait};
 use crate::fabric::ctl::ErrorKind;
 use crate::fabric::supervisor::mirror::{self, Mirror, QpBlock};
 use crate::fabric::FabricError;
-use crate::mem::Region;
 use crate::sync::Ordering;
-use crate::transport::shm::ShmRegion;
+use crate::transport::shm::{RegionMaps, ShmRegion};
 use crate::transport::Addr;
 use crate::wire::verbs::RDMA_REQ_HEAD;
 use crate::wire::MAX_DGRAM;
@@ -120,7 +119,7 @@ pub(crate) fn wanted() -> bool {
 /// requests are carried out on.
 struct OwnMr {
     pd: u32,
-    region: Arc<Region>,
+    region: RegionMaps,
     len: u64,
     access: u32,
 }
@@ -132,7 +131,7 @@ fn own_mrs() -> MutexGuard<'static, Vec<(u32, OwnMr)>> {
 }
 
 /// Region `rkey` (of protection domain `pd`, `len` bytes) was registered here.
-pub(crate) fn region_registered(rkey: u32, pd: u32, region: Arc<Region>, len: u64, access: u32) {
+pub(crate) fn region_registered(rkey: u32, pd: u32, region: RegionMaps, len: u64, access: u32) {
     let mut m = own_mrs();
     m.retain(|(k, _)| *k != rkey);
     m.push((

@@ -55,7 +55,7 @@ pub use types::*;
 use crate::fabric::{FabricError, Node};
 use crate::mem::{MemError, Region, Span};
 use crate::sync::Ordering;
-use crate::transport::shm::ShmTransport;
+use crate::transport::shm::{RegionMaps, ShmTransport};
 use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::*;
 use crate::wire::NodeState;
@@ -229,7 +229,8 @@ impl Pd {
     pub fn alloc_mr(&self, len: usize, access: AccessFlags) -> Result<Mr, VerbsError> {
         check_mr_args(len, access)?;
         let region = self.mr_region(len)?;
-        self.register(Arc::new(region), 0, len, access, 0, None)
+        let maps = RegionMaps::single(Arc::new(region));
+        self.register(maps, None, (0, len), access, 0, Backing::Own)
     }
 
     /// Registers memory the program allocated (`ibv_reg_mr` on a `malloc`/`mmap` buffer):
@@ -256,13 +257,75 @@ impl Pd {
         let page_start = addr as usize & !4095;
         let skew = addr as usize - page_start;
         let pages = (skew + len).div_ceil(4096) * 4096;
+        let cannot = |e: &dyn std::fmt::Display| {
+            VerbsError::inval(format!("cannot register {addr:p}+{len}: {e}"))
+        };
+        if let Some(shared) =
+            crate::mem::shared_backing(page_start, pages).map_err(|e| cannot(&e))?
+        {
+            return self.reg_shared(shared, (addr, len, skew, pages), access, iova);
+        }
         let region = Arc::new(self.mr_region(pages)?);
         // SAFETY: the caller's contract is `Adopted::new`'s; the region holds `pages` bytes
         // after its header page.
         let adopted =
             unsafe { crate::mem::Adopted::new(&region, MR_DATA_OFF, page_start as *mut u8, pages) }
-                .map_err(|e| VerbsError::inval(format!("cannot register {addr:p}+{len}: {e}")))?;
-        self.register(region, skew as u32, len, access, iova, Some(adopted))
+                .map_err(|e| cannot(&e))?;
+        let maps = RegionMaps::single(region);
+        self.register(
+            maps,
+            None,
+            (skew as u32, len),
+            access,
+            iova,
+            Backing::Adopted(adopted),
+        )
+    }
+
+    /// Registers memory that is shared already (a `MAP_SHARED` mapping, or pages of another
+    /// region) where it is: a header memfd of its own, the data the object's file from the
+    /// range's offset (`crate::mem::shared_backing`). Nothing moves; peers map the same object.
+    fn reg_shared(
+        &self,
+        shared: crate::mem::SharedBacking,
+        (addr, len, skew, pages): (*mut u8, usize, usize, usize),
+        access: AccessFlags,
+        iova: u64,
+    ) -> Result<Mr, VerbsError> {
+        let cannot = |e: &dyn std::fmt::Display| {
+            VerbsError::inval(format!("cannot register {addr:p}+{len}: {e}"))
+        };
+        if access.contains(AccessFlags::LOCAL_WRITE) && !shared.writable {
+            return Err(cannot(
+                &"the memory is mapped read-only and the access asks to write it",
+            ));
+        }
+        let fd = shared.fd;
+        crate::verbs::registry::shared_memory_size(&fd).map_err(|e| cannot(&e))?;
+        let data =
+            Region::map_range(fd, shared.off, pages, shared.writable).map_err(|e| cannot(&e))?;
+        if data.len() < pages {
+            return Err(cannot(&"the shared memory ends before the range does"));
+        }
+        let node = &self.ctx.node;
+        let header = Region::create(
+            &format!("bp-{}-mr-n{}", node.fabric().name(), node.slot()),
+            MR_DATA_OFF as usize,
+        )?;
+        let maps = RegionMaps {
+            header: Arc::new(header),
+            data: Arc::new(data),
+            data_off: 0,
+        };
+        let shared_at = Backing::Shared(addr as usize);
+        self.register(
+            maps,
+            Some(shared.off),
+            (skew as u32, len),
+            access,
+            iova,
+            shared_at,
+        )
     }
 
     /// A zero-filled region memfd with room for the header page and `len` data bytes.
@@ -275,17 +338,19 @@ impl Pd {
         )?)
     }
 
-    /// Writes the region's header, registers it with the supervisor and in the engine.
+    /// Writes the region's header, registers it with the supervisor (the header's memfd, and
+    /// the data's file from `data_off` if that is set) and in the engine.
     fn register(
         &self,
-        region: Arc<Region>,
-        skew: u32,
-        len: usize,
+        maps: RegionMaps,
+        data_off: Option<u64>,
+        (skew, len): (u32, usize),
         access: AccessFlags,
         iova: u64,
-        adopted: Option<crate::mem::Adopted>,
+        backing: Backing,
     ) -> Result<Mr, VerbsError> {
         let node = &self.ctx.node;
+        let region = &maps.header;
         let mut h = [0u8; 64];
         MrRepr {
             len: len as u64,
@@ -308,17 +373,23 @@ impl Pd {
                 pd: self.id,
                 len: len as u64,
                 access: access.bits(),
+                data_off,
             },
-            &[region.fd()],
+            &if data_off.is_some() {
+                vec![region.fd(), maps.data.fd()]
+            } else {
+                vec![region.fd()]
+            },
         )?;
         let VerbsResponse::MrRegistered { key } = resp else {
             return Err(FabricError::Protocol(format!("{resp:?}")).into());
         };
-        let data = Span::new(&region, MR_DATA_OFF + u64::from(skew), len as u64)?;
-        data.populate(true);
+        let data = Span::new(&maps.data, maps.data_off + u64::from(skew), len as u64)?;
+        data.populate(maps.data.writable());
+        let region = region.clone();
         if node.fabric().inner.direct_ip.is_some() {
             // Peers on other hosts whose pairs this process carries reach it here.
-            direct::region_registered(key, self.id, region.clone(), len as u64, access.bits());
+            direct::region_registered(key, self.id, maps, len as u64, access.bits());
         }
         self.ctx.eng.borrow_mut().mrs.insert(
             key,
@@ -327,6 +398,7 @@ impl Pd {
                 access,
                 iova,
                 data: data.clone(),
+                header: region.clone(),
             },
         );
         Ok(Mr {
@@ -337,7 +409,7 @@ impl Pd {
             len,
             access,
             iova,
-            adopted,
+            backing,
         })
     }
 
@@ -447,8 +519,20 @@ pub struct Mr {
     len: usize,
     access: AccessFlags,
     iova: u64,
-    /// The program's pages under the region (`reg_user_mr`); dropped after the deregistration.
-    adopted: Option<crate::mem::Adopted>,
+    /// The memory the program registered, if it was the program's.
+    backing: Backing,
+}
+
+/// Whose memory a region's data is.
+#[derive(Debug)]
+enum Backing {
+    /// The region's own (`alloc_mr`).
+    Own,
+    /// The program's private pages, put under the region (`reg_user_mr`); dropped after the
+    /// deregistration.
+    Adopted(crate::mem::Adopted),
+    /// The program's shared memory at this address, registered where it is.
+    Shared(usize),
 }
 
 /// The checks every registration makes: a length in range, and the remote rights that need
@@ -561,9 +645,10 @@ impl Mr {
     /// the copies above.
     #[inline]
     pub fn as_ptr(&self) -> *mut u8 {
-        match &self.adopted {
-            Some(a) => a.addr().wrapping_add(self.data.addr(0) as usize % 4096),
-            None => self.data.addr(0).cast_mut(),
+        match &self.backing {
+            Backing::Adopted(a) => a.addr().wrapping_add(self.data.addr(0) as usize % 4096),
+            Backing::Shared(at) => *at as *mut u8,
+            Backing::Own => self.data.addr(0).cast_mut(),
         }
     }
     /// Deregisters the region (`ibv_dereg_mr`); the same as dropping it.

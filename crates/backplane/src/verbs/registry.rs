@@ -30,6 +30,7 @@ use crate::fabric::ctl::ErrorKind;
 use crate::fabric::supervisor::{publish, Failure, GrantAsk, Host, QpSide, RemoteGrant, Service};
 use crate::mem::Region;
 use crate::sync::{self, Ordering};
+use crate::transport::shm::RegionFds;
 use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::*;
 use serde::Deserialize;
@@ -53,7 +54,11 @@ struct MrEntry {
     pd: u32,
     len: u64,
     access: u32,
+    /// The region's memfd (its header page first).
     fd: OwnedFd,
+    /// The data's file and where the data starts in it, for a region over memory another
+    /// object backs (`RegMr`'s `data_off`); else the data follows the header in `fd`.
+    data: Option<(OwnedFd, u64)>,
     /// The region's header page, mapped writable before the region was sealed read-only: how
     /// the supervisor tells mappers the region is gone when its owner or node dies.
     header: Option<Region>,
@@ -154,20 +159,21 @@ fn invalid(m: impl Into<String>) -> Failure {
 
 /// A QP block can be made for this transport and ring size.
 /// A grant for another host's bridge (the region's memfd and what it allows).
-fn remote_grant(granted: (VerbsResponse, Option<OwnedFd>)) -> Result<RemoteGrant, Failure> {
+fn remote_grant(granted: (VerbsResponse, Vec<OwnedFd>)) -> Result<RemoteGrant, Failure> {
     match granted {
         (
             VerbsResponse::MrGranted {
                 len,
                 access,
                 writable,
+                data_off,
             },
-            Some(fd),
+            fds,
         ) => Ok(RemoteGrant {
             len,
             access,
             writable,
-            fd,
+            fds: RegionFds::from_message(fds, data_off).ok_or_else(|| invalid("no region"))?,
         }),
         _ => Err(invalid("no region")),
     }
@@ -199,7 +205,7 @@ impl Registry {
         id: u64,
         req: VerbsRequest,
         fds: Vec<OwnedFd>,
-    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+    ) -> Result<(VerbsResponse, Vec<OwnedFd>), Failure> {
         match req {
             VerbsRequest::OpenContext { slot } => {
                 host.ready_slot(slot)?;
@@ -212,7 +218,7 @@ impl Registry {
                     slot,
                     event_off: off,
                 });
-                Ok((VerbsResponse::ContextOpened { event_off: off }, None))
+                Ok((VerbsResponse::ContextOpened { event_off: off }, Vec::new()))
             }
             VerbsRequest::CloseContext { slot, event_off } => {
                 if let Some(i) = self
@@ -223,20 +229,25 @@ impl Registry {
                     let c = self.ctxs.swap_remove(i);
                     host.free(c.slot, c.event_off, EV_LEN);
                 }
-                Ok((VerbsResponse::ContextOpened { event_off }, None))
+                Ok((VerbsResponse::ContextOpened { event_off }, Vec::new()))
             }
             VerbsRequest::RegMr {
                 slot,
                 pd,
                 len,
                 access,
+                data_off,
             } => {
                 host.ready_slot(slot)?;
-                let fd = match <[OwnedFd; 1]>::try_from(fds) {
-                    Ok([fd]) => fd,
-                    Err(_) => return Err(invalid("reg_mr carries exactly one memfd")),
+                let RegionFds { header: fd, data } = RegionFds::from_message(fds, data_off)
+                    .ok_or_else(|| invalid("reg_mr carries one memfd, or two with data_off"))?;
+                let header = match &data {
+                    None => check_region_fd(&fd, len, access)?,
+                    Some((data, off)) => {
+                        check_data_fd(data, *off, len)?;
+                        check_header_fd(&fd)?
+                    }
                 };
-                let header = check_region_fd(&fd, len, access)?;
                 let key = self.new_key();
                 self.mrs.insert(
                     key,
@@ -247,16 +258,17 @@ impl Registry {
                         len,
                         access,
                         fd,
+                        data,
                         header,
                     },
                 );
-                Ok((VerbsResponse::MrRegistered { key }, None))
+                Ok((VerbsResponse::MrRegistered { key }, Vec::new()))
             }
             VerbsRequest::DeregMr { key } => {
                 if self.mrs.get(&key).is_some_and(|m| m.client == id) {
                     self.mrs.remove(&key);
                 }
-                Ok((VerbsResponse::MrRegistered { key }, None))
+                Ok((VerbsResponse::MrRegistered { key }, Vec::new()))
             }
             VerbsRequest::MrGrant { slot, qpn, rkey } => self.grant_mr(id, slot, qpn, rkey),
             VerbsRequest::DmaGrant { slot, node, rkey } => {
@@ -277,7 +289,7 @@ impl Registry {
                 if self.qps.get(&(slot, qpn)).is_some_and(|q| q.client == id) {
                     self.destroy_qp(host, (slot, qpn));
                 }
-                Ok((VerbsResponse::QpCreated { qpn, block_off: 0 }, None))
+                Ok((VerbsResponse::QpCreated { qpn, block_off: 0 }, Vec::new()))
             }
             VerbsRequest::ConnectQp {
                 slot,
@@ -333,7 +345,7 @@ impl Registry {
                         generation: host.generation(dest_slot),
                         direct,
                     },
-                    None,
+                    Vec::new(),
                 ))
             }
         }
@@ -345,7 +357,7 @@ impl Registry {
         slot: u32,
         qpn: u32,
         rkey: u32,
-    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+    ) -> Result<(VerbsResponse, Vec<OwnedFd>), Failure> {
         let peer = match self.qps.get(&(slot, qpn)) {
             Some(q) if q.client == id => q.peer.ok_or_else(|| {
                 invalid(format!(
@@ -376,7 +388,7 @@ impl Registry {
         slot: u32,
         node: u32,
         rkey: u32,
-    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+    ) -> Result<(VerbsResponse, Vec<OwnedFd>), Failure> {
         host.ready_slot(slot)?;
         if !self.ctxs.iter().any(|c| c.client == id && c.slot == slot) {
             return Err(invalid(format!(
@@ -395,7 +407,7 @@ impl Registry {
         rkey: u32,
         where_: &str,
         owner_ok: impl Fn(&MrEntry) -> bool,
-    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+    ) -> Result<(VerbsResponse, Vec<OwnedFd>), Failure> {
         let not_found = || {
             (
                 ErrorKind::NotFound,
@@ -413,19 +425,31 @@ impl Registry {
             ));
         }
         let writable = mr.access & (REMOTE_WRITE | REMOTE_ATOMIC) != 0;
-        let fd = if writable {
-            mr.fd.try_clone()
-        } else {
-            reopen_read_only(&mr.fd)
-        }
-        .map_err(|e| invalid(format!("cannot share region {rkey:#x}: {e}")))?;
+        let share = |fd: &OwnedFd, writable: bool| {
+            if writable {
+                fd.try_clone()
+            } else {
+                reopen_read_only(fd)
+            }
+            .map_err(|e| invalid(format!("cannot share region {rkey:#x}: {e}")))
+        };
+        // A separate header is only ever read by peers.
+        let fds = RegionFds {
+            header: share(&mr.fd, writable && mr.data.is_none())?,
+            data: match &mr.data {
+                Some((d, off)) => Some((share(d, writable)?, *off)),
+                None => None,
+            },
+        };
+        let (fds, data_off) = fds.into_message();
         Ok((
             VerbsResponse::MrGranted {
                 len: mr.len,
                 access: mr.access,
                 writable,
+                data_off,
             },
-            Some(fd),
+            fds,
         ))
     }
 
@@ -438,7 +462,7 @@ impl Registry {
         slot: u32,
         pd: u32,
         (qp_type, ring_len, event_off, direct): (u32, u32, u64, Option<u32>),
-    ) -> Result<(VerbsResponse, Option<OwnedFd>), Failure> {
+    ) -> Result<(VerbsResponse, Vec<OwnedFd>), Failure> {
         host.ready_slot(slot)?;
         check_qp_shape(qp_type, ring_len)?;
         if !self
@@ -481,7 +505,7 @@ impl Registry {
                 qpn,
                 block_off: off,
             },
-            None,
+            Vec::new(),
         ))
     }
 
@@ -566,7 +590,7 @@ impl Service for Registry {
         client: u64,
         req: serde_json::Value,
         fds: Vec<OwnedFd>,
-    ) -> Result<(serde_json::Value, Option<OwnedFd>), Failure> {
+    ) -> Result<(serde_json::Value, Vec<OwnedFd>), Failure> {
         let req: VerbsRequest = serde_json::from_value(req)
             .map_err(|e| invalid(format!("malformed verbs request: {e}")))?;
         let (resp, fd) = self.serve_verbs(host, client, req, fds)?;
@@ -845,6 +869,74 @@ fn check_region_fd(fd: &OwnedFd, len: u64, access: u32) -> Result<Option<Region>
     Ok(header)
 }
 
+/// Checks a separate header's memfd (`RegMr` with `data_off`): one page or more, sealed
+/// against shrinking; maps it writable (for [`MrEntry::mark_gone`]), then seals it against
+/// new writable mappings (peers only read it).
+fn check_header_fd(fd: &OwnedFd) -> Result<Option<Region>, Failure> {
+    use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, SealFlags};
+    let seals = fcntl_get_seals(fd).map_err(|_| invalid("a region must be a sealable memfd"))?;
+    if !seals.contains(SealFlags::SHRINK) {
+        return Err(invalid("a region's memfd must be sealed against shrinking"));
+    }
+    let size = fstat(fd)
+        .map_err(|e| invalid(format!("cannot stat the region: {e}")))?
+        .st_size as u64;
+    if size < MR_DATA_OFF {
+        return Err(invalid("a region's header memfd must hold a page"));
+    }
+    let header = fd
+        .try_clone()
+        .ok()
+        .and_then(|f| Region::map_prefix(f, MR_DATA_OFF as usize, true).ok());
+    if !seals.contains(SealFlags::FUTURE_WRITE) {
+        fcntl_add_seals(fd, SealFlags::FUTURE_WRITE)
+            .map_err(|e| invalid(format!("cannot seal the region's header: {e}")))?;
+    }
+    Ok(header)
+}
+
+/// Checks the data file of a region over memory another object backs: shared memory (a
+/// memfd, a SysV segment, POSIX shared memory, shared anonymous memory: tmpfs or hugetlbfs),
+/// page-aligned offset, long enough for `len` bytes there.
+fn check_data_fd(fd: &OwnedFd, off: u64, len: u64) -> Result<(), Failure> {
+    if len == 0 || len > MAX_MR {
+        return Err(invalid(format!("a region of {len} bytes is out of range")));
+    }
+    if !off.is_multiple_of(4096) {
+        return Err(invalid(format!("data offset {off:#x} is not page-aligned")));
+    }
+    shared_memory_size(fd)
+        .and_then(|size| {
+            if off.checked_add(len).is_none_or(|e| e > size) {
+                Err(format!(
+                    "the region's data file holds {size} bytes, fewer than {off} + {len}"
+                ))
+            } else {
+                Ok(())
+            }
+        })
+        .map_err(invalid)
+}
+
+/// The size of a file that is shared memory (on tmpfs — memfds, SysV segments, POSIX shared
+/// memory, shared anonymous memory — or hugetlbfs), or why it is not.
+pub fn shared_memory_size(fd: &OwnedFd) -> Result<u64, String> {
+    const TMPFS_MAGIC: i64 = 0x0102_1994;
+    const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+    let fs = rustix::fs::fstatfs(fd).map_err(|e| format!("cannot statfs the memory: {e}"))?;
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs between targets
+    let kind = fs.f_type as i64;
+    if kind != TMPFS_MAGIC && kind != HUGETLBFS_MAGIC {
+        return Err(format!(
+            "the memory is a mapping of a file on a disk file system (type {kind:#x}): only \
+             shared memory can be registered where it is mapped"
+        ));
+    }
+    rustix::fs::fstat(fd)
+        .map(|s| s.st_size as u64)
+        .map_err(|e| format!("cannot stat the memory: {e}"))
+}
+
 /// A new, read-only open file description of the same memfd.
 fn reopen_read_only(fd: &OwnedFd) -> std::io::Result<OwnedFd> {
     use rustix::fs::{open, Mode, OFlags};
@@ -953,7 +1045,7 @@ mod tests {
         let mut reg = Registry::new();
         let open = serde_json::to_value(VerbsRequest::OpenContext { slot: 1 }).unwrap();
         let (resp, fd) = reg.handle(&mut host, 1, open, Vec::new()).unwrap();
-        assert!(fd.is_none());
+        assert!(fd.is_empty());
         assert!(matches!(
             serde_json::from_value(resp).unwrap(),
             VerbsResponse::ContextOpened { .. }

@@ -36,6 +36,11 @@ pub enum VerbsRequest {
         len: u64,
         /// `IBV_ACCESS_*` flags.
         access: u32,
+        /// A region over memory another object backs (a shared mapping's file, another
+        /// region's memfd): a second fd comes with the header memfd (then one page), and its
+        /// data starts at this page-aligned offset of that file (plus the header's `skew`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data_off: Option<u64>,
     },
     /// Deregister a region: no new grants; peers that mapped it see its state word change.
     DeregMr {
@@ -114,7 +119,8 @@ pub enum VerbsResponse {
         /// lkey and rkey (one key names the region locally and remotely).
         key: u32,
     },
-    /// Reply to `MrGrant` (the memfd is attached).
+    /// Reply to `MrGrant` (the memfd is attached; a second fd, the data's file, if
+    /// `data_off` is set: as in `RegMr`).
     MrGranted {
         /// Data bytes.
         len: u64,
@@ -122,6 +128,9 @@ pub enum VerbsResponse {
         access: u32,
         /// Whether the attached fd may be mapped writable.
         writable: bool,
+        /// Where the data starts in the second fd (`RegMr`'s `data_off`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        data_off: Option<u64>,
     },
     /// Reply to `MrGrant` when the QP's peer is on another host: no fd — the region is
     /// reached through the one-sided request ring of the peer's shadow (`wire::verbs::RDMA_*`),

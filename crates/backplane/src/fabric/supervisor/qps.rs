@@ -131,7 +131,7 @@ fn map_grant(
     rkey: u32,
 ) -> Result<(Arc<crate::transport::shm::ShmRegion>, Granted), (ErrorKind, String)> {
     let (len, access, writable) = (g.len, g.access, g.writable);
-    let mr = crate::transport::shm::ShmRegion::from_fd(g.fd, len, access, writable).ok_or_else(
+    let mr = crate::transport::shm::ShmRegion::from_fd(g.fds, len, access, writable).ok_or_else(
         || {
             (
                 ErrorKind::Invalid,

@@ -86,15 +86,15 @@ pub struct RemoteGrant {
     pub access: u32,
     /// Whether the fd may be mapped writable.
     pub writable: bool,
-    /// The region's memfd.
-    pub fd: OwnedFd,
+    /// The region's memfd (and its data's file, if another object backs it).
+    pub fds: crate::transport::shm::RegionFds,
 }
 
 /// A registry hosted by the supervisor: it serves the verbs part of the control protocol and
 /// hears when a client or a node goes away.
 pub trait Service: Send {
     /// Serves one request of client `client` (with the descriptors that came with it): the
-    /// response and at most one descriptor to pass back, or a refusal. Requests and responses
+    /// response and the descriptors to pass back, or a refusal. Requests and responses
     /// are the service's own messages as JSON (the registry's are `wire::registry`); the
     /// supervisor only carries them.
     fn handle(
@@ -103,7 +103,7 @@ pub trait Service: Send {
         client: u64,
         req: serde_json::Value,
         fds: Vec<OwnedFd>,
-    ) -> Result<(serde_json::Value, Option<OwnedFd>), Failure>;
+    ) -> Result<(serde_json::Value, Vec<OwnedFd>), Failure>;
     /// Client `client` went away (its process died or closed its socket).
     fn client_gone(&mut self, host: &mut dyn Host, client: u64);
     /// Node `slot` went DOWN.
@@ -213,7 +213,7 @@ impl Service for NoService {
         _: u64,
         _: serde_json::Value,
         _: Vec<OwnedFd>,
-    ) -> Result<(serde_json::Value, Option<OwnedFd>), Failure> {
+    ) -> Result<(serde_json::Value, Vec<OwnedFd>), Failure> {
         Err((
             ErrorKind::Invalid,
             "this supervisor hosts no service (no verbs registry)".into(),

@@ -73,6 +73,9 @@ pub(crate) struct LocalMr {
     pub(crate) iova: u64,
     /// The data bytes (the region past its header).
     pub(crate) data: Span,
+    /// The mapping with the region's header (and its state word) at offset 0: `data`'s
+    /// region, or a page of its own for a region over shared memory.
+    pub(crate) header: Arc<Region>,
 }
 
 /// A peer's region, granted through the transport.

@@ -719,6 +719,7 @@ mod tests {
             access,
             iova: 0,
             data: Span::whole(&r),
+            header: r.clone(),
         };
         (mr, r)
     }

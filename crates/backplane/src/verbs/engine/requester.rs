@@ -437,6 +437,19 @@ impl QpEngine {
         };
         let op = &op.with_src(src);
         let imm = op.opcode == WrOpcode::RdmaWriteWithImm;
+        // A zero-length WRITE names no remote bytes: as on InfiniBand, its rkey and address
+        // are not checked (UCX's rc transport flushes with one whose rkey is 0).
+        if total == 0 && !prog.started {
+            if !imm {
+                return Exec::Done(WcStatus::Success);
+            }
+            if !self.take_credit() {
+                return Exec::Rnr;
+            }
+            prog.msg = self.msgs_out;
+            self.msgs_out += 1;
+            prog.started = true;
+        }
         if !prog.started {
             let (m, off) = match self.remote_access(
                 op.rkey,
@@ -504,6 +517,10 @@ impl QpEngine {
             Ok(t) => t,
             Err(s) => return Exec::Fatal(s),
         };
+        if total == 0 {
+            // As a zero-length WRITE: nothing remote to check or read.
+            return Exec::Done(WcStatus::Success);
+        }
         let (m, off) = match self.remote_access(
             op.rkey,
             op.remote_addr,
