@@ -114,9 +114,16 @@ fn listening(port: u16) -> bool {
 /// Runs `prog` as a server in node 1 and as a client of it in node 2 (TCP `port` on
 /// loopback, the fabric having no IP), each bounded by `timeout`; both outputs.
 fn pair(fab: &Fab, prog: &str, port: u16, args: &[&str]) -> (Output, Output) {
+    pair_env(fab, &[], prog, port, args)
+}
+
+/// [`pair`] with environment variables (`NAME=value`) for both sides.
+fn pair_env(fab: &Fab, env: &[&str], prog: &str, port: u16, args: &[&str]) -> (Output, Output) {
     let p = port.to_string();
-    let mut server: Vec<String> = ["timeout", "60", prog, "-p", &p]
+    let mut server: Vec<String> = ["env"]
         .iter()
+        .chain(env)
+        .chain(&["timeout", "60", prog, "-p", &p])
         .map(|s| s.to_string())
         .collect();
     server.extend(args.iter().map(|s| s.to_string()));
@@ -544,6 +551,87 @@ fn the_extended_api_moves_the_right_bytes_and_answers_its_errors() {
     let _ = std::fs::remove_dir_all(&dir);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("all as documented"), "{}", text(&out));
+}
+
+/// Memory that is shared already (`tests/c/ibv_shared_mr.c`, one process): a memfd mapped
+/// `MAP_SHARED`, a SysV segment, shared anonymous memory and ranges registered twice are
+/// registered where they are — a WRITE lands at the program's address and in the object's
+/// other mappings, READ returns what the program wrote — overlapping registrations have
+/// their own keys, deregistering the inner one revokes it while the outer still works, and a
+/// disk file's mapping is refused with `EINVAL`.
+#[test]
+fn shared_memory_and_overlapping_ranges_register_where_they_are() {
+    lib_built();
+    let (dir, exe) = compile_c("tests/c/ibv_shared_mr.c", "ibv_shared_mr");
+    let fab = Fab::up("ibv_sharedmr", 1, &[]);
+    let out = exec_verbs(&fab, 1, &[&exe]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("shared memory registered in place"),
+        "{}",
+        text(&out)
+    );
+}
+
+/// UCX, which nobody here wrote, over the drop-in library: `ucx_perftest` between two nodes
+/// with UCX's InfiniBand transports (`rc_verbs`, `ud_verbs` to wire up) on the fabric's
+/// device — it stats `/dev/infiniband/uverbs_bp_FABRIC` (made by `up`), registers SysV
+/// segments and the same pages twice, makes its completion channel's fd non-blocking, flushes
+/// with zero-length WRITEs of rkey 0 and uses hardware atomics only on an `IBV_ATOMIC_HCA`
+/// device. Tag matching (eager, and rendezvous by RDMA READ at 1 MiB), one-sided PUT and GET
+/// through UCP, and UCT's FETCH_AND_ADD and COMPARE_AND_SWAP straight on `rc_verbs`, each
+/// checked by its exit status (ucx_perftest checks no data).
+#[test]
+fn ucx_perftest_runs_over_the_fabric_through_ucx_infiniband_transports() {
+    if !have("ucx_perftest") {
+        return;
+    }
+    lib_built();
+    let fab = Fab::up("ibv_ucx", 2, &[]);
+    assert!(
+        std::path::Path::new(&format!("/dev/infiniband/uverbs_bp_{}", fab.name)).exists(),
+        "up made no verbs device node"
+    );
+    let tls = "UCX_TLS=rc_verbs,ud_verbs,self";
+    let dev = format!("UCX_NET_DEVICES=bp_{}:1", fab.name);
+    let runs: &[&[&str]] = &[
+        &["-t", "tag_lat", "-n", "2000"],
+        &["-t", "tag_bw", "-s", "1048576", "-n", "200"],
+        &["-t", "ucp_put_bw", "-s", "65536", "-n", "500"],
+        &["-t", "ucp_get", "-s", "8", "-n", "2000"],
+        &[
+            "-t",
+            "fadd",
+            "-x",
+            "rc_verbs",
+            "-d",
+            &dev[16..],
+            "-n",
+            "2000",
+        ],
+        &[
+            "-t",
+            "cswap",
+            "-x",
+            "rc_verbs",
+            "-d",
+            &dev[16..],
+            "-n",
+            "2000",
+        ],
+    ];
+    for (i, args) in runs.iter().enumerate() {
+        let r = pair_env(&fab, &[tls, &dev], "ucx_perftest", 18780 + i as u16, args);
+        both_succeed(&format!("ucx_perftest {}", args[1]), &r);
+        assert!(text(&r.1).contains("Final:"), "{}", text(&r.1));
+    }
+    let name = fab.name.clone();
+    drop(fab);
+    assert!(
+        !std::path::Path::new(&format!("/dev/infiniband/uverbs_bp_{name}")).exists(),
+        "down left the verbs device node behind"
+    );
 }
 
 /// `examples/c/perftest_loops.c` — perftest's latency and bandwidth loops over plain

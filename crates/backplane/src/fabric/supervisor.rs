@@ -299,9 +299,9 @@ fn run_inner(
                 });
             }
         }
-        // For UCX's InfiniBand transports over the drop-in libibverbs (see the function).
-        let _ = net::create_verbs_device_node(&sup.cfg.name);
     }
+    // For UCX's InfiniBand transports over the drop-in libibverbs (see the function).
+    let _ = net::create_verbs_device_node(&sup.cfg.name);
     for slot in 1..=sup.cfg.nodes {
         sup.write_entry(slot, DownReason::None);
         if !sup.cfg.is_local(slot) {
@@ -442,9 +442,8 @@ impl Sup {
                 }
             }
         }
-        if self.cfg.net.is_some() {
-            net::cleanup(&self.cfg.name);
-        }
+        // (The namespaces, if any, and the verbs device node.)
+        net::cleanup(&self.cfg.name);
         self.say("fabric stopped");
     }
 
