@@ -3,7 +3,8 @@
  * registered twice (inside another live registration, as UCX and MPI register). Each is
  * registered where it is — a peer's RDMA WRITE lands at the program's address *and* in the
  * object's other mappings (the pages were not moved) — and READ returns it. Deregistering the
- * inner registration revokes its rkey (REM_ACCESS_ERR) while the outer one still works.
+ * inner registration revokes its rkey (REM_ACCESS_ERR) while the outer one still works;
+ * deregistering the outer one first leaves the inner one reaching the program's memory.
  * A MAP_SHARED mapping of a file on a disk file system is refused with EINVAL.
  * Exit 0 and one line when everything held; otherwise the first failure on stderr. */
 #define _GNU_SOURCE
@@ -178,6 +179,24 @@ int main(void)
 	check(pv + 4096 + 8, 0x52, 16, "outer after inner's deregistration");
 	ibv_dereg_mr(outer);
 	check(pv + 4096 + 8, 0x52, 16, "private again, with its bytes");
+
+	/* The outer registration deregistered first: the inner one still reaches the memory the
+	 * program reads (it holds the pages), which keeps its bytes when the inner one goes too. */
+	unsigned char *pw = mmap(NULL, 2 * 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+	if (pw == MAP_FAILED)
+		FAIL("mmap private");
+	outer = written(pw, NULL, 2 * 4096, 0x81, "outer, deregistered first");
+	inner = written(pw + 4096, NULL, 4096, 0x91, "inside it");
+	ibv_dereg_mr(outer);
+	memset(src, 0x92, 64);
+	if (rdma(IBV_WR_RDMA_WRITE, 0, 64, (uintptr_t)pw + 4096, inner->rkey) != IBV_WC_SUCCESS)
+		FAIL("inner: WRITE after the outer deregistration did not succeed");
+	check(pw + 4096, 0x92, 64, "inner after outer's deregistration");
+	ibv_dereg_mr(inner);
+	check(pw + 4096, 0x92, 64, "after both deregistrations");
+	pw[4096] = 0x93;
+	if (pw[4096] != 0x93)
+		FAIL("the pages are not the program's after both deregistrations");
 
 	/* A file on a disk file system, mapped MAP_SHARED: refused. */
 	struct statfs fs;

@@ -137,19 +137,21 @@ fn dev_as_maps(dev: u64) -> u64 {
     (major << 8) | minor
 }
 
-/// The regions this process put under its own pages (weakly: a region lives as long as its
-/// registration): where a range already inside one is registered again, the new region
-/// reaches the same memfd without `/proc/self/map_files` (which needs privilege).
-static ADOPTING: std::sync::Mutex<Vec<std::sync::Weak<Region>>> = std::sync::Mutex::new(Vec::new());
+/// The pages this process put under its own regions (weakly: as long as a registration holds
+/// them): where a range inside them is registered again, the new registration reaches the same
+/// memfd without `/proc/self/map_files` (which needs privilege), and holds the pages so that
+/// they stay under the memfd until the last registration over them is gone.
+static ADOPTING: std::sync::Mutex<Vec<std::sync::Weak<Adopted>>> =
+    std::sync::Mutex::new(Vec::new());
 
-/// A region of this process whose memfd is the file `dev_ino` (as `/proc/self/maps` prints it).
-fn adopting_region(dev_ino: (u64, u64)) -> Option<Arc<Region>> {
+/// Pages of this process put under a region whose memfd is the file `dev_ino` (as
+/// `/proc/self/maps` prints it).
+fn adopted_file(dev_ino: (u64, u64)) -> Option<Arc<Adopted>> {
     let mut all = ADOPTING.lock().unwrap_or_else(|e| e.into_inner());
     all.retain(|w| w.strong_count() > 0);
-    all.iter().filter_map(|w| w.upgrade()).find(|r| {
-        let (dev, ino) = memfd_ident(r);
-        (dev_as_maps(dev), ino) == dev_ino
-    })
+    all.iter()
+        .filter_map(|w| w.upgrade())
+        .find(|a| (dev_as_maps(a.ident.0), a.ident.1) == dev_ino)
 }
 
 /// The shared object under a range of this process's memory: its file (open read-write if
@@ -163,6 +165,9 @@ pub struct SharedBacking {
     pub off: u64,
     /// Whether every page of the range is mapped writable (and `fd` open for writing).
     pub writable: bool,
+    /// The pages of another registration the range is inside: held, so that they stay under
+    /// its memfd (which this registration's peers map) while this registration lives.
+    pub holds: Option<Arc<Adopted>>,
 }
 
 /// What backs the pages `[at, at + len)` (page-aligned): `None` if they are all private
@@ -199,8 +204,10 @@ pub fn shared_backing(at: usize, len: usize) -> Result<Option<SharedBacking>, St
         expect += (s.end - s.start) as u64;
     }
     let writable = segs.iter().all(|s| s.perms[1] == b'w');
-    let fd = match adopting_region(first.dev_ino) {
-        Some(r) => r
+    let holds = adopted_file(first.dev_ino);
+    let fd = match &holds {
+        Some(a) => a
+            .region
             .fd()
             .try_clone_to_owned()
             .map_err(|e| format!("cannot share the region under {at:#x}: {e}"))?,
@@ -233,6 +240,7 @@ pub fn shared_backing(at: usize, len: usize) -> Result<Option<SharedBacking>, St
         fd,
         off: first.off,
         writable,
+        holds,
     }))
 }
 
@@ -306,11 +314,6 @@ impl Adopted {
         // (the caller's contract); `tmp` is our fresh writable mapping of `len` bytes.
         unsafe { copy_and_swap(tmp, at, len, &prots, Backing::Memfd(region.fd(), off)) }
             .map_err(|e| map_err(len, e))?;
-        {
-            let mut all = ADOPTING.lock().unwrap_or_else(|e| e.into_inner());
-            all.retain(|w| w.strong_count() > 0);
-            all.push(Arc::downgrade(region));
-        }
         Ok(Self {
             at,
             len,
@@ -318,6 +321,26 @@ impl Adopted {
             region: region.clone(),
             prots,
         })
+    }
+
+    /// [`Adopted::new`], shared: later registrations of ranges inside these pages find them
+    /// ([`shared_backing`]) and hold them; the pages become private again when the last holder
+    /// is dropped.
+    ///
+    /// # Safety
+    /// As [`Adopted::new`]'s.
+    pub unsafe fn new_shared(
+        region: &Arc<Region>,
+        off: u64,
+        at: *mut u8,
+        len: usize,
+    ) -> Result<Arc<Self>, MemError> {
+        // SAFETY: the caller's contract is `new`'s.
+        let a = Arc::new(unsafe { Self::new(region, off, at, len) }?);
+        let mut all = ADOPTING.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Arc::downgrade(&a));
+        Ok(a)
     }
 
     /// The first adopted address.
@@ -537,6 +560,36 @@ mod tests {
         r.write(PAGE as u64 + 11, &[3]).unwrap();
         // SAFETY: as above.
         assert_eq!(unsafe { *p.add(11) }, 0x5a, "no longer shared after drop");
+    }
+
+    #[test]
+    fn a_range_inside_adopted_pages_is_their_memfd_and_holds_them_until_dropped() {
+        let p = anon(2 * PAGE);
+        // SAFETY: our fresh mapping of two pages.
+        unsafe { std::ptr::write_bytes(p, 0x3c, 2 * PAGE) };
+        assert!(
+            shared_backing(p as usize, 2 * PAGE).unwrap().is_none(),
+            "private memory"
+        );
+        let r = Arc::new(Region::create("bp-test-adopt", 3 * PAGE).unwrap());
+        // SAFETY: the test's own private pages, written by no other thread.
+        let a = unsafe { Adopted::new_shared(&r, PAGE as u64, p, 2 * PAGE) }.unwrap();
+        let b = shared_backing(p as usize + PAGE, PAGE)
+            .unwrap()
+            .expect("shared now");
+        assert_eq!(
+            b.off,
+            2 * PAGE as u64,
+            "the memfd's offset of the second page"
+        );
+        assert!(b.writable && b.holds.is_some());
+        let shared = |p: *mut u8| covering(p as usize, 2 * PAGE).unwrap()[0].perms[3] == b's';
+        drop(a);
+        assert!(shared(p), "still under the memfd while held");
+        drop(b);
+        assert!(!shared(p), "private again once nothing holds the pages");
+        // SAFETY: our mapping, private again.
+        assert_eq!(unsafe { *p.add(PAGE + 1) }, 0x3c, "with their bytes");
     }
 
     #[test]

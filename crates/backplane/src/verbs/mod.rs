@@ -268,9 +268,10 @@ impl Pd {
         let region = Arc::new(self.mr_region(pages)?);
         // SAFETY: the caller's contract is `Adopted::new`'s; the region holds `pages` bytes
         // after its header page.
-        let adopted =
-            unsafe { crate::mem::Adopted::new(&region, MR_DATA_OFF, page_start as *mut u8, pages) }
-                .map_err(|e| cannot(&e))?;
+        let adopted = unsafe {
+            crate::mem::Adopted::new_shared(&region, MR_DATA_OFF, page_start as *mut u8, pages)
+        }
+        .map_err(|e| cannot(&e))?;
         let maps = RegionMaps::single(region);
         self.register(
             maps,
@@ -317,7 +318,10 @@ impl Pd {
             data: Arc::new(data),
             data_off: 0,
         };
-        let shared_at = Backing::Shared(addr as usize);
+        let shared_at = Backing::Shared {
+            at: addr as usize,
+            _holds: shared.holds,
+        };
         self.register(
             maps,
             Some(shared.off),
@@ -529,10 +533,14 @@ enum Backing {
     /// The region's own (`alloc_mr`).
     Own,
     /// The program's private pages, put under the region (`reg_user_mr`); dropped after the
-    /// deregistration.
-    Adopted(crate::mem::Adopted),
-    /// The program's shared memory at this address, registered where it is.
-    Shared(usize),
+    /// deregistration (private again once no other registration holds them).
+    Adopted(Arc<crate::mem::Adopted>),
+    /// The program's shared memory at this address, registered where it is, and the pages of
+    /// another registration it is inside (held until this one is dropped).
+    Shared {
+        at: usize,
+        _holds: Option<Arc<crate::mem::Adopted>>,
+    },
 }
 
 /// The checks every registration makes: a length in range, and the remote rights that need
@@ -647,7 +655,7 @@ impl Mr {
     pub fn as_ptr(&self) -> *mut u8 {
         match &self.backing {
             Backing::Adopted(a) => a.addr().wrapping_add(self.data.addr(0) as usize % 4096),
-            Backing::Shared(at) => *at as *mut u8,
+            Backing::Shared { at, .. } => *at as *mut u8,
             Backing::Own => self.data.addr(0).cast_mut(),
         }
     }
