@@ -105,7 +105,16 @@ impl ChannelShared {
     /// moves, a deadline comes or `until`. `armed`: a copy of what is armed, not empty.
     fn look(&self, armed: &[Armed], w: u32, until: Option<Instant>) {
         let b = self.bell.load(Ordering::Acquire);
-        self.bell_armed.store(1, Ordering::Relaxed);
+        // Peers ring the context's bell only for what reaches RC/UC QPs (their rings, acks,
+        // NAKs, a peer gone: `Moved`/`Flag` watches); a UD QP's arrival bumps its own doorbell
+        // (`Bell`). A channel armed only for UD CQs — UCX's UD transport keeps its CQs armed
+        // for its async thread — would otherwise be woken by every RC message to the context,
+        // a futex wake and a context switch each (`ucx_perftest tag_lat` over `rc_verbs`).
+        let needs_bell = armed
+            .iter()
+            .any(|a| a.watch.iter().any(|w| !matches!(w, Watch::Bell { .. })));
+        self.bell_armed
+            .store(u32::from(needs_bell), Ordering::Relaxed);
         // SYNC POINT qp-bell (sleeper): armed before we re-check what peers publish.
         fence(Ordering::SeqCst);
         if self.fire(armed) {
