@@ -188,11 +188,21 @@ fn dev_of(device: *mut IbvDevice) -> Option<&'static Dev> {
 /// `num_devices` is NULL or points to a writable int.
 #[no_mangle]
 pub unsafe extern "C" fn bp_ibv_get_device_list(num_devices: *mut c_int) -> *mut *mut IbvDevice {
-    let devs: Vec<&'static Dev> = reachable_fabrics()
-        .iter()
-        .map(|(f, _)| device_for(f))
-        .collect();
-    if devs.is_empty() {
+    // UCX starting this process's own link between hosts: no device (it would be the fabric
+    // the link carries; see `opening_link`).
+    let inner = backplane::opening_link();
+    // The program's UCX_* variables are for its own UCX (which may run on this device), not
+    // for this process's link to other hosts.
+    backplane::ucx_env_is_the_programs();
+    let devs: Vec<&'static Dev> = if inner {
+        Vec::new()
+    } else {
+        reachable_fabrics()
+            .iter()
+            .map(|(f, _)| device_for(f))
+            .collect()
+    };
+    if devs.is_empty() && !inner {
         no_device_hint();
     }
     // SAFETY: calloc of (n + 1) pointers; checked for NULL below.

@@ -409,6 +409,45 @@ pub const MAX_PIECES: usize = 64;
 /// The TCP segment size a link asks of UCX (see `set_defaults`).
 pub const TCP_SEGMENT: usize = 512 * 1024;
 
+thread_local! {
+    static OPENING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the calling thread as starting UCX for a link, until dropped.
+struct Opening(bool);
+
+impl Opening {
+    fn begin() -> Self {
+        Self(OPENING.with(|o| o.replace(true)))
+    }
+}
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        OPENING.with(|o| o.set(self.0));
+    }
+}
+
+/// True while the calling thread starts UCX for a link ([`Link::open`]). UCX then lists
+/// every InfiniBand device libibverbs offers and opens it; in a program that runs over the
+/// fabric's drop-in `libibverbs.so.1`, that device is the fabric itself, whose opening starts
+/// this process's link again (endless recursion). The drop-in lists no device to such a
+/// thread: a link never runs over the fabric it carries.
+pub fn opening_link() -> bool {
+    OPENING.with(std::cell::Cell::get)
+}
+
+static PROGRAM_UCX_ENV: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Says that this process's `UCX_*` variables are its program's, not the fabric's: the
+/// drop-in `libibverbs.so.1` calls it, because a program over it may run UCX on the fabric's
+/// device (`UCX_TLS=rc_verbs,… UCX_NET_DEVICES=bp_FABRIC:1`), which the process's own link to
+/// other hosts cannot use. Links opened after it take `BACKPLANE_UCX_TLS` and
+/// `BACKPLANE_UCX_NET_DEVICES` if set, else UCX's defaults.
+pub fn ucx_env_is_the_programs() {
+    PROGRAM_UCX_ENV.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 impl Link {
     /// Opens a link, listening on `listen` if given (port 0: any free port).
     ///
@@ -428,13 +467,17 @@ impl Link {
         set_defaults();
         let ip = listen.map(|a| ipv4(a.ip())).transpose()?;
         let mut raw = std::ptr::null_mut();
+        let _opening = Opening::begin();
         // SAFETY: ip is a valid C string or null; raw is a valid out-pointer; on failure the
         // shim frees what it made and leaves raw untouched.
         let s = unsafe {
             ffi::bpx_open(
                 ip.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
                 listen.map_or(0, |a| a.port()),
-                std::ffi::c_int::from(!shared_memory),
+                std::ffi::c_int::from(!shared_memory)
+                    | (std::ffi::c_int::from(
+                        PROGRAM_UCX_ENV.load(std::sync::atomic::Ordering::Relaxed),
+                    ) << 1),
                 &mut raw,
             )
         };

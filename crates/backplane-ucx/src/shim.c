@@ -512,8 +512,21 @@ static int open_link(const char *ip, uint16_t port, int no_shm, bpx_link **out)
     ucs_status_t s = ucp_config_read(NULL, NULL, &cfg);
     if (s != UCS_OK)
         goto fail;
-    if (no_shm && !getenv("UCX_TLS"))
+    /* Bit 1 of no_shm: the process's UCX_* variables are its program's (a program over the
+     * drop-in libibverbs naming the fabric's device for its own UCX): the link takes
+     * BACKPLANE_UCX_TLS / BACKPLANE_UCX_NET_DEVICES, or UCX's defaults, instead. */
+    int program_env = no_shm & 2;
+    no_shm &= 1;
+    const char *tls = getenv("BACKPLANE_UCX_TLS");
+    const char *devs = getenv("BACKPLANE_UCX_NET_DEVICES");
+    if (tls)
+        s = ucp_config_modify(cfg, "TLS", tls);
+    else if (program_env)
+        s = ucp_config_modify(cfg, "TLS", no_shm ? "^sm" : "all");
+    else if (no_shm && !getenv("UCX_TLS"))
         s = ucp_config_modify(cfg, "TLS", "^sm");
+    if (s == UCS_OK && (devs || program_env))
+        s = ucp_config_modify(cfg, "NET_DEVICES", devs ? devs : "all");
     if (s == UCS_OK && !getenv("UCX_ZCOPY_THRESH"))
         s = ucp_config_modify(cfg, "ZCOPY_THRESH", "16384");
     if (s != UCS_OK) {

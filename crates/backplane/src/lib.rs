@@ -50,3 +50,7 @@ pub mod transport;
 #[cfg(not(loom))]
 pub mod verbs;
 pub mod wire;
+
+/// See [`backplane_ucx::opening_link`] and [`backplane_ucx::ucx_env_is_the_programs`] (for
+/// the drop-in `libibverbs.so.1`).
+pub use backplane_ucx::{opening_link, ucx_env_is_the_programs};
