@@ -512,6 +512,20 @@ fn compile_c(src: &str, name: &str) -> (std::path::PathBuf, String) {
     (dir, exe)
 }
 
+/// Compiles `tests/c/NAME.c`, runs it in node 1 of a fabric of its own (`nodes` nodes) with
+/// `args`, and checks it succeeded and said `says`.
+fn c_program_succeeds(name: &str, nodes: u32, args: &[&str], says: &str) {
+    lib_built();
+    let (dir, exe) = compile_c(&format!("tests/c/{name}.c"), name);
+    let fab = Fab::up(name, nodes, &[]);
+    let mut argv = vec![exe.as_str()];
+    argv.extend(args);
+    let out = exec_verbs(&fab, 1, &argv);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains(says), "{}", text(&out));
+}
+
 /// A multi-threaded libibverbs program (`tests/c/ibv_threads.c`, compiled here against the
 /// system's `<infiniband/verbs.h>` and run with the drop-in library): four threads on one
 /// context at once, the main thread — which opened the context and so holds the lock's bias —
@@ -520,16 +534,11 @@ fn compile_c(src: &str, name: &str) -> (std::path::PathBuf, String) {
 /// and the program aborts (checked); with it, every operation succeeds.
 #[test]
 fn threads_sharing_one_context_take_turns_and_every_byte_arrives() {
-    lib_built();
-    let (dir, exe) = compile_c("tests/c/ibv_threads.c", "ibv_threads");
-    let fab = Fab::up("ibv_threads", 2, &[]);
-    let out = exec_verbs(&fab, 1, &[&exe, "4", "3000"]);
-    let _ = std::fs::remove_dir_all(&dir);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("4 threads x 3000 iterations of WRITE, READ, SEND: all bytes right"),
-        "{}",
-        text(&out)
+    c_program_succeeds(
+        "ibv_threads",
+        2,
+        &["4", "3000"],
+        "4 threads x 3000 iterations of WRITE, READ, SEND: all bytes right",
     );
 }
 
@@ -544,13 +553,7 @@ fn threads_sharing_one_context_take_turns_and_every_byte_arrives() {
 /// `ibv_query_device_ex`'s clock within the run, unoffered fields refused.
 #[test]
 fn the_extended_api_moves_the_right_bytes_and_answers_its_errors() {
-    lib_built();
-    let (dir, exe) = compile_c("tests/c/ibv_extended.c", "ibv_extended");
-    let fab = Fab::up("ibv_extapi", 1, &[]);
-    let out = exec_verbs(&fab, 1, &[&exe]);
-    let _ = std::fs::remove_dir_all(&dir);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(text(&out).contains("all as documented"), "{}", text(&out));
+    c_program_succeeds("ibv_extended", 1, &[], "all as documented");
 }
 
 /// Memory that is shared already (`tests/c/ibv_shared_mr.c`, one process): a memfd mapped
@@ -561,17 +564,7 @@ fn the_extended_api_moves_the_right_bytes_and_answers_its_errors() {
 /// disk file's mapping is refused with `EINVAL`.
 #[test]
 fn shared_memory_and_overlapping_ranges_register_where_they_are() {
-    lib_built();
-    let (dir, exe) = compile_c("tests/c/ibv_shared_mr.c", "ibv_shared_mr");
-    let fab = Fab::up("ibv_sharedmr", 1, &[]);
-    let out = exec_verbs(&fab, 1, &[&exe]);
-    let _ = std::fs::remove_dir_all(&dir);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("shared memory registered in place"),
-        "{}",
-        text(&out)
-    );
+    c_program_succeeds("ibv_shared_mr", 1, &[], "shared memory registered in place");
 }
 
 /// UCX, which nobody here wrote, over the drop-in library: `ucx_perftest` between two nodes
@@ -595,31 +588,16 @@ fn ucx_perftest_runs_over_the_fabric_through_ucx_infiniband_transports() {
     );
     let tls = "UCX_TLS=rc_verbs,ud_verbs,self";
     let dev = format!("UCX_NET_DEVICES=bp_{}:1", fab.name);
+    let device = &dev["UCX_NET_DEVICES=".len()..];
+    let uct = |op| ["-t", op, "-x", "rc_verbs", "-d", device, "-n", "2000"];
+    let (fadd, cswap) = (uct("fadd"), uct("cswap"));
     let runs: &[&[&str]] = &[
         &["-t", "tag_lat", "-n", "2000"],
         &["-t", "tag_bw", "-s", "1048576", "-n", "200"],
         &["-t", "ucp_put_bw", "-s", "65536", "-n", "500"],
         &["-t", "ucp_get", "-s", "8", "-n", "2000"],
-        &[
-            "-t",
-            "fadd",
-            "-x",
-            "rc_verbs",
-            "-d",
-            &dev[16..],
-            "-n",
-            "2000",
-        ],
-        &[
-            "-t",
-            "cswap",
-            "-x",
-            "rc_verbs",
-            "-d",
-            &dev[16..],
-            "-n",
-            "2000",
-        ],
+        &fadd,
+        &cswap,
     ];
     for (i, args) in runs.iter().enumerate() {
         let r = pair_env(&fab, &[tls, &dev], "ucx_perftest", 18780 + i as u16, args);

@@ -841,38 +841,33 @@ impl Service for Registry {
 /// neither remote writes nor remote atomics. The header mapping is None if the owner sealed
 /// the region read-only already.
 fn check_region_fd(fd: &OwnedFd, len: u64, access: u32) -> Result<Option<Region>, Failure> {
-    use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, SealFlags};
     if len == 0 || len > MAX_MR {
         return Err(invalid(format!("a region of {len} bytes is out of range")));
     }
-    let seals = fcntl_get_seals(fd).map_err(|_| invalid("a region must be a sealable memfd"))?;
-    if !seals.contains(SealFlags::SHRINK) {
-        return Err(invalid("a region's memfd must be sealed against shrinking"));
-    }
-    let size = fstat(fd)
-        .map_err(|e| invalid(format!("cannot stat the region: {e}")))?
-        .st_size as u64;
-    if size < MR_DATA_OFF + len {
-        return Err(invalid(format!(
-            "the region's memfd holds {size} bytes, fewer than its header and {len} bytes"
-        )));
-    }
-    // Sealed against shrinking and at least a page long: the page never faults.
-    let header = fd
-        .try_clone()
-        .ok()
-        .and_then(|f| Region::map_prefix(f, MR_DATA_OFF as usize, true).ok());
-    if access & (REMOTE_WRITE | REMOTE_ATOMIC) == 0 && !seals.contains(SealFlags::FUTURE_WRITE) {
-        fcntl_add_seals(fd, SealFlags::FUTURE_WRITE)
-            .map_err(|e| invalid(format!("cannot seal the region read-only: {e}")))?;
-    }
-    Ok(header)
+    let read_only = access & (REMOTE_WRITE | REMOTE_ATOMIC) == 0;
+    check_memfd(fd, MR_DATA_OFF + len, read_only, |size| {
+        format!("the region's memfd holds {size} bytes, fewer than its header and {len} bytes")
+    })
 }
 
 /// Checks a separate header's memfd (`RegMr` with `data_off`): one page or more, sealed
 /// against shrinking; maps it writable (for [`MrEntry::mark_gone`]), then seals it against
 /// new writable mappings (peers only read it).
 fn check_header_fd(fd: &OwnedFd) -> Result<Option<Region>, Failure> {
+    check_memfd(fd, MR_DATA_OFF, true, |_| {
+        "a region's header memfd must hold a page".into()
+    })
+}
+
+/// [`check_region_fd`]'s and [`check_header_fd`]'s checks: sealed against shrinking, at least
+/// `min` bytes (else `too_small(size)`); the header page mapped writable; then sealed against
+/// new writable mappings if `read_only`.
+fn check_memfd(
+    fd: &OwnedFd,
+    min: u64,
+    read_only: bool,
+    too_small: impl FnOnce(u64) -> String,
+) -> Result<Option<Region>, Failure> {
     use rustix::fs::{fcntl_add_seals, fcntl_get_seals, fstat, SealFlags};
     let seals = fcntl_get_seals(fd).map_err(|_| invalid("a region must be a sealable memfd"))?;
     if !seals.contains(SealFlags::SHRINK) {
@@ -881,16 +876,17 @@ fn check_header_fd(fd: &OwnedFd) -> Result<Option<Region>, Failure> {
     let size = fstat(fd)
         .map_err(|e| invalid(format!("cannot stat the region: {e}")))?
         .st_size as u64;
-    if size < MR_DATA_OFF {
-        return Err(invalid("a region's header memfd must hold a page"));
+    if size < min {
+        return Err(invalid(too_small(size)));
     }
+    // Sealed against shrinking and at least a page long: the page never faults.
     let header = fd
         .try_clone()
         .ok()
         .and_then(|f| Region::map_prefix(f, MR_DATA_OFF as usize, true).ok());
-    if !seals.contains(SealFlags::FUTURE_WRITE) {
+    if read_only && !seals.contains(SealFlags::FUTURE_WRITE) {
         fcntl_add_seals(fd, SealFlags::FUTURE_WRITE)
-            .map_err(|e| invalid(format!("cannot seal the region's header: {e}")))?;
+            .map_err(|e| invalid(format!("cannot seal the region read-only: {e}")))?;
     }
     Ok(header)
 }
