@@ -1321,7 +1321,8 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
     if !root() {
         return;
     }
-    let h = Hosts::new("hosts_ip", 15, 2);
+    // (A short name: UCX keeps 15 characters of a device's name, `bp_` + the fabric's.)
+    let h = Hosts::new("hip", 15, 2);
     let file = h.file("hosts.toml", &[&[1, 3], &[2, 4]]);
     for k in 0..2 {
         let o = h.up_net(k, &file, &[]);
@@ -1524,6 +1525,23 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
         both_ended_well("ibv_rc_pingpong in the nodes' namespaces", &c, &s);
         assert!(String::from_utf8_lossy(&c.stdout).contains("200 iters in"));
     }
+    // ... and UCX over the drop-in, on the fabric's device: the program's own UCX, started in
+    // the node's namespace, made UCX's async thread there, and the library's links between
+    // the hosts (which share that thread) never connected until the thread was moved to the
+    // host's namespace.
+    if have("ucx_perftest") {
+        lib_built("libibverbs.so", "backplane-ibverbs");
+        let dev = format!("UCX_NET_DEVICES=bp_{}:1", h.fabric);
+        let env = ["UCX_TLS=rc_verbs,ud_verbs,self", dev.as_str()];
+        for (port, args) in [
+            ("18786", &["-t", "tag_lat", "-n", "300"][..]),
+            ("18787", &["-t", "ucp_get", "-s", "65536", "-n", "100"][..]),
+        ] {
+            let (c, s) = verbs_pair_env(&h, &[], &env, ("ucx_perftest", port, args), "node2");
+            both_ended_well(&format!("ucx_perftest {} between hosts", args[1]), &c, &s);
+            assert!(String::from_utf8_lossy(&c.stdout).contains("Final:"));
+        }
+    }
     // ... where a verbs program reaches the other host's (its peer's address is that host's).
     if have("ibv_rc_pingpong") {
         lib_built("libibverbs.so", "backplane-ibverbs");
@@ -1725,12 +1743,25 @@ fn verbs_pair_to(
     (prog, port, args): (&str, &str, &[&str]),
     addr: &str,
 ) -> (Output, Output) {
+    verbs_pair_env(h, flags, &[], (prog, port, args), addr)
+}
+
+/// [`verbs_pair_to`] with environment variables (`NAME=value`) for both programs.
+fn verbs_pair_env(
+    h: &Hosts,
+    flags: &[&str],
+    env: &[&str],
+    (prog, port, args): (&str, &str, &[&str]),
+    addr: &str,
+) -> (Output, Output) {
     // The programs exchange their addresses over TCP between the hosts' own addresses, then
     // talk through the fabric.
     let on = |node: &'static str| {
         let mut a = vec!["exec", "--name", &h.fabric, "--verbs"];
         a.extend_from_slice(flags);
-        a.extend_from_slice(&[node, "--", "timeout", "60", prog, "-p", port]);
+        a.extend_from_slice(&[node, "--", "env"]);
+        a.extend_from_slice(env);
+        a.extend_from_slice(&["timeout", "60", prog, "-p", port]);
         a.extend_from_slice(args);
         a
     };
@@ -1748,10 +1779,13 @@ fn verbs_pair_to(
     c.push(addr);
     let client = wait_for(Duration::from_secs(20), || {
         let o = h.bp(0, &c);
-        // Until the server listens: the client's "Couldn't connect" (both kinds) or
-        // "Unable to open file descriptor" (perftest).
-        let e = stderr(&o);
-        let early = e.contains("Couldn't connect") || e.contains("Unable to open file descriptor");
+        // Until the server listens: the client's "Couldn't connect" (both kinds),
+        // "Unable to open file descriptor" (perftest) or "connect() failed" (ucx_perftest,
+        // which logs to stdout).
+        let e = stderr(&o) + &String::from_utf8_lossy(&o.stdout);
+        let early = e.contains("Couldn't connect")
+            || e.contains("Unable to open file descriptor")
+            || e.contains("connect() failed");
         (o.status.success() || !early).then_some(o)
     })
     .expect("the client never reached the server");

@@ -25,6 +25,8 @@
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 #include <ucs/debug/log_def.h>
+#include <ucs/async/async_fwd.h>
+#include <sys/eventfd.h>
 
 #define BPX_MAX_EPS 64
 #define BPX_AM_ID 7
@@ -194,6 +196,67 @@ static int enter_host(void)
         return -2;
     }
     return own;
+}
+
+/* UCX's async thread (one a process, made by the first context that needs it, in that thread's
+ * namespace) handles the sockets' events of every UCX context in the process. A program that
+ * started its own UCX first - one running UCX over the drop-in libibverbs in a node's namespace
+ * - made it in the node's namespace, and the links' endpoints never connected (the first SEND
+ * of a pair between hosts never left the process; a UCP worker made first by a C program did
+ * the same). So, once, with a host's namespace to go to, the thread is asked to move there: an
+ * eventfd handler without an async context runs on that thread itself (never from another
+ * thread's progress), and it setns()es and says so. The program's own UCX then has its async
+ * thread in the host's namespace too: sockets it makes there are the host's. */
+static int async_moved = 0;
+
+static void move_async_thread(int id, ucs_event_set_types_t events, void *arg)
+{
+    (void)events;
+    uint64_t v;
+    if (read(id, &v, sizeof v) < 0) {
+        /* (Nothing to read: another wake-up; the handler stays for the write.) */
+    }
+    int *done = arg;
+    int ok = host_ns >= 0 && setns(host_ns, CLONE_NEWNET) == 0;
+    __atomic_store_n(done, ok ? 1 : -1, __ATOMIC_RELEASE);
+}
+
+/* Moves UCX's async thread into the host's namespace once (see async_moved); before a link's
+ * context is made. Best effort: the link works as before if it cannot. */
+static pthread_mutex_t async_moving = PTHREAD_MUTEX_INITIALIZER;
+static void async_thread_to_host_locked(void);
+
+static void async_thread_to_host(void)
+{
+    if (host_ns < 0 || __atomic_load_n(&async_moved, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&async_moving);
+    if (!__atomic_load_n(&async_moved, __ATOMIC_ACQUIRE))
+        async_thread_to_host_locked();
+    pthread_mutex_unlock(&async_moving);
+}
+
+static void async_thread_to_host_locked(void)
+{
+    int efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (efd < 0)
+        return;
+    static int done;
+    __atomic_store_n(&done, 0, __ATOMIC_RELEASE);
+    if (ucs_async_set_event_handler(UCS_ASYNC_MODE_THREAD_SPINLOCK, efd, UCS_EVENT_SET_EVREAD,
+                                    move_async_thread, &done, NULL) != UCS_OK) {
+        close(efd);
+        return;
+    }
+    uint64_t one = 1;
+    if (write(efd, &one, sizeof one) == sizeof one) {
+        /* The thread answers within microseconds; 1 s at most. */
+        for (int i = 0; i < 100000 && !__atomic_load_n(&done, __ATOMIC_ACQUIRE); i++)
+            usleep(10);
+    }
+    ucs_async_remove_handler(efd, 1);
+    close(efd);
+    __atomic_store_n(&async_moved, 1, __ATOMIC_RELEASE);
 }
 
 /* Back from enter_host (what it returned). */
@@ -489,6 +552,7 @@ int bpx_open(const char *ip, uint16_t port, int no_shm, bpx_link **out)
     int own = enter_host();
     if (own == -2)
         return UCS_ERR_IO_ERROR;
+    async_thread_to_host();
     int r = open_link(ip, port, no_shm, out);
     leave_host(own);
     return r;
