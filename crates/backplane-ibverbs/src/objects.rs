@@ -539,29 +539,26 @@ pub unsafe extern "C" fn bp_ibv_get_cq_event(
         fail(call, libc::EINVAL, "not a live completion channel");
         return -1;
     };
-    // A program may make the channel's fd non-blocking (UCX does, and calls this before it
-    // sleeps in epoll on the fd): then, as libibverbs' read() of the fd, -1 with EAGAIN when
-    // no event is queued (said quietly: it is no failure).
-    // SAFETY: F_GETFL on our own eventfd.
-    let nonblocking = unsafe { libc::fcntl(ch.ibv.fd, libc::F_GETFL) } & libc::O_NONBLOCK != 0;
     loop {
         // Not under the context's lock: another thread may post and poll meanwhile.
-        let ev = if nonblocking {
-            match ch.ch.try_get_cq_event() {
-                Some(ev) => ev,
-                None => {
-                    crate::set_errno(libc::EAGAIN);
-                    return -1;
-                }
+        let ev = match ch.ch.try_get_cq_event() {
+            Some(ev) => ev,
+            // None queued. A program may make the channel's fd non-blocking (UCX does, and
+            // calls this before it sleeps in epoll on the fd): then, as libibverbs' read() of
+            // the fd, -1 with EAGAIN (said quietly: it is no failure). (Asked only now: a
+            // system call, where an event was waiting, would be one too many.)
+            // SAFETY: F_GETFL on our own eventfd.
+            None if unsafe { libc::fcntl(ch.ibv.fd, libc::F_GETFL) } & libc::O_NONBLOCK != 0 => {
+                crate::set_errno(libc::EAGAIN);
+                return -1;
             }
-        } else {
-            match ch.ch.get_cq_event(None) {
+            None => match ch.ch.get_cq_event(None) {
                 Ok(ev) => ev,
                 Err(e) => {
                     fail_verbs(call, &e);
                     return -1;
                 }
-            }
+            },
         };
         let found = ch
             .cqs

@@ -257,9 +257,7 @@ impl Pd {
         let page_start = addr as usize & !4095;
         let skew = addr as usize - page_start;
         let pages = (skew + len).div_ceil(4096) * 4096;
-        let cannot = |e: &dyn std::fmt::Display| {
-            VerbsError::inval(format!("cannot register {addr:p}+{len}: {e}"))
-        };
+        let cannot = |e: &dyn std::fmt::Display| cannot_register(addr, len, e);
         if let Some(shared) =
             crate::mem::shared_backing(page_start, pages).map_err(|e| cannot(&e))?
         {
@@ -293,9 +291,7 @@ impl Pd {
         access: AccessFlags,
         iova: u64,
     ) -> Result<Mr, VerbsError> {
-        let cannot = |e: &dyn std::fmt::Display| {
-            VerbsError::inval(format!("cannot register {addr:p}+{len}: {e}"))
-        };
+        let cannot = |e: &dyn std::fmt::Display| cannot_register(addr, len, e);
         if access.contains(AccessFlags::LOCAL_WRITE) && !shared.writable {
             return Err(cannot(
                 &"the memory is mapped read-only and the access asks to write it",
@@ -308,13 +304,9 @@ impl Pd {
         if data.len() < pages {
             return Err(cannot(&"the shared memory ends before the range does"));
         }
-        let node = &self.ctx.node;
-        let header = Region::create(
-            &format!("bp-{}-mr-n{}", node.fabric().name(), node.slot()),
-            MR_DATA_OFF as usize,
-        )?;
         let maps = RegionMaps {
-            header: Arc::new(header),
+            // (A region of no data bytes: its header page.)
+            header: Arc::new(self.mr_region(0)?),
             data: Arc::new(data),
             data_off: 0,
         };
@@ -541,6 +533,11 @@ enum Backing {
         at: usize,
         _holds: Option<Arc<crate::mem::Adopted>>,
     },
+}
+
+/// Why registering `len` bytes at `addr` failed, as `EINVAL`.
+fn cannot_register(addr: *mut u8, len: usize, e: &dyn std::fmt::Display) -> VerbsError {
+    VerbsError::inval(format!("cannot register {addr:p}+{len}: {e}"))
 }
 
 /// The checks every registration makes: a length in range, and the remote rights that need
