@@ -264,6 +264,115 @@ fn rc_write_read_and_atomics_act_on_the_peer_region_directly() {
     let _ = &mut b;
 }
 
+/// `Qp::post_one_sided` (the drop-in libibverbs' way for one READ or atomic) does what
+/// `post_send` does with the same request: on the first use of a region (the general way),
+/// on later ones (the fast path), behind an unacknowledged SEND (completing after it), with a
+/// bad rkey (REM_ACCESS_ERR, the QP in error); any other opcode is an invalid argument.
+#[test]
+fn post_one_sided_reads_and_atomics_as_post_send_does() {
+    let fab = Fab::up("verbs_one_sided", 2);
+    let f = Fabric::attach(&fab.name).unwrap();
+    let (a, b) = pair(&f, QpType::Rc, ALL, 1 << 16);
+    b.mr.write(4096, b"remote data!").unwrap();
+    b.mr.write(64, &40u64.to_le_bytes()).unwrap();
+    let rkey = b.mr.rkey();
+    let mut p = Pump::new(&[&a.cq, &b.cq]);
+    let one = |wr_id: u64, opcode: WrOpcode, local: &Sge, remote_addr: u64, ops: (u64, u64)| {
+        a.qp.post_one_sided(&OneSided {
+            wr_id,
+            opcode,
+            send_flags: SendFlags::SIGNALED,
+            local,
+            remote_addr,
+            rkey,
+            compare_add: ops.0,
+            swap: ops.1,
+        })
+    };
+    // Three rounds: the first maps the region (general way), the others take the fast path.
+    let mut expect = 40u64;
+    for round in 0..3u64 {
+        let base = round * 256;
+        let (rd, fa, cs) = (
+            a.mr.sge(base, 12),
+            a.mr.sge(base + 64, 8),
+            a.mr.sge(base + 128, 8),
+        );
+        one(10 * round + 1, WrOpcode::RdmaRead, &rd, 4096, (0, 0)).unwrap();
+        one(10 * round + 2, WrOpcode::AtomicFetchAndAdd, &fa, 64, (2, 0)).unwrap();
+        one(
+            10 * round + 3,
+            WrOpcode::AtomicCmpAndSwp,
+            &cs,
+            64,
+            (expect + 2, expect + 10),
+        )
+        .unwrap();
+        let got: Vec<(u64, WcStatus, WcOpcode, u32)> = (0..3)
+            .map(|_| p.next(0))
+            .map(|w| (w.wr_id, w.status, w.opcode, w.byte_len))
+            .collect();
+        use WcOpcode::*;
+        use WcStatus::Success as S;
+        let r = 10 * round;
+        assert_eq!(
+            got,
+            [
+                (r + 1, S, RdmaRead, 12),
+                (r + 2, S, FetchAdd, 8),
+                (r + 3, S, CompSwap, 8)
+            ],
+            "round {round}"
+        );
+        let am = common::bytes(&a.mr);
+        let word = |o: u64| u64::from_le_bytes(am[o as usize..o as usize + 8].try_into().unwrap());
+        assert_eq!(&am[base as usize..base as usize + 12], b"remote data!");
+        assert_eq!((word(base + 64), word(base + 128)), (expect, expect + 2));
+        expect += 10;
+        let bm = common::bytes(&b.mr);
+        assert_eq!(&bm[64..72], &expect.to_le_bytes(), "round {round}");
+    }
+    // Behind an unacknowledged SEND: the READ is carried out, its completion waits for the
+    // SEND's.
+    recv(&b, 7, 0, 64);
+    a.qp.post_send(&[SendWr::send(100, &[a.mr.sge(0, 8)]).signaled()])
+        .unwrap();
+    let rd = a.mr.sge(2048, 4);
+    one(101, WrOpcode::RdmaRead, &rd, 4096, (0, 0)).unwrap();
+    let mut wc = [Wc::default(); 4];
+    for _ in 0..100 {
+        assert_eq!(a.cq.poll(&mut wc), 0, "{:?}", &wc[0]);
+    }
+    assert_eq!(p.next(1).wr_id, 7);
+    let (first, second) = (p.next(0), p.next(0));
+    assert_eq!((first.wr_id, first.opcode), (100, WcOpcode::Send));
+    assert_eq!(
+        (second.wr_id, second.opcode, second.status),
+        (101, WcOpcode::RdmaRead, WcStatus::Success)
+    );
+    // Any other opcode: refused, nothing posted.
+    let e = one(102, WrOpcode::Send, &rd, 0, (0, 0)).unwrap_err();
+    assert!(
+        matches!(&e, VerbsError::Post { bad_wr: 0, source } if matches!(**source, VerbsError::InvalidArgument(_))),
+        "{e:?}"
+    );
+    // A bad rkey: REM_ACCESS_ERR, as through post_send.
+    a.qp.post_one_sided(&OneSided {
+        wr_id: 103,
+        opcode: WrOpcode::RdmaRead,
+        send_flags: SendFlags::SIGNALED,
+        local: &rd,
+        remote_addr: 0,
+        rkey: rkey ^ 0x5a5a_0001,
+        compare_add: 0,
+        swap: 0,
+    })
+    .unwrap();
+    let w = p.next(0);
+    assert_eq!((w.wr_id, w.status), (103, WcStatus::RemAccessErr));
+    assert_eq!(a.qp.state(), QpState::Err);
+}
+
 #[test]
 fn unsignaled_work_completes_silently_and_signaled_work_reports() {
     let fab = Fab::up("verbs_signal", 2);

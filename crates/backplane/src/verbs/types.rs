@@ -454,6 +454,54 @@ pub enum WrDetail<'a> {
     },
 }
 
+/// An RDMA_READ or an atomic of one local range, as [`super::Qp::post_one_sided`] takes it:
+/// the fields of a [`SendWr`] such a request uses, and nothing else to fill or to read (the
+/// drop-in libibverbs hands `ib_read_lat`'s and `ib_atomic_lat`'s requests over so).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OneSided<'a> {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// [`WrOpcode::RdmaRead`], [`WrOpcode::AtomicFetchAndAdd`] or
+    /// [`WrOpcode::AtomicCmpAndSwp`] (anything else is refused as [`SendWr`] would be).
+    pub opcode: WrOpcode,
+    /// [`SendFlags`].
+    pub send_flags: SendFlags,
+    /// Where the data (or the old value) lands.
+    pub local: &'a Sge,
+    /// Offset in the remote region.
+    pub remote_addr: u64,
+    /// The remote region's rkey.
+    pub rkey: u32,
+    /// Value to compare (CMP_AND_SWP) or to add (FETCH_AND_ADD).
+    pub compare_add: u64,
+    /// Value to store if the comparison succeeds (CMP_AND_SWP).
+    pub swap: u64,
+}
+
+impl<'a> OneSided<'a> {
+    /// The same request as a [`SendWr`].
+    pub fn send_wr(&self) -> SendWr<'a> {
+        let (remote_addr, rkey) = (self.remote_addr, self.rkey);
+        SendWr {
+            wr_id: self.wr_id,
+            sg_list: std::slice::from_ref(self.local),
+            opcode: self.opcode,
+            send_flags: self.send_flags,
+            imm_data: 0,
+            wr: match self.opcode {
+                WrOpcode::AtomicFetchAndAdd | WrOpcode::AtomicCmpAndSwp => WrDetail::Atomic {
+                    remote_addr,
+                    compare_add: self.compare_add,
+                    swap: self.swap,
+                    rkey,
+                },
+                _ => WrDetail::Rdma { remote_addr, rkey },
+            },
+            inline_data: &[],
+        }
+    }
+}
+
 /// A send work request (`struct ibv_send_wr`); post a slice of them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SendWr<'a> {

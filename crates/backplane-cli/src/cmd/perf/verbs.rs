@@ -568,18 +568,30 @@ fn one_sided(
     (count, lp): (u64, Loop),
 ) -> anyhow::Result<Vec<u64>> {
     let read = test == Test::ReadLat;
-    let sge = [e.mr.sge(SRC, if read { size as u32 } else { 8 })];
-    let (wr, op) = if read {
-        (SendWr::read(0, &sge, 0, rkey), WcOpcode::RdmaRead)
+    let sge = e.mr.sge(SRC, if read { size as u32 } else { 8 });
+    let (opcode, op) = if read {
+        (WrOpcode::RdmaRead, WcOpcode::RdmaRead)
     } else {
-        (SendWr::fetch_add(0, &sge, 0, rkey, 1), WcOpcode::FetchAdd)
+        (WrOpcode::AtomicFetchAndAdd, WcOpcode::FetchAdd)
     };
-    let wr = [wr.signaled()];
+    // Posted as the drop-in libibverbs posts perftest's (`Qp::post_one_sided`, the engine's
+    // shortest way for one READ or atomic), so `--perftest` beside it shows the ABI layer's
+    // own cost.
+    let wr = OneSided {
+        wr_id: 0,
+        opcode,
+        send_flags: SendFlags::SIGNALED,
+        local: &sge,
+        remote_addr: 0,
+        rkey,
+        compare_add: 1,
+        swap: 0,
+    };
     let perftest = lp == Loop::Perftest;
     let mut t = vec![if perftest { 0 } else { u64::MAX }; count as usize + 1];
     t[0] = Clock::raw();
     for slot in &mut t[1..] {
-        e.qp.post_send(&wr)?;
+        e.qp.post_one_sided(&wr)?;
         if perftest {
             e.poll_one(op)?;
         } else {

@@ -113,14 +113,32 @@ impl QpEngine {
         len: usize,
         cqs: &mut Cqs,
     ) {
-        if !self.signaled(wr.send_flags) {
+        self.done_at_once_as((wr.wr_id, wr.opcode, wr.send_flags), op, len, cqs);
+    }
+
+    /// [`QpEngine::done_at_once`] of a request known by its id, opcode and flags.
+    #[inline(always)]
+    fn done_at_once_as(
+        &mut self,
+        (wr_id, opcode, flags): (u64, WrOpcode, SendFlags),
+        op: WcOpcode,
+        len: usize,
+        cqs: &mut Cqs,
+    ) {
+        if !self.signaled(flags) {
             return;
         }
         if self.sq.is_empty() {
-            let wc = self.wc(wr.wr_id, WcStatus::Success, op, len as u32);
+            let wc = self.wc(wr_id, WcStatus::Success, op, len as u32);
             push_cqe(cqs, self.send_cq, wc);
         } else {
-            self.push_executed(wr, true, len as u32, SendPhase::Done(WcStatus::Success));
+            self.push_executed_as(
+                wr_id,
+                opcode,
+                true,
+                len as u32,
+                SendPhase::Done(WcStatus::Success),
+            );
         }
     }
 
@@ -137,61 +155,81 @@ impl QpEngine {
     ) -> bool {
         // By reference: copying the request's detail out (a 40-byte enum) cost ~14
         // instructions a READ.
-        let (remote_addr, rkey, need, wc_op) = match (wr.opcode, &wr.wr) {
-            (WrOpcode::RdmaRead, &WrDetail::Rdma { remote_addr, rkey }) => (
-                remote_addr,
-                rkey,
-                AccessFlags::REMOTE_READ,
-                WcOpcode::RdmaRead,
-            ),
+        let (remote_addr, rkey, compare_add, swap) = match (wr.opcode, &wr.wr) {
+            (WrOpcode::RdmaRead, &WrDetail::Rdma { remote_addr, rkey }) => {
+                (remote_addr, rkey, 0, 0)
+            }
             (
-                WrOpcode::AtomicFetchAndAdd,
+                WrOpcode::AtomicFetchAndAdd | WrOpcode::AtomicCmpAndSwp,
                 &WrDetail::Atomic {
-                    remote_addr, rkey, ..
+                    remote_addr,
+                    rkey,
+                    compare_add,
+                    swap,
                 },
-            ) => (
+            ) => (remote_addr, rkey, compare_add, swap),
+            _ => return false,
+        };
+        let [local] = wr.sg_list else { return false };
+        self.fast_one_sided_in(
+            &OneSided {
+                wr_id: wr.wr_id,
+                opcode: wr.opcode,
+                send_flags: wr.send_flags,
+                local,
                 remote_addr,
                 rkey,
-                AccessFlags::REMOTE_ATOMIC,
-                WcOpcode::FetchAdd,
-            ),
-            (
-                WrOpcode::AtomicCmpAndSwp,
-                &WrDetail::Atomic {
-                    remote_addr, rkey, ..
-                },
-            ) => (
-                remote_addr,
-                rkey,
-                AccessFlags::REMOTE_ATOMIC,
-                WcOpcode::CompSwap,
-            ),
+                compare_add,
+                swap,
+            },
+            mrs,
+            cqs,
+        )
+    }
+
+    /// [`QpEngine::fast_read_atomic`] of a request handed over as a [`OneSided`]
+    /// (`Qp::post_one_sided`).
+    #[inline(never)]
+    pub(crate) fn fast_one_sided(
+        &mut self,
+        r: &OneSided<'_>,
+        mrs: &MrTable,
+        cqs: &mut Cqs,
+    ) -> bool {
+        self.fast_one_sided_in(r, mrs, cqs)
+    }
+
+    #[inline(always)]
+    fn fast_one_sided_in(&mut self, r: &OneSided<'_>, mrs: &MrTable, cqs: &mut Cqs) -> bool {
+        let (need, wc_op) = match r.opcode {
+            WrOpcode::RdmaRead => (AccessFlags::REMOTE_READ, WcOpcode::RdmaRead),
+            WrOpcode::AtomicFetchAndAdd => (AccessFlags::REMOTE_ATOMIC, WcOpcode::FetchAdd),
+            WrOpcode::AtomicCmpAndSwp => (AccessFlags::REMOTE_ATOMIC, WcOpcode::CompSwap),
             _ => return false,
         };
         // UC has neither: the general way refuses them.
         if !self.runs_now() || self.ty == QpType::Uc {
             return false;
         }
-        let [one] = wr.sg_list else { return false };
-        let Ok(Bytes::Span(local, local_off, len)) = resolve(mrs, self.pd, one, true) else {
+        let Ok(Bytes::Span(local, local_off, len)) = resolve(mrs, self.pd, r.local, true) else {
             return false;
         };
-        if wr.send_flags.contains(SendFlags::INLINE) && len > self.cap.max_inline_data as usize {
+        if r.send_flags.contains(SendFlags::INLINE) && len > self.cap.max_inline_data as usize {
             return false;
         }
-        let atomic = matches!(wc_op, WcOpcode::FetchAdd | WcOpcode::CompSwap);
-        if atomic && (len != 8 || !remote_addr.is_multiple_of(8)) {
+        let atomic = wc_op != WcOpcode::RdmaRead;
+        if atomic && (len != 8 || !r.remote_addr.is_multiple_of(8)) {
             return false;
         }
         let Some((m, d)) = self
             .remote
             .last()
-            .filter(|m| m.key == rkey)
+            .filter(|m| m.key == r.rkey)
             .and_then(|m| Some((m, m.direct.as_ref()?)))
         else {
             return false;
         };
-        let remote_addr = remote_addr.wrapping_sub(m.iova);
+        let remote_addr = r.remote_addr.wrapping_sub(m.iova);
         let Some(p) = &self.peer else { return false };
         // SYNC POINT mr-state (acquire): the owner's deregistration, seen before each access.
         if d.state.load(Ordering::Acquire) != MR_STATE_VALID
@@ -209,25 +247,21 @@ impl QpEngine {
         }
         // Ranges checked just above (atomics only on regions granted writable, which
         // REMOTE_ATOMIC regions are); an error here means a check disagreed: the general way.
-        let done = match (wc_op, &wr.wr) {
-            (WcOpcode::RdmaRead, _) => d.data.copy_to(remote_addr, local, local_off, len),
-            (
-                op,
-                &WrDetail::Atomic {
-                    compare_add, swap, ..
-                },
-            ) => if op == WcOpcode::FetchAdd {
-                d.data.fetch_add(remote_addr, compare_add)
-            } else {
-                d.data.compare_swap(remote_addr, compare_add, swap)
-            }
-            .and_then(|old| local.write(local_off, &old.to_le_bytes())),
-            _ => return false,
+        let done = match wc_op {
+            WcOpcode::RdmaRead => d.data.copy_to(remote_addr, local, local_off, len),
+            WcOpcode::FetchAdd => d
+                .data
+                .fetch_add(remote_addr, r.compare_add)
+                .and_then(|old| local.write(local_off, &old.to_le_bytes())),
+            _ => d
+                .data
+                .compare_swap(remote_addr, r.compare_add, r.swap)
+                .and_then(|old| local.write(local_off, &old.to_le_bytes())),
         };
         if done.is_err() {
             return false;
         }
-        self.done_at_once(wr, wc_op, len, cqs);
+        self.done_at_once_as((r.wr_id, r.opcode, r.send_flags), wc_op, len, cqs);
         true
     }
 

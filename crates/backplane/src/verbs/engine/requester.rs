@@ -127,9 +127,21 @@ impl QpEngine {
         byte_len: u32,
         st: SendPhase,
     ) {
+        self.push_executed_as(wr.wr_id, wr.opcode, signaled, byte_len, st);
+    }
+
+    /// [`QpEngine::push_executed`] of a request known by its id and opcode.
+    pub(super) fn push_executed_as(
+        &mut self,
+        wr_id: u64,
+        opcode: WrOpcode,
+        signaled: bool,
+        byte_len: u32,
+        st: SendPhase,
+    ) {
         self.sq.push_back(SqEntry {
-            wr_id: wr.wr_id,
-            opcode: wr.opcode,
+            wr_id,
+            opcode,
             signaled,
             byte_len,
             st,
