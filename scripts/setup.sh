@@ -17,8 +17,11 @@ mode=${1:-main}
 # sockets (exec --accel, backplane-sockets) are tested with (with iperf3 and sockperf);
 # openssh-server, openssh-client, rsync: sshd forks and execs with the connection (scp, rsync
 # over ssh); qperf: tcp_bw and tcp_lat.
+# openmpi-bin, libopenmpi-dev: MPI over UCX over the drop-in libibverbs (mpirun starting its
+# ranks in nodes through `backplane rsh`).
 packages=(ucx-utils libucx-dev iproute2 procps iperf3 iputils-ping sockperf libibverbs-dev ibverbs-utils perftest
-  python3 curl netcat-openbsd redis-server redis-tools openssh-server openssh-client rsync qperf)
+  python3 curl netcat-openbsd redis-server redis-tools openssh-server openssh-client rsync qperf
+  openmpi-bin libopenmpi-dev)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -613,6 +613,83 @@ fn ucx_perftest_runs_over_the_fabric_through_ucx_infiniband_transports() {
     );
 }
 
+/// MPI, the HPC programs' API, over UCX's InfiniBand transports over the drop-in: OpenMPI's
+/// `mpirun`, run in node 1, starts its ranks in nodes 1 and 2 — the second through `backplane
+/// rsh --verbs` as its ssh (`plm_rsh_agent`); `tests/c/mpi_pingpong.c`, compiled with
+/// `mpicc`, checks every byte of a ping-pong from 8 B to 256 KiB (eager and rendezvous), a
+/// one-sided put, get and accumulate through a window (OpenMPI's `osc ucx`: RDMA WRITE, READ
+/// and atomics on the fabric), and an allreduce. Debian turns `pml ucx` and `osc ucx` off in
+/// `/etc/openmpi/openmpi-mca-params.conf`: asked for by name. `--bind-to none`: each node is
+/// a host to MPI, and each would bind its first rank to core 0 — the same core.
+#[test]
+fn mpi_runs_over_ucx_over_the_fabric_with_ranks_started_through_backplane_rsh() {
+    if !have("mpirun") || !have("mpicc") {
+        return;
+    }
+    lib_built();
+    let dir = std::env::temp_dir().join(format!("bp-mpi-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("mpi_pingpong");
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/mpi_pingpong.c");
+    let cc = Command::new("mpicc")
+        .args(["-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .output()
+        .expect("run mpicc");
+    assert!(cc.status.success(), "mpicc: {}", text(&cc));
+    // (A short name: UCX keeps 15 characters of a device's name, `bp_` + the fabric's.)
+    let fab = Fab::up("mpi", 2, &[]);
+    let agent = format!("{} rsh --verbs", common::BIN);
+    let dev = format!("UCX_NET_DEVICES=bp_{}:1", fab.name);
+    let exe = exe.to_str().unwrap();
+    let out = exec_verbs(
+        &fab,
+        1,
+        &[
+            "timeout",
+            "120",
+            "mpirun",
+            "--allow-run-as-root",
+            "-np",
+            "2",
+            "--host",
+            "node1,node2",
+            "--bind-to",
+            "none",
+            "--mca",
+            "plm_rsh_agent",
+            &agent,
+            "--mca",
+            "pml",
+            "ucx",
+            "--mca",
+            "osc",
+            "ucx",
+            "-x",
+            "UCX_TLS=rc_verbs,ud_verbs,self",
+            "-x",
+            &dev,
+            exe,
+            "300",
+        ],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let t = text(&out);
+    assert!(out.status.success(), "{t}");
+    for want in [
+        "rank 0 in node 1",
+        "rank 1 in node 2",
+        "pingpong       8 B:",
+        "pingpong  262144 B:",
+        "put and get: 512 words right",
+        "accumulate: 2",
+        "allreduce: 3",
+    ] {
+        assert!(t.contains(want), "no '{want}' in:\n{t}");
+    }
+}
+
 /// `examples/c/perftest_loops.c` — perftest's latency and bandwidth loops over plain
 /// libibverbs, the probe behind the README's findings on where `ib_write_lat`'s time goes and
 /// on short runs' first-time costs — builds and runs each of its loops between two nodes (a

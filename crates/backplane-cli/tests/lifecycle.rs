@@ -246,3 +246,42 @@ fn down_stops_what_exec_started_in_the_nodes_and_status_counts_it() {
     let bad = bp(&["down", "--name", &fab.name, "--grace", "-1"]);
     assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
 }
+
+/// `rsh HOST COMMAND...` runs as ssh would, in the node HOST names (`nodeN` or `N`): the
+/// command's words joined and run by `sh -c` (so a launcher's quoted command line works), its
+/// exit status passed on, the fabric taken from `BACKPLANE_FABRIC` as inside a node; a HOST
+/// that names no node is one line.
+#[test]
+fn rsh_runs_a_command_line_in_the_node_a_host_name_names() {
+    let fab = Fab::up("lifecycle_rsh", 3, &[]);
+    let o = bp(&[
+        "rsh",
+        "--name",
+        &fab.name,
+        "node3",
+        "echo",
+        "in node $BACKPLANE_NODE of $BACKPLANE_FABRIC;",
+        "echo",
+        "second",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(out, format!("in node 3 of {}\nsecond\n", fab.name));
+    // The fabric from the environment (as inside a node); the command's status passed on.
+    let o = std::process::Command::new(BIN)
+        .env("BACKPLANE_FABRIC", &fab.name)
+        .args(["rsh", "2", "exit 7"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(7), "{}", stderr(&o));
+    for bad in ["node4", "node0", "elsewhere"] {
+        let o = bp(&["rsh", "--name", &fab.name, bad, "true"]);
+        assert_eq!(o.status.code(), Some(1), "{bad}");
+        let e = stderr(&o);
+        assert_eq!(e.trim().lines().count(), 1, "{e}");
+        assert!(
+            e.starts_with("backplane: ") && e.contains(bad) && e.contains("not a node"),
+            "{e}"
+        );
+    }
+}

@@ -305,6 +305,27 @@ pub extern "C" fn bp_ibv_reg_mr_iova2(
 }
 crate::abi::symver!(bp_ibv_reg_mr_iova2, "ibv_reg_mr_iova2@@IBVERBS_1.8");
 
+/// `ibv_reg_dmabuf_mr`: memory another driver exports as a dma-buf (a GPU's) — none on the
+/// fabric: NULL with `EOPNOTSUPP`, as libibverbs answers for a device without it. (libfabric
+/// imports it: without it the library, and OpenMPI's OFI components with it, did not load.)
+#[no_mangle]
+pub extern "C" fn bp_ibv_reg_dmabuf_mr(
+    _pd: *mut IbvPd,
+    _offset: u64,
+    _length: usize,
+    _iova: u64,
+    _fd: c_int,
+    _access: c_int,
+) -> *mut IbvMr {
+    fail(
+        "ibv_reg_dmabuf_mr",
+        libc::EOPNOTSUPP,
+        "dma-buf memory is not offered: register the program's own memory with ibv_reg_mr",
+    );
+    null_mut()
+}
+crate::abi::symver!(bp_ibv_reg_dmabuf_mr, "ibv_reg_dmabuf_mr@@IBVERBS_1.12");
+
 /// `ibv_dereg_mr`: peers lose access at once; the program's pages become private memory
 /// again, with their bytes.
 #[no_mangle]
@@ -675,6 +696,29 @@ pub(crate) fn wc_out(w: &backplane::verbs::Wc) -> IbvWc {
         dlid_path_bits: w.dlid_path_bits,
     }
 }
+
+/// `ibv_resize_cq`: 0 with `cq->cqe` the new size, or an errno (`EINVAL`: a size out of
+/// range or below the completions the CQ holds). (OpenMPI's openib component imports it.)
+#[no_mangle]
+pub extern "C" fn bp_ibv_resize_cq(cq: *mut IbvCq, cqe: c_int) -> c_int {
+    let call = "ibv_resize_cq";
+    let Some(c) = obj::<CqObj>(cq.cast(), Kind::Cq) else {
+        return fail(call, libc::EINVAL, "not a CQ of this library");
+    };
+    if cqe <= 0 {
+        return fail(call, libc::EINVAL, format!("cqe {cqe}"));
+    }
+    // SAFETY: the context outlives its CQs.
+    let _g = unsafe { &*c.ctx }.lock();
+    match c.cq.resize(cqe as usize) {
+        Ok(n) => {
+            c.ibv.cqe = n as c_int;
+            0
+        }
+        Err(e) => fail_verbs(call, &e),
+    }
+}
+crate::abi::symver!(bp_ibv_resize_cq, "ibv_resize_cq@@IBVERBS_1.1");
 
 /// `ops.req_notify_cq` (the header's inline `ibv_req_notify_cq`): 0 or an errno.
 ///

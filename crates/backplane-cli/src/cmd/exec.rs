@@ -50,7 +50,31 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let name = &a.name.name;
+    let how = How {
+        verbs: a.verbs,
+        accel: a.accel,
+        host_net: a.host_net,
+    };
+    run_in(&a.name.name, a.node, how, &a.cmd)
+}
+
+/// How a program runs in a node (`exec`'s flags).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct How {
+    pub verbs: bool,
+    pub accel: bool,
+    pub host_net: bool,
+}
+
+/// Runs `cmd` in node `node` of fabric `name` as `how` says, and exits with its status.
+pub(super) fn run_in(name: &str, node: u32, how: How, cmd: &[String]) -> anyhow::Result<()> {
+    let a = Resolved {
+        node,
+        verbs: how.verbs,
+        accel: how.accel,
+        host_net: how.host_net,
+        cmd,
+    };
     let fabric = Fabric::attach(name)?;
     fabric.node_info(a.node)?; // unknown node: a clear error
     super::require_local(&fabric, &[a.node])?;
@@ -77,7 +101,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     } else if in_node_ns {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &net::netns_name(name, a.node)]);
-        c.args(&a.cmd);
+        c.args(a.cmd);
         c
     } else {
         let mut c = Command::new(&a.cmd[0]);
@@ -117,6 +141,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         std::process::exit(128 + sig);
     }
     bail!("'{}' ended abnormally", a.cmd[0])
+}
+
+/// `exec`'s arguments once the fabric is known.
+struct Resolved<'a> {
+    node: u32,
+    verbs: bool,
+    accel: bool,
+    host_net: bool,
+    cmd: &'a [String],
 }
 
 /// The files of a node's `/etc/netns/NAME` (its `hosts`) and the `/etc` files they go over,

@@ -7,6 +7,7 @@ mod exec;
 mod model;
 mod perf;
 mod perf_ip;
+mod rsh;
 mod status;
 mod supervisor;
 mod up;
@@ -31,6 +32,9 @@ enum Command {
     Down(down::Args),
     /// Run a program inside a node (its network namespace, BACKPLANE_FABRIC/NODE set).
     Exec(exec::Args),
+    /// What `ssh HOST COMMAND` does, for a node (`nodeN`): for launchers that start their
+    /// remote parts over ssh (OpenMPI's `--mca plm_rsh_agent "backplane rsh --verbs"`).
+    Rsh(rsh::Args),
     /// perftest-like micro benchmarks: dgram-lat, dgram-bw, write-lat, write-bw, read-lat,
     /// read-bw, send-lat, send-bw, atomic-lat, ip, dma-bw (UCX and memcpy in the same run).
     Perf(perf::Args),
@@ -97,6 +101,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Status(a) => status::run(a),
         Command::Down(a) => down::run(a),
         Command::Exec(a) => exec::run(a),
+        Command::Rsh(a) => rsh::run(a),
         Command::Perf(a) => perf::run(a),
         Command::Model(a) => model::run(a),
         Command::Bench(a) => bench::run(a),

@@ -704,6 +704,27 @@ impl Cq {
         self.ctx.poll_each(self.id, max, sink)
     }
 
+    /// Changes the CQ's size to `cqe` entries (`ibv_resize_cq`): 1..=4194304 and at least the
+    /// completions it holds now (`InvalidArgument` otherwise, the CQ unchanged); the size is
+    /// where completions start to count as overruns ([`Cq::overruns`]). Returns the new size.
+    pub fn resize(&self, cqe: usize) -> Result<usize, VerbsError> {
+        if cqe == 0 || cqe > 1 << 22 {
+            return Err(VerbsError::inval(format!("cqe {cqe} is not 1..=4194304")));
+        }
+        let mut eng = self.ctx.eng.borrow_mut();
+        let Some(Some(c)) = eng.cqs.get_mut(self.id) else {
+            return Err(VerbsError::inval("the CQ is gone"));
+        };
+        if c.entries.len() > cqe {
+            return Err(VerbsError::inval(format!(
+                "the CQ holds {} completions, more than {cqe}",
+                c.entries.len()
+            )));
+        }
+        c.cap = cqe;
+        Ok(cqe)
+    }
+
     /// Completions that arrived while the CQ already held its `cqe` entries. On hardware that
     /// is a CQ overrun (the asynchronous event `IBV_EVENT_CQ_ERR`, completions lost); here the
     /// completions are kept and counted, so the mistake is visible without losing work.
