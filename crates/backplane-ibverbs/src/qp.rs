@@ -645,14 +645,15 @@ unsafe fn send_in<'a>(
             [] => (&[], &[]),
             // SAFETY: an inline request's entries name readable memory (caller), by address.
             [one] => (&[], unsafe {
-                std::slice::from_raw_parts(one.addr as usize as *const u8, one.length as usize)
+                crate::wr::bytes(one.addr as usize as *const _, one.length as usize)
             }),
             many => {
                 inline.clear();
                 for s in many {
                     // SAFETY: as above.
+                    // (An entry of length 0 may name NULL: UCX's header-only inline SENDs.)
                     inline.extend_from_slice(unsafe {
-                        std::slice::from_raw_parts(s.addr as usize as *const u8, s.length as usize)
+                        crate::wr::bytes(s.addr as usize as *const _, s.length as usize)
                     });
                 }
                 (&[], inline.as_slice())

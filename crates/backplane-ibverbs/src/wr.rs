@@ -315,11 +315,12 @@ unsafe extern "C" fn wr_set_sge_list(qp: *mut IbvQpEx, n: usize, list: *const Ib
     }
 }
 
-/// The bytes of an inline setter, copied now (the program may reuse its buffer at once).
+/// The bytes of an inline setter or of an inline request's entry (`len` 0 may come with any
+/// address, NULL too: no slice is made of it).
 ///
 /// # Safety
 /// `addr` names `len` readable bytes when `len > 0`.
-unsafe fn bytes<'a>(addr: *const c_void, len: usize) -> &'a [u8] {
+pub(crate) unsafe fn bytes<'a>(addr: *const c_void, len: usize) -> &'a [u8] {
     if len == 0 || addr.is_null() {
         &[]
     } else {

@@ -17,22 +17,29 @@ use backplane::net;
 
 use super::NameArg;
 
-/// Arguments of `exec`.
-#[derive(clap::Args, Debug)]
-pub struct Args {
-    #[command(flatten)]
-    name: NameArg,
+/// The libraries a program runs with in a node (`exec`'s and `rsh`'s flags).
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub(super) struct Libs {
     /// Run the program with backplane's `libibverbs.so.1` (the `backplane-ibverbs` crate,
     /// found beside this executable) first on its library search path.
     #[arg(long)]
-    verbs: bool,
+    pub verbs: bool,
     /// Accelerate the program's TCP connections to other nodes' `bp0` addresses: preload
     /// backplane's `libbackplane_sockets.so` (the `backplane-sockets` crate, found beside this
     /// executable), which moves the byte stream of a connection whose other end is
     /// accelerated too onto shared-memory rings. `BACKPLANE_ACCEL=0` turns it off;
     /// `BACKPLANE_ACCEL_LOG=1` prints a line per connection.
     #[arg(long)]
-    accel: bool,
+    pub accel: bool,
+}
+
+/// Arguments of `exec`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    name: NameArg,
+    #[command(flatten)]
+    libs: Libs,
     /// Run the program in this host's network namespace instead of the node's (it keeps the
     /// node's identity: `BACKPLANE_FABRIC`, `BACKPLANE_NODE`); its own sockets use the host's
     /// addresses, not `bp0` (perftest's exchange then connects to the other host's address).
@@ -50,29 +57,22 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let how = How {
-        verbs: a.verbs,
-        accel: a.accel,
-        host_net: a.host_net,
-    };
-    run_in(&a.name.name, a.node, how, &a.cmd)
+    run_in(&a.name.name, a.node, (a.libs, a.host_net), &a.cmd)
 }
 
-/// How a program runs in a node (`exec`'s flags).
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct How {
-    pub verbs: bool,
-    pub accel: bool,
-    pub host_net: bool,
-}
-
-/// Runs `cmd` in node `node` of fabric `name` as `how` says, and exits with its status.
-pub(super) fn run_in(name: &str, node: u32, how: How, cmd: &[String]) -> anyhow::Result<()> {
+/// Runs `cmd` in node `node` of fabric `name` with `libs`, in the host's network namespace
+/// if `host_net`, and exits with its status.
+pub(super) fn run_in(
+    name: &str,
+    node: u32,
+    (libs, host_net): (Libs, bool),
+    cmd: &[String],
+) -> anyhow::Result<()> {
     let a = Resolved {
         node,
-        verbs: how.verbs,
-        accel: how.accel,
-        host_net: how.host_net,
+        verbs: libs.verbs,
+        accel: libs.accel,
+        host_net,
         cmd,
     };
     let fabric = Fabric::attach(name)?;

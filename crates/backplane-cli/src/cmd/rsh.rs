@@ -8,7 +8,7 @@
 use anyhow::{bail, Context};
 use backplane::fabric::Fabric;
 
-use super::exec::{run_in, How};
+use super::exec::{run_in, Libs};
 use super::NameArg;
 
 /// Arguments of `rsh`.
@@ -16,13 +16,9 @@ use super::NameArg;
 pub struct Args {
     #[command(flatten)]
     name: NameArg,
-    /// With backplane's `libibverbs.so.1` first on the command's library search path (as
-    /// `exec --verbs`): MPI over UCX's InfiniBand transports, perftest.
-    #[arg(long)]
-    verbs: bool,
-    /// Preload the socket acceleration (as `exec --accel`).
-    #[arg(long)]
-    accel: bool,
+    /// `--verbs` (MPI over UCX's InfiniBand transports, perftest) and `--accel`, as for `exec`.
+    #[command(flatten)]
+    libs: Libs,
     /// The node: `nodeN`, `N`, or its `bp0` address.
     host: String,
     /// The command, run by `sh -c` with its words joined by spaces (as ssh runs it).
@@ -35,13 +31,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     let fabric = Fabric::attach(name)?;
     let node = node_of(&fabric, name, &a.host)?;
     drop(fabric);
-    let how = How {
-        verbs: a.verbs,
-        accel: a.accel,
-        host_net: false,
-    };
     let cmd = ["sh".to_owned(), "-c".to_owned(), a.command.join(" ")];
-    run_in(name, node, how, &cmd)
+    run_in(name, node, (a.libs, false), &cmd)
 }
 
 /// The node HOST names on `fabric`: `nodeN` or `N` (checked against the fabric's size), or a

@@ -59,7 +59,7 @@ use crate::transport::shm::{RegionMaps, ShmTransport};
 use crate::wire::registry::{VerbsRequest, VerbsResponse};
 use crate::wire::verbs::*;
 use crate::wire::NodeState;
-use engine::{CqState, Ctx, Engine, LocalMr};
+use engine::{CqState, Cqs, Ctx, Engine, LocalMr, MrTable, QpEngine};
 
 /// Default inbound ring of an RC/UC QP.
 pub const DEFAULT_RING: u32 = 512 * 1024;
@@ -1009,6 +1009,13 @@ impl Qp {
     /// [`Qp::post_one_fast`] of a [`OneSided`].
     #[inline(never)]
     fn one_sided_fast(&self, r: &OneSided<'_>) -> bool {
+        self.on_fast_path(|q, mrs, cqs| q.fast_one_sided(r, mrs, cqs))
+    }
+
+    /// `f` on this QP's engine, its context's regions and CQs, if the engine is free (not
+    /// entered further up this thread's stack) and the QP alive; otherwise `false`.
+    #[inline(always)]
+    fn on_fast_path(&self, f: impl FnOnce(&mut QpEngine, &MrTable, &mut Cqs) -> bool) -> bool {
         let Ok(mut eng) = self.ctx.eng.try_borrow_mut() else {
             return false;
         };
@@ -1016,7 +1023,7 @@ impl Qp {
         let Some(Some(q)) = qps.get_mut(self.id) else {
             return false;
         };
-        q.fast_one_sided(r, mrs, cqs)
+        f(q, mrs, cqs)
     }
 
     /// Asks for the line an RDMA_WRITE to `remote_addr` (with `rkey`) will end in, if it goes
@@ -1070,17 +1077,12 @@ impl Qp {
     /// registers.
     #[inline(never)]
     fn post_one_fast(&self, wr: &SendWr<'_>) -> bool {
-        let Ok(mut eng) = self.ctx.eng.try_borrow_mut() else {
-            return false;
-        };
-        let Engine { qps, cqs, mrs, .. } = &mut *eng;
-        let Some(Some(q)) = qps.get_mut(self.id) else {
-            return false;
-        };
-        let r = q.post_one_fast(wr, mrs, cqs);
-        self.write_hint.set(q.write_hint);
-        self.send_hint.set(q.send_hint);
-        r
+        self.on_fast_path(|q, mrs, cqs| {
+            let r = q.post_one_fast(wr, mrs, cqs);
+            self.write_hint.set(q.write_hint);
+            self.send_hint.set(q.send_hint);
+            r
+        })
     }
 
     /// Posts receive work requests (`ibv_post_recv`).
