@@ -1542,6 +1542,88 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
             assert!(String::from_utf8_lossy(&c.stdout).contains("Final:"));
         }
     }
+    // ... and MPI over UCX over the drop-in: `mpirun` in node 1 starts its second rank in
+    // node 2, on the other host, through an agent that does what `ssh HOST backplane rsh
+    // node2 ...` would (enters that host's namespace, then `rsh`); the ranks' OOB runs over
+    // bp0, their messages over the fabric. Every byte checked, windows, an allreduce.
+    if have("mpirun") && have("mpicc") {
+        lib_built("libibverbs.so", "backplane-ibverbs");
+        let dir = h.dir.join("mpi");
+        std::fs::create_dir_all(&dir).unwrap();
+        let exe = dir.join("mpi_pingpong");
+        let cc = Command::new("mpicc")
+            .args(["-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+            .arg(&exe)
+            .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/mpi_pingpong.c"))
+            .output()
+            .unwrap();
+        assert!(cc.status.success(), "mpicc: {}", stderr(&cc));
+        let agent = dir.join("rsh-to-host");
+        let script = format!(
+            "#!/bin/sh\n# agent HOST CMD...: node2 is on host 1\nhost=$1; shift\n\
+             [ \"$host\" = node2 ] || {{ echo \"agent: $host is not on the other host\" >&2; exit 1; }}\n\
+             exec nsenter --net=/run/netns/{ns} unshare --mount --propagation unchanged sh -c \
+             'mount --make-private /sys && mount -t sysfs sysfs /sys && exec \"$0\" \"$@\"' \
+             env BACKPLANE_RUN_DIR={run} {bin} rsh --name {fabric} --verbs \"$host\" \"$@\"\n",
+            ns = h.ns(1),
+            run = h.run_dir(1).display(),
+            bin = BIN,
+            fabric = h.fabric,
+        );
+        std::fs::write(&agent, script).unwrap();
+        std::fs::set_permissions(&agent, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let dev = format!("UCX_NET_DEVICES=bp_{}:1", h.fabric);
+        let (agent, exe) = (agent.to_str().unwrap(), exe.to_str().unwrap());
+        let o = h.bp(
+            0,
+            &[
+                "exec",
+                "--name",
+                &h.fabric,
+                "--verbs",
+                "1",
+                "--",
+                "timeout",
+                "120",
+                "mpirun",
+                "--allow-run-as-root",
+                "-np",
+                "2",
+                "--host",
+                "node1,node2",
+                "--bind-to",
+                "none",
+                "--mca",
+                "plm_rsh_agent",
+                agent,
+                "--mca",
+                "pml",
+                "ucx",
+                "--mca",
+                "osc",
+                "ucx",
+                "-x",
+                "UCX_TLS=rc_verbs,ud_verbs,self",
+                "-x",
+                &dev,
+                exe,
+                "50",
+            ],
+        );
+        let t = format!("{}{}", String::from_utf8_lossy(&o.stdout), stderr(&o));
+        assert!(o.status.success(), "mpirun between hosts: {t}");
+        for want in [
+            "rank 0 in node 1",
+            "rank 1 in node 2",
+            "pingpong  262144 B:",
+            "put and get: 512 words right",
+            "accumulate: 2",
+            "allreduce: 3",
+        ] {
+            assert!(t.contains(want), "no '{want}' in:\n{t}");
+        }
+    }
     // ... where a verbs program reaches the other host's (its peer's address is that host's).
     if have("ibv_rc_pingpong") {
         lib_built("libibverbs.so", "backplane-ibverbs");
