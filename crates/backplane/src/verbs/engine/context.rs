@@ -182,13 +182,19 @@ impl Ctx {
         // stays two loads longer than before them).
         let carries = crate::verbs::direct::carries_pairs();
         if carries {
-            // (A queue with a completion channel is polled by a program that sleeps on the
-            // channel between polls: its polls do not keep the pairs' threads resting.)
+            // (A queue whose channel is armed is polled by a program that may sleep on the
+            // channel next: its polls do not keep the pairs' threads resting. One with a
+            // channel but nothing armed is polled in a loop like any other — UCX makes every
+            // CQ with a channel and arms it only before it sleeps: taken for a sleeper, its
+            // busy polls left the pairs' threads pumping beside it, ~16 000 wake-ups a second
+            // of each process's pair thread and the program preempted ~20 000 times a
+            // second, `ucx_perftest tag_lat` between hosts 2-5x `ib_send_lat`.)
             let sleeps_between = eng
                 .cqs
                 .get(cq)
                 .and_then(|c| c.as_ref())
-                .is_some_and(|c| c.channel.is_some());
+                .and_then(|c| c.channel.as_ref())
+                .is_some_and(|ch| ch.armed_any());
             if need == 0 {
                 // What came, what to ship; a whole SEND for one of this context's QPs goes
                 // from the message that brought it into the posted receive.
