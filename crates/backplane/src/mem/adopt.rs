@@ -84,7 +84,20 @@ fn parse_segment(l: &str) -> Option<Segment> {
 }
 
 /// The segments covering `[at, at + len)`, clipped to it; an error if a byte is unmapped.
+///
+/// Asked of the kernel mapping by mapping (`PROCMAP_QUERY`, Linux 6.11): reading the whole of
+/// `/proc/self/maps` — three times a registration and its deregistration — was half of an
+/// `ibv_reg_mr`'s time (the kernel formats every mapping of the process; a program with many
+/// libraries, an MPI rank, has hundreds). Older kernels: the file as before.
 fn covering(at: usize, len: usize) -> Result<Vec<Segment>, String> {
+    match query::covering(at, len) {
+        Some(r) => r,
+        None => covering_from_file(at, len),
+    }
+}
+
+/// [`covering`] from the text of `/proc/self/maps`.
+fn covering_from_file(at: usize, len: usize) -> Result<Vec<Segment>, String> {
     let all = segments().map_err(|e| format!("cannot read /proc/self/maps: {e}"))?;
     let end = at + len;
     let mut next = at;
@@ -106,6 +119,110 @@ fn covering(at: usize, len: usize) -> Result<Vec<Segment>, String> {
         return Err(format!("{:#x}..{:#x} is not all mapped memory", at, end));
     }
     Ok(out)
+}
+
+/// `PROCMAP_QUERY` (`ioctl` on `/proc/self/maps`): one mapping at a time, no text.
+mod query {
+    use super::Segment;
+    use std::os::fd::AsRawFd;
+
+    /// `_IOWR('f', 17, struct procmap_query)` (`<linux/fs.h>`, Linux 6.11).
+    const PROCMAP_QUERY: libc::c_ulong = 0xC068_6611;
+    const READABLE: u64 = 0x01;
+    const WRITABLE: u64 = 0x02;
+    const EXECUTABLE: u64 = 0x04;
+    const SHARED: u64 = 0x08;
+
+    /// `struct procmap_query`, as the kernel's uapi header lays it out (104 bytes).
+    #[repr(C)]
+    #[derive(Default)]
+    struct ProcmapQuery {
+        size: u64,
+        query_flags: u64,
+        query_addr: u64,
+        vma_start: u64,
+        vma_end: u64,
+        vma_flags: u64,
+        vma_page_size: u64,
+        vma_offset: u64,
+        inode: u64,
+        dev_major: u32,
+        dev_minor: u32,
+        vma_name_size: u32,
+        build_id_size: u32,
+        vma_name_addr: u64,
+        build_id_addr: u64,
+    }
+    const _: () = assert!(std::mem::size_of::<ProcmapQuery>() == 104);
+
+    /// Whether the kernel answered `PROCMAP_QUERY` (false once it did not: `ENOTTY` on a
+    /// kernel before 6.11, or a filter refusing `ioctl`).
+    static WORKS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+    /// The mappings covering `[at, at + len)` clipped to it, an error if a byte is unmapped;
+    /// `None` if the kernel cannot say (the caller reads the file).
+    pub(super) fn covering(at: usize, len: usize) -> Option<Result<Vec<Segment>, String>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !WORKS.load(Relaxed) {
+            return None;
+        }
+        // (Opened each time: a descriptor kept across a fork() would answer for the parent.)
+        let maps = std::fs::File::open("/proc/self/maps").ok()?;
+        let end = at.checked_add(len)?;
+        let mut next = at;
+        let mut out = Vec::new();
+        while next < end {
+            let mut q = ProcmapQuery {
+                size: std::mem::size_of::<ProcmapQuery>() as u64,
+                query_addr: next as u64,
+                ..ProcmapQuery::default()
+            };
+            // SAFETY: `q` is a `struct procmap_query` of the size it says, with no name or
+            // build-id buffer (their sizes 0); the kernel writes only into it.
+            let r = unsafe { libc::ioctl(maps.as_raw_fd(), PROCMAP_QUERY, &mut q) };
+            if r != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::ENOENT) {
+                    // No mapping covers `next`.
+                    return Some(Err(format!(
+                        "{:#x}..{:#x} is not all mapped memory",
+                        at, end
+                    )));
+                }
+                WORKS.store(false, Relaxed);
+                return None;
+            }
+            let (start, vend) = (q.vma_start as usize, q.vma_end as usize);
+            // (The kernel's answer, checked: a mapping that covers `next`.)
+            if start > next || vend <= next {
+                WORKS.store(false, Relaxed);
+                return None;
+            }
+            let bit = |b: u64, c: u8| if q.vma_flags & b != 0 { c } else { b'-' };
+            let perms = [
+                bit(READABLE, b'r'),
+                bit(WRITABLE, b'w'),
+                bit(EXECUTABLE, b'x'),
+                if q.vma_flags & SHARED != 0 {
+                    b's'
+                } else {
+                    b'p'
+                },
+            ];
+            let dev = (u64::from(q.dev_major) << 8) | u64::from(q.dev_minor);
+            let clipped = next.max(start);
+            out.push(Segment {
+                start: clipped,
+                end: vend.min(end),
+                off: q.vma_offset + (clipped - start) as u64,
+                perms,
+                dev_ino: (dev, q.inode),
+                whole: (start, vend),
+            });
+            next = vend;
+        }
+        Some(Ok(out))
+    }
 }
 
 fn prot_of(p: &[u8; 4]) -> rustix::mm::MprotectFlags {
@@ -528,6 +645,61 @@ mod tests {
         }
         .unwrap()
         .cast()
+    }
+
+    /// The kernel's answer (`PROCMAP_QUERY`) and the text of `/proc/self/maps` say the same of
+    /// private and shared memory, a region's memfd mapping, a read-only page, ranges across
+    /// mappings and a range that runs into a hole.
+    #[test]
+    fn the_kernels_answer_and_the_maps_file_agree() {
+        let p = anon(4 * PAGE) as usize;
+        // A hole after the first page, a read-only third page.
+        // SAFETY: the test's own fresh mapping.
+        unsafe {
+            rustix::mm::munmap((p + PAGE) as *mut _, PAGE).unwrap();
+            rustix::mm::mprotect(
+                (p + 2 * PAGE) as *mut _,
+                PAGE,
+                rustix::mm::MprotectFlags::READ,
+            )
+            .unwrap();
+        }
+        let r = Region::create("bp-test-query", 2 * PAGE).unwrap();
+        let m = r.ptr.as_ptr() as usize;
+        let flat = |v: Result<Vec<Segment>, String>| {
+            v.map(|v| {
+                v.iter()
+                    .map(|s| (s.start, s.end, s.perms, s.off, s.dev_ino, s.whole))
+                    .collect::<Vec<_>>()
+            })
+        };
+        for (at, len) in [
+            (p, PAGE),
+            (p, 2 * PAGE),
+            (p + 2 * PAGE, 2 * PAGE),
+            (p + 3 * PAGE, PAGE),
+            (m, 2 * PAGE),
+            (m + PAGE, PAGE),
+            (m + 100, 10),
+        ] {
+            let Some(k) = query::covering(at, len) else {
+                return; // a kernel before 6.11: nothing to compare
+            };
+            assert_eq!(
+                flat(k),
+                flat(covering_from_file(at, len)),
+                "{at:#x}+{len:#x}"
+            );
+        }
+        assert!(query::covering(p, 2 * PAGE).unwrap().is_err(), "the hole");
+        assert_eq!(
+            query::covering(m, 2 * PAGE).unwrap().unwrap()[0].perms[3],
+            b's'
+        );
+        assert_eq!(
+            query::covering(p + 2 * PAGE, PAGE).unwrap().unwrap()[0].perms,
+            *b"r--p"
+        );
     }
 
     #[test]
