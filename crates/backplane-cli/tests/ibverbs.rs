@@ -605,6 +605,18 @@ fn ucx_perftest_runs_over_the_fabric_through_ucx_infiniband_transports() {
         both_succeed(&format!("ucx_perftest {}", args[1]), &r);
         assert!(text(&r.1).contains("Final:"), "{}", text(&r.1));
     }
+    // UCP's own atomics on the fabric's (UCX's `guess` emulates them: no scalable transport
+    // with device atomics).
+    let amo = "UCX_ATOMIC_MODE=device";
+    let r = pair_env(
+        &fab,
+        &[tls, &dev, amo],
+        "ucx_perftest",
+        18790,
+        &["-t", "ucp_fadd", "-n", "2000"],
+    );
+    both_succeed("ucx_perftest ucp_fadd", &r);
+    assert!(text(&r.1).contains("Final:"), "{}", text(&r.1));
     let name = fab.name.clone();
     drop(fab);
     assert!(
@@ -670,6 +682,8 @@ fn mpi_runs_over_ucx_over_the_fabric_with_ranks_started_through_backplane_rsh() 
             "UCX_TLS=rc_verbs,ud_verbs,self",
             "-x",
             &dev,
+            "-x",
+            "UCX_ATOMIC_MODE=device",
             exe,
             "300",
         ],
