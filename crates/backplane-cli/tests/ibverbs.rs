@@ -678,6 +678,9 @@ fn mpi_runs_over_ucx_over_the_fabric_with_ranks_started_through_backplane_rsh() 
             "--mca",
             "osc",
             "ucx",
+            "--mca",
+            "rtc",
+            "^hwloc",
             "-x",
             "UCX_TLS=rc_verbs,ud_verbs,self",
             "-x",
@@ -688,20 +691,44 @@ fn mpi_runs_over_ucx_over_the_fabric_with_ranks_started_through_backplane_rsh() 
             "300",
         ],
     );
+    let check = |how: &str, out: &Output| {
+        let t = text(out);
+        assert!(out.status.success(), "{how}: {t}");
+        for want in [
+            "rank 0 in node 1",
+            "rank 1 in node 2",
+            "pingpong       8 B:",
+            "pingpong  262144 B:",
+            "put and get: 512 words right",
+            "accumulate: 2",
+            "allreduce: 3",
+        ] {
+            assert!(t.contains(want), "{how}: no '{want}' in:\n{t}");
+        }
+    };
+    check("mpirun with every setting on its command line", &out);
+    // `exec --mpi` gives mpirun all of that: a plain `mpirun` runs the same.
+    let n = fab.name.clone();
+    let out = bp(&[
+        "exec",
+        "--mpi",
+        "--name",
+        &n,
+        "1",
+        "--",
+        "timeout",
+        "120",
+        "mpirun",
+        "--allow-run-as-root",
+        "-np",
+        "2",
+        "--host",
+        "node1,node2",
+        exe,
+        "300",
+    ]);
+    check("exec --mpi", &out);
     let _ = std::fs::remove_dir_all(&dir);
-    let t = text(&out);
-    assert!(out.status.success(), "{t}");
-    for want in [
-        "rank 0 in node 1",
-        "rank 1 in node 2",
-        "pingpong       8 B:",
-        "pingpong  262144 B:",
-        "put and get: 512 words right",
-        "accumulate: 2",
-        "allreduce: 3",
-    ] {
-        assert!(t.contains(want), "no '{want}' in:\n{t}");
-    }
 }
 
 /// `examples/c/perftest_loops.c` — perftest's latency and bandwidth loops over plain

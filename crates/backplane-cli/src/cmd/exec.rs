@@ -31,6 +31,40 @@ pub(super) struct Libs {
     /// `BACKPLANE_ACCEL_LOG=1` prints a line per connection.
     #[arg(long)]
     pub accel: bool,
+    /// For MPI (OpenMPI over UCX's InfiniBand transports, on the fabric): `--verbs`, and the
+    /// settings an `mpirun` needs to run its ranks in the fabric's nodes, each unless the
+    /// environment has it already — ranks started on other nodes through `backplane rsh
+    /// --mpi` (`OMPI_MCA_plm_rsh_agent`), UCX for messages and windows (`OMPI_MCA_pml`,
+    /// `OMPI_MCA_osc`: Debian turns them off), no binding (`OMPI_MCA_hwloc_base_binding_policy
+    /// =none`: every node would bind its first rank to core 0), OpenMPI's `rtc hwloc` off
+    /// (`OMPI_MCA_rtc=^hwloc`: it puts a shared topology in the biggest hole of the address
+    /// space and crashed `mpirun`/`orted` now and then with every node a host on one machine),
+    /// and UCX on the fabric's device (`UCX_TLS=rc_verbs,ud_verbs,self`,
+    /// `UCX_NET_DEVICES=bp_FABRIC:1`, `UCX_ATOMIC_MODE=device`).
+    #[arg(long)]
+    pub mpi: bool,
+}
+
+/// The environment `--mpi` gives a program in fabric `name` (see [`Libs::mpi`]): what the
+/// environment does not set already.
+fn mpi_env(name: &str) -> Vec<(String, String)> {
+    let me = std::env::current_exe()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|_| "backplane".to_owned());
+    [
+        ("OMPI_MCA_plm_rsh_agent", format!("{me} rsh --mpi")),
+        ("OMPI_MCA_pml", "ucx".to_owned()),
+        ("OMPI_MCA_osc", "ucx".to_owned()),
+        ("OMPI_MCA_hwloc_base_binding_policy", "none".to_owned()),
+        ("OMPI_MCA_rtc", "^hwloc".to_owned()),
+        ("UCX_TLS", "rc_verbs,ud_verbs,self".to_owned()),
+        ("UCX_NET_DEVICES", format!("bp_{name}:1")),
+        ("UCX_ATOMIC_MODE", "device".to_owned()),
+    ]
+    .into_iter()
+    .filter(|(k, _)| std::env::var_os(k).is_none())
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
 }
 
 /// Arguments of `exec`.
@@ -70,7 +104,7 @@ pub(super) fn run_in(
 ) -> anyhow::Result<()> {
     let a = Resolved {
         node,
-        verbs: libs.verbs,
+        verbs: libs.verbs || libs.mpi,
         accel: libs.accel,
         host_net,
         cmd,
@@ -121,6 +155,9 @@ pub(super) fn run_in(
     }
     if let Some(env) = accel {
         cmd.envs(env);
+    }
+    if libs.mpi {
+        cmd.envs(mpi_env(name));
     }
     crate::sys::child_default_sigpipe(&mut cmd);
     let status = cmd.status().map_err(|e| {

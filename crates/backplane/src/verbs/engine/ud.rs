@@ -55,6 +55,19 @@ impl QpEngine {
             | Err(DgramError::NodeDown(_))
             | Err(DgramError::NoRoute(_))
             | Err(DgramError::Corrupt { .. }) => Exec::Done(WcStatus::Success),
+            // No room in a window for the route to that QP (memory freed less than a second
+            // ago is reusable only then): the datagram is lost, as a UD datagram may be, and
+            // the QP goes on — a sender that needs it again sends it again (UCX's UD does). It
+            // took the QP to ERR, its receives flushed: UCX aborted ("receive completion with
+            // error … Work Request Flushed Error") while MPI made and ended endpoints in 8 MiB
+            // windows.
+            Err(DgramError::Fabric(crate::fabric::FabricError::Refused {
+                kind: crate::fabric::ctl::ErrorKind::NoSpace,
+                message,
+            })) => {
+                ud_dropped_for_room(slot, &message);
+                Exec::Done(WcStatus::Success)
+            }
             Err(_) => Exec::Fatal(WcStatus::LocQpOpErr),
         }
     }
@@ -159,5 +172,18 @@ impl QpEngine {
             scatter(env.mrs, rpd, sges, GRH_LEN as u64, Bytes::Slice(data));
         }
         push_cqe(cqs, self.recv_cq, wc);
+    }
+}
+
+/// Says once a process that a UD datagram was lost for want of room in a window (the
+/// fabric's own line: what to do).
+#[cold]
+fn ud_dropped_for_room(slot: u32, why: &str) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        eprintln!(
+            "backplane: a UD datagram to node {slot} was dropped (UD may lose datagrams; later \
+             ones go when there is room): {why}"
+        );
     }
 }
