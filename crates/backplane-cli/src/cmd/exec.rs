@@ -32,8 +32,9 @@ pub(super) struct Libs {
     #[arg(long)]
     pub accel: bool,
     /// For MPI (OpenMPI over UCX's InfiniBand transports, on the fabric): `--verbs`, and the
-    /// settings an `mpirun` needs to run its ranks in the fabric's nodes, each unless the
-    /// environment has it already — ranks started on other nodes through `backplane rsh
+    /// settings an `mpirun` needs to run its ranks in the fabric's nodes, over what the
+    /// environment says (a `UCX_TLS` there is most often the hosts' links'; `mpirun`'s own
+    /// `--mca` and `-x` still win) — ranks started on other nodes through `backplane rsh
     /// --mpi` (`OMPI_MCA_plm_rsh_agent`), UCX for messages and windows (`OMPI_MCA_pml`,
     /// `OMPI_MCA_osc`: Debian turns them off), no binding (`OMPI_MCA_hwloc_base_binding_policy
     /// =none`: every node would bind its first rank to core 0), OpenMPI's `rtc hwloc` off
@@ -45,9 +46,8 @@ pub(super) struct Libs {
     pub mpi: bool,
 }
 
-/// The environment `--mpi` gives a program in fabric `name` (see [`Libs::mpi`]): what the
-/// environment does not set already.
-fn mpi_env(name: &str) -> Vec<(String, String)> {
+/// The environment `--mpi` gives a program in fabric `name` (see [`Libs::mpi`]).
+fn mpi_env(name: &str) -> Vec<(&'static str, String)> {
     let me = std::env::current_exe()
         .map(|p| p.display().to_string())
         .unwrap_or_else(|_| "backplane".to_owned());
@@ -61,10 +61,7 @@ fn mpi_env(name: &str) -> Vec<(String, String)> {
         ("UCX_NET_DEVICES", format!("bp_{name}:1")),
         ("UCX_ATOMIC_MODE", "device".to_owned()),
     ]
-    .into_iter()
-    .filter(|(k, _)| std::env::var_os(k).is_none())
-    .map(|(k, v)| (k.to_owned(), v))
-    .collect()
+    .into()
 }
 
 /// Arguments of `exec`.
