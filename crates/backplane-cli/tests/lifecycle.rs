@@ -274,6 +274,22 @@ fn rsh_runs_a_command_line_in_the_node_a_host_name_names() {
         .output()
         .unwrap();
     assert_eq!(o.status.code(), Some(7), "{}", stderr(&o));
+    // `--mpi` on a fabric whose device UCX cannot name (15 characters: `bp_` and 12).
+    let o = bp(&[
+        "exec",
+        "--name",
+        "a-fabric-name-too-long",
+        "--mpi",
+        "1",
+        "--",
+        "true",
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.trim().lines().count() == 1 && e.contains("12 characters or fewer"),
+        "{e}"
+    );
     for bad in ["node4", "node0", "elsewhere"] {
         let o = bp(&["rsh", "--name", &fab.name, bad, "true"]);
         assert_eq!(o.status.code(), Some(1), "{bad}");

@@ -756,7 +756,8 @@ unsafe fn post_one(q: &QpObj, w: &IbvSendWr) -> c_int {
     let ud = q.ibv.qp_type == QpType::Ud as c_int;
     // SAFETY: the context outlives its QPs.
     let _g = unsafe { &*q.ctx }.lock();
-    if let Some(r) = one_sided(w) {
+    // SAFETY: caller contract.
+    if let Some(r) = unsafe { one_sided(w) } {
         // (READ and atomics, one range: `ib_read_lat`'s and `ib_atomic_lat`'s requests,
         // handed over without building the engine's whole request.)
         return match q.qp.post_one_sided(&r) {
@@ -776,8 +777,11 @@ unsafe fn post_one(q: &QpObj, w: &IbvSendWr) -> c_int {
 }
 
 /// `w` as a [`OneSided`] if it is an RDMA_READ or an atomic of exactly one range.
+///
+/// # Safety
+/// `w.sg_list` holds `w.num_sge` readable entries (`ibv_post_send`'s contract).
 #[inline(always)]
-fn one_sided(w: &IbvSendWr) -> Option<OneSided<'_>> {
+unsafe fn one_sided(w: &IbvSendWr) -> Option<OneSided<'_>> {
     const READ: c_int = WrOpcode::RdmaRead as c_int;
     const FETCH_ADD: c_int = WrOpcode::AtomicFetchAndAdd as c_int;
     const CMP_SWAP: c_int = WrOpcode::AtomicCmpAndSwp as c_int;

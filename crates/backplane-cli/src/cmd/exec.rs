@@ -106,6 +106,13 @@ pub(super) fn run_in(
         host_net,
         cmd,
     };
+    if libs.mpi && name.len() > 12 {
+        // UCX keeps 15 characters of a device's name: `bp_` and 12.
+        bail!(
+            "--mpi: UCX cannot name fabric '{name}'s device (bp_{name}: UCX keeps 15 \
+             characters of a device name): use a fabric name of 12 characters or fewer"
+        );
+    }
     let fabric = Fabric::attach(name)?;
     fabric.node_info(a.node)?; // unknown node: a clear error
     super::require_local(&fabric, &[a.node])?;
