@@ -29,6 +29,46 @@ pub const PERFTEST: [&str; 8] = [
     "ib_atomic_lat",
 ];
 
+/// Compiles `tests/c/mpi_pingpong.c` with `mpicc` into `dir` (made if missing); the program.
+pub fn mpi_pingpong(dir: &std::path::Path) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let exe = dir.join("mpi_pingpong");
+    let cc = Command::new("mpicc")
+        .args(["-O2", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/mpi_pingpong.c"))
+        .output()
+        .expect("run mpicc");
+    assert!(
+        cc.status.success(),
+        "mpicc: {}",
+        String::from_utf8_lossy(&cc.stderr)
+    );
+    exe
+}
+
+/// Checks that `mpirun` of `mpi_pingpong` (`how`) succeeded with both ranks in nodes 1 and 2
+/// and every part done; its output.
+pub fn mpi_pingpong_ran(how: &str, out: &Output) -> String {
+    let t = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{how}: {t}");
+    for want in [
+        "rank 0 in node 1",
+        "rank 1 in node 2",
+        "pingpong  262144 B:",
+        "put and get: 512 words right",
+        "accumulate: 2",
+        "allreduce: 3",
+    ] {
+        assert!(t.contains(want), "{how}: no '{want}' in:\n{t}");
+    }
+    t
+}
+
 /// Runs `backplane ARGS...`.
 pub fn bp(args: &[&str]) -> Output {
     Command::new(BIN)
