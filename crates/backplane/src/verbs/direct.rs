@@ -607,7 +607,9 @@ thread_local! {
 #[inline(never)]
 fn progress_live(polling: bool, deliver: &mut Deliver<'_>) {
     for_my_pairs(|pairs| {
-        let stamp = polling.then(crate::sync::now_ns);
+        // (The stamps are compared with `fast_ns` readings only: `clock_gettime` here was
+        // one vDSO call a turn of the program's poll loop.)
+        let stamp = polling.then(crate::sync::fast_ns);
         for s in pairs.iter().filter_map(Weak::upgrade) {
             s.pumped_by_app(stamp, deliver);
         }
