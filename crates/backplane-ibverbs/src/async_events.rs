@@ -12,13 +12,16 @@
 //!
 //! The port and device events come from a thread per context that sleeps on the fabric's
 //! epoch word (futex-woken on every node state change) and looks at the supervisor at least
-//! every second; `ibv_close_device` wakes it to end (its own reference keeps the eventfd
-//! open until it has, so the number is never reused under it).
+//! every second, and on a word of its own that `ibv_close_device` changes and wakes
+//! (`futex_waitv` on both: a wake of the epoch alone was lost when it came between the
+//! thread's look at `closed` and its sleep, and the thread lived on for up to a second); its
+//! own reference keeps the eventfd open until it has ended, so the number is never reused
+//! under it.
 
 use std::collections::VecDeque;
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -42,6 +45,8 @@ pub(crate) struct Events {
     queue: Mutex<VecDeque<IbvAsyncEvent>>,
     /// Set at `ibv_close_device`: the watcher ends.
     closed: AtomicBool,
+    /// Moved and woken at `ibv_close_device`: the watcher sleeps on it beside the epoch.
+    bell: AtomicU32,
 }
 
 impl Events {
@@ -57,6 +62,7 @@ impl Events {
             fd: unsafe { OwnedFd::from_raw_fd(fd) },
             queue: Mutex::new(VecDeque::new()),
             closed: AtomicBool::new(false),
+            bell: AtomicU32::new(0),
         }))
     }
 
@@ -81,9 +87,13 @@ impl Events {
         self.push(IbvAsyncEvent::port(kind, 1));
     }
 
-    /// The watcher ends (at `ibv_close_device`).
+    /// The watcher ends (at `ibv_close_device`), at once: the word it sleeps on changes
+    /// after `closed` is set, so it either sees `closed` or finds the word moved.
     pub(crate) fn close(&self) {
-        self.closed.store(true, Ordering::Relaxed);
+        // SYNC POINT async-close (closer side): `closed` before the bell moves.
+        self.closed.store(true, Ordering::SeqCst);
+        self.bell.fetch_add(1, Ordering::SeqCst);
+        backplane::sync::futex_wake(&self.bell);
     }
 }
 
@@ -101,7 +111,10 @@ pub(crate) fn watch(events: &Arc<Events>, fabric: Fabric, slot: u32) {
         // It holds little: a small stack (a program may open many contexts).
         .stack_size(256 << 10)
         .spawn(move || loop {
-            if ev.closed.load(Ordering::Relaxed) {
+            // SYNC POINT async-close (watcher side): the bell is read before `closed`, so a
+            // close after this look moves the bell from what the sleep below expects.
+            let rung = ev.bell.load(Ordering::SeqCst);
+            if ev.closed.load(Ordering::SeqCst) {
                 return;
             }
             let seen = fabric.epoch().load(Ordering::Acquire);
@@ -122,7 +135,10 @@ pub(crate) fn watch(events: &Arc<Events>, fabric: Fabric, slot: u32) {
                 ev.push(IbvAsyncEvent::port(kind::DEVICE_FATAL, 0));
                 return;
             }
-            fabric.wait_epoch(seen, Duration::from_secs(1));
+            backplane::sync::futex_wait_any(
+                &[(fabric.epoch(), seen), (&ev.bell, rung)],
+                Duration::from_secs(1),
+            );
         });
     if let Err(e) = spawned {
         eprintln!("libibverbs (backplane): no asynchronous events on this context: {e}");

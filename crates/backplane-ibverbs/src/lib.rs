@@ -497,10 +497,9 @@ pub extern "C" fn bp_ibv_close_device(context: *mut IbvContext) -> c_int {
     // SAFETY: a live `Box<Ctx>` (it was in OPEN).
     let c = unsafe { &*Ctx::of_ibv(context) };
     let left = c.objects.load(Ordering::Relaxed);
-    // The watcher ends (woken now, or within a second if it was between two looks); the
-    // eventfd closes with its last reference.
+    // The watcher ends now (woken on its own word); the eventfd closes with its last
+    // reference.
     c.events.close();
-    backplane::sync::futex_wake(c.fabric.epoch());
     if left > 0 {
         // libibverbs closes a context whatever is left of it (the kernel cleans up after a
         // program that does not destroy everything — perftest's `ib_send_bw` client keeps

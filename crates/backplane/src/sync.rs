@@ -47,7 +47,8 @@ pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
 
 /// Sleeps until any of `words` no longer holds its expected value, someone wakes one of them,
 /// or `timeout` passes (`futex_waitv`, Linux 5.16; at most 128 words, the rest are not
-/// watched). Spurious returns are allowed; callers re-check their conditions.
+/// watched; before 5.16 only the first). Spurious returns are allowed; callers re-check
+/// their conditions.
 #[cfg(not(loom))]
 pub fn futex_wait_any(words: &[(&AtomicU32, u32)], timeout: Duration) {
     use rustix::thread::futex;
@@ -69,13 +70,19 @@ pub fn futex_wait_any(words: &[(&AtomicU32, u32)], timeout: Duration) {
         tv_sec: now.tv_sec + timeout.as_secs() as i64 + (ns / 1_000_000_000) as i64,
         tv_nsec: (ns % 1_000_000_000) as _,
     };
-    // Errors (EAGAIN: a word already changed, ETIMEDOUT, EINTR) all mean "go and re-check".
-    let _ = futex::waitv(
+    // Errors (EAGAIN: a word already changed, ETIMEDOUT, EINTR) all mean "go and re-check";
+    // a kernel before 5.16 has no futex_waitv: there the first word alone is watched (a
+    // caller that returned at once would spin).
+    if let Err(rustix::io::Errno::NOSYS) = futex::waitv(
         &waits,
         futex::WaitvFlags::empty(),
         Some(&until),
         rustix::time::ClockId::Monotonic,
-    );
+    ) {
+        if let Some(&(w, v)) = words.first() {
+            futex_wait(w, v, Some(timeout));
+        }
+    }
 }
 
 /// Wakes every waiter sleeping on `word`.
