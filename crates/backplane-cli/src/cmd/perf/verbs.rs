@@ -208,20 +208,26 @@ impl End {
 
     /// Polls until the signaled work request `wr_id` completes.
     fn wait_send(&self, wr_id: u64) -> anyhow::Result<()> {
-        let mut wc = [Wc::default(); 1];
         let mut patience = Patience::new();
         loop {
-            let n = self.cq.poll(&mut wc);
-            for w in &wc[..n] {
+            // Each completion looked at where it lies (`poll_each`): no buffer to clear and
+            // copy into on every READ of `read-lat`'s loop.
+            let (mut done, mut bad) = (false, None);
+            self.cq.poll_each(1, |_, w| {
+                if w.status != WcStatus::Success || w.opcode == WcOpcode::Recv {
+                    bad = Some(*w);
+                } else {
+                    done = w.wr_id == wr_id;
+                }
+            });
+            if let Some(w) = bad {
                 if w.status != WcStatus::Success {
                     bail!("work completed with {} ({w:?})", w.status);
                 }
-                if w.opcode == WcOpcode::Recv {
-                    bail!("unexpected receive");
-                }
-                if w.wr_id == wr_id {
-                    return Ok(());
-                }
+                bail!("unexpected receive");
+            }
+            if done {
+                return Ok(());
             }
             if patience.out() {
                 bail!("work request {wr_id} never completed");
