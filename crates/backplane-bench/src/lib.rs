@@ -28,6 +28,7 @@ pub mod memcpy;
 pub mod netns;
 pub mod peer;
 pub mod perf_row;
+pub mod pinning;
 pub mod plot;
 pub mod progress;
 pub mod published;

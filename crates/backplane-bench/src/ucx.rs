@@ -131,6 +131,7 @@ pub fn run_between(
     };
     let client_env: &[(&str, &str)] = if remote.is_some() { &[] } else { &UCX_ENV };
     let server_addr = remote.map_or("127.0.0.1", |r| r.addr.as_str());
+    crate::pinning::pin_peer(&mut server_cmd);
     let mut server = server_cmd
         .args(["-p", &port])
         .stdout(Stdio::null())

@@ -103,3 +103,46 @@ fn perf_loop_perftest_runs_perftests_loop_for_every_latency_test() {
         stderr(&bad)
     );
 }
+
+/// `--cpus CLIENT,PEER` runs the two sides pinned, says so in the JSON, and refuses what it
+/// cannot do in one line.
+#[test]
+fn perf_cpus_pins_the_two_sides_and_refuses_bad_cpus_in_one_line() {
+    let last = std::thread::available_parallelism().map_or(1, |n| n.get()) - 1;
+    let cpus = format!("0,{last}");
+    let out = bp(&[
+        "perf",
+        "read-lat",
+        "-n",
+        "200",
+        "-r",
+        "2",
+        "--cpus",
+        &cpus,
+        "--ucx",
+        "off",
+        "--perftest",
+        "off",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["cpus"], serde_json::json!([0, last]), "{v}");
+    assert!(v["backplane"][0]["t_avg_us"].as_f64().unwrap() > 0.0, "{v}");
+    for (args, want) in [
+        (&["perf", "read-lat", "--cpus", "0"][..], "two CPU numbers"),
+        (
+            &["perf", "read-lat", "--cpus", "0,4096"][..],
+            "CPU 4096 is not one",
+        ),
+        (
+            &["perf", "ip", "--cpus", "0,0"][..],
+            "--cpus is for the tests with a far side",
+        ),
+    ] {
+        let bad = bp(args);
+        assert_eq!(bad.status.code(), Some(1), "{args:?}: {}", stderr(&bad));
+        let e = stderr(&bad);
+        assert!(e.contains(want) && e.lines().count() == 1, "{args:?}: {e}");
+    }
+}

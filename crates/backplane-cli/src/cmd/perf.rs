@@ -234,6 +234,13 @@ pub struct Args {
     /// dma-bw: pin engine i to CPU PIN[i % n] (comma-separated CPU numbers).
     #[arg(long, value_delimiter = ',')]
     pin: Vec<usize>,
+    /// Run the measuring side on CPU CLIENT and the far side on CPU PEER — backplane's and
+    /// its peer's alike (the perf peer, `ucx_perftest`'s and perftest's servers on PEER; this
+    /// process and the clients it starts on CLIENT): on a small machine, unpinned rounds
+    /// swing by tens of percent as the scheduler moves the busy-polling programs. With
+    /// `--peer-via` the far side is pinned where the command runs it on this machine.
+    #[arg(long, value_delimiter = ',', value_name = "CLIENT,PEER")]
+    cpus: Vec<usize>,
 }
 
 /// Arguments of the far side.
@@ -279,6 +286,9 @@ struct Report {
     perftest: Option<Vec<Row>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     perftest_note: Option<String>,
+    /// `--cpus`: the measuring side's CPU and the far side's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cpus: Option<[usize; 2]>,
     /// With `--rounds` > 1: every round's rows (`backplane` and `ucx` above are then each
     /// field's median over these).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -328,12 +338,31 @@ fn one_sided_here(a: &Args) -> bool {
 
 pub fn run(a: Args) -> anyhow::Result<()> {
     teardown::install_signal_handler();
+    let cpus = if a.cpus.is_empty() {
+        None
+    } else if matches!(a.test, Test::Ip | Test::DmaBw) {
+        bail!(
+            "--cpus is for the tests with a far side (not {}; dma-bw pins its engines with --pin)",
+            a.test.name()
+        );
+    } else {
+        Some(backplane_bench::pinning::set(&a.cpus)?)
+    };
     if a.test == Test::Ip {
         return super::perf_ip::run(a.duration, a.json, a.rounds, a.accel);
     }
     if a.test == Test::DmaBw {
         return dma::run(&a);
     }
+    // This thread measures, and starts the clients (UCX's, perftest's): they inherit its CPU.
+    // (A temporary fabric's supervisor is started unpinned: see `measure_backplane`.)
+    let unpinned = match cpus {
+        Some((client, _)) => Some(
+            backplane_bench::pinning::pin_this_thread(client)
+                .with_context(|| format!("cannot run on CPU {client}"))?,
+        ),
+        None => None,
+    };
     let sizes = sizes(&a)?;
     if a.loop_ == Loop::Perftest && !a.test.is_lat() {
         bail!(
@@ -379,6 +408,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             &sizes,
             round == 0,
             with_perftest.then_some(&mut perftest_note),
+            unpinned.as_ref(),
         )?;
         fabric_name = name;
         let ucx = match &ucx_path {
@@ -451,6 +481,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         tcp_congestion_control: cc,
         perftest,
         perftest_note,
+        cpus: cpus.map(|(c, p)| [c, p]),
         rounds,
     };
     if a.json {
@@ -470,6 +501,7 @@ fn measure_backplane(
     sizes: &[u64],
     first: bool,
     perftest: Option<&mut Option<String>>,
+    unpinned: Option<&rustix::thread::CpuSet>,
 ) -> anyhow::Result<(String, Vec<Row>, Option<Vec<Row>>)> {
     // Everything this round starts is registered with the bench's teardown, so an error, a
     // return or Ctrl-C/SIGTERM (the handler `run` installs) removes it.
@@ -479,7 +511,18 @@ fn measure_backplane(
         None => {
             let n = format!("perf-{}", std::process::id());
             fabric_guard = Some(teardown::fabric(&n));
-            super::up::start(&n, 2, 64 << 20, 0)?;
+            // Its supervisor and agents run wherever the machine puts them, not on the
+            // measuring side's CPU (`--cpus`).
+            let pinned = unpinned.map(|before| {
+                let now = rustix::thread::sched_getaffinity(None);
+                backplane_bench::pinning::restore(before);
+                now
+            });
+            let up = super::up::start(&n, 2, 64 << 20, 0);
+            if let Some(Ok(now)) = pinned {
+                backplane_bench::pinning::restore(&now);
+            }
+            up?;
             n
         }
     };
@@ -614,6 +657,7 @@ fn spawn_peer(
         }
         _ => Command::new(exe),
     };
+    backplane_bench::pinning::pin_peer(&mut cmd);
     let mut peer = cmd
         .args(["perf-peer", name, test.name()])
         .stdin(Stdio::piped())
@@ -1055,8 +1099,11 @@ fn render_rounds(r: &Report) -> String {
     let (field, lat_value) = latency_field(r);
     let value = |x: &Row| if lat { lat_value(x) } else { x.bw_avg_mbps };
     let mut o = format!(
-        " {} rounds, backplane and UCX alternating; the tables above hold each field's median\n",
-        r.rounds.len()
+        " {} rounds, backplane and UCX alternating{}; the tables above hold each field's median\n",
+        r.rounds.len(),
+        r.cpus.map_or(String::new(), |[c, p]| format!(
+            " (measuring side on CPU {c}, far side on CPU {p})"
+        ))
     );
     if r.ucx.is_none() {
         return o;

@@ -85,7 +85,9 @@ pub(super) fn run(fabric: &str, test: Test, size: u64, iters: u64) -> anyhow::Re
             .stderr(Stdio::piped());
         c
     };
-    let server = cmd(1)
+    let mut server = cmd(1);
+    backplane_bench::pinning::pin_peer(&mut server);
+    let server = server
         .spawn()
         .with_context(|| format!("cannot run {prog}"))?;
     let guard = teardown::child(prog, server.id());
