@@ -1180,6 +1180,7 @@ mod tests {
             tcp_congestion_control: None,
             perftest: None,
             perftest_note: None,
+            cpus: None,
             rounds,
         }
     }
