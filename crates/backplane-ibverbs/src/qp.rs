@@ -753,18 +753,31 @@ unsafe fn post_one(q: &QpObj, w: &IbvSendWr) -> c_int {
         let r = unsafe { w.wr.rdma };
         q.qp.prefetch_write(r.remote_addr, r.rkey);
     }
-    let ud = q.ibv.qp_type == QpType::Ud as c_int;
-    // SAFETY: the context outlives its QPs.
-    let _g = unsafe { &*q.ctx }.lock();
     // SAFETY: caller contract.
     if let Some(r) = unsafe { one_sided(w) } {
         // (READ and atomics, one range: `ib_read_lat`'s and `ib_atomic_lat`'s requests,
         // handed over without building the engine's whole request.)
+        // SAFETY: the context outlives its QPs.
+        let _g = unsafe { &*q.ctx }.lock();
         return match q.qp.post_one_sided(&r) {
             Ok(()) => 0,
             Err(e) => errno_of(&e),
         };
     }
+    // SAFETY: caller contract.
+    unsafe { post_one_general(q, w) }
+}
+
+/// [`post_one`] of a request the engine takes whole (a `SendWr`): out of line, so that its
+/// frame (the converted request, inline data) is not set up for every READ or atomic.
+///
+/// # Safety
+/// As `post_send`'s, for `w`.
+#[inline(never)]
+unsafe fn post_one_general(q: &QpObj, w: &IbvSendWr) -> c_int {
+    let ud = q.ibv.qp_type == QpType::Ud as c_int;
+    // SAFETY: the context outlives its QPs.
+    let _g = unsafe { &*q.ctx }.lock();
     let mut inline = Vec::new();
     // SAFETY: caller contract.
     match unsafe { send_in(w, ud, &mut inline) } {
