@@ -408,7 +408,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             &sizes,
             round == 0,
             with_perftest.then_some(&mut perftest_note),
-            unpinned.as_ref(),
+            unpinned.as_ref().zip(cpus.map(|(client, _)| client)),
         )?;
         fabric_name = name;
         let ucx = match &ucx_path {
@@ -501,7 +501,7 @@ fn measure_backplane(
     sizes: &[u64],
     first: bool,
     perftest: Option<&mut Option<String>>,
-    unpinned: Option<&rustix::thread::CpuSet>,
+    pinned: Option<(&rustix::thread::CpuSet, usize)>,
 ) -> anyhow::Result<(String, Vec<Row>, Option<Vec<Row>>)> {
     // Everything this round starts is registered with the bench's teardown, so an error, a
     // return or Ctrl-C/SIGTERM (the handler `run` installs) removes it.
@@ -513,14 +513,13 @@ fn measure_backplane(
             fabric_guard = Some(teardown::fabric(&n));
             // Its supervisor and agents run wherever the machine puts them, not on the
             // measuring side's CPU (`--cpus`).
-            let pinned = unpinned.map(|before| {
-                let now = rustix::thread::sched_getaffinity(None);
+            let pinned_to = pinned.map(|(before, client)| {
                 backplane_bench::pinning::restore(before);
-                now
+                client
             });
             let up = super::up::start(&n, 2, 64 << 20, 0);
-            if let Some(Ok(now)) = pinned {
-                backplane_bench::pinning::restore(&now);
+            if let Some(client) = pinned_to {
+                backplane_bench::pinning::pin_this_thread(client)?;
             }
             up?;
             n
