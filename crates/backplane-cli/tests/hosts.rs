@@ -1568,30 +1568,10 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
         // `exec --mpi` gives mpirun the rest, its ranks the fabric's UCX settings (the agent
         // passes the environment on); the agent on the command line wins over --mpi's.
         let (agent, exe) = (agent.to_str().unwrap(), exe.to_str().unwrap());
-        let o = h.bp(
-            0,
-            &[
-                "exec",
-                "--name",
-                &h.fabric,
-                "--mpi",
-                "1",
-                "--",
-                "timeout",
-                "120",
-                "mpirun",
-                "--allow-run-as-root",
-                "-np",
-                "2",
-                "--host",
-                "node1,node2",
-                "--mca",
-                "plm_rsh_agent",
-                agent,
-                exe,
-                "50",
-            ],
-        );
+        let mut args = vec!["exec", "--name", &h.fabric, "--mpi", "1", "--"];
+        args.extend(MPIRUN_TWO_NODES);
+        args.extend(["--mca", "plm_rsh_agent", agent, exe, "50"]);
+        let o = h.bp(0, &args);
         mpi_pingpong_ran("mpirun between hosts", &o);
     }
     // ... where a verbs program reaches the other host's (its peer's address is that host's).

@@ -646,42 +646,32 @@ fn mpi_runs_over_ucx_over_the_fabric_with_ranks_started_through_backplane_rsh() 
     let agent = format!("{} rsh --verbs", common::BIN);
     let dev = format!("UCX_NET_DEVICES=bp_{}:1", fab.name);
     let exe = exe.to_str().unwrap();
-    let out = exec_verbs(
-        &fab,
-        1,
-        &[
-            "timeout",
-            "120",
-            "mpirun",
-            "--allow-run-as-root",
-            "-np",
-            "2",
-            "--host",
-            "node1,node2",
-            "--bind-to",
-            "none",
-            "--mca",
-            "plm_rsh_agent",
-            &agent,
-            "--mca",
-            "pml",
-            "ucx",
-            "--mca",
-            "osc",
-            "ucx",
-            "--mca",
-            "rtc",
-            "^hwloc",
-            "-x",
-            "UCX_TLS=rc_verbs,ud_verbs,self",
-            "-x",
-            &dev,
-            "-x",
-            "UCX_ATOMIC_MODE=device",
-            exe,
-            "300",
-        ],
-    );
+    let mut args = MPIRUN_TWO_NODES.to_vec();
+    args.extend([
+        "--bind-to",
+        "none",
+        "--mca",
+        "plm_rsh_agent",
+        &agent,
+        "--mca",
+        "pml",
+        "ucx",
+        "--mca",
+        "osc",
+        "ucx",
+        "--mca",
+        "rtc",
+        "^hwloc",
+        "-x",
+        "UCX_TLS=rc_verbs,ud_verbs,self",
+        "-x",
+        &dev,
+        "-x",
+        "UCX_ATOMIC_MODE=device",
+        exe,
+        "300",
+    ]);
+    let out = exec_verbs(&fab, 1, &args);
     let check = |how: &str, out: &Output| {
         let t = mpi_pingpong_ran(how, out);
         assert!(
@@ -692,24 +682,10 @@ fn mpi_runs_over_ucx_over_the_fabric_with_ranks_started_through_backplane_rsh() 
     check("mpirun with every setting on its command line", &out);
     // `exec --mpi` gives mpirun all of that: a plain `mpirun` runs the same.
     let n = fab.name.clone();
-    let out = bp(&[
-        "exec",
-        "--mpi",
-        "--name",
-        &n,
-        "1",
-        "--",
-        "timeout",
-        "120",
-        "mpirun",
-        "--allow-run-as-root",
-        "-np",
-        "2",
-        "--host",
-        "node1,node2",
-        exe,
-        "300",
-    ]);
+    let mut args = vec!["exec", "--mpi", "--name", &n, "1", "--"];
+    args.extend(MPIRUN_TWO_NODES);
+    args.extend([exe, "300"]);
+    let out = bp(&args);
     check("exec --mpi", &out);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -29,6 +29,18 @@ pub const PERFTEST: [&str; 8] = [
     "ib_atomic_lat",
 ];
 
+/// The start of the MPI tests' command lines: two ranks, in nodes 1 and 2, within 2 minutes.
+pub const MPIRUN_TWO_NODES: [&str; 8] = [
+    "timeout",
+    "120",
+    "mpirun",
+    "--allow-run-as-root",
+    "-np",
+    "2",
+    "--host",
+    "node1,node2",
+];
+
 /// Compiles `tests/c/mpi_pingpong.c` with `mpicc` into `dir` (made if missing); the program.
 pub fn mpi_pingpong(dir: &std::path::Path) -> std::path::PathBuf {
     std::fs::create_dir_all(dir).unwrap();
