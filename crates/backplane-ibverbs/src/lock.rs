@@ -61,19 +61,27 @@ fn membarrier_ok() -> bool {
     })
 }
 
+/// The calling thread's handle (`pthread_self`): a TCB address, never FREE (0) or CLOSED
+/// (all ones).
+#[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
 #[inline(always)]
 fn this_thread() -> u64 {
-    #[cfg(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu"))]
     // SAFETY: on x86_64 glibc the thread pointer (%fs) points at the thread's control block,
     // whose `self` field at offset 16 is what `pthread_self` returns (the TLS ABI the
     // compilers' stack protector at %fs:40 relies on too); a load from the calling thread's
-    // own TCB, always mapped. Saves a call through the PLT per lock.
-    let t = unsafe {
+    // own TCB, always mapped. Saves a call through the PLT per lock. (A user-space address:
+    // neither marker, so no clamp on the owner's way in.)
+    unsafe {
         let t: u64;
         core::arch::asm!("mov {}, qword ptr fs:[16]", out(reg) t, options(nostack, readonly, preserves_flags));
         t
-    };
-    #[cfg(not(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu")))]
+    }
+}
+
+/// The calling thread's handle (`pthread_self`), kept off the two markers.
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux", target_env = "gnu")))]
+#[inline(always)]
+fn this_thread() -> u64 {
     // SAFETY: pthread_self has no preconditions; it reads the calling thread's handle.
     let t = unsafe { libc::pthread_self() } as u64;
     // A handle is a TCB address: never 0 or all ones, but keep the two markers out anyway.
@@ -98,18 +106,7 @@ impl EngineLock {
             return Held(None);
         }
         let me = this_thread();
-        let mut o = self.owner.load(Ordering::Relaxed);
-        if o == FREE {
-            // The first caller becomes the owner (one atomic, once).
-            o = match self
-                .owner
-                .compare_exchange(FREE, me, Ordering::Relaxed, Ordering::Relaxed)
-            {
-                Ok(_) => me,
-                Err(now) => now,
-            };
-        }
-        if o == me {
+        if self.owner.load(Ordering::Relaxed) == me {
             self.inside.store(true, Ordering::Relaxed);
             // SYNC POINT bias-enter: a compiler fence only; a revoker's membarrier is the
             // hardware barrier between this store and the load below.
@@ -122,6 +119,25 @@ impl EngineLock {
                 return Held(Some(&self.inside));
             }
             self.inside.store(false, Ordering::Release);
+        }
+        self.lock_other(me)
+    }
+
+    /// [`EngineLock::lock`] of a thread that is not the owner: the first caller becomes the
+    /// owner (one atomic, once) and enters as one; any other takes the shared flag. Out of
+    /// line: the owner's way in is a load, a store and a load (`ib_read_lat` takes the lock
+    /// twice a READ).
+    #[cold]
+    #[inline(never)]
+    fn lock_other(&self, me: u64) -> Held<'_> {
+        if self.owner.load(Ordering::Relaxed) == FREE
+            && self
+                .owner
+                .compare_exchange(FREE, me, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            // (The bias may be revoked before this enters: `lock` then takes `busy`.)
+            return self.lock();
         }
         self.lock_shared()
     }

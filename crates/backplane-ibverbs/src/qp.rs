@@ -728,6 +728,25 @@ pub(crate) unsafe extern "C" fn post_send(
             // its own, with the list's bookkeeping out of it (one READ through the drop-in
             // cost ~120 instructions above the engine's own post with it in).
             // SAFETY: caller contract.
+            if let Some(r) = unsafe { one_sided(w) } {
+                // A READ or an atomic of one range (`ib_read_lat`'s, `ib_atomic_lat`'s),
+                // handed over without building the engine's whole request, and on the
+                // engine's short way without room for an error: what that way does not take
+                // (nothing done) goes the general way below.
+                let done = {
+                    // SAFETY: the context outlives its QPs.
+                    let _g = unsafe { &*q.ctx }.lock();
+                    q.qp.try_post_one_sided(&r)
+                };
+                if done {
+                    if !bad_wr.is_null() {
+                        // SAFETY: non-null; the caller promises it is writable.
+                        unsafe { *bad_wr = null_mut() };
+                    }
+                    return 0;
+                }
+            }
+            // SAFETY: caller contract.
             let rc = unsafe { post_one(q, w) };
             if !bad_wr.is_null() {
                 // SAFETY: non-null; the caller promises it is writable.
@@ -740,11 +759,13 @@ pub(crate) unsafe extern "C" fn post_send(
     unsafe { post_list(q, wr, bad_wr) }
 }
 
-/// One request (`next` is NULL) of `post_send`: 0 or an errno.
+/// One request (`next` is NULL) of `post_send` that the one-sided short way did not take: 0
+/// or an errno. Out of line, so that its frame (the converted request, inline data, an
+/// error) is not set up for every READ or atomic.
 ///
 /// # Safety
 /// As `post_send`'s, for `w`.
-#[inline(always)]
+#[inline(never)]
 unsafe fn post_one(q: &QpObj, w: &IbvSendWr) -> c_int {
     if w.opcode == WrOpcode::RdmaWrite as c_int {
         // The line the write will end in starts its trip before the lock and the
@@ -754,26 +775,14 @@ unsafe fn post_one(q: &QpObj, w: &IbvSendWr) -> c_int {
         q.qp.prefetch_write(r.remote_addr, r.rkey);
     }
     // SAFETY: caller contract.
-    if let Some(r) = unsafe { one_sided(w) } {
-        // (READ and atomics, one range: `ib_read_lat`'s and `ib_atomic_lat`'s requests,
-        // handed over without building the engine's whole request.)
-        // SAFETY: the context outlives its QPs.
-        let _g = unsafe { &*q.ctx }.lock();
-        return match q.qp.post_one_sided(&r) {
-            Ok(()) => 0,
-            Err(e) => errno_of(&e),
-        };
-    }
-    // SAFETY: caller contract.
     unsafe { post_one_general(q, w) }
 }
 
-/// [`post_one`] of a request the engine takes whole (a `SendWr`): out of line, so that its
-/// frame (the converted request, inline data) is not set up for every READ or atomic.
+/// [`post_one`] of a request the engine takes whole (a `SendWr`).
 ///
 /// # Safety
 /// As `post_send`'s, for `w`.
-#[inline(never)]
+#[inline(always)]
 unsafe fn post_one_general(q: &QpObj, w: &IbvSendWr) -> c_int {
     let ud = q.ibv.qp_type == QpType::Ud as c_int;
     // SAFETY: the context outlives its QPs.

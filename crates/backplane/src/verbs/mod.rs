@@ -988,6 +988,16 @@ impl Qp {
         self.post_one_sided_slow(r)
     }
 
+    /// [`Qp::post_one_sided`]'s short way alone: true if the request was carried out (its
+    /// completion, if signaled, is in the send CQ), false if nothing was done and it must go
+    /// the general way ([`Qp::post_one_sided`] or [`Qp::post_send`]). For the drop-in
+    /// libibverbs, whose `ibv_post_send` then needs no room for an error on its way.
+    #[inline]
+    pub fn try_post_one_sided(&self, r: &OneSided<'_>) -> bool {
+        direct::posting();
+        self.one_sided_fast(r)
+    }
+
     #[cold]
     #[inline(never)]
     fn post_one_sided_slow(&self, r: &OneSided<'_>) -> Result<(), VerbsError> {
