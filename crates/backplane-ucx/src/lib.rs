@@ -322,7 +322,8 @@ fn check(status: i32, what: impl FnOnce() -> String) -> Result<(), Error> {
 ///   one side and a handler call and copy on the other. A link's messages are up to 4 MiB;
 ///   with 512 KiB pieces a bridge carried 1 MiB datagrams between two hosts at 1 540 MB/s
 ///   against 660–900 with the default (64 KiB ones: 1 080–1 440 against 670–770). Set on
-///   both sides alike: every host runs the same defaults.
+///   both sides alike: every host runs the same defaults. (1 MiB since session 47: see
+///   [`TCP_SEGMENT`].)
 /// - `UCX_TCP_MAX_IOV` = [`TCP_MAX_IOV`]: the pieces of one message that UCX's TCP transport
 ///   gives one `sendmsg` (6 by default); a list of datagrams sent in place
 ///   ([`Link::send_lent`]) is one piece each. It changes nothing for a contiguous message
@@ -406,8 +407,16 @@ pub const TCP_MAX_IOV: usize = 20;
 /// At most this many pieces in a message of [`Link::send_lent`].
 pub const MAX_PIECES: usize = 64;
 
-/// The TCP segment size a link asks of UCX (see `set_defaults`).
-pub const TCP_SEGMENT: usize = 512 * 1024;
+/// The TCP segment size a link asks of UCX (see `set_defaults`): the largest message UCX's
+/// TCP transport sends in one `sendmsg` and its receiver reads in one piece. A datagram
+/// stream's list of up to 14 datagrams of 64 KiB (a frame cut up, sent in place) is one
+/// message; with 512 KiB segments it held 7 (462 KB), with 1 MiB it holds 14 (924 KB), and
+/// 1 MiB frames between two hosts went from 5.7–6.3 GB/s to 8.4–8.6 (session 47, pinned,
+/// alternating builds; a plain TCP sender over the same veth: 5.3–5.7 — per `sendmsg`, the
+/// kernel's cost here falls with its size). 2 MiB changed nothing more for a frame; UCX 1.13
+/// asserts on an eager message of more than 1 MiB sent in place in one piece (a list of 16
+/// datagrams), so a list stays at 14 (`dgram::direct::LIST_MAX`).
+pub const TCP_SEGMENT: usize = 1024 * 1024;
 
 thread_local! {
     static OPENING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
