@@ -414,8 +414,9 @@ pub const MAX_PIECES: usize = 64;
 /// 1 MiB frames between two hosts went from 5.7–6.3 GB/s to 8.4–8.6 (session 47, pinned,
 /// alternating builds; a plain TCP sender over the same veth: 5.3–5.7 — per `sendmsg`, the
 /// kernel's cost here falls with its size). 2 MiB changed nothing more for a frame; UCX 1.13
-/// asserts on an eager message of more than 1 MiB sent in place in one piece (a list of 16
-/// datagrams), so a list stays at 14 (`dgram::direct::LIST_MAX`).
+/// trips its own assertion on a message sent in place in more iovs than it takes (a list of
+/// 16 separate datagrams), so a list stays within 14 pieces of memory
+/// (`dgram::direct::LIST_PIECES`; datagrams back to back are one, see [`Link::send_lent`]).
 pub const TCP_SEGMENT: usize = 1024 * 1024;
 
 thread_local! {
@@ -721,13 +722,17 @@ impl Link {
                 ),
             });
         }
-        let list: Vec<ffi::Piece> = pieces
-            .iter()
-            .map(|p| ffi::Piece {
-                buf: p.as_ptr().cast(),
-                len: p.len(),
-            })
-            .collect();
+        // Pieces that lie back to back in memory (a frame cut into datagrams) go as one iov.
+        let mut list: Vec<ffi::Piece> = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            match list.last_mut() {
+                Some(l) if l.buf.cast::<u8>().wrapping_add(l.len) == p.as_ptr() => l.len += p.len(),
+                _ => list.push(ffi::Piece {
+                    buf: p.as_ptr().cast(),
+                    len: p.len(),
+                }),
+            }
+        }
         let done = std::sync::Arc::new(AtomicBool::new(false));
         let token = std::sync::Arc::into_raw(done.clone())
             .cast_mut()

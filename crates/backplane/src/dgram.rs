@@ -659,10 +659,10 @@ impl Endpoint {
     /// Sends each of `datagrams` to `dst` as a datagram of its own, in order, waiting for
     /// room as `wait` says — as that many [`Endpoint::send`]s (`sendmmsg` to `send`'s
     /// `sendto`), but over a direct connection (a receiver on another host) a blocking call
-    /// hands up to 14 of them (at most 511 KiB) to UCX as one message read in place, and
-    /// returns once UCX let go of them: no copy on the sender, one system call for the lot.
-    /// A frame cut into datagrams (a 1 MiB image as 16) goes this way at the rate of one
-    /// message. On an error the datagrams before it were sent; which of the failing group
+    /// hands up to 64 of them (at most ~2 MiB, in at most 14 pieces of memory: datagrams
+    /// that lie back to back count once) to UCX as one message read in place, and returns
+    /// once UCX let go of them: no copy on the sender. A frame cut into datagrams (a 1 MiB
+    /// image as 16) goes this way as one message. On an error the datagrams before it were sent; which of the failing group
     /// arrived is not known (the receiver's node went down, or its connection broke).
     pub fn send_many(
         &mut self,
@@ -672,11 +672,14 @@ impl Endpoint {
     ) -> Result<(), DgramError> {
         let mut rest = datagrams;
         while !rest.is_empty() {
-            // The next group: as many as fit one message (at least one).
+            // The next group: as many as fit one message (at least one): its bytes, and the
+            // pieces of memory they are in (datagrams back to back count once).
             let mut n = 0;
             let mut bytes = 0;
             while n < rest.len().min(direct::LIST_MAX)
-                && (n == 0 || bytes + rest[n].len() <= direct::LIST_BYTES)
+                && (n == 0
+                    || bytes + rest[n].len() <= direct::LIST_FRAME_BYTES
+                        && direct::list_pieces(&rest[..=n]) <= direct::LIST_PIECES)
             {
                 bytes += rest[n].len();
                 n += 1;

@@ -80,9 +80,35 @@ const MAGIC_BATCH: u32 = 0x4250_4442;
 /// "BPDV": the first word of a list of datagrams sent in place together: after the header,
 /// their number and each one's length (u32 LE), then their bytes one after the other.
 const MAGIC_LIST: u32 = 0x4250_4456;
-/// At most this many datagrams in one list (each its own piece of the message; with the
-/// header, within UCX's `TCP_MAX_IOV` as the link sets it: one `sendmsg`).
-pub(super) const LIST_MAX: usize = 14;
+/// At most this many datagrams in one list (the receiver refuses more; UCX's
+/// `backplane_ucx::MAX_PIECES`).
+pub(super) const LIST_MAX: usize = 64;
+/// At most this many pieces of memory make one list, after datagrams that lie back to back
+/// in the sender's memory (a frame cut into datagrams) are merged ([`list_pieces`]): with
+/// the header and UCX's own, within the iovs UCP 1.13 takes for one message sent in place
+/// (more make it cut the message where it need not, and it trips its own assertion,
+/// `proto_am.inl:403`: seen with 16).
+pub(super) const LIST_PIECES: usize = 14;
+/// A list holds at most this many bytes: a frame of 1 MiB cut into 64 KiB datagrams is one
+/// message. Past one TCP segment UCX sends it in two pieces (and its receiver puts them
+/// together), as it sends `ucx_perftest`'s 1 MiB messages: 1 MiB frames between two hosts
+/// 8.0–8.7 GB/s as lists of 14 (924 KB) and the rest, 9.0–9.6 as one (session 47, pinned,
+/// 10 alternating pairs: 9 faster, median 1.11).
+pub(super) const LIST_FRAME_BYTES: usize = 2 * BIG_BATCH_MAX;
+
+/// The pieces of memory `list` is made of: its datagrams, those that lie back to back in
+/// memory counted once (`backplane_ucx::Link::send_lent` hands them to UCX so).
+pub(super) fn list_pieces(list: &[&[u8]]) -> usize {
+    list.iter()
+        .enumerate()
+        .filter(|&(i, d)| {
+            i == 0 || {
+                let p = list[i - 1];
+                p.as_ptr().wrapping_add(p.len()) != d.as_ptr()
+            }
+        })
+        .count()
+}
 /// Datagrams up to this size may share a message (a batch) when they come in a stream.
 const BATCH_SMALL: usize = 16 * 1024;
 /// A batch is sent once it holds this much.
@@ -700,7 +726,8 @@ impl Worker {
         self.after_send(to, r.map(|()| 1))
     }
 
-    /// Sends the datagrams of `list` (at most [`LIST_MAX`]) to `dst`, which listens at `to`,
+    /// Sends the datagrams of `list` (at most [`LIST_MAX`], [`LIST_PIECES`] pieces of memory
+    /// and [`LIST_FRAME_BYTES`]) to `dst`, which listens at `to`,
     /// as one message whose pieces UCX reads in place — no copy into a message — and returns
     /// once UCX let go of them (the message left, or failed): see [`Link::send_lent`]. While it waits, what
     /// arrives is queued as [`Worker::poll`] queues it (past [`QUEUE_MAX`] by at most what
@@ -723,6 +750,8 @@ impl Worker {
         // (A stream's datagram of `STREAM_LENT_MIN` or more goes in place too: see there.)
         if list.is_empty()
             || list.len() > LIST_MAX
+            || list_pieces(list) > LIST_PIECES
+            || list.iter().map(|d| d.len()).sum::<usize>() > LIST_FRAME_BYTES
             || list.len() == 1 && (o.used != 0 || stream && list[0].len() < STREAM_LENT_MIN)
         {
             return Ok(false);
@@ -1801,7 +1830,8 @@ mod tests {
                 .map(|k| (k * 3 + i) as u8)
                 .collect()
         };
-        // One first, in a batch of its own (corked), then a list of LIST_MAX.
+        // One first, in a batch of its own (corked), then a list of LIST_PIECES datagrams, each
+        // in its own memory.
         a.corked = true;
         let first = dgram(0);
         a.send(to_b, b.me, first.len(), (true, false), |buf| {
@@ -1810,8 +1840,13 @@ mod tests {
         })
         .unwrap();
         a.corked = false;
-        let list: Vec<Vec<u8>> = (1..=LIST_MAX).map(dgram).collect();
+        let list: Vec<Vec<u8>> = (1..=LIST_PIECES).map(dgram).collect();
         let refs: Vec<&[u8]> = list.iter().map(Vec::as_slice).collect();
+        assert_eq!(list_pieces(&refs), LIST_PIECES);
+        // (One piece more is refused: nothing sent, the caller sends them one by one.)
+        let one_more: Vec<Vec<u8>> = (1..=LIST_PIECES + 1).map(dgram).collect();
+        let more: Vec<&[u8]> = one_more.iter().map(Vec::as_slice).collect();
+        assert_eq!(a.send_lent(to_b, b.me, &more, &mut || true), Ok(false));
         let seq = a.out[&to_b].seq;
         // (The receiver is progressed while the sender waits: in one thread here, the
         // connection's wire-up needs it; `alive` is asked every LENT_CHECK.)
@@ -1827,12 +1862,12 @@ mod tests {
             seq + 2,
             "the batch, then the list: two messages"
         );
-        while got.len() < 1 + LIST_MAX {
+        while got.len() < 1 + LIST_PIECES {
             assert!(
                 Instant::now() < deadline,
                 "got {} of {}",
                 got.len(),
-                1 + LIST_MAX
+                1 + LIST_PIECES
             );
             a.progress();
             take_all(&mut b, &mut got);
@@ -1859,6 +1894,51 @@ mod tests {
         m[HEAD..HEAD + 4].copy_from_slice(&2u32.to_le_bytes());
         m[HEAD + 4..HEAD + 8].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(list_items(&m), None, "a length past the end");
+    }
+
+    /// A frame cut into datagrams that lie back to back in one buffer is one piece of memory
+    /// however many they are: 1 MiB and a bit as 17 datagrams (more than one TCP segment:
+    /// UCX sends it in two pieces) goes as one message, and each arrives whole, in order.
+    #[test]
+    fn a_frame_cut_into_datagrams_goes_as_one_message_past_a_segment() {
+        let (mut a, mut b, to_b) = connected_pair();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let frame: Vec<u8> = (0..17 * 64 * 1024)
+            .map(|k| (k * 7 + k / 4099) as u8)
+            .collect();
+        let refs: Vec<&[u8]> = frame.chunks(64 * 1024).collect();
+        assert_eq!(list_pieces(&refs), 1);
+        assert!(frame.len() > backplane_ucx::TCP_SEGMENT && frame.len() <= LIST_FRAME_BYTES);
+        let seq = a.out[&to_b].seq;
+        let mut got = Vec::new();
+        let b_me = b.me;
+        let mut receive = || {
+            take_all(&mut b, &mut got);
+            true
+        };
+        assert_eq!(a.send_lent(to_b, b_me, &refs, &mut receive), Ok(true));
+        assert_eq!(a.out[&to_b].seq, seq + 1, "one message");
+        while got.len() < refs.len() {
+            assert!(
+                Instant::now() < deadline,
+                "got {} of {}",
+                got.len(),
+                refs.len()
+            );
+            a.progress();
+            take_all(&mut b, &mut got);
+        }
+        for (i, g) in got.iter().enumerate() {
+            assert!(*g == refs[i], "datagram {i}");
+        }
+        assert_eq!(b.rejected, 0);
+        // Counted as the link hands them over: back to back is one, a gap is two.
+        let gap = [&frame[..10], &frame[11..20]];
+        assert_eq!(list_pieces(&gap), 2);
+        assert_eq!(
+            list_pieces(&[&frame[..10], &frame[10..20], &frame[20..30]]),
+            1
+        );
     }
 
     /// In a stream, a blocking send of a datagram of [`STREAM_LENT_MIN`] or more goes in
