@@ -699,7 +699,7 @@ impl Endpoint {
         Ok(())
     }
 
-    /// A blocking send of the datagrams of `list` (one, or up to 14 as one message) over a
+    /// A blocking send of the datagrams of `list` (one, or several as one message) over a
     /// direct connection with UCX reading the bytes in place: the sender's copy into the
     /// message is saved, and the call waits instead until the kernel took the bytes — where
     /// a stream's sender waits anyway once UCX holds its window. `None` when they must take

@@ -31,7 +31,9 @@
 //!   (one of UCX's TCP segments), each batch's buffer handed to UCX in place and recycled:
 //!   a datagram a message made twice the TCP segments and sixteen times the `sendmsg`
 //!   calls per MiB of `ucx_perftest`'s one message. `Endpoint::send_many` sends up to
-//!   [`LIST_MAX`] datagrams as one message read in place (a list), no copy at all.
+//!   [`LIST_MAX`] datagrams as one message read in place (a list), no copy at all: up to
+//!   [`LIST_FRAME_BYTES`] in at most [`LIST_PIECES`] pieces of memory (a frame cut into
+//!   datagrams is one piece).
 //! - *Back-pressure.* A receiver takes at most [`QUEUE_MAX`] bytes off the wire before its
 //!   program reads them (then TCP's window fills), and a sender lets UCX hold at most
 //!   [`WINDOW`] unsent bytes before it waits; nothing is dropped.
