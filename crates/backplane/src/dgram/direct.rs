@@ -1821,6 +1821,20 @@ mod tests {
         }
     }
 
+    /// Moves both workers along until `b` took `n` datagrams into `got` (or `deadline`).
+    fn take_until(
+        (a, b): (&mut Worker, &mut Worker),
+        got: &mut Vec<Vec<u8>>,
+        n: usize,
+        deadline: Instant,
+    ) {
+        while got.len() < n {
+            assert!(Instant::now() < deadline, "got {} of {n}", got.len());
+            a.progress();
+            take_all(b, got);
+        }
+    }
+
     /// A list of datagrams goes as one message read in place, and the receiver gets each
     /// whole, in order, after what was sent before it; a malformed list is refused.
     #[test]
@@ -1864,16 +1878,7 @@ mod tests {
             seq + 2,
             "the batch, then the list: two messages"
         );
-        while got.len() < 1 + LIST_PIECES {
-            assert!(
-                Instant::now() < deadline,
-                "got {} of {}",
-                got.len(),
-                1 + LIST_PIECES
-            );
-            a.progress();
-            take_all(&mut b, &mut got);
-        }
+        take_until((&mut a, &mut b), &mut got, 1 + LIST_PIECES, deadline);
         for (i, g) in got.iter().enumerate() {
             assert!(*g == dgram(i), "datagram {i}");
         }
@@ -1920,16 +1925,7 @@ mod tests {
         };
         assert_eq!(a.send_lent(to_b, b_me, &refs, &mut receive), Ok(true));
         assert_eq!(a.out[&to_b].seq, seq + 1, "one message");
-        while got.len() < refs.len() {
-            assert!(
-                Instant::now() < deadline,
-                "got {} of {}",
-                got.len(),
-                refs.len()
-            );
-            a.progress();
-            take_all(&mut b, &mut got);
-        }
+        take_until((&mut a, &mut b), &mut got, refs.len(), deadline);
         for (i, g) in got.iter().enumerate() {
             assert!(*g == refs[i], "datagram {i}");
         }
@@ -1981,11 +1977,7 @@ mod tests {
         stream(&mut a);
         assert_eq!(a.send_lent(to_b, b_me, &[&big], &mut receive), Ok(false));
         a.ship_all();
-        while got.len() < 2 {
-            assert!(Instant::now() < deadline, "got {} of 2", got.len());
-            a.progress();
-            take_all(&mut b, &mut got);
-        }
+        take_until((&mut a, &mut b), &mut got, 2, deadline);
         assert!(got[0] == big, "the lent datagram whole");
         assert_eq!(got[1], [1]);
     }
@@ -2074,16 +2066,7 @@ mod tests {
         want.push(vec![0xee]);
         want.push(whole(n + 3));
         let mut got = Vec::new();
-        while got.len() < want.len() {
-            assert!(
-                Instant::now() < deadline,
-                "got {} of {}",
-                got.len(),
-                want.len()
-            );
-            a.progress();
-            take_all(&mut b, &mut got);
-        }
+        take_until((&mut a, &mut b), &mut got, want.len(), deadline);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!(
                 g == w,
@@ -2126,11 +2109,7 @@ mod tests {
         assert!(biggest > BATCH_MAX, "no big batch: {biggest} bytes at most");
         assert!(biggest <= BIG_BATCH_MAX);
         a.ship_all();
-        while got.len() < N {
-            assert!(Instant::now() < deadline, "got {} of {N}", got.len());
-            a.progress();
-            take_all(&mut b, &mut got);
-        }
+        take_until((&mut a, &mut b), &mut got, N, deadline);
         for (i, g) in got.iter().enumerate() {
             assert!(*g == dgram(i), "datagram {i}");
         }
