@@ -1821,6 +1821,25 @@ mod tests {
         }
     }
 
+    /// Sends `refs` from `a` to `b` as one list, `b` moved along while `a` waits (one thread
+    /// here: the connection's wire-up needs it; `alive` is asked every LENT_CHECK): the
+    /// number the list's message took, and what `b` took meanwhile.
+    fn send_list(
+        (a, b): (&mut Worker, &mut Worker),
+        to_b: SocketAddr,
+        refs: &[&[u8]],
+    ) -> (u64, Vec<Vec<u8>>) {
+        let seq = a.out[&to_b].seq;
+        let mut got = Vec::new();
+        let b_me = b.me;
+        let mut receive = || {
+            take_all(b, &mut got);
+            true
+        };
+        assert_eq!(a.send_lent(to_b, b_me, refs, &mut receive), Ok(true));
+        (seq, got)
+    }
+
     /// Moves both workers along until `b` took `n` datagrams into `got` (or `deadline`).
     fn take_until(
         (a, b): (&mut Worker, &mut Worker),
@@ -1863,16 +1882,7 @@ mod tests {
         let one_more: Vec<Vec<u8>> = (1..=LIST_PIECES + 1).map(dgram).collect();
         let more: Vec<&[u8]> = one_more.iter().map(Vec::as_slice).collect();
         assert_eq!(a.send_lent(to_b, b.me, &more, &mut || true), Ok(false));
-        let seq = a.out[&to_b].seq;
-        // (The receiver is progressed while the sender waits: in one thread here, the
-        // connection's wire-up needs it; `alive` is asked every LENT_CHECK.)
-        let mut got = Vec::new();
-        let b_me = b.me;
-        let mut receive = || {
-            take_all(&mut b, &mut got);
-            true
-        };
-        assert_eq!(a.send_lent(to_b, b_me, &refs, &mut receive), Ok(true));
+        let (seq, mut got) = send_list((&mut a, &mut b), to_b, &refs);
         assert_eq!(
             a.out[&to_b].seq,
             seq + 2,
@@ -1916,14 +1926,7 @@ mod tests {
         let refs: Vec<&[u8]> = frame.chunks(64 * 1024).collect();
         assert_eq!(list_pieces(&refs), 1);
         assert!(frame.len() > backplane_ucx::TCP_SEGMENT && frame.len() <= LIST_FRAME_BYTES);
-        let seq = a.out[&to_b].seq;
-        let mut got = Vec::new();
-        let b_me = b.me;
-        let mut receive = || {
-            take_all(&mut b, &mut got);
-            true
-        };
-        assert_eq!(a.send_lent(to_b, b_me, &refs, &mut receive), Ok(true));
+        let (seq, mut got) = send_list((&mut a, &mut b), to_b, &refs);
         assert_eq!(a.out[&to_b].seq, seq + 1, "one message");
         take_until((&mut a, &mut b), &mut got, refs.len(), deadline);
         for (i, g) in got.iter().enumerate() {
