@@ -326,7 +326,7 @@ fn check(status: i32, what: impl FnOnce() -> String) -> Result<(), Error> {
 ///   [`TCP_SEGMENT`].)
 /// - `UCX_TCP_MAX_IOV` = [`TCP_MAX_IOV`]: the pieces of one message that UCX's TCP transport
 ///   gives one `sendmsg` (6 by default); a list of datagrams sent in place
-///   ([`Link::send_lent`]) is one piece each. It changes nothing for a contiguous message
+///   ([`Link::send_lent`]) is one piece each (those back to back in memory merged). It changes nothing for a contiguous message
 ///   (`ucx_perftest`'s).
 fn set_defaults() {
     static ONCE: std::sync::Once = std::sync::Once::new();

@@ -662,8 +662,9 @@ impl Endpoint {
     /// hands up to 64 of them (at most ~2 MiB, in at most 14 pieces of memory: datagrams
     /// that lie back to back count once) to UCX as one message read in place, and returns
     /// once UCX let go of them: no copy on the sender. A frame cut into datagrams (a 1 MiB
-    /// image as 16) goes this way as one message. On an error the datagrams before it were sent; which of the failing group
-    /// arrived is not known (the receiver's node went down, or its connection broke).
+    /// image as 16) goes this way as one message. On an error the datagrams before it were
+    /// sent; which of the failing group arrived is not known (the receiver's node went
+    /// down, or its connection broke).
     pub fn send_many(
         &mut self,
         dst: Addr,
@@ -674,14 +675,17 @@ impl Endpoint {
         while !rest.is_empty() {
             // The next group: as many as fit one message (at least one): its bytes, and the
             // pieces of memory they are in (datagrams back to back count once).
-            let mut n = 0;
-            let mut bytes = 0;
-            while n < rest.len().min(direct::LIST_MAX)
-                && (n == 0
-                    || bytes + rest[n].len() <= direct::LIST_FRAME_BYTES
-                        && direct::list_pieces(&rest[..=n]) <= direct::LIST_PIECES)
-            {
+            let (mut n, mut bytes, mut pieces) = (0, 0, 0);
+            while n < rest.len().min(direct::LIST_MAX) {
+                let piece = usize::from(n == 0 || !direct::back_to_back(rest[n - 1], rest[n]));
+                if n > 0
+                    && (bytes + rest[n].len() > direct::LIST_FRAME_BYTES
+                        || pieces + piece > direct::LIST_PIECES)
+                {
+                    break;
+                }
                 bytes += rest[n].len();
+                pieces += piece;
                 n += 1;
             }
             let (group, after) = rest.split_at(n);

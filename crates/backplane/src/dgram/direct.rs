@@ -98,17 +98,17 @@ pub(super) const LIST_PIECES: usize = 14;
 /// 10 alternating pairs: 9 faster, median 1.11).
 pub(super) const LIST_FRAME_BYTES: usize = 2 * BIG_BATCH_MAX;
 
-/// The pieces of memory `list` is made of: its datagrams, those that lie back to back in
-/// memory counted once (`backplane_ucx::Link::send_lent` hands them to UCX so).
+/// Whether `next` starts where `prev` ends in memory (`backplane_ucx::Link::send_lent` hands
+/// such datagrams to UCX as one piece).
+pub(super) fn back_to_back(prev: &[u8], next: &[u8]) -> bool {
+    prev.as_ptr().wrapping_add(prev.len()) == next.as_ptr()
+}
+
+/// The pieces of memory `list` is made of: its datagrams, those [`back_to_back`] counted once.
 pub(super) fn list_pieces(list: &[&[u8]]) -> usize {
     list.iter()
         .enumerate()
-        .filter(|&(i, d)| {
-            i == 0 || {
-                let p = list[i - 1];
-                p.as_ptr().wrapping_add(p.len()) != d.as_ptr()
-            }
-        })
+        .filter(|&(i, d)| i == 0 || !back_to_back(list[i - 1], d))
         .count()
 }
 /// Datagrams up to this size may share a message (a batch) when they come in a stream.
