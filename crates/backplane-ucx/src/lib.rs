@@ -407,6 +407,12 @@ pub const TCP_MAX_IOV: usize = 20;
 /// At most this many pieces in a message of [`Link::send_lent`].
 pub const MAX_PIECES: usize = 64;
 
+/// Whether `next` starts where `prev` ends in memory: [`Link::send_lent`] hands such pieces
+/// to UCX as one iov (a caller that counts the iovs of a message counts them so).
+pub fn back_to_back(prev: &[u8], next: &[u8]) -> bool {
+    prev.as_ptr().wrapping_add(prev.len()) == next.as_ptr()
+}
+
 /// The TCP segment size a link asks of UCX (see `set_defaults`): the largest message UCX's
 /// TCP transport sends in one `sendmsg` and its receiver reads in one piece. A datagram
 /// stream's list of up to 14 datagrams of 64 KiB (a frame cut up, sent in place) is one
@@ -724,9 +730,9 @@ impl Link {
         }
         // Pieces that lie back to back in memory (a frame cut into datagrams) go as one iov.
         let mut list: Vec<ffi::Piece> = Vec::with_capacity(pieces.len());
-        for p in pieces {
+        for (i, p) in pieces.iter().enumerate() {
             match list.last_mut() {
-                Some(l) if l.buf.cast::<u8>().wrapping_add(l.len) == p.as_ptr() => l.len += p.len(),
+                Some(l) if back_to_back(pieces[i - 1], p) => l.len += p.len(),
                 _ => list.push(ffi::Piece {
                     buf: p.as_ptr().cast(),
                     len: p.len(),

@@ -94,17 +94,14 @@ pub(super) const LIST_PIECES: usize = 14;
 /// A list holds at most this many bytes: a frame of 1 MiB cut into 64 KiB datagrams is one
 /// message. Past one TCP segment UCX sends it in two pieces (and its receiver puts them
 /// together), as it sends `ucx_perftest`'s 1 MiB messages: 1 MiB frames between two hosts
-/// 8.0–8.7 GB/s as lists of 14 (924 KB) and the rest, 9.0–9.6 as one (session 47, pinned,
-/// 10 alternating pairs: 9 faster, median 1.11).
+/// 6.1–8.5 GB/s as lists of 14 (924 KB) and the rest, 8.3–9.3 as one (session 47, pinned,
+/// 10 alternating pairs: every one faster, median 1.11).
 pub(super) const LIST_FRAME_BYTES: usize = 2 * BIG_BATCH_MAX;
 
-/// Whether `next` starts where `prev` ends in memory (`backplane_ucx::Link::send_lent` hands
-/// such datagrams to UCX as one piece).
-pub(super) fn back_to_back(prev: &[u8], next: &[u8]) -> bool {
-    prev.as_ptr().wrapping_add(prev.len()) == next.as_ptr()
-}
+pub(super) use backplane_ucx::back_to_back;
 
-/// The pieces of memory `list` is made of: its datagrams, those [`back_to_back`] counted once.
+/// The pieces of memory `list` is made of: its datagrams, those [`back_to_back`] counted once
+/// (as `backplane_ucx::Link::send_lent` merges them).
 pub(super) fn list_pieces(list: &[&[u8]]) -> usize {
     list.iter()
         .enumerate()
