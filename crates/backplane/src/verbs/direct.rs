@@ -192,7 +192,6 @@ impl Home {
 
 struct Inner {
     m: Mirror,
-    ep: Arc<Mutex<Endpoint>>,
     peer: Addr,
     /// When acks or credits alone were first seen waiting (monotonic ns).
     words_since: Option<u64>,
@@ -216,6 +215,10 @@ struct Inner {
 
 struct Shared {
     inner: Mutex<Inner>,
+    /// The pair's datagram endpoint (the process's, shared by its pairs), locked after
+    /// `inner`. (Here, not in `Inner`: a pump under `inner`'s lock borrows it instead of
+    /// cloning the `Arc` — two atomic read-modify-writes a post and a poll less.)
+    ep: Arc<Mutex<Endpoint>>,
     stop: AtomicBool,
     /// When a program thread last pumped the pair (monotonic ns): while programs poll, the
     /// pair's own thread stays out of their way.
@@ -270,7 +273,6 @@ impl DirectQp {
         let shared = Arc::new(Shared {
             inner: Mutex::new(Inner {
                 m,
-                ep: home.ep.clone(),
                 peer,
                 words_since: None,
                 answers_since: None,
@@ -285,6 +287,7 @@ impl DirectQp {
                 },
                 in_place_buf: Default::default(),
             }),
+            ep: home.ep.clone(),
             stop: AtomicBool::new(false),
             app_ns: AtomicU64::new(0),
             polled_ns: AtomicU64::new(0),
@@ -338,8 +341,7 @@ impl DirectQp {
             }
         }
         let mut g = s.lock();
-        let ep = g.ep.clone();
-        let mut ep = ep.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ep = s.ep.lock().unwrap_or_else(|e| e.into_inner());
         g.ship(&mut ep);
     }
 }
@@ -351,7 +353,7 @@ impl Drop for DirectQp {
         {
             let mut g = self.shared.lock();
             g.said = true;
-            g.pump();
+            g.pump(&self.shared.ep);
         }
         // (The thread looks at `stop` at least every NAP.)
         self.shared.stop.store(true, Ordering::Release);
@@ -386,7 +388,7 @@ impl Shared {
         }
         if let Ok(mut g) = self.inner.try_lock() {
             g.by_app = polling.is_some();
-            g.pump_with(deliver);
+            g.pump_with(&self.ep, deliver);
             g.by_app = false;
         }
     }
@@ -487,7 +489,7 @@ pub(crate) fn sleep_on_pairs(efd: std::os::fd::BorrowedFd<'_>, timeout: Duration
             timeout = timeout.min(SHORT_LOOK);
             continue;
         };
-        if g.pump() {
+        if g.pump(&s.ep) {
             return true; // its CQs may have completions now
         }
         if g.m.pending() {
@@ -496,7 +498,7 @@ pub(crate) fn sleep_on_pairs(efd: std::os::fd::BorrowedFd<'_>, timeout: Duration
             // can: a connection still coming up).
             timeout = timeout.min(SHORT_LOOK);
         }
-        let fd = g.ep.lock().unwrap_or_else(|e| e.into_inner()).arm_fd();
+        let fd = s.ep.lock().unwrap_or_else(|e| e.into_inner()).arm_fd();
         match fd {
             Some(fd) => fds.push(fd),
             None => return true, // news already: no sleep
@@ -675,7 +677,7 @@ fn watch(s: &Shared) {
             continue;
         }
         let mut g = s.lock();
-        let worked = g.pump();
+        let worked = g.pump(&s.ep);
         if worked {
             // A request often follows its answer within a round trip (a program that posts
             // READs or atomics one after another, its peer's program never polling): look
@@ -696,7 +698,7 @@ fn watch(s: &Shared) {
                     break;
                 }
                 if let Ok(mut g) = s.inner.try_lock() {
-                    if g.pump() {
+                    if g.pump(&s.ep) {
                         last = crate::sync::fast_ns();
                     }
                 }
@@ -704,7 +706,7 @@ fn watch(s: &Shared) {
             g = s.lock();
         }
         let lingering = g.words_since.is_some() || g.answers_since.is_some();
-        let fd = g.ep.lock().unwrap_or_else(|e| e.into_inner()).arm_fd();
+        let fd = s.ep.lock().unwrap_or_else(|e| e.into_inner()).arm_fd();
         // News the worker could not take yet (UCX busy): not worth a sleep on its fd.
         let stuck = !lingering && g.m.pending();
         drop(g);
@@ -738,13 +740,12 @@ fn watch(s: &Shared) {
 impl Inner {
     /// Ships what the local QP wrote and takes what came, until neither has anything; true if
     /// anything went or came.
-    fn pump(&mut self) -> bool {
-        self.pump_with(&mut no_delivery)
+    fn pump(&mut self, ep: &Mutex<Endpoint>) -> bool {
+        self.pump_with(ep, &mut no_delivery)
     }
 
     /// [`Inner::pump`], offering whole SENDs that come to `deliver` (see [`progress_all`]).
-    fn pump_with(&mut self, deliver: &mut Deliver<'_>) -> bool {
-        let ep = self.ep.clone();
+    fn pump_with(&mut self, ep: &Mutex<Endpoint>, deliver: &mut Deliver<'_>) -> bool {
         let mut ep = ep.lock().unwrap_or_else(|e| e.into_inner());
         let mut worked = false;
         for round in 0..64 {

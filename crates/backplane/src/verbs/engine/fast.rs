@@ -329,7 +329,9 @@ impl QpEngine {
         // result dropped whole was a call on every SEND in a whole-program build.)
         let _ = p.outbound.data().write(r.pos, &hdr).ok();
         if !send_in_place(p, rc, &src, &r) {
-            let _ = src.copy_to(p.outbound.data(), r.pos + HDR as u64, false).ok();
+            let _ = src
+                .copy_to(p.outbound.data(), r.pos + HDR as u64, false)
+                .ok();
         }
         p.outbound.commit(r);
         self.send_hint = p.outbound.next_hint();
