@@ -8,8 +8,7 @@ cargo clippy --workspace --all-targets -- -D warnings
 # The API docs build without a broken or ambiguous link.
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 cargo test --workspace
-# The ring protocol under loom's model checker (its own target dir: --cfg loom rebuilds all;
-# without the release profile's whole-program LTO, which would only slow its build).
-RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 cargo test -p backplane --release --lib loom
+# The ring protocol under loom's model checker (its own target dir: --cfg loom rebuilds all).
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p backplane --release --lib loom
 # The C API through its header and pkg-config, under AddressSanitizer and UBSan.
 scripts/test-c.sh

@@ -258,9 +258,9 @@ impl QpEngine {
                 .compare_swap(remote_addr, r.compare_add, r.swap)
                 .and_then(|old| local.write(local_off, &old.to_le_bytes())),
         };
-        // (Taken apart, not looked at: the error is dropped on its own path only — a
-        // whole-program build kept `is_err`'s drop of the result out of line, a call on every
-        // READ.)
+        // (Taken apart, not looked at: the error is dropped on its own path only. With
+        // `is_err` a whole-program build — fat LTO, tried in session 48 — called the result's
+        // drop out of line on every READ.)
         if done.ok().is_none() {
             return false;
         }
@@ -326,7 +326,7 @@ impl QpEngine {
         }
         .emit(&mut MsgHeader::new_unchecked(&mut hdr[..]));
         // The reservation covers HDR + len bytes at r.pos, ours until commit. (`ok()`: a
-        // result dropped whole was a call on every SEND in a whole-program build.)
+        // result dropped whole was a call on every SEND in a fat-LTO build.)
         let _ = p.outbound.data().write(r.pos, &hdr).ok();
         if !send_in_place(p, rc, &src, &r) {
             let _ = src
