@@ -573,7 +573,16 @@ impl Worker {
             used = Some(n);
             Some(HEAD + n)
         });
-        self.after_send(to, r.map(|sent| sent as u64))?;
+        match r {
+            // The count and the stream's clock (when this send returned) on the connection
+            // at hand: `after_send` looked it up again, a hash look-up a datagram.
+            Ok(sent) => {
+                o.seq += sent as u64;
+                o.last_send = crate::sync::fast_ns();
+                self.after_counted(to);
+            }
+            Err(e) => self.sent(to, Err(e))?,
+        }
         Ok(used)
     }
 
@@ -594,6 +603,14 @@ impl Worker {
             o.seq += n;
             o.last_send = crate::sync::fast_ns();
         }
+        self.after_counted(to);
+        Ok(())
+    }
+
+    /// [`Worker::after_send`] once the message is counted on its connection `to`: a sender
+    /// that only sends still looks at its worker now and then, and at once while UCX holds
+    /// bytes (the stream's clock then restarts after the look).
+    fn after_counted(&mut self, to: SocketAddr) {
         self.sends = self.sends.wrapping_add(1);
         if self.link.in_flight_bytes() != 0 || self.sends.is_multiple_of(64) {
             self.poll();
@@ -601,7 +618,6 @@ impl Worker {
                 o.last_send = crate::sync::fast_ns();
             }
         }
-        Ok(())
     }
 
     /// Sends a datagram of `head_bytes`, `body`'s bytes and `tail` to `dst`, which listens at

@@ -384,7 +384,9 @@ impl Mirror {
     /// The oldest request in the local QP's request ring, if the pair runs (a ring that
     /// says an impossible position breaks it).
     fn peek_request(&mut self) -> Option<crate::ring::Record> {
-        if !self.ready || self.broken.is_some() {
+        // (Drained — the producer index where this side's head is — is one load: most looks,
+        // a SEND's ship asks twice, and a whole peek was ~44 instructions each.)
+        if !self.ready || self.broken.is_some() || self.rdma.req.is_drained() {
             return None;
         }
         match self.rdma.req.peek() {
