@@ -161,6 +161,7 @@ mod ffi {
         ) -> c_int;
         pub fn bpx_send_ready(l: *mut Link, ep: c_int, payload: *mut c_void, len: usize) -> c_int;
         pub fn bpx_progress(l: *mut Link) -> c_int;
+        pub fn bpx_look(l: *mut Link) -> c_int;
         pub fn bpx_progress_with(
             l: *mut Link,
             deliver: extern "C" fn(*mut c_void, c_int, *const c_void, usize) -> c_int,
@@ -812,7 +813,7 @@ impl Link {
         // work (its own sends) between polls.
         for _ in 0..64 {
             // SAFETY: raw is live; progress runs the callbacks on this thread.
-            if unsafe { ffi::bpx_progress(self.raw) } == 0 {
+            if unsafe { ffi::bpx_look(self.raw) } == 0 {
                 break;
             }
         }
@@ -826,7 +827,7 @@ impl Link {
     pub fn poll_some_into(&mut self, out: &mut Vec<Event>) {
         for _ in 0..64 {
             // SAFETY: raw is live; progress runs the callbacks on this thread.
-            let n = unsafe { ffi::bpx_progress(self.raw) };
+            let n = unsafe { ffi::bpx_look(self.raw) };
             // SAFETY: raw is live; the call only reads a counter.
             if n == 0 || unsafe { ffi::bpx_queued(self.raw) } != 0 {
                 break;
