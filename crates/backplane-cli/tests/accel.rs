@@ -502,12 +502,33 @@ fn a_node_that_goes_down_resets_its_accelerated_connections_and_rejoins() {
     }
     lib_built();
     let fab = Fab::up_net("accel_nodedown", 2, &["--restart-delay-ms", "500"]);
-    let server = spawn(
+    let mut server = spawn(
         &fab,
         2,
         true,
         &["python3", CALLS, "server", "nodedown", "7901"],
     );
+    // The server's stderr, read as it comes: the node goes down once the connection is on the
+    // ring (a fixed 1.5 s was not always enough in CI, beside the other tests: the kill came
+    // before the server claimed the offer, the connection stayed on the kernel's TCP, and the
+    // node's restart let it go on).
+    let (claimed, err_text) = {
+        use std::io::BufRead;
+        let err = server.stderr.take().expect("server stderr");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            let mut all = String::new();
+            for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+                if line.contains("offer claimed") {
+                    let _ = tx.send(());
+                }
+                all.push_str(&line);
+                all.push('\n');
+            }
+            all
+        });
+        (rx, reader)
+    };
     wait_registered(&fab, 2, 7901);
     let client = spawn(
         &fab,
@@ -515,8 +536,12 @@ fn a_node_that_goes_down_resets_its_accelerated_connections_and_rejoins() {
         true,
         &["python3", CALLS, "client", "nodedown", "7901"],
     );
+    assert!(
+        claimed.recv_timeout(Duration::from_secs(30)).is_ok(),
+        "the server never claimed the client's offer"
+    );
     // Streaming on the ring by now.
-    std::thread::sleep(Duration::from_millis(1500));
+    std::thread::sleep(Duration::from_millis(300));
     let agent = fab.status()["slots"][1]["pid"].as_i64().unwrap() as i32;
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(agent).unwrap(),
@@ -525,7 +550,12 @@ fn a_node_that_goes_down_resets_its_accelerated_connections_and_rejoins() {
     .unwrap();
     let c = finish(client, 40, "nodedown client");
     let s = finish(server, 40, "nodedown server");
-    let (ct, st) = (text(&c), text(&s));
+    let st = format!(
+        "{}{}",
+        String::from_utf8_lossy(&s.stdout),
+        err_text.join().expect("stderr reader")
+    );
+    let ct = text(&c);
     for (who, t) in [("client", &ct), ("server", &st)] {
         assert!(t.contains("ok nodedown"), "{who}:\n{t}");
         assert!(t.contains("node 2 went down or restarted"), "{who}:\n{t}");
