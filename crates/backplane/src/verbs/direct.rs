@@ -215,8 +215,9 @@ struct Inner {
 
 struct Shared {
     inner: Mutex<Inner>,
-    /// The pair's datagram endpoint (its QP's `Home`'s), locked after `inner`. (Here, not in `Inner`: a pump under `inner`'s lock borrows it instead of
-    /// cloning the `Arc` — two atomic read-modify-writes a post and a poll less.)
+    /// The pair's datagram endpoint (its QP's `Home`'s), locked after `inner`. (Here, not
+    /// in `Inner`: a pump under `inner`'s lock borrows it instead of cloning the `Arc` — two
+    /// atomic read-modify-writes a post and a poll less.)
     ep: Arc<Mutex<Endpoint>>,
     stop: AtomicBool,
     /// When a program thread last pumped the pair (monotonic ns): while programs poll, the
