@@ -955,8 +955,8 @@ int bpx_send_zc(bpx_link *l, int index, const void *head, size_t hlen, const voi
  * own UCX calls into the drop-in libibverbs from there (OpenMPI over UCX's UD transport polls
  * its CQs from that thread), and a progress of one of our workers there that finds an endpoint
  * failed - a peer process gone at the end of an MPI run between hosts - makes UCX 1.13 abort
- * the program (ucp_ep.c:1358, `!ucs_async_is_from_async(...)`: seen once in ~10 runs of the
- * tests' MPI between hosts, from ibv_poll_cq's look at a UD QP's endpoint). Such a look leaves
+ * the program (ucp_ep.c:1358, `!ucs_async_is_from_async(...)`: 2 of 6 runs of the hosts suite
+ * in session 48, from ibv_poll_cq's look at a UD QP's endpoint). Such a look leaves
  * the network to the program's other threads and ours (the endpoints' wakers, the pairs'
  * threads). Asked once a thread. */
 static int on_ucx_async_thread(void)

@@ -258,10 +258,7 @@ impl QpEngine {
                 .compare_swap(remote_addr, r.compare_add, r.swap)
                 .and_then(|old| local.write(local_off, &old.to_le_bytes())),
         };
-        // (Taken apart, not looked at: the error is dropped on its own path only. With
-        // `is_err` a whole-program build — fat LTO, tried in session 48 — called the result's
-        // drop out of line on every READ.)
-        if done.ok().is_none() {
+        if done.is_err() {
             return false;
         }
         self.done_at_once_as((r.wr_id, r.opcode, r.send_flags), wc_op, len, cqs);
@@ -325,13 +322,10 @@ impl QpEngine {
             credits: self.rq_posted,
         }
         .emit(&mut MsgHeader::new_unchecked(&mut hdr[..]));
-        // The reservation covers HDR + len bytes at r.pos, ours until commit. (`ok()`: a
-        // result dropped whole was a call on every SEND in a fat-LTO build.)
-        let _ = p.outbound.data().write(r.pos, &hdr).ok();
+        // The reservation covers HDR + len bytes at r.pos, ours until commit.
+        let _ = p.outbound.data().write(r.pos, &hdr);
         if !send_in_place(p, rc, &src, &r) {
-            let _ = src
-                .copy_to(p.outbound.data(), r.pos + HDR as u64, false)
-                .ok();
+            let _ = src.copy_to(p.outbound.data(), r.pos + HDR as u64, false);
         }
         p.outbound.commit(r);
         self.send_hint = p.outbound.next_hint();
