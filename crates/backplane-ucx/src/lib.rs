@@ -176,6 +176,8 @@ mod ffi {
         pub fn bpx_close(l: *mut Link, ep: c_int);
         pub fn bpx_close_flush(l: *mut Link, ep: c_int, timeout_us: std::ffi::c_long) -> c_int;
         pub fn bpx_ep_info(l: *mut Link, ep: c_int, buf: *mut c_char, cap: usize) -> usize;
+        #[cfg(test)]
+        pub fn bpx_text_am_lane_is_tcp(text: *mut c_char) -> c_int;
         pub fn bpx_close_all(l: *mut Link);
         pub fn bpx_reset(l: *mut Link);
         pub fn bpx_status_string(status: c_int) -> *const c_char;
@@ -1045,6 +1047,29 @@ mod tests {
                     #                 lane[3]:  cm\n";
         assert_eq!(parse_lanes(text), vec!["tcp/vethA", "posix/memory"]);
         assert!(parse_lanes("nothing here").is_empty());
+    }
+
+    /// Whether the shim sends an endpoint's small messages in one buffer: only when its
+    /// active-message lane (the one used for "am") is TCP.
+    #[test]
+    fn small_messages_go_in_one_buffer_only_over_a_tcp_am_lane() {
+        fn am_tcp(text: &str) -> bool {
+            let mut b = std::ffi::CString::new(text).unwrap().into_bytes_with_nul();
+            // SAFETY: b is a writable NUL-terminated buffer the call only cuts into lines.
+            unsafe { ffi::bpx_text_am_lane_is_tcp(b.as_mut_ptr().cast()) != 0 }
+        }
+        let tcp = "#\n# UCP endpoint\n#\n\
+                   #                 lane[0]:  1:tcp/vethA.0 md[1]          -> md[1]/tcp/sysdev[255] rma_bw#0 am am_bw#0\n\
+                   #                 lane[1]:  3:tcp/vethA.0 md[1]          -> md[1]/tcp/sysdev[255] am_bw#1\n";
+        assert!(am_tcp(tcp));
+        let shm = "#                 lane[0]:  1:tcp/vethA.0 md[1]          -> md[1]/tcp/sysdev[255] rma_bw#0 am_bw#0\n\
+                   #                 lane[1]:  0:posix/memory.0 md[0]        -> md[0]/posix am\n\
+                   #                 lane[2]:  cm\n";
+        assert!(!am_tcp(shm));
+        let rc = "#                 lane[0]:  5:rc_verbs/bp_x:1.0 md[3]  -> md[3]/ib/sysdev[255] rma_bw#0 am am_bw#0\n";
+        assert!(!am_tcp(rc));
+        assert!(!am_tcp(""));
+        assert!(!am_tcp("lane[0]: tcp/x -> am"));
     }
 
     fn until<T>(l: &mut Link, what: &str, mut f: impl FnMut(Event) -> Option<T>) -> T {
