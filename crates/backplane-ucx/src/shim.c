@@ -434,6 +434,15 @@ static unsigned progress(bpx_link *l)
     return n;
 }
 
+/* A slot takes a new endpoint (made by bpx_connect or accepted): counted afresh, then settled. */
+static void opened(bpx_ep *e, ucp_ep_h ep)
+{
+    e->ep = ep;
+    e->small_sent = 0;
+    e->one_buffer = 0;
+    settle(e);
+}
+
 static void on_conn_request(ucp_conn_request_h req, void *arg)
 {
     bpx_link *l = arg;
@@ -457,10 +466,7 @@ static void on_conn_request(ucp_conn_request_h req, void *arg)
     leave_host(own);
     if (s != UCS_OK)
         return;
-    l->eps[i].ep = ep;
-    l->eps[i].small_sent = 0;
-    l->eps[i].one_buffer = 0;
-    settle(&l->eps[i]);
+    opened(&l->eps[i], ep);
     bpx_event ev = {BPX_EV_ACCEPTED, i, 0, 0, NULL};
     push(l, ev);
 }
@@ -702,10 +708,7 @@ int bpx_connect(bpx_link *l, const char *ip, uint16_t port)
     leave_host(own);
     if (s != UCS_OK)
         return s;
-    l->eps[i].ep = ep;
-    l->eps[i].small_sent = 0;
-    l->eps[i].one_buffer = 0;
-    settle(&l->eps[i]);
+    opened(&l->eps[i], ep);
     return i;
 }
 
