@@ -1428,6 +1428,29 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
         !logs.contains("Cannot assign requested address"),
         "an agent's endpoint could not listen on its host's address:\n{logs}"
     );
+    // Once the traffic stops the agents of nodes 1 and 2 rest: ~20-40 context switches a
+    // second each (their periodic looks), where after any IP traffic between hosts the waker
+    // of the agent's sending endpoint woke every 50 µs (its worker locked by the TAP read
+    // inside a send's fill) or every 1 ms (a stale batching flag) for as long as it lived.
+    std::thread::sleep(Duration::from_millis(300));
+    let agents = [
+        h.status(0)["slots"][0]["pid"].as_u64().unwrap(),
+        h.status(1)["slots"][1]["pid"].as_u64().unwrap(),
+    ];
+    let before = agents.map(context_switches);
+    std::thread::sleep(Duration::from_secs(1));
+    let after = agents.map(context_switches);
+    for ((pid, b), a) in agents.iter().zip(before).zip(after) {
+        eprintln!(
+            "idle agent {pid}: {} context switches in a second",
+            a.saturating_sub(b)
+        );
+        assert!(
+            a.saturating_sub(b) < 500,
+            "the idle agent {pid} switched {} times in a second",
+            a.saturating_sub(b)
+        );
+    }
     // `exec --host-net` runs in the host's namespace (the node's identity kept), plain
     // `exec` in the node's.
     let ns = |o: Output| String::from_utf8_lossy(&o.stdout).trim().to_string();
@@ -2569,4 +2592,21 @@ fn rdma_between_two_hosts(fabric: (&str, u8), test_fn: &str, env: &[&str]) {
     h.down(1);
     h.down(0);
     h.assert_nothing_left();
+}
+
+/// Context switches of every thread of process `pid` so far (voluntary and not).
+fn context_switches(pid: u64) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .flat_map(|st| {
+            st.lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .collect::<Vec<_>>()
+        })
+        .sum()
 }

@@ -781,6 +781,11 @@ impl Endpoint {
     /// Zero-copy send of a payload whose length is known only once it is written: `fill` gets
     /// `max_len` bytes of ring memory and returns how many it used, or `None` to abandon the
     /// send (nothing is published). Returns whether a datagram was sent.
+    ///
+    /// `fill` should not wait for its data: to a node on another host it writes into the
+    /// message UCX sends, under the lock of the endpoint's UCX worker, and while it waits
+    /// nothing else moves what that worker holds (a reader of a device checks that data is
+    /// there first, as `net`'s agent does).
     pub fn send_with_max(
         &mut self,
         dst: Addr,

@@ -204,6 +204,14 @@ pub(super) enum Blocked {
 }
 
 /// One outgoing connection.
+impl Out {
+    /// Whether a batch or held datagrams wait to go to this receiver (that can still take
+    /// them).
+    fn waits(&self) -> bool {
+        (self.used != 0 || !self.held.is_empty()) && !self.failed
+    }
+}
+
 struct Out {
     ep: EpId,
     /// The receiver.
@@ -938,7 +946,7 @@ impl Worker {
     fn ship_all(&mut self) {
         // (Nearly always one: no list made for it.)
         let mut tried = 0;
-        let waits = |o: &Out| (o.used != 0 || !o.held.is_empty()) && !o.failed;
+        let waits = Out::waits;
         while let Some(to) = self
             .out
             .iter()
@@ -958,8 +966,17 @@ impl Worker {
     /// Makes progress: sends go out, received datagrams are queued in their senders' order
     /// (while fewer than [`QUEUE_MAX`] bytes wait), failures are noted.
     fn progress(&mut self) {
-        if self.batching && self.any_due() {
-            self.ship_all();
+        if self.batching {
+            if self.any_due() {
+                self.ship_all();
+            } else if !self.out.values().any(Out::waits) {
+                // Every batch left with a later send to its receiver (`send` ships what
+                // waits first), which does not look at the others: nothing is batching. (The
+                // flag stayed set, and with it the waker's look every HELD_LOOK, for as long
+                // as the endpoint lived: ~1 000 wake-ups a second of an idle node's agent
+                // after IP traffic between hosts.)
+                self.batching = false;
+            }
         }
         self.poll();
     }
@@ -1298,6 +1315,9 @@ const HELD: u32 = 4;
 const DRAIN_EVERY: Duration = Duration::from_nanos(LINGER_NS);
 /// ... and how seldom, at most, while nothing leaves (its receiver does not read).
 const DRAIN_MAX: Duration = Duration::from_millis(10);
+/// How many looks in a row may find the worker locked by the endpoint's thread before the
+/// waker backs off as from a worker whose bytes do not leave (~1 ms at [`DRAIN_EVERY`]).
+const LOCKED_OUT_LOOKS: u32 = 20;
 
 /// What the endpoint and its waker share.
 struct Shared {
@@ -1668,6 +1688,8 @@ const IDLE_MAX: usize = 64;
 fn watch(efd: &OwnedFd, s: &Shared) {
     // Backs off while nothing leaves (a receiver that does not read), from DRAIN_EVERY.
     let mut every = DRAIN_EVERY;
+    // Looks in a row that found the worker locked by the endpoint's thread.
+    let mut locked_out = 0u32;
     loop {
         let modes = s.modes.load(Ordering::Acquire);
         let mut fds = [
@@ -1718,6 +1740,7 @@ fn watch(efd: &OwnedFd, s: &Shared) {
                 }
                 let got = w.queue.len() != had;
                 drop(w);
+                locked_out = 0;
                 every = if sent || left < unsent {
                     DRAIN_EVERY
                 } else {
@@ -1725,6 +1748,16 @@ fn watch(efd: &OwnedFd, s: &Shared) {
                 };
                 if got {
                     crate::sync::ring(&s.bell);
+                }
+            } else {
+                // The endpoint's thread is in a call: it moves the worker itself, and lets go
+                // of it between calls. One that holds it on and on (a send whose fill waits
+                // for its data) is looked at less and less often, as a worker whose bytes do
+                // not leave: the net agent's, waiting there for its node's next frame, had
+                // this thread wake every 50 µs for as long as the node sent nothing.
+                locked_out = locked_out.saturating_add(1);
+                if locked_out > LOCKED_OUT_LOOKS {
+                    every = (every * 2).min(DRAIN_MAX);
                 }
             }
         }
@@ -2174,6 +2207,15 @@ mod tests {
             }
         }
         assert_eq!(got, [0, 1, 2, 3]);
+        // Nothing waits, so nothing is batching: a flag left set kept the endpoint's waker
+        // looking every HELD_LOOK for as long as the endpoint lived.
+        a.progress();
+        assert!(!a.batching, "the worker still says it batches");
+        assert_ne!(
+            a.drain_mode(),
+            Some(HELD),
+            "the waker would look for held datagrams"
+        );
     }
 
     /// A receiver takes each sender connection's messages in their numbers' order whatever

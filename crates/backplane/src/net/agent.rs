@@ -194,9 +194,19 @@ fn rx_loop(fabric: &Fabric, slot: u32, tap: &Tap) {
 /// TAP → fabric. A frame's destination is known only once it is read, so the frame is read
 /// straight into the ring of the node the previous frame went to (the common case: one flow);
 /// if it turns out to be for someone else, or for everyone, it is sent from a spill buffer.
+///
+/// On a fabric across hosts the frame is read there only if one waits, and the wait for the
+/// next is outside the send: a send to a node of another host fills its message under the lock
+/// of the endpoint's UCX worker, and a read that waited there for the node's next frame kept
+/// the worker's waker from moving what UCX still held (seen: a frame's 86 bytes, until the
+/// node sent again), while the waker, finding the lock taken, looked again every 50 µs for as
+/// long as the node sent nothing (~20 000 wake-ups a second of an idle node's agent after IP
+/// traffic between hosts). On one host the read waits where it is, as before (one system call
+/// a frame).
 fn tx_loop(fabric: &Fabric, slot: u32, tap: &Tap) {
     const HDR: usize = VNET_HDR_LEN + 14;
     let nodes = fabric.nodes();
+    let wait_outside = fabric.spans_hosts();
     let mut ep = bind_when_ready(fabric, slot, 0);
     let mut guess: Option<u32> = None;
     let mut spill = vec![0u8; MAX_FRAME];
@@ -204,14 +214,22 @@ fn tx_loop(fabric: &Fabric, slot: u32, tap: &Tap) {
     loop {
         let mut spilled = 0usize;
         let mut sent_direct = false;
+        let mut none_waits = false;
         if let Some(g) = guess {
             let r = ep.send_with_max(Addr::new(g, NET_PORT), MAX_FRAME, Wait::Never, |buf| {
-                let n = tap
-                    .read_vectored(&mut [
-                        IoSliceMut::new(&mut hdr),
-                        IoSliceMut::new(&mut buf[HDR..]),
-                    ])
-                    .ok()?;
+                let mut bufs = [IoSliceMut::new(&mut hdr), IoSliceMut::new(&mut buf[HDR..])];
+                let n = if wait_outside {
+                    match tap.try_read_vectored(&mut bufs) {
+                        Ok(Some(n)) => n,
+                        Ok(None) => {
+                            none_waits = true;
+                            return None;
+                        }
+                        Err(_) => return None,
+                    }
+                } else {
+                    tap.read_vectored(&mut bufs).ok()?
+                };
                 let head = n.min(HDR);
                 buf[..head].copy_from_slice(&hdr[..head]);
                 if classify(&buf[..n], nodes, slot) == Dest::Node(g) {
@@ -228,6 +246,10 @@ fn tx_loop(fabric: &Fabric, slot: u32, tap: &Tap) {
             }
         }
         if sent_direct {
+            continue;
+        }
+        if none_waits {
+            tap.wait_readable();
             continue;
         }
         if spilled == 0 {

@@ -114,6 +114,53 @@ impl Tap {
         }
     }
 
+    /// Reads one frame into `bufs` if one waits, without waiting for one (`Ok(None)`: none
+    /// does) — for a reader that must not block where it reads: inside a send's fill, which
+    /// on a fabric across hosts runs under the lock of the sender's UCX worker that its waker
+    /// needs to move what UCX holds (see `agent::tx_loop`).
+    pub fn try_read_vectored(
+        &self,
+        bufs: &mut [std::io::IoSliceMut<'_>],
+    ) -> std::io::Result<Option<usize>> {
+        use rustix::io::{Errno, ReadWriteFlags};
+        loop {
+            // (`u64::MAX`: at the file's position, as `readv`.)
+            match rustix::io::preadv2(&self.fd, bufs, u64::MAX, ReadWriteFlags::NOWAIT) {
+                Ok(n) => return Ok(Some(n)),
+                Err(Errno::INTR) => continue,
+                Err(Errno::AGAIN) => return Ok(None),
+                // A kernel whose tun does not take RWF_NOWAIT: a frame waits if the device is
+                // readable (this thread is its only reader).
+                Err(Errno::OPNOTSUPP | Errno::INVAL) => {
+                    let mut fds = [rustix::event::PollFd::new(
+                        &self.fd,
+                        rustix::event::PollFlags::IN,
+                    )];
+                    let zero = rustix::time::Timespec {
+                        tv_sec: 0,
+                        tv_nsec: 0,
+                    };
+                    return match rustix::event::poll(&mut fds, Some(&zero)) {
+                        Ok(0) => Ok(None),
+                        Ok(_) => self.read_vectored(bufs).map(Some),
+                        Err(Errno::INTR) => Ok(None),
+                        Err(e) => Err(e.into()),
+                    };
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Waits until a frame can be read (or the device is gone: the read then says so).
+    pub fn wait_readable(&self) {
+        let mut fds = [rustix::event::PollFd::new(
+            &self.fd,
+            rustix::event::PollFlags::IN,
+        )];
+        while let Err(rustix::io::Errno::INTR) = rustix::event::poll(&mut fds, None) {}
+    }
+
     /// Writes one frame (virtio-net header + Ethernet frame).
     pub fn write(&self, frame: &[u8]) -> std::io::Result<usize> {
         loop {
