@@ -1315,8 +1315,8 @@ const HELD: u32 = 4;
 const DRAIN_EVERY: Duration = Duration::from_nanos(LINGER_NS);
 /// ... and how seldom, at most, while nothing leaves (its receiver does not read).
 const DRAIN_MAX: Duration = Duration::from_millis(10);
-/// How many looks in a row may find the worker locked by the endpoint's thread before the
-/// waker backs off as from a worker whose bytes do not leave (~1 ms at [`DRAIN_EVERY`]).
+/// How many looks in a row may find the worker locked by the endpoint's thread (~1 ms at
+/// [`DRAIN_EVERY`]) before the waker looks less often, up to every [`HELD_LOOK`].
 const LOCKED_OUT_LOOKS: u32 = 20;
 
 /// What the endpoint and its waker share.
@@ -1752,12 +1752,14 @@ fn watch(efd: &OwnedFd, s: &Shared) {
             } else {
                 // The endpoint's thread is in a call: it moves the worker itself, and lets go
                 // of it between calls. One that holds it on and on (a send whose fill waits
-                // for its data) is looked at less and less often, as a worker whose bytes do
-                // not leave: the net agent's, waiting there for its node's next frame, had
-                // this thread wake every 50 µs for as long as the node sent nothing.
+                // for its data) is looked at less often, up to every HELD_LOOK: the net
+                // agent's, waiting there for its node's next frame, had this thread wake every
+                // 50 µs for as long as the node sent nothing. (Not up to DRAIN_MAX: a stream's
+                // sender that keeps it busy may stop with bytes in UCX, and those wait for
+                // the next look.)
                 locked_out = locked_out.saturating_add(1);
                 if locked_out > LOCKED_OUT_LOOKS {
-                    every = (every * 2).min(DRAIN_MAX);
+                    every = (every * 2).min(HELD_LOOK.max(every));
                 }
             }
         }
