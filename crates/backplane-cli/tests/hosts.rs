@@ -1441,14 +1441,11 @@ fn ip_over_the_fabric_spans_hosts_ping_and_iperf3_run_unmodified() {
     std::thread::sleep(Duration::from_secs(1));
     let after = agents.map(context_switches);
     for ((pid, b), a) in agents.iter().zip(before).zip(after) {
-        eprintln!(
-            "idle agent {pid}: {} context switches in a second",
-            a.saturating_sub(b)
-        );
+        let n = a.saturating_sub(b);
+        eprintln!("idle agent {pid}: {n} context switches in a second");
         assert!(
-            a.saturating_sub(b) < 500,
-            "the idle agent {pid} switched {} times in a second",
-            a.saturating_sub(b)
+            n < 500,
+            "the idle agent {pid} switched {n} times in a second"
         );
     }
     // `exec --host-net` runs in the host's namespace (the node's identity kept), plain

@@ -204,14 +204,6 @@ pub(super) enum Blocked {
 }
 
 /// One outgoing connection.
-impl Out {
-    /// Whether a batch or held datagrams wait to go to this receiver (that can still take
-    /// them).
-    fn waits(&self) -> bool {
-        (self.used != 0 || !self.held.is_empty()) && !self.failed
-    }
-}
-
 struct Out {
     ep: EpId,
     /// The receiver.
@@ -240,6 +232,14 @@ struct Out {
     /// When the first of them came, and the last.
     held_since: u64,
     held_last: u64,
+}
+
+impl Out {
+    /// Whether a batch or held datagrams wait to go to this receiver (that can still take
+    /// them).
+    fn waits(&self) -> bool {
+        (self.used != 0 || !self.held.is_empty()) && !self.failed
+    }
 }
 
 /// What a received message's header says (checked).
