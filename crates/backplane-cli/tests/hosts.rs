@@ -2091,6 +2091,19 @@ fn rdma_role(role: &str) {
                     backplane::verbs::sends_delivered_in_place() > 0,
                     "no SEND delivered in place"
                 );
+                // This program out of the library for a second, its pair idle: the pair's
+                // thread sleeps until something comes (the worker's fd, or the endpoint
+                // waker's for what it took off the wire), not a look every millisecond
+                // (~1 000 wake-ups a second before session 51).
+                std::thread::sleep(Duration::from_millis(300));
+                let before = context_switches(u64::from(std::process::id()));
+                std::thread::sleep(Duration::from_secs(1));
+                let woke = context_switches(u64::from(std::process::id())) - before;
+                eprintln!("an idle pair: this process switched {woke} times in 1 s");
+                assert!(
+                    woke < 300,
+                    "an idle pair's process woke {woke} times in 1 s"
+                );
             }
             // READ across several pieces, every byte.
             let n = 300_000u32;

@@ -1329,6 +1329,10 @@ struct Shared {
     stop: AtomicBool,
     /// The endpoint's doorbell.
     bell: Word32,
+    /// An eventfd the waker writes when it took arrivals off the wire into the worker's queue
+    /// (the worker's fd then says nothing of them): threads that sleep on the worker's fd
+    /// rather than on the doorbell ([`Direct::arm_fd`]) sleep on this one too.
+    took: OwnedFd,
 }
 
 /// A direct endpoint: its worker, and the thread that keeps it going while the endpoint's
@@ -1372,6 +1376,11 @@ impl Unbound {
             rustix::io::fcntl_dupfd_cloexec(worker.link.fd(), 0).map_err(|e| e.to_string())?;
         let ctl = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
             .map_err(|e| e.to_string())?;
+        let took = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )
+        .map_err(|e| e.to_string())?;
         let has_queued = worker.has_queued.clone();
         let shared = Arc::new(Shared {
             worker: Mutex::new(worker),
@@ -1379,6 +1388,7 @@ impl Unbound {
             ctl,
             stop: AtomicBool::new(false),
             bell,
+            took,
         });
         let s = shared.clone();
         let waker = std::thread::Builder::new()
@@ -1637,16 +1647,26 @@ impl Direct {
     }
 
     /// For a thread that sleeps on this worker alone (without the waker): moves it along,
-    /// arms it, and returns its wake-up fd to wait on with the worker unlocked; `None` when a
-    /// datagram waits or UCX has more to do first.
-    pub(super) fn arm_fd(&mut self) -> Option<OwnedFd> {
+    /// arms it, and returns the fds to wait on with the worker unlocked — the worker's, and
+    /// the waker's [`Shared::took`] (readable once the waker took arrivals off the wire, which
+    /// the worker's then does not say; the sleeper empties it with [`drain_took`] before it
+    /// looks again); `None` when a datagram waits or UCX has more to do first.
+    pub(super) fn arm_fd(&mut self) -> Option<[OwnedFd; 2]> {
+        let took = self.shared().took.try_clone().ok()?;
         let mut w = self.lock();
         w.progress();
         if w.has_queued() || !w.arm() {
             return None;
         }
-        w.link.fd().try_clone_to_owned().ok()
+        Some([w.link.fd().try_clone_to_owned().ok()?, took])
     }
+}
+
+/// Empties the waker's eventfd returned by [`Direct::arm_fd`] (after the sleep on it, before
+/// the sleeper looks at the worker again: what the waker takes after this rings it again).
+pub(crate) fn drain_took(fd: &OwnedFd) {
+    let mut b = [0u8; 8];
+    let _ = rustix::io::read(fd, &mut b);
 }
 
 impl Drop for Direct {
@@ -1741,6 +1761,9 @@ fn watch(efd: &OwnedFd, s: &Shared) {
                 let got = w.queue.len() != had;
                 drop(w);
                 locked_out = 0;
+                if got {
+                    tell_took(s);
+                }
                 every = if sent || left < unsent {
                     DRAIN_EVERY
                 } else {
@@ -1774,6 +1797,7 @@ fn watch(efd: &OwnedFd, s: &Shared) {
                 let got = w.queue.len() != had;
                 drop(w);
                 if got {
+                    tell_took(s);
                     crate::sync::ring(&s.bell);
                 }
             }
@@ -1783,6 +1807,12 @@ fn watch(efd: &OwnedFd, s: &Shared) {
             crate::sync::ring(&s.bell);
         }
     }
+}
+
+/// The waker took arrivals into the worker's queue: a thread asleep on the worker's fd
+/// ([`Direct::arm_fd`]) wakes.
+fn tell_took(s: &Shared) {
+    let _ = rustix::io::write(&s.took, &1u64.to_ne_bytes());
 }
 
 #[cfg(test)]
@@ -2485,6 +2515,38 @@ mod tests {
             }
         }
         rest
+    }
+
+    #[test]
+    fn a_sleeper_on_the_workers_fd_is_told_of_what_the_waker_took_off_the_wire() {
+        let region = Arc::new(crate::mem::Region::create("bp-direct-test-t", 4096).unwrap());
+        let (mut d, mut raw, ep) = direct_and_bare_sender(&region);
+        let readable = |fd: &OwnedFd| {
+            let mut p = [PollFd::new(fd, PollFlags::IN)];
+            rustix::event::poll(&mut p, Some(&rustix::time::Timespec::default())).unwrap() == 1
+        };
+        // A thread about to sleep on the worker (a QP pair's): nothing there yet.
+        let [_worker, took] = d.arm_fd().expect("nothing waits: armed");
+        assert!(!readable(&took));
+        // A datagram comes, and the waker (draining: UCX held sends) takes it off the wire:
+        // the worker's fd may say nothing of it, the waker's says it.
+        raw.send(ep, &message(MAGIC, Addr::new(1, 9), 7, 11, 0, b"x"))
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !d.has_queued() {
+            assert!(Instant::now() < deadline, "the waker never took it");
+            let _ = raw.poll();
+            assert!(d.ask(DRAIN));
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(
+            readable(&took),
+            "the waker took an arrival and said nothing"
+        );
+        drain_took(&took);
+        assert!(!readable(&took), "emptied");
+        let got = d.take(|_, p: &[u8]| Ok::<_, ()>(p.to_vec()));
+        assert!(matches!(got, Some((1, Ok(ref p))) if p == b"x"), "{got:?}");
     }
 
     #[test]

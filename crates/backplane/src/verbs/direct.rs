@@ -75,10 +75,13 @@ const KIND_QP: u8 = 1;
 const KIND_RDMA: u8 = 2;
 /// The answer to one.
 const KIND_ANSWER: u8 = 3;
-/// How long the pair's thread sleeps at most between looks. (The endpoint's waker may take
-/// an arrival off the wire while it sends what UCX held, and the fd then says nothing of it:
-/// that arrival waits for this.)
-const NAP: Duration = Duration::from_millis(1);
+/// How long the pair's thread, or a program thread asleep on the pairs
+/// ([`sleep_on_pairs`]), sleeps at most between looks: a safety net, as the completion
+/// channel's own longest sleep. What comes wakes them (the worker's fd, and the endpoint
+/// waker's for arrivals it took off the wire itself), the pair's end too (its `rest_bell`).
+/// (It was 1 ms, for those arrivals: an idle program waiting for completion events across
+/// hosts woke ~1 100 times a second.)
+const NAP: Duration = Duration::from_millis(100);
 /// How long a thread asleep on the pairs' fds ([`sleep_on_pairs`]) sleeps at most while a
 /// pair is busy elsewhere or has acks waiting to go.
 const SHORT_LOOK: Duration = Duration::from_micros(30);
@@ -355,8 +358,11 @@ impl Drop for DirectQp {
             g.said = true;
             g.pump(&self.shared.ep);
         }
-        // (The thread looks at `stop` at least every NAP.)
+        // (The thread looks at `stop` at least every NAP, and when its bell rings.)
         self.shared.stop.store(true, Ordering::Release);
+        if let Some(fd) = &self.shared.rest_bell {
+            let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -500,12 +506,13 @@ pub(crate) fn sleep_on_pairs(efd: std::os::fd::BorrowedFd<'_>, timeout: Duration
         }
         let fd = s.ep.lock().unwrap_or_else(|e| e.into_inner()).arm_fd();
         match fd {
-            Some(fd) => fds.push(fd),
+            Some(two) => fds.push(two),
             None => return true, // news already: no sleep
         }
     }
     let mut polled: Vec<rustix::event::PollFd<'_>> = fds
         .iter()
+        .flatten()
         .map(|fd| rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN))
         .collect();
     polled.push(rustix::event::PollFd::from_borrowed_fd(
@@ -518,6 +525,9 @@ pub(crate) fn sleep_on_pairs(efd: std::os::fd::BorrowedFd<'_>, timeout: Duration
     };
     let _ = rustix::event::poll(&mut polled, Some(&ts));
     drop(polled);
+    for [_, took] in &fds {
+        crate::dgram::drain_took(took);
+    }
     // Take what came now, before anyone else looks.
     for s in &pairs {
         s.pumped_by_app(None, &mut no_delivery);
@@ -711,7 +721,7 @@ fn watch(s: &Shared) {
         let stuck = !lingering && g.m.pending();
         drop(g);
         match fd {
-            Some(fd) if !stuck && !s.stop.load(Ordering::Acquire) => {
+            Some([fd, took]) if !stuck && !s.stop.load(Ordering::Acquire) => {
                 let nap = if lingering {
                     Duration::from_nanos(WORDS_LINGER_NS)
                 } else {
@@ -721,11 +731,18 @@ fn watch(s: &Shared) {
                     tv_sec: nap.as_secs() as i64,
                     tv_nsec: i64::from(nap.subsec_nanos()),
                 };
-                let mut fds = [rustix::event::PollFd::new(
-                    &fd,
-                    rustix::event::PollFlags::IN,
-                )];
+                let mut fds: Vec<_> = [Some(&fd), Some(&took), s.rest_bell.as_ref()]
+                    .into_iter()
+                    .flatten()
+                    .map(|fd| rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN))
+                    .collect();
                 let _ = rustix::event::poll(&mut fds, Some(&ts));
+                drop(fds);
+                crate::dgram::drain_took(&took);
+                if let Some(bell) = &s.rest_bell {
+                    let mut b = [0u8; 8];
+                    let _ = rustix::io::read(bell, &mut b);
+                }
             }
             _ if !worked => {
                 // UCX not ready to sleep on (sends still on their way) and nothing came or
