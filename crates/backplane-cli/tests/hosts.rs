@@ -2092,8 +2092,8 @@ fn rdma_role(role: &str) {
                     "no SEND delivered in place"
                 );
                 // This program out of the library for a second, its pair idle: the pair's
-                // thread sleeps until something comes (the worker's fd, or the endpoint
-                // waker's for what it took off the wire), not a look every millisecond
+                // thread sleeps until something comes (the worker's fd, or the endpoint's
+                // eventfd for what another look took off the wire), not a look every millisecond
                 // (~1 000 wake-ups a second before session 51).
                 std::thread::sleep(Duration::from_millis(300));
                 let before = context_switches(u64::from(std::process::id()));

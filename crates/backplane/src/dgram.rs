@@ -1241,10 +1241,10 @@ impl Endpoint {
 
     /// For a thread that serves this endpoint alone (a direct QP pair's): arms the
     /// endpoint's own UCX worker and returns descriptors one of which becomes readable when it
-    /// has news — one wake-up, not the waker's and then the doorbell's: the worker's, and the
-    /// waker's for arrivals it took off the wire itself (empty it with
-    /// [`drain_took`] once awake). `None` when a datagram may already be there, or
-    /// the endpoint has no worker of its own.
+    /// has news — one wake-up, not the waker's and then the doorbell's: the worker's, and an
+    /// eventfd for arrivals another thread's look took off the wire (the waker's, a sender's;
+    /// empty it with [`drain_took`] once awake). `None` when a datagram may already be there,
+    /// or the endpoint has no worker of its own.
     pub(crate) fn arm_fd(&mut self) -> Option<[std::os::fd::OwnedFd; 2]> {
         if self.rx.iter().any(|r| !r.ch.is_drained()) {
             return None;

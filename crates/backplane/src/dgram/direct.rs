@@ -392,6 +392,10 @@ struct Worker {
     sent_corked: bool,
     /// Buffers of big batches that UCX let go of, for the next ones (see [`Worker::ship`]).
     spare: Arc<Mutex<Vec<Vec<u8>>>>,
+    /// A thread sleeps on the worker's fd ([`Direct::arm_fd`]) and is told through this
+    /// eventfd when a look queues what came (UCX's fd then says nothing of it): any look, the
+    /// waker's or a sender's that made room. (Cleared once told: the next sleep arms it again.)
+    sleeper: Option<Arc<OwnedFd>>,
 }
 
 impl Worker {
@@ -443,6 +447,7 @@ impl Worker {
             corked: false,
             events: Vec::new(),
             sent_corked: false,
+            sleeper: None,
         }
     }
 
@@ -1013,6 +1018,17 @@ impl Worker {
     /// after another (a 1 MiB stream of `send_many`s copied every batch whole); what comes
     /// after one it declined — the rest of a batch too — is queued as before.
     fn poll_offering(&mut self, read: Option<&mut InPlace<'_>>) {
+        let had = self.queue.len();
+        self.poll_offering_inner(read);
+        if self.queue.len() > had {
+            if let Some(fd) = self.sleeper.take() {
+                let _ = rustix::io::write(&*fd, &1u64.to_ne_bytes());
+            }
+        }
+    }
+
+    /// [`Worker::poll_offering`] but for telling a sleeper.
+    fn poll_offering_inner(&mut self, read: Option<&mut InPlace<'_>>) {
         if self.readable() >= QUEUE_MAX {
             return;
         }
@@ -1329,10 +1345,8 @@ struct Shared {
     stop: AtomicBool,
     /// The endpoint's doorbell.
     bell: Word32,
-    /// An eventfd the waker writes when it took arrivals off the wire into the worker's queue
-    /// (the worker's fd then says nothing of them): threads that sleep on the worker's fd
-    /// rather than on the doorbell ([`Direct::arm_fd`]) sleep on this one too.
-    took: OwnedFd,
+    /// The eventfd a thread asleep on the worker's fd sleeps on too ([`Worker::sleeper`]).
+    took: Arc<OwnedFd>,
 }
 
 /// A direct endpoint: its worker, and the thread that keeps it going while the endpoint's
@@ -1376,11 +1390,13 @@ impl Unbound {
             rustix::io::fcntl_dupfd_cloexec(worker.link.fd(), 0).map_err(|e| e.to_string())?;
         let ctl = rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC)
             .map_err(|e| e.to_string())?;
-        let took = rustix::event::eventfd(
-            0,
-            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
-        )
-        .map_err(|e| e.to_string())?;
+        let took = Arc::new(
+            rustix::event::eventfd(
+                0,
+                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+            )
+            .map_err(|e| e.to_string())?,
+        );
         let has_queued = worker.has_queued.clone();
         let shared = Arc::new(Shared {
             worker: Mutex::new(worker),
@@ -1648,9 +1664,10 @@ impl Direct {
 
     /// For a thread that sleeps on this worker alone (without the waker): moves it along,
     /// arms it, and returns the fds to wait on with the worker unlocked — the worker's, and
-    /// the waker's [`Shared::took`] (readable once the waker took arrivals off the wire, which
-    /// the worker's then does not say; the sleeper empties it with [`drain_took`] before it
-    /// looks again); `None` when a datagram waits or UCX has more to do first.
+    /// [`Shared::took`], readable once another thread's look (the waker's, a sender's) queued
+    /// what came, which the worker's then does not say (the sleeper empties it with
+    /// [`drain_took`] before it looks again); `None` when a datagram waits or UCX has more to
+    /// do first.
     pub(super) fn arm_fd(&mut self) -> Option<[OwnedFd; 2]> {
         let took = self.shared().took.try_clone().ok()?;
         let mut w = self.lock();
@@ -1658,12 +1675,14 @@ impl Direct {
         if w.has_queued() || !w.arm() {
             return None;
         }
-        Some([w.link.fd().try_clone_to_owned().ok()?, took])
+        let fd = w.link.fd().try_clone_to_owned().ok()?;
+        w.sleeper = Some(self.shared().took.clone());
+        Some([fd, took])
     }
 }
 
-/// Empties the waker's eventfd returned by [`Direct::arm_fd`] (after the sleep on it, before
-/// the sleeper looks at the worker again: what the waker takes after this rings it again).
+/// Empties the eventfd returned by [`Direct::arm_fd`] (after the sleep on it, before the
+/// sleeper looks at the worker again: what a look queues after this rings it again).
 pub(crate) fn drain_took(fd: &OwnedFd) {
     let mut b = [0u8; 8];
     let _ = rustix::io::read(fd, &mut b);
@@ -1761,9 +1780,6 @@ fn watch(efd: &OwnedFd, s: &Shared) {
                 let got = w.queue.len() != had;
                 drop(w);
                 locked_out = 0;
-                if got {
-                    tell_took(s);
-                }
                 every = if sent || left < unsent {
                     DRAIN_EVERY
                 } else {
@@ -1797,7 +1813,6 @@ fn watch(efd: &OwnedFd, s: &Shared) {
                 let got = w.queue.len() != had;
                 drop(w);
                 if got {
-                    tell_took(s);
                     crate::sync::ring(&s.bell);
                 }
             }
@@ -1807,12 +1822,6 @@ fn watch(efd: &OwnedFd, s: &Shared) {
             crate::sync::ring(&s.bell);
         }
     }
-}
-
-/// The waker took arrivals into the worker's queue: a thread asleep on the worker's fd
-/// ([`Direct::arm_fd`]) wakes.
-fn tell_took(s: &Shared) {
-    let _ = rustix::io::write(&s.took, &1u64.to_ne_bytes());
 }
 
 #[cfg(test)]
@@ -2518,7 +2527,7 @@ mod tests {
     }
 
     #[test]
-    fn a_sleeper_on_the_workers_fd_is_told_of_what_the_waker_took_off_the_wire() {
+    fn a_sleeper_on_the_workers_fd_is_told_of_what_another_look_took_off_the_wire() {
         let region = Arc::new(crate::mem::Region::create("bp-direct-test-t", 4096).unwrap());
         let (mut d, mut raw, ep) = direct_and_bare_sender(&region);
         let readable = |fd: &OwnedFd| {
@@ -2547,6 +2556,26 @@ mod tests {
         assert!(!readable(&took), "emptied");
         let got = d.take(|_, p: &[u8]| Ok::<_, ()>(p.to_vec()));
         assert!(matches!(got, Some((1, Ok(ref p))) if p == b"x"), "{got:?}");
+        // Asleep again; this time another thread of the process looks (a sender's progress
+        // while it waits for room in UCX's window) and queues what came: told as well.
+        // (UCX may have events left from the look before: the sleeper looks again.)
+        let [_worker, took] = loop {
+            assert!(Instant::now() < deadline, "never armed");
+            if let Some(fds) = d.arm_fd() {
+                break fds;
+            }
+        };
+        raw.send(ep, &message(MAGIC, Addr::new(1, 9), 7, 11, 1, b"y"))
+            .unwrap();
+        while !d.has_queued() {
+            assert!(Instant::now() < deadline, "the look never took it");
+            let _ = raw.poll();
+            d.lock().progress();
+        }
+        assert!(
+            readable(&took),
+            "a sender's look took an arrival and said nothing"
+        );
     }
 
     #[test]

@@ -77,8 +77,9 @@ const KIND_RDMA: u8 = 2;
 const KIND_ANSWER: u8 = 3;
 /// How long the pair's thread, or a program thread asleep on the pairs
 /// ([`sleep_on_pairs`]), sleeps at most between looks: a safety net, as the completion
-/// channel's own longest sleep. What comes wakes them (the worker's fd, and the endpoint
-/// waker's for arrivals it took off the wire itself), the pair's end too (its `rest_bell`).
+/// channel's own longest sleep. What comes wakes them (the worker's fd, and the endpoint's
+/// eventfd for arrivals another thread's look took off the wire: the endpoint's waker, a
+/// send that made room), the pair's end too (its `rest_bell`).
 /// (It was 1 ms, for those arrivals: an idle program waiting for completion events across
 /// hosts woke ~1 100 times a second.)
 const NAP: Duration = Duration::from_millis(100);
