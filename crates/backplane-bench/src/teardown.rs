@@ -64,13 +64,25 @@ fn take_counted(id: u64) -> Option<(String, Action)> {
     got
 }
 
-/// Registers `f` to remove a resource described by `what`.
+/// Registers `f` to remove a resource described by `what`. Once a signal is ending the run,
+/// `f` runs at once instead: the measuring thread goes on until the process exits, and what it
+/// starts after the clean-up ran (the next round's `ucx_perftest` server, seen left behind by
+/// one Ctrl-C in six between hosts) must not outlive it.
 pub fn register(what: impl Into<String>, f: impl FnOnce() + Send + 'static) -> Guard {
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
-    ACTIONS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(id, (what.into(), Box::new(f)));
+    {
+        let mut a = ACTIONS.lock().unwrap_or_else(|e| e.into_inner());
+        // (Read under the lock the clean-up empties the map with: a registration it did not
+        // see sees the flag, and counts as running before the lock is let go, so the
+        // clean-up waits for it.)
+        if !INTERRUPTED.load(Ordering::SeqCst) {
+            a.insert(id, (what.into(), Box::new(f)));
+            return Guard { id };
+        }
+        RUNNING.fetch_add(1, Ordering::SeqCst);
+    }
+    f();
+    RUNNING.fetch_sub(1, Ordering::SeqCst);
     Guard { id }
 }
 
@@ -215,8 +227,12 @@ pub fn install_signal_handler() {
         };
         std::thread::spawn(move || {
             if let Some(sig) = signals.forever().next() {
-                INTERRUPTED.store(true, Ordering::Relaxed);
+                INTERRUPTED.store(true, Ordering::SeqCst);
                 eprintln!("\nbackplane: interrupted (signal {sig}); cleaning up");
+                run_all();
+                // The measuring thread may be starting a process right now (its registration
+                // then removes it at once, see `register`): a moment for it, and for that.
+                std::thread::sleep(std::time::Duration::from_millis(100));
                 run_all();
                 std::process::exit(130);
             }
@@ -258,6 +274,23 @@ mod tests {
         drop(g); // already run: nothing more
         assert_eq!(n.load(Ordering::SeqCst), 11);
         assert!(!pending().contains(&"test c".to_string()));
+    }
+
+    #[test]
+    fn once_interrupted_a_registration_removes_its_resource_at_once() {
+        let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let n = Arc::new(AtomicU32::new(0));
+        let c = n.clone();
+        // (Only the progress display reads the flag: other tests may see it for a moment.)
+        INTERRUPTED.store(true, Ordering::SeqCst);
+        let g = register("test late", move || {
+            c.fetch_add(1, Ordering::SeqCst);
+        });
+        INTERRUPTED.store(false, Ordering::SeqCst);
+        assert_eq!(n.load(Ordering::SeqCst), 1, "removed when registered");
+        assert!(!pending().contains(&"test late".to_string()));
+        drop(g);
+        assert_eq!(n.load(Ordering::SeqCst), 1, "and only then");
     }
 
     #[test]
