@@ -623,7 +623,7 @@ fn start_fabric(
 ) -> anyhow::Result<(String, Fabric)> {
     let fname = format!("bench-{}", std::process::id());
     guards.push(teardown::fabric(&fname));
-    launch::start(&launch::Options {
+    let options = launch::Options {
         name: fname.clone(),
         nodes: 2,
         window_size: 64 << 20,
@@ -637,8 +637,9 @@ fn start_fabric(
             .map(|m| (m, backplane::model::Forwarding::CutThrough)),
         topology: None,
         hosts: None,
-    })
-    .context("cannot start a temporary fabric")?;
+    };
+    teardown::starting(&fname, || launch::start(&options))
+        .context("cannot start a temporary fabric")?;
     let f = Fabric::attach(&fname)?;
     Ok((fname, f))
 }

@@ -64,11 +64,28 @@ fn take_counted(id: u64) -> Option<(String, Action)> {
     got
 }
 
-/// Registers `f` to remove a resource described by `what`. Once a signal is ending the run,
-/// `f` runs at once instead: the measuring thread goes on until the process exits, and what it
-/// starts after the clean-up ran (the next round's `ucx_perftest` server, seen left behind by
-/// one Ctrl-C in six between hosts) must not outlive it.
+/// Registers `f` to remove a resource described by `what`.
+///
+/// Once a signal is ending the run, the measuring thread goes on until the process exits, and
+/// what it started after the clean-up ran outlived the run (the next round's `ucx_perftest`
+/// server: one interrupted `perf --peer-via` in four; the next path's temporary fabric of
+/// `bench`). So a registration then removes its resource at once (a process started just
+/// before it) and the thread waits there for the exit: it starts nothing more (a fabric is
+/// registered before it is started).
 pub fn register(what: impl Into<String>, f: impl FnOnce() + Send + 'static) -> Guard {
+    match register_unless_ending(what, f) {
+        Some(g) => g,
+        None => loop {
+            std::thread::park();
+        },
+    }
+}
+
+/// [`register`], or `None` once a signal is ending the run, `f` run at once.
+fn register_unless_ending(
+    what: impl Into<String>,
+    f: impl FnOnce() + Send + 'static,
+) -> Option<Guard> {
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
     {
         let mut a = ACTIONS.lock().unwrap_or_else(|e| e.into_inner());
@@ -77,13 +94,13 @@ pub fn register(what: impl Into<String>, f: impl FnOnce() + Send + 'static) -> G
         // clean-up waits for it.)
         if !INTERRUPTED.load(Ordering::SeqCst) {
             a.insert(id, (what.into(), Box::new(f)));
-            return Guard { id };
+            return Some(Guard { id });
         }
         RUNNING.fetch_add(1, Ordering::SeqCst);
     }
     f();
     RUNNING.fetch_sub(1, Ordering::SeqCst);
-    Guard { id }
+    None
 }
 
 /// Runs every registered action, newest first, then waits (up to 30 s) for actions other
@@ -205,12 +222,50 @@ pub fn output_unless_server_gone(
 }
 
 /// Registers the temporary fabric `name` to be stopped (supervisor, agents, namespaces,
-/// shared memory). Register it before starting the fabric, so no moment is uncovered.
+/// shared memory). Register it before starting the fabric, so no moment is uncovered, and
+/// start it inside [`starting`]: a stop that comes while the start is under way waits for it
+/// (stopped before its supervisor ran, the start went on and the fabric outlived the run —
+/// `bench` interrupted in its first seconds left one in two tries of three).
 pub fn fabric(name: &str) -> Guard {
     let n = name.to_string();
     register(format!("fabric {name}"), move || {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while is_starting(&n) && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         let _ = backplane::fabric::launch::stop(&n);
     })
+}
+
+/// Fabrics this process is starting right now (see [`starting`]).
+static STARTING: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+fn is_starting(name: &str) -> bool {
+    STARTING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .any(|n| n == name)
+}
+
+/// Runs `start`, the start of the fabric `name` registered with [`fabric`]: a stop of it meanwhile
+/// (a signal's clean-up) waits until `start` returned.
+pub fn starting<R>(name: &str, start: impl FnOnce() -> R) -> R {
+    struct Mark(String);
+    impl Drop for Mark {
+        fn drop(&mut self) {
+            let mut s = STARTING.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(i) = s.iter().position(|n| *n == self.0) {
+                s.swap_remove(i);
+            }
+        }
+    }
+    STARTING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(name.to_owned());
+    let _mark = Mark(name.to_owned());
+    start()
 }
 
 /// Installs the SIGINT/SIGTERM/SIGHUP watcher (once per process). SIGPIPE is caught too, so
@@ -277,20 +332,44 @@ mod tests {
     }
 
     #[test]
-    fn once_interrupted_a_registration_removes_its_resource_at_once() {
+    fn once_interrupted_a_registration_removes_its_resource_at_once_and_gives_no_guard() {
         let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let n = Arc::new(AtomicU32::new(0));
         let c = n.clone();
         // (Only the progress display reads the flag: other tests may see it for a moment.)
         INTERRUPTED.store(true, Ordering::SeqCst);
-        let g = register("test late", move || {
+        let g = register_unless_ending("test late", move || {
             c.fetch_add(1, Ordering::SeqCst);
         });
         INTERRUPTED.store(false, Ordering::SeqCst);
+        assert!(g.is_none(), "no guard: the caller waits for the exit");
         assert_eq!(n.load(Ordering::SeqCst), 1, "removed when registered");
         assert!(!pending().contains(&"test late".to_string()));
+    }
+
+    #[test]
+    fn a_fabrics_stop_waits_for_its_start_under_way() {
+        let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let name = "bp-teardown-test-start";
+        let g = fabric(name);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            starting(name, || {
+                tx.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(300));
+            })
+        });
+        rx.recv().unwrap();
+        // (No such fabric runs: the stop itself finds nothing; what is timed is the wait.)
+        let t0 = std::time::Instant::now();
         drop(g);
-        assert_eq!(n.load(Ordering::SeqCst), 1, "and only then");
+        assert!(
+            t0.elapsed() >= std::time::Duration::from_millis(200),
+            "stopped after {:?}, while its start was under way",
+            t0.elapsed()
+        );
+        t.join().unwrap();
+        assert!(!is_starting(name));
     }
 
     #[test]

@@ -517,7 +517,7 @@ fn measure_backplane(
                 backplane_bench::pinning::restore(before);
                 client
             });
-            let up = super::up::start(&n, 2, 64 << 20, 0);
+            let up = teardown::starting(&n, || super::up::start(&n, 2, 64 << 20, 0));
             if let Some(client) = pinned_to {
                 backplane_bench::pinning::pin_this_thread(client)?;
             }

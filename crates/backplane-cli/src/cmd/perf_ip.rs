@@ -288,7 +288,7 @@ pub fn run(secs: u64, json: bool, rounds: u32, accel: bool) -> anyhow::Result<()
     // Everything started here is registered with the bench's teardown: an error, a return or
     // Ctrl-C/SIGTERM removes it (servers, namespaces, the fabric), newest first.
     let mut guards = vec![teardown::fabric(&name)];
-    launch::start(&Options {
+    let options = Options {
         name: name.clone(),
         nodes: 2,
         window_size: 64 << 20,
@@ -298,7 +298,8 @@ pub fn run(secs: u64, json: bool, rounds: u32, accel: bool) -> anyhow::Result<()
         link: None,
         topology: None,
         hosts: None,
-    })?;
+    };
+    teardown::starting(&name, || launch::start(&options))?;
     let fabric = Fabric::attach(&name)?;
     let agents = [fabric.node_info(1)?.pid, fabric.node_info(2)?.pid];
     drop(fabric);

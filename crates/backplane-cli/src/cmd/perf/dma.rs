@@ -132,7 +132,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
         None => {
             let n = format!("perf-{}", std::process::id());
             cleanup = Some(backplane_bench::teardown::fabric(&n));
-            super::super::up::start(&n, 2, 8 << 20, 0)?;
+            backplane_bench::teardown::starting(&n, || super::super::up::start(&n, 2, 8 << 20, 0))?;
             n
         }
     };
