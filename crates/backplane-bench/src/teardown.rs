@@ -73,7 +73,7 @@ fn take_counted(id: u64) -> Option<(String, Action)> {
 /// before it) and the thread waits there for the exit: it starts nothing more (a fabric is
 /// registered before it is started).
 pub fn register(what: impl Into<String>, f: impl FnOnce() + Send + 'static) -> Guard {
-    match register_unless_ending(what, f) {
+    match register_unless(&INTERRUPTED, what, f) {
         Some(g) => g,
         None => loop {
             std::thread::park();
@@ -81,8 +81,10 @@ pub fn register(what: impl Into<String>, f: impl FnOnce() + Send + 'static) -> G
     }
 }
 
-/// [`register`], or `None` once a signal is ending the run, `f` run at once.
-fn register_unless_ending(
+/// [`register`], or `None` once `ending` (a signal is ending the run: [`INTERRUPTED`]), `f`
+/// run at once.
+fn register_unless(
+    ending: &AtomicBool,
     what: impl Into<String>,
     f: impl FnOnce() + Send + 'static,
 ) -> Option<Guard> {
@@ -92,7 +94,7 @@ fn register_unless_ending(
         // (Read under the lock the clean-up empties the map with: a registration it did not
         // see sees the flag, and counts as running before the lock is let go, so the
         // clean-up waits for it.)
-        if !INTERRUPTED.load(Ordering::SeqCst) {
+        if !ending.load(Ordering::SeqCst) {
             a.insert(id, (what.into(), Box::new(f)));
             return Some(Guard { id });
         }
@@ -336,12 +338,10 @@ mod tests {
         let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let n = Arc::new(AtomicU32::new(0));
         let c = n.clone();
-        // (Only the progress display reads the flag: other tests may see it for a moment.)
-        INTERRUPTED.store(true, Ordering::SeqCst);
-        let g = register_unless_ending("test late", move || {
+        let ending = AtomicBool::new(true);
+        let g = register_unless(&ending, "test late", move || {
             c.fetch_add(1, Ordering::SeqCst);
         });
-        INTERRUPTED.store(false, Ordering::SeqCst);
         assert!(g.is_none(), "no guard: the caller waits for the exit");
         assert_eq!(n.load(Ordering::SeqCst), 1, "removed when registered");
         assert!(!pending().contains(&"test late".to_string()));
