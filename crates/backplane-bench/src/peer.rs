@@ -758,11 +758,20 @@ impl Drop for PeerProc {
 
 /// Client side of the handshake with a fabric peer: say hello until the peer is bound.
 pub fn fabric_hello(ep: &mut backplane::dgram::Endpoint, peer: Addr) -> anyhow::Result<()> {
+    fabric_hello_while(ep, peer, || true)
+}
+
+/// [`fabric_hello`], giving up as soon as `alive` says the peer's process is gone.
+pub fn fabric_hello_while(
+    ep: &mut backplane::dgram::Endpoint,
+    peer: Addr,
+    mut alive: impl FnMut() -> bool,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + HANDSHAKE;
     loop {
         match ep.send(peer, b"hello", Wait::Forever) {
             Ok(()) => break,
-            Err(DgramError::Unreachable(_)) if Instant::now() < deadline => {
+            Err(DgramError::Unreachable(_)) if Instant::now() < deadline && alive() => {
                 std::thread::sleep(Duration::from_millis(2))
             }
             Err(e) => return Err(e).context("the bench peer did not come up"),

@@ -146,3 +146,32 @@ fn perf_cpus_pins_the_two_sides_and_refuses_bad_cpus_in_one_line() {
         assert!(e.contains(want) && e.lines().count() == 1, "{args:?}: {e}");
     }
 }
+
+/// A far side that could not start (a `--peer-via` command that fails) is named as such, in one
+/// line, not as a peer that never answered; nothing of the run is left.
+#[test]
+fn perf_names_a_peer_via_command_that_failed_in_one_line() {
+    let fab = Fab::up("peervia", 2, &[]);
+    let out = bp(&[
+        "perf",
+        "dgram-lat",
+        "--name",
+        &fab.name,
+        "-n",
+        "100",
+        "-r",
+        "1",
+        "--ucx",
+        "off",
+        "--peer-via",
+        "false",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let e = stderr(&out);
+    assert!(
+        e.contains("the perf peer on node 2 exited (exit status: 1) before it came up")
+            && e.contains("`false`")
+            && e.lines().count() == 1,
+        "{e}"
+    );
+}

@@ -535,6 +535,7 @@ fn measure_backplane(
         .map(|v| v.split_whitespace().map(str::to_owned).collect());
     super::require_local(&fabric, if via.is_some() { &[1] } else { &[1, 2] })?;
     let (mut peer, peer_guard) = spawn_peer(&name, a.test, a.loop_, via.as_deref())?;
+    let mut peer_guard = Some(peer_guard);
     let announce_run = || {
         if !a.json && first {
             eprintln!(
@@ -544,6 +545,9 @@ fn measure_backplane(
                 sizes[sizes.len() - 1]
             );
         }
+    };
+    let mut peer_gone = |peer: &mut std::process::Child, e| {
+        peer_exited(peer, peer_guard.take().expect("once"), via.as_deref(), e)
     };
     let mut rows = Vec::new();
     if a.test.is_verbs() {
@@ -556,11 +560,17 @@ fn measure_backplane(
             sizes,
             &iters,
             announce_run,
-        )?;
+        )
+        .map_err(|e| peer_gone(&mut peer, e))?;
     } else {
         let mut ep = fabric.node(1)?.bind(0)?;
-        let peer = Addr::new(2, PEER_PORT);
-        backplane_bench::peer::fabric_hello(&mut ep, peer).context("perf peer")?;
+        let peer_at = Addr::new(2, PEER_PORT);
+        backplane_bench::peer::fabric_hello_while(&mut ep, peer_at, || {
+            matches!(peer.try_wait(), Ok(None))
+        })
+        .context("perf peer")
+        .map_err(|e| peer_gone(&mut peer, e))?;
+        let peer = peer_at;
         announce_run();
         for &size in sizes {
             let iters = iters_for(a, size);
@@ -574,7 +584,9 @@ fn measure_backplane(
         announce(&mut ep, peer, 0, 0)?;
     }
     let _ = peer.wait();
-    peer_guard.disarm(); // reaped
+    if let Some(g) = peer_guard {
+        g.disarm(); // reaped
+    }
     let pt = perftest.and_then(|note| {
         let mut out = Vec::new();
         for &size in sizes {
@@ -677,10 +689,48 @@ fn spawn_peer(
         // The pipe stays open while this process lives (`Child::wait` closes it): the peer
         // takes its end-of-file as this process gone, however it went (see `run_peer`).
         let stdin = peer.stdin.as_mut().expect("piped");
-        stdin.write_all(&line).context("the perf peer is gone")?;
-        stdin.flush().context("the perf peer is gone")?;
+        let sent = stdin.write_all(&line).and_then(|()| stdin.flush());
+        if let Err(e) = sent {
+            // (It is gone or going: a moment for its status.)
+            for _ in 0..100 {
+                if !matches!(peer.try_wait(), Ok(None)) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let e = anyhow::Error::new(e).context("the perf peer is gone");
+            return Err(peer_exited(&mut peer, guard, via, e));
+        }
     }
     Ok((peer, guard))
+}
+
+/// `e`, or — when the far side `peer` already exited with a failure (a `--peer-via` command
+/// that failed, `via`) — that, named as such rather than as a peer that never answered.
+/// `guard` (the peer's) is let go of: disarmed if the peer was reaped (its pid may be reused),
+/// else dropped (the peer killed).
+fn peer_exited(
+    peer: &mut std::process::Child,
+    guard: teardown::Guard,
+    via: Option<&[String]>,
+    e: anyhow::Error,
+) -> anyhow::Error {
+    let status = peer.try_wait();
+    if matches!(status, Ok(Some(_))) {
+        guard.disarm();
+    } else {
+        drop(guard);
+    }
+    match status {
+        Ok(Some(st)) if !st.success() => anyhow::anyhow!(
+            "the perf peer on node 2 exited ({st}) before it came up{}",
+            via.map_or(String::new(), |v| format!(
+                " (started through `{}`)",
+                v.join(" ")
+            ))
+        ),
+        _ => e,
+    }
 }
 
 /// `dgram-bw` node 1 → node 2 on the running fabric `name`: `iters` messages of `size` bytes;
