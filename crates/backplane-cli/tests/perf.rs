@@ -148,7 +148,7 @@ fn perf_cpus_pins_the_two_sides_and_refuses_bad_cpus_in_one_line() {
 }
 
 /// A far side that could not start (a `--peer-via` command that fails) is named as such, in one
-/// line, not as a peer that never answered; nothing of the run is left.
+/// line and at once, not as a peer that never answered.
 #[test]
 fn perf_names_a_peer_via_command_that_failed_in_one_line() {
     let fab = Fab::up("peervia", 2, &[]);
