@@ -525,9 +525,13 @@ pub(crate) fn sleep_on_pairs(efd: std::os::fd::BorrowedFd<'_>, timeout: Duration
         tv_nsec: i64::from(timeout.subsec_nanos()),
     };
     let _ = rustix::event::poll(&mut polled, Some(&ts));
+    // (Each pair's two fds in order, the channel's last.)
+    let rang: Vec<bool> = polled.iter().map(|p| !p.revents().is_empty()).collect();
     drop(polled);
-    for [_, took] in &fds {
-        crate::dgram::drain_took(took);
+    for (i, [_, took]) in fds.iter().enumerate() {
+        if rang[2 * i + 1] {
+            crate::dgram::drain_took(took);
+        }
     }
     // Take what came now, before anyone else looks.
     for s in &pairs {
@@ -738,9 +742,12 @@ fn watch(s: &Shared) {
                     .map(|fd| rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN))
                     .collect();
                 let _ = rustix::event::poll(&mut fds, Some(&ts));
+                let rang: Vec<bool> = fds.iter().map(|p| !p.revents().is_empty()).collect();
                 drop(fds);
-                crate::dgram::drain_took(&took);
-                if let Some(bell) = &s.rest_bell {
+                if rang[1] {
+                    crate::dgram::drain_took(&took);
+                }
+                if let (Some(bell), Some(true)) = (&s.rest_bell, rang.get(2)) {
                     let mut b = [0u8; 8];
                     let _ = rustix::io::read(bell, &mut b);
                 }
