@@ -1245,7 +1245,7 @@ impl Endpoint {
     /// eventfd for arrivals another thread's look took off the wire (the waker's, a sender's;
     /// empty it with [`drain_took`] once awake). `None` when a datagram may already be there,
     /// or the endpoint has no worker of its own.
-    pub(crate) fn arm_fd(&mut self) -> Option<[std::os::fd::OwnedFd; 2]> {
+    pub(crate) fn arm_fd(&mut self) -> Option<(std::os::fd::OwnedFd, Arc<std::os::fd::OwnedFd>)> {
         if self.rx.iter().any(|r| !r.ch.is_drained()) {
             return None;
         }

@@ -564,24 +564,23 @@ fn measure_backplane(
         .map_err(|e| peer_gone(&mut peer, e))?;
     } else {
         let mut ep = fabric.node(1)?.bind(0)?;
-        let peer_at = Addr::new(2, PEER_PORT);
-        backplane_bench::peer::fabric_hello_while(&mut ep, peer_at, || {
+        let to = Addr::new(2, PEER_PORT);
+        backplane_bench::peer::fabric_hello_while(&mut ep, to, || {
             matches!(peer.try_wait(), Ok(None))
         })
         .context("perf peer")
         .map_err(|e| peer_gone(&mut peer, e))?;
-        let peer = peer_at;
         announce_run();
         for &size in sizes {
             let iters = iters_for(a, size);
             let row = match a.test {
-                Test::DgramLat => lat_client(&mut ep, peer, size, iters)?,
-                _ => bw_client(&mut ep, peer, size, iters)?,
+                Test::DgramLat => lat_client(&mut ep, to, size, iters)?,
+                _ => bw_client(&mut ep, to, size, iters)?,
             };
             rows.push(row);
         }
         // Stop the peer before UCX runs so the two never compete for the CPUs.
-        announce(&mut ep, peer, 0, 0)?;
+        announce(&mut ep, to, 0, 0)?;
     }
     let _ = peer.wait();
     if let Some(g) = peer_guard {

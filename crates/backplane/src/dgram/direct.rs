@@ -1668,16 +1668,16 @@ impl Direct {
     /// what came, which the worker's then does not say (the sleeper empties it with
     /// [`drain_took`] before it looks again); `None` when a datagram waits or UCX has more to
     /// do first.
-    pub(super) fn arm_fd(&mut self) -> Option<[OwnedFd; 2]> {
-        let took = self.shared().took.try_clone().ok()?;
+    pub(super) fn arm_fd(&mut self) -> Option<(OwnedFd, Arc<OwnedFd>)> {
         let mut w = self.lock();
         w.progress();
         if w.has_queued() || !w.arm() {
             return None;
         }
         let fd = w.link.fd().try_clone_to_owned().ok()?;
-        w.sleeper = Some(self.shared().took.clone());
-        Some([fd, took])
+        let took = self.shared().took.clone();
+        w.sleeper = Some(took.clone());
+        Some((fd, took))
     }
 }
 
@@ -2549,7 +2549,7 @@ mod tests {
             rustix::event::poll(&mut p, Some(&rustix::time::Timespec::default())).unwrap() == 1
         };
         // A thread about to sleep on the worker (a QP pair's): nothing there yet.
-        let [_worker, took] = d.arm_fd().expect("nothing waits: armed");
+        let (_worker, took) = d.arm_fd().expect("nothing waits: armed");
         assert!(!readable(&took));
         // A datagram comes, and the waker (draining: UCX held sends) takes it off the wire:
         // the worker's fd may say nothing of it, the waker's says it.
@@ -2573,7 +2573,7 @@ mod tests {
         // Asleep again; this time another thread of the process looks (a sender's progress
         // while it waits for room in UCX's window) and queues what came: told as well.
         // (UCX may have events left from the look before: the sleeper looks again.)
-        let [_worker, took] = loop {
+        let (_worker, took) = loop {
             assert!(Instant::now() < deadline, "never armed");
             if let Some(fds) = d.arm_fd() {
                 break fds;

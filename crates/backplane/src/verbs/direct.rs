@@ -513,7 +513,7 @@ pub(crate) fn sleep_on_pairs(efd: std::os::fd::BorrowedFd<'_>, timeout: Duration
     }
     let mut polled: Vec<rustix::event::PollFd<'_>> = fds
         .iter()
-        .flatten()
+        .flat_map(|(fd, took)| [fd, &**took])
         .map(|fd| rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN))
         .collect();
     polled.push(rustix::event::PollFd::from_borrowed_fd(
@@ -528,7 +528,7 @@ pub(crate) fn sleep_on_pairs(efd: std::os::fd::BorrowedFd<'_>, timeout: Duration
     // (Each pair's two fds in order, the channel's last.)
     let rang: Vec<bool> = polled.iter().map(|p| !p.revents().is_empty()).collect();
     drop(polled);
-    for (i, [_, took]) in fds.iter().enumerate() {
+    for (i, (_, took)) in fds.iter().enumerate() {
         if rang[2 * i + 1] {
             crate::dgram::drain_took(took);
         }
@@ -726,7 +726,7 @@ fn watch(s: &Shared) {
         let stuck = !lingering && g.m.pending();
         drop(g);
         match fd {
-            Some([fd, took]) if !stuck && !s.stop.load(Ordering::Acquire) => {
+            Some((fd, took)) if !stuck && !s.stop.load(Ordering::Acquire) => {
                 let nap = if lingering {
                     Duration::from_nanos(WORDS_LINGER_NS)
                 } else {
@@ -736,7 +736,7 @@ fn watch(s: &Shared) {
                     tv_sec: nap.as_secs() as i64,
                     tv_nsec: i64::from(nap.subsec_nanos()),
                 };
-                let mut fds: Vec<_> = [Some(&fd), Some(&took), s.rest_bell.as_ref()]
+                let mut fds: Vec<_> = [Some(&fd), Some(&*took), s.rest_bell.as_ref()]
                     .into_iter()
                     .flatten()
                     .map(|fd| rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN))
